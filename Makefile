@@ -1,0 +1,47 @@
+# Two entry points for a fresh clone:
+#   make demo   set up .venv and run the main job on the embedded default
+#   make test   set up .venv (with the vLLM peer) and run every test tier that this machine can run
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU build on machines without a GPU; override with TORCH_SPEC= to keep your own CUDA torch.
+TORCH_SPEC ?= torch==2.13.0
+VLLM_SPEC ?= vllm==0.33.0
+PIP := $(PY) -m pip --disable-pip-version-check -q
+DEMO_DIR ?= out/demo
+
+.PHONY: venv peer demo test lint docs bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+# The peer tier tests against the real vLLM package; its metadata pins a CUDA torch,
+# so it goes in without dependencies, beside the pure-Python packages it imports.
+$(VENV)/.peer: $(VENV)/.installed requirements-peer.txt
+	$(PIP) install -r requirements-peer.txt
+	$(PIP) install --no-deps "$(VLLM_SPEC)"
+	touch $@
+
+peer: $(VENV)/.peer
+
+demo: $(VENV)/.installed
+	$(PY) -m mgtrace.demo_main $(DEMO_DIR)
+
+test: $(VENV)/.peer
+	$(PY) -m ruff check mgtrace tests benchmarks
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check mgtrace tests benchmarks
+	$(PY) -m ruff format --check mgtrace tests benchmarks
+
+docs: $(VENV)/.installed
+	$(PY) -m mgtrace.schemas.docgen docs/trace-format.md
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from mgtrace.cli import main
+
+sys.exit(main())

@@ -1,0 +1,163 @@
+"""The mgtrace command line: one thin function per verb; the work happens in the packages.
+
+``main`` is the only place where errors become messages: an MgtraceError prints one
+sentence and returns its exit code; no traceback reaches the user for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from mgtrace import __version__
+from mgtrace.errors import MgtraceError
+
+EXIT_INTERNAL = 70  # sysexits EX_SOFTWARE: a bug in mgtrace, not in the input
+
+TRACE = click.Path(path_type=Path)
+SKIP_BAD_PARTS = click.option(
+    "--skip-bad-parts", is_flag=True, help="Read the valid parts and say which were skipped."
+)
+
+
+def _stdout() -> Console:
+    # Piped output gets room for wide tables instead of rich's 80-column default.
+    return Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+
+
+def _stderr() -> Console:
+    return Console(stderr=True)
+
+
+def _open(trace: Path, skip_bad_parts: bool):
+    from mgtrace.schemas.reader import TraceReader
+
+    reader = TraceReader(trace, skip_bad_parts=skip_bad_parts)
+    for s in reader.skipped:
+        _stderr().print(f"mgtrace: skipped part {s.path}: {s.reason}", style="yellow")
+    return reader
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mgtrace")
+def cli() -> None:
+    """Record vLLM hybrid-model align bookkeeping, replay it offline, find the first corrupt step.
+
+    Exit codes: 0 clean, 1 corruption found, 2 usage error, 3 unreadable trace,
+    125 inconclusive.
+    """
+
+
+@cli.command()
+@click.argument("trace", type=TRACE)
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@SKIP_BAD_PARTS
+def info(trace: Path, as_json: bool, skip_bad_parts: bool) -> None:
+    """Run metadata, steps, requests, ranks, size, completeness and drops of TRACE."""
+    from mgtrace.query.info import trace_info
+    from mgtrace.render import render_info
+
+    data = trace_info(_open(trace, skip_bad_parts))
+    if as_json:
+        click.echo(json.dumps(data, indent=1, default=str))
+    else:
+        render_info(data, _stdout())
+
+
+@cli.command()
+@click.argument("trace", type=TRACE)
+@click.argument("query", required=False)
+@click.option("--list", "list_views", is_flag=True, help="List the views and their columns.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "csv", "json", "parquet"]),
+    default="table",
+    show_default=True,
+)
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the result here.")
+@click.option(
+    "--max-rows",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="Rows shown by --format table.",
+)
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@SKIP_BAD_PARTS
+def sql(
+    trace: Path,
+    query: str | None,
+    list_views: bool,
+    fmt: str,
+    output: Path | None,
+    max_rows: int,
+    force: bool,
+    skip_bad_parts: bool,
+) -> None:
+    """Run a DuckDB QUERY over the views of TRACE (steps, batch_rows, launches, ...)."""
+    from mgtrace.errors import UsageError
+    from mgtrace.query.export import check_output_path, export_table
+    from mgtrace.query.views import list_views as views_of
+    from mgtrace.query.views import run_query
+    from mgtrace.render import render_arrow, render_views
+
+    if not list_views and not query:
+        raise UsageError('give a QUERY, e.g. "SELECT * FROM steps LIMIT 5", or --list')
+    if fmt == "table" and output is not None:
+        raise UsageError(
+            "--format table prints to the terminal; choose csv, json or parquet for -o"
+        )
+    if output is not None:
+        check_output_path(output, force=force)
+    con = _open(trace, skip_bad_parts).connect()
+    if list_views:
+        render_views(views_of(con), _stdout())
+        return
+    rel = run_query(con, query)
+    if fmt == "table":
+        shown = rel.limit(max_rows + 1).to_arrow_table()
+        more = shown.num_rows > max_rows
+        render_arrow(shown.slice(0, max_rows), _stdout(), more=more)
+        return
+    export_table(rel.to_arrow_table(), fmt, output)
+    if output is not None:
+        _stderr().print(f"wrote {output}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: run the CLI, turn every MgtraceError into one sentence."""
+    try:
+        rv = cli.main(args=argv, prog_name="mgtrace", standalone_mode=False)
+    except MgtraceError as exc:
+        click.echo(f"mgtrace: error: {exc.message}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("mgtrace: interrupted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("mgtrace: interrupted", err=True)
+        return 130
+    except BrokenPipeError:
+        # The reader of our stdout went away (e.g. `| head`): not an error of ours.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except Exception as exc:
+        if os.environ.get("MGTRACE_DEBUG"):
+            raise
+        click.echo(
+            f"mgtrace: internal error: {exc.__class__.__name__}: {exc} "
+            "(set MGTRACE_DEBUG=1 to see the traceback, and please report it)",
+            err=True,
+        )
+        return EXIT_INTERNAL
+    return rv if isinstance(rv, int) else 0

@@ -1,0 +1,80 @@
+"""Writing query results as CSV, JSON or Parquet: whole files or nothing."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from mgtrace.errors import OutputError
+
+FORMATS = ("table", "csv", "json", "parquet")
+
+
+def _json_default(value: Any) -> Any:
+    return str(value)
+
+
+def _write_csv(table: pa.Table, fh: IO[bytes]) -> None:
+    pacsv.write_csv(table, fh)
+
+
+def _write_json(table: pa.Table, fh: IO[bytes]) -> None:
+    text = json.dumps(table.to_pylist(), default=_json_default, indent=1)
+    fh.write(text.encode() + b"\n")
+
+
+def _write_parquet(table: pa.Table, fh: IO[bytes]) -> None:
+    pq.write_table(table, fh, compression="zstd")
+
+
+_WRITERS: dict[str, Callable[[pa.Table, IO[bytes]], None]] = {
+    "csv": _write_csv,
+    "json": _write_json,
+    "parquet": _write_parquet,
+}
+
+
+def check_output_path(path: Path, *, force: bool) -> None:
+    """Refuse before any work is done, so a bad -o never costs a long query."""
+    if path.exists() and not force:
+        raise OutputError(f"{path} already exists; pass --force to overwrite it")
+    if path.exists() and path.is_dir():
+        raise OutputError(f"{path} is a directory; give a file name")
+    if not path.parent.exists():
+        raise OutputError(f"the directory {path.parent} does not exist")
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write through a temporary file in the target directory and rename it into place."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def export_table(table: pa.Table, fmt: str, output: Path | None) -> None:
+    """Write ``table`` in ``fmt`` to ``output`` (atomically) or to stdout."""
+    writer = _WRITERS[fmt]
+    if output is None:
+        if fmt == "parquet":
+            raise OutputError("--format parquet needs -o FILE")
+        buf = io.BytesIO()
+        writer(table, buf)
+        sys.stdout.buffer.write(buf.getvalue())
+        sys.stdout.flush()
+        return
+    write_atomic(output, lambda fh: writer(table, fh))

@@ -1,0 +1,60 @@
+"""DuckDB over a trace: one view per table, lazily reading the validated Parquet parts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import duckdb
+
+from mgtrace.errors import UsageError
+from mgtrace.schemas.tables import TABLES
+
+if TYPE_CHECKING:
+    from mgtrace.schemas.reader import TraceReader
+
+
+def _sql_str(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def connect(
+    reader: TraceReader, *, connection: duckdb.DuckDBPyConnection | None = None
+) -> duckdb.DuckDBPyConnection:
+    """Create (or extend) a DuckDB connection with a view per trace table.
+
+    Tables with parts read them through ``read_parquet`` so DuckDB prunes columns and row
+    groups; tables without parts become empty views with the right columns.
+    """
+    con = connection if connection is not None else duckdb.connect()
+    for name, spec in TABLES.items():
+        files = reader.part_files(name)
+        if files:
+            file_list = "[" + ", ".join(_sql_str(str(f)) for f in files) + "]"
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM read_parquet({file_list})")
+        else:
+            con.register(f"__empty_{name}", spec.schema.empty_table())
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM __empty_{name}")
+    return con
+
+
+def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRelation:
+    """Run user SQL; a DuckDB error becomes one sentence and a usage exit code."""
+    try:
+        rel = con.sql(query)
+    except duckdb.Error as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise UsageError(f"the query failed: {first}") from None
+    if rel is None:
+        raise UsageError("the query returned no result set; mgtrace sql runs SELECT-like queries")
+    return rel
+
+
+def list_views(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, str, str]]:
+    """(view, column, type, doc) for every trace view, in schema order."""
+    out = []
+    for name, spec in TABLES.items():
+        types = {row[0]: row[1] for row in con.execute(f"DESCRIBE {name}").fetchall()}
+        for field in spec.schema:
+            doc = (field.metadata or {}).get(b"doc", b"").decode()
+            out.append((name, field.name, str(types.get(field.name, field.type)), doc))
+    return out

@@ -1,0 +1,105 @@
+"""Terminal rendering with rich: takes plain data, never touches click or the trace."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+from rich.console import Console
+from rich.table import Table
+
+_RUN_FIELDS = (
+    ("runner", "runner"),
+    ("vllm_version", "vLLM"),
+    ("model", "model"),
+    ("num_speculative_tokens", "k (spec tokens)"),
+    ("mamba_block_size", "mamba block size"),
+    ("mamba_cache_mode", "mamba cache mode"),
+    ("async_scheduling", "async scheduling"),
+    ("tp_size", "TP"),
+    ("pp_size", "PP"),
+    ("runner_reorder_threshold", "runner reorder threshold"),
+    ("row_rule", "kernel row rule"),
+)
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def render_info(info: dict[str, Any], console: Console) -> None:
+    t = Table(title=f"trace {info['path']}", show_header=False, title_justify="left")
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    status = (
+        "[green]complete[/]" if info["complete"] else "[red]incomplete[/] (writer did not close)"
+    )
+    t.add_row("status", status)
+    t.add_row("source", str(info["source"].get("kind", "unknown")))
+    run = info["run"]
+    for key, label in _RUN_FIELDS:
+        if run.get(key) is not None:
+            t.add_row(label, str(run[key]))
+    if run.get("builder_reorder_thresholds"):
+        t.add_row("builder thresholds", str(run["builder_reorder_thresholds"]))
+    if run.get("states"):
+        t.add_row("state tensors", str(len(run["states"])))
+    span = "" if info["first_step"] is None else f" ({info['first_step']}..{info['last_step']})"
+    t.add_row("steps", f"{info['steps']}{span}")
+    t.add_row("requests", str(info["requests"]))
+    t.add_row("ranks", str(info["ranks"]))
+    t.add_row("size on disk", f"{human_bytes(info['bytes_on_disk'])} in {info['parts']} parts")
+    drops = info["drops"]
+    dropped = drops["steps"] + drops["malformed_steps"]
+    t.add_row(
+        "drops",
+        "none"
+        if not dropped
+        else f"[red]{drops['steps']} steps (queue full), {drops['malformed_steps']} malformed[/]",
+    )
+    for kind, entry in info["errors"].items():
+        t.add_row(f"errors: {kind}", f"{entry['count']} (first: {entry['first']})")
+    if info["ground_truth"]:
+        t.add_row("injected bugs", ", ".join(info["ground_truth"]) or "none")
+    if info["replays"]:
+        t.add_row("replays with findings", str(info["replays"]))
+    for s in info["skipped_parts"]:
+        t.add_row("[yellow]skipped part[/]", f"{s['path']}: {s['reason']}")
+    for p in info["open_parts_left"]:
+        t.add_row("[yellow]open part left[/]", p)
+    console.print(t)
+    rows = Table(title="rows per table", title_justify="left")
+    rows.add_column("table")
+    rows.add_column("rows", justify="right")
+    for name, n in info["rows"].items():
+        rows.add_row(name, f"{n:,}")
+    console.print(rows)
+
+
+def render_arrow(table: pa.Table, console: Console, *, more: bool) -> None:
+    t = Table(show_lines=False)
+    for name in table.column_names:
+        t.add_column(name, overflow="fold")
+    for row in table.to_pylist():
+        t.add_row(*("NULL" if v is None else str(v) for v in row.values()))
+    console.print(t)
+    note = f"{table.num_rows} row{'s' if table.num_rows != 1 else ''}"
+    if more:
+        note += " shown; more not shown (raise --max-rows, or use --format csv)"
+    console.print(note, style="dim")
+
+
+def render_views(views: list[tuple[str, str, str, str]], console: Console) -> None:
+    t = Table(title="trace views", title_justify="left")
+    for name in ("view", "column", "type", "meaning"):
+        t.add_column(name, overflow="fold")
+    last = None
+    for view, column, type_, doc in views:
+        t.add_row(view if view != last else "", column, type_, doc)
+        last = view
+    console.print(t)

@@ -1,0 +1,180 @@
+"""The trace manifest: run metadata, parts with checksums, drop counters, completeness.
+
+``manifest.json`` is the only file a reader trusts to know which parts exist: parts are
+written under a temporary name and renamed, and the manifest is rewritten atomically after
+each part, so a crashed writer leaves a manifest that lists only whole parts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from mgtrace.errors import ManifestError, SchemaVersionError
+from mgtrace.schemas.tables import SCHEMA_VERSION, TABLES
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "mgtrace-trace"
+STATE_KINDS = ("conv", "temporal")
+
+
+@dataclass
+class StateLayout:
+    """One state tensor of one Mamba layer: what a block of the pool holds."""
+
+    group: int
+    layer: int
+    kind: str  # conv | temporal
+    shape: list[int]  # per block, without the leading block dimension
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    conv_layout: str | None = None  # SD (state_len, dim) | DS (dim, state_len); conv only
+
+
+@dataclass
+class RunMetadata:
+    """What the engine was running; the replayer sizes its pool and rules from this."""
+
+    runner: str = "v1"  # v1 | v2
+    vllm_version: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int = 0
+    mamba_block_size: int = 16
+    mamba_cache_mode: str = "align"
+    async_scheduling: bool = False
+    tp_size: int = 1
+    pp_size: int = 1
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    num_blocks: int | None = None  # size of the state pool, null block 0 included
+    num_mamba_groups: int = 1
+    runner_reorder_threshold: int | None = None
+    builder_reorder_thresholds: dict[str, int | None] = field(default_factory=dict)
+    row_rule: str | None = None  # block-table row rule of the align kernels, req_slot | batch_row
+    states: list[StateLayout] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunMetadata:
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["states"] = [StateLayout(**s) for s in data.get("states", [])]
+        return cls(**kwargs)
+
+
+@dataclass
+class PartInfo:
+    """One complete Parquet file of one table."""
+
+    table: str
+    path: str  # relative to the trace directory
+    rows: int
+    bytes: int
+    sha256: str
+    rank: int | None = None
+    min_step: int | None = None
+    max_step: int | None = None
+
+
+@dataclass
+class Drops:
+    """Everything that did not make it into the trace, counted, never silent."""
+
+    steps: int = 0  # steps dropped because the writer queue was full
+    malformed_steps: int = 0  # steps refused because their columns were inconsistent
+    rows: int = 0  # rows inside those steps
+    step_ranges: list[list[int]] = field(default_factory=list)  # [rank, first, last], merged
+
+    def add_step(self, rank: int, step: int) -> None:
+        if self.step_ranges:
+            last = self.step_ranges[-1]
+            if last[0] == rank and last[2] + 1 == step:
+                last[2] = step
+                return
+        self.step_ranges.append([rank, step, step])
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps + self.malformed_steps
+
+
+@dataclass
+class Manifest:
+    run: RunMetadata = field(default_factory=RunMetadata)
+    source: dict[str, Any] = field(default_factory=dict)
+    parts: list[PartInfo] = field(default_factory=list)
+    drops: Drops = field(default_factory=Drops)
+    errors: dict[str, Any] = field(default_factory=dict)  # counted errors with first message
+    ground_truth: dict[str, Any] | None = None  # injected bugs (simulator traces only)
+    complete: bool = False
+    created_unix: float = 0.0
+    closed_unix: float | None = None
+    mgtrace_version: str = ""
+    schema_version: int = SCHEMA_VERSION
+    format: str = FORMAT_NAME
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str = MANIFEST_NAME) -> Manifest:
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{where} is not an mgtrace manifest (no format: {FORMAT_NAME!r})")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{where} has schema version {version!r}, but this mgtrace reads version "
+                f"{SCHEMA_VERSION} only; use the mgtrace release that wrote it"
+            )
+        try:
+            parts = [PartInfo(**p) for p in data.get("parts", [])]
+            drops = Drops(**data.get("drops", {}))
+            run = RunMetadata.from_dict(data.get("run", {}))
+        except TypeError as exc:
+            raise ManifestError(f"{where} has a malformed entry ({exc})") from None
+        for part in parts:
+            if part.table not in TABLES:
+                raise ManifestError(f"{where} lists a part of unknown table {part.table!r}")
+        return cls(
+            run=run,
+            source=dict(data.get("source", {})),
+            parts=parts,
+            drops=drops,
+            errors=dict(data.get("errors", {})),
+            ground_truth=data.get("ground_truth"),
+            complete=bool(data.get("complete", False)),
+            created_unix=float(data.get("created_unix", 0.0)),
+            closed_unix=data.get("closed_unix"),
+            mgtrace_version=str(data.get("mgtrace_version", "")),
+        )
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON under a temporary name in the same directory, then rename over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, sort_keys=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_manifest(trace_dir: Path, manifest: Manifest) -> None:
+    write_json_atomic(trace_dir / MANIFEST_NAME, manifest.to_dict())
+
+
+def load_manifest(trace_dir: Path) -> Manifest:
+    path = trace_dir / MANIFEST_NAME
+    where = str(path)
+    if not path.is_file():
+        raise ManifestError(f"{trace_dir} has no {MANIFEST_NAME}; it is not an mgtrace trace")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{where} cannot be parsed ({exc.__class__.__name__}: {exc})") from None
+    return Manifest.from_dict(data, where=where)

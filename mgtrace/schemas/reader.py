@@ -1,0 +1,128 @@
+"""TraceReader: open a trace directory, validate it, hand out Arrow tables and DuckDB views.
+
+Validation covers the manifest (present, parsable, known schema version) and every part it
+lists (present, same size, same SHA-256, a readable Parquet footer with the expected schema).
+A bad part is fatal unless ``skip_bad_parts`` is set; then it is left out and reported in
+``skipped``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mgtrace.errors import PartError, TraceNotFoundError
+from mgtrace.schemas.manifest import Manifest, PartInfo, load_manifest
+from mgtrace.schemas.tables import TABLES, table_spec
+from mgtrace.schemas.writer import TMP_SUFFIX
+
+_HASH_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class SkippedPart:
+    path: str
+    reason: str
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _part_problem(trace_dir: Path, part: PartInfo) -> str | None:
+    """Why a part cannot be used, or None when it is sound."""
+    path = trace_dir / part.path
+    if not path.is_file():
+        return "it is missing"
+    size = path.stat().st_size
+    if size != part.bytes:
+        return f"it has {size} bytes, the manifest says {part.bytes} (truncated or rewritten)"
+    if _sha256(path) != part.sha256:
+        return "its checksum does not match the manifest"
+    try:
+        meta = pq.read_metadata(path)
+    except (pa.ArrowException, OSError) as exc:
+        return f"it is not readable Parquet ({exc})"
+    if meta.num_rows != part.rows:
+        return f"it holds {meta.num_rows} rows, the manifest says {part.rows}"
+    expected = table_spec(part.table).schema
+    if not meta.schema.to_arrow_schema().remove_metadata().equals(expected.remove_metadata()):
+        return f"its columns do not match the {part.table} schema"
+    return None
+
+
+class TraceReader:
+    """A validated, read-only view of one trace directory."""
+
+    def __init__(self, path: str | Path, *, skip_bad_parts: bool = False) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise TraceNotFoundError(f"trace {self.path} does not exist")
+        if not self.path.is_dir():
+            raise TraceNotFoundError(f"trace {self.path} is not a directory")
+        self.manifest: Manifest = load_manifest(self.path)
+        self.skipped: list[SkippedPart] = []
+        self.parts: list[PartInfo] = []
+        for part in self.manifest.parts:
+            problem = _part_problem(self.path, part)
+            if problem is None:
+                self.parts.append(part)
+            elif skip_bad_parts:
+                self.skipped.append(SkippedPart(part.path, problem))
+            else:
+                raise PartError(
+                    f"part {part.path} of trace {self.path} is unusable: {problem}; "
+                    "pass --skip-bad-parts to read the rest"
+                )
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def run(self):
+        return self.manifest.run
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest.complete
+
+    def open_parts_left(self) -> list[str]:
+        """Temporary part files an interrupted writer left behind (never read)."""
+        return sorted(str(p.relative_to(self.path)) for p in self.path.glob(f"*/*{TMP_SUFFIX}"))
+
+    def size_on_disk(self) -> int:
+        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+
+    def part_files(self, table: str) -> list[Path]:
+        table_spec(table)
+        return [self.path / p.path for p in self.parts if p.table == table]
+
+    def rows(self, table: str) -> int:
+        table_spec(table)
+        return sum(p.rows for p in self.parts if p.table == table)
+
+    # ------------------------------------------------------------------ data
+    def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
+        """All valid parts of one table as one Arrow table (empty with the schema if none)."""
+        spec = table_spec(name)
+        files = self.part_files(name)
+        if not files:
+            empty = spec.schema.empty_table()
+            return empty.select(columns) if columns else empty
+        tables = [pq.read_table(f, columns=columns, schema=spec.schema) for f in files]
+        return pa.concat_tables(tables)
+
+    def tables(self) -> dict[str, pa.Table]:
+        return {name: self.table(name) for name in TABLES}
+
+    def connect(self, connection=None):
+        """A DuckDB connection with one view per trace table."""
+        from mgtrace.query.views import connect
+
+        return connect(self, connection=connection)

@@ -1,0 +1,446 @@
+"""TraceWriter: turns steps from any source into Parquet parts without blocking the caller.
+
+The caller's side is one bounded deque append: when the queue is full the step is dropped
+and counted, never waited for. A background thread validates the steps, batches them per
+(table, rank) and writes zstd Parquet parts. Each part is written under a temporary name,
+renamed when complete, and followed by an atomic rewrite of the manifest, so a process
+killed at any instant leaves a readable trace that lacks at most the part being written.
+
+Ownership: ``write_step`` keeps references to the arrays it is given. A caller that reuses
+buffers must hand over copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from mgtrace import __version__
+from mgtrace.errors import OutputError
+from mgtrace.schemas.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    PartInfo,
+    RunMetadata,
+    load_manifest,
+    save_manifest,
+)
+from mgtrace.schemas.tables import TABLES, TableSpec
+
+log = logging.getLogger("mgtrace.writer")
+
+PART_SUFFIX = ".parquet"
+TMP_SUFFIX = ".tmp"
+COMPRESSION = "zstd"
+
+Columns = Mapping[str, Any]
+StepTables = Mapping[str, Columns]
+
+
+@dataclass
+class WriterStats:
+    steps_queued: int
+    steps_written: int
+    steps_dropped: int
+    malformed_steps: int
+    parts: int
+    bytes_written: int
+    queue_depth: int
+    failed: str | None
+
+
+class MalformedStep(ValueError):
+    """A step whose tables do not match the schemas; refused and counted."""
+
+
+def _column_length(value: Any) -> int | None:
+    """Rows a column value holds, or None for a scalar that broadcasts."""
+    if value is None or isinstance(value, (str, bytes, int, float, bool, np.generic)):
+        return None
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return None
+    return len(value)
+
+
+def _validate_chunk(spec: TableSpec, columns: Columns) -> int:
+    """Return the chunk's row count; raise MalformedStep when columns disagree."""
+    rows: int | None = None
+    for name, value in columns.items():
+        if name not in spec.schema.names or (spec.per_step and name in ("rank", "step")):
+            raise MalformedStep(f"table {spec.name!r} has no column {name!r}")
+        n = _column_length(value)
+        if n is None:
+            continue
+        if rows is None:
+            rows = n
+        elif n != rows:
+            raise MalformedStep(
+                f"table {spec.name!r}: column {name!r} has {n} rows, others have {rows}"
+            )
+    for f in spec.schema:
+        if not f.nullable and f.name not in ("rank", "step") and f.name not in columns:
+            raise MalformedStep(f"table {spec.name!r} misses required column {f.name!r}")
+    return 1 if rows is None else rows
+
+
+def _is_numeric(type_: pa.DataType) -> bool:
+    return pa.types.is_integer(type_) or pa.types.is_floating(type_) or pa.types.is_boolean(type_)
+
+
+def _chunks_to_arrow(values: list[Any], counts: list[int], field: pa.Field) -> pa.Array:
+    """Concatenate one column's per-step values (arrays, lists, scalars or None)."""
+    type_ = field.type
+    if _is_numeric(type_) and all(v is not None and not isinstance(v, list) for v in values):
+        np_type = type_.to_pandas_dtype()
+        parts = [
+            np.full(n, v, dtype=np_type) if _column_length(v) is None else np.asarray(v, np_type)
+            for v, n in zip(values, counts, strict=True)
+        ]
+        return pa.array(np.concatenate(parts) if parts else np.empty(0, np_type), type=type_)
+    flat: list[Any] = []
+    for v, n in zip(values, counts, strict=True):
+        if _column_length(v) is None:
+            flat.extend(itertools.repeat(v.item() if isinstance(v, np.generic) else v, n))
+        else:
+            flat.extend(v.tolist() if isinstance(v, np.ndarray) else v)
+    return pa.array(flat, type=type_)
+
+
+class _Pending:
+    """Columns of one (table, rank) waiting for the next part."""
+
+    __slots__ = ("columns", "counts", "rank", "spec", "steps")
+
+    def __init__(self, spec: TableSpec, rank: int | None) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.counts: list[int] = []
+        self.steps: list[int] = []
+        self.columns: dict[str, list[Any]] = {}
+
+    @property
+    def rows(self) -> int:
+        return sum(self.counts)
+
+    def add(self, step: int | None, columns: Columns, n: int) -> None:
+        chunk = len(self.counts)
+        self.counts.append(n)
+        if step is not None:
+            self.steps.append(step)
+        for name, value in columns.items():
+            col = self.columns.get(name)
+            if col is None:
+                col = self.columns[name] = [None] * chunk
+            col.append(value)
+        for col in self.columns.values():
+            if len(col) == chunk:
+                col.append(None)
+
+    def to_table(self) -> pa.Table:
+        spec = self.spec
+        arrays = []
+        for f in spec.schema:
+            if spec.per_step and f.name == "rank":
+                arrays.append(pa.array(np.full(self.rows, self.rank, np.int32)))
+            elif spec.per_step and f.name == "step":
+                arrays.append(pa.array(np.repeat(np.asarray(self.steps, np.int64), self.counts)))
+            elif f.name in self.columns:
+                arrays.append(_chunks_to_arrow(self.columns[f.name], self.counts, f))
+            else:
+                arrays.append(pa.nulls(self.rows, f.type))
+        return pa.Table.from_arrays(arrays, schema=spec.schema)
+
+
+def write_part_file(trace_dir: Path, rel_path: str, table: pa.Table) -> PartInfo:
+    """Write one Parquet part atomically (temporary name, then rename) and describe it."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression=COMPRESSION, use_dictionary=True)
+    data = sink.getvalue()
+    target = trace_dir / rel_path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + TMP_SUFFIX)
+    with open(tmp, "wb") as fh:
+        fh.write(memoryview(data))
+    os.replace(tmp, target)
+    steps = table.column("step") if "step" in table.column_names else None
+    min_step = max_step = None
+    if steps is not None and len(steps) and steps.null_count < len(steps):
+        min_step = int(pc.min(steps).as_py())
+        max_step = int(pc.max(steps).as_py())
+    ranks = table.column("rank") if "rank" in table.column_names else None
+    rank = None
+    if ranks is not None and len(ranks) and ranks.null_count == 0:
+        lo, hi = pc.min(ranks).as_py(), pc.max(ranks).as_py()
+        rank = int(lo) if lo == hi else None
+    return PartInfo(
+        table=table.schema.metadata[b"table"].decode() if table.schema.metadata else "",
+        path=rel_path,
+        rows=table.num_rows,
+        bytes=len(data),
+        sha256=hashlib.sha256(memoryview(data)).hexdigest(),
+        rank=rank,
+        min_step=min_step,
+        max_step=max_step,
+    )
+
+
+def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag: str) -> PartInfo:
+    """Add one part to an existing, closed trace (replay findings) and update its manifest."""
+    trace_dir = Path(trace_dir)
+    spec = TABLES[table_name]
+    manifest = load_manifest(trace_dir)
+    table = table.cast(spec.schema)
+    info = write_part_file(trace_dir, f"{table_name}/{tag}{PART_SUFFIX}", table)
+    manifest.parts = [p for p in manifest.parts if p.path != info.path] + [info]
+    save_manifest(trace_dir, manifest)
+    return info
+
+
+class TraceWriter:
+    """Write a trace directory from steps handed over as plain Python / numpy values.
+
+    ``write_step(rank, step, {"batch_rows": {"batch_row": arr, "req_id": [...], ...}, ...})``
+    never blocks and never raises: it returns False when the step was dropped.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        run: RunMetadata | None = None,
+        source: dict[str, Any] | None = None,
+        max_queue_steps: int = 8192,
+        rows_per_part: int = 1 << 20,
+        flush_seconds: float = 2.0,
+        overwrite: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self._prepare_directory(overwrite)
+        self.manifest = Manifest(
+            run=run or RunMetadata(),
+            source=dict(source or {}),
+            created_unix=time.time(),
+            mgtrace_version=__version__,
+        )
+        save_manifest(self.path, self.manifest)
+        self._max_queue = max_queue_steps
+        self._rows_per_part = rows_per_part
+        self._flush_seconds = flush_seconds
+        self._queue: deque[tuple[Any, ...]] = deque()
+        self._dropped: deque[tuple[int, int, int]] = deque()
+        self._pending: dict[tuple[str, int | None], _Pending] = {}
+        self._part_seq: dict[tuple[str, int | None], int] = {}
+        self._steps_queued = 0
+        self._steps_written = 0
+        self._bytes_written = 0
+        self._failed: str | None = None
+        self._closing = threading.Event()
+        self._closed = False
+        self._lock = threading.Lock()  # guards manifest mutation between threads
+        self._thread = threading.Thread(target=self._run, name="mgtrace-writer", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- caller side
+    def write_step(self, rank: int, step: int, tables: StepTables) -> bool:
+        """Queue one step. Never blocks; False when dropped (queue full or writer closed)."""
+        if len(self._queue) >= self._max_queue or self._closed or self._failed is not None:
+            self._dropped.append((rank, step, _rows_of(tables)))
+            return False
+        self._queue.append((rank, step, tables))
+        self._steps_queued += 1
+        return True
+
+    def write_rows(self, table: str, columns: Columns) -> None:
+        """Queue rows of a table that is not keyed by step (requests, findings)."""
+        if self._closed:
+            raise OutputError("the trace writer is closed")
+        self._queue.append((None, None, {table: columns}))
+
+    def set_ground_truth(self, truth: dict[str, Any]) -> None:
+        with self._lock:
+            self.manifest.ground_truth = truth
+
+    def update_source(self, **fields: Any) -> None:
+        with self._lock:
+            self.manifest.source.update(fields)
+
+    def count_error(self, kind: str, message: str) -> None:
+        """Count an error from the producer (e.g. a hook); the first message is kept."""
+        with self._lock:
+            entry = self.manifest.errors.setdefault(kind, {"count": 0, "first": message})
+            entry["count"] += 1
+
+    def stats(self) -> WriterStats:
+        drops = self.manifest.drops
+        return WriterStats(
+            steps_queued=self._steps_queued,
+            steps_written=self._steps_written,
+            steps_dropped=drops.steps + len(self._dropped),
+            malformed_steps=drops.malformed_steps,
+            parts=len(self.manifest.parts),
+            bytes_written=self._bytes_written,
+            queue_depth=len(self._queue),
+            failed=self._failed,
+        )
+
+    def close(self) -> Manifest:
+        """Flush everything queued, mark the trace complete and stop the thread."""
+        if self._closed:
+            return self.manifest
+        self._closed = True
+        self._closing.set()
+        self._thread.join()
+        with self._lock:
+            self._fold_drops()
+            self.manifest.complete = self._failed is None
+            self.manifest.closed_unix = time.time()
+            if self._failed is not None:
+                self.manifest.errors.setdefault("writer", {"count": 1, "first": self._failed})
+            save_manifest(self.path, self.manifest)
+        return self.manifest
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- writer thread
+    def _prepare_directory(self, overwrite: bool) -> None:
+        p = self.path
+        if p.exists() and (not p.is_dir() or any(p.iterdir())):
+            if not overwrite:
+                raise OutputError(f"{p} already exists; pass --force to overwrite it")
+            if p.is_dir() and not (p / MANIFEST_NAME).is_file():
+                raise OutputError(f"{p} is not an mgtrace trace; refusing to overwrite it")
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create {p}: {exc.strerror}") from None
+
+    def _run(self) -> None:
+        last_flush = time.monotonic()
+        while True:
+            drained = self._drain()
+            now = time.monotonic()
+            pending_rows = max((p.rows for p in self._pending.values()), default=0)
+            if pending_rows >= self._rows_per_part or (
+                pending_rows and now - last_flush >= self._flush_seconds
+            ):
+                self._flush()
+                last_flush = now
+            if self._closing.is_set() and not self._queue:
+                self._flush()
+                return
+            if not drained:
+                self._closing.wait(0.002)
+
+    def _drain(self) -> int:
+        n = 0
+        budget = 4096  # give the flush check a turn under sustained load
+        while self._queue and n < budget:
+            rank, step, tables = self._queue.popleft()
+            n += 1
+            if self._failed is not None:
+                self._dropped.append((rank, step, 0))
+                continue
+            try:
+                self._accept(rank, step, tables)
+            except MalformedStep as exc:
+                self._refuse(rank, step, tables, str(exc))
+            except Exception as exc:  # never let one bad step kill the thread
+                self._refuse(rank, step, tables, f"{exc.__class__.__name__}: {exc}")
+        return n
+
+    def _accept(self, rank: int | None, step: int | None, tables: StepTables) -> None:
+        checked = []
+        for name, columns in tables.items():
+            spec = TABLES.get(name)
+            if spec is None:
+                raise MalformedStep(f"unknown table {name!r}")
+            if spec.per_step and step is None:
+                raise MalformedStep(f"table {name!r} rows must be written with write_step")
+            checked.append((spec, columns, _validate_chunk(spec, columns)))
+        for spec, columns, n in checked:
+            part_rank = rank if spec.per_step else None
+            pend = self._pending.get((spec.name, part_rank))
+            if pend is None:
+                pend = self._pending[(spec.name, part_rank)] = _Pending(spec, part_rank)
+            pend.add(step if spec.per_step else None, columns, n)
+        if step is not None:
+            self._steps_written += 1
+
+    def _refuse(self, rank: int | None, step: int | None, tables: StepTables, why: str) -> None:
+        with self._lock:
+            drops = self.manifest.drops
+            if step is None:
+                self.manifest.errors.setdefault("malformed_rows", {"count": 0, "first": why})
+                self.manifest.errors["malformed_rows"]["count"] += 1
+                return
+            drops.malformed_steps += 1
+            drops.rows += _rows_of(tables)
+            drops.add_step(int(rank or 0), int(step))
+            entry = self.manifest.errors.setdefault("malformed_step", {"count": 0, "first": why})
+            entry["count"] += 1
+        if entry["count"] == 1:
+            log.warning("mgtrace: refused malformed step %s: %s", step, why)
+
+    def _fold_drops(self) -> None:
+        drops = self.manifest.drops
+        while self._dropped:
+            rank, step, rows = self._dropped.popleft()
+            drops.steps += 1
+            drops.rows += rows
+            drops.add_step(int(rank or 0), int(step))
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for (table, rank), pend in sorted(
+            pending.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)
+        ):
+            if not pend.counts or self._failed is not None:
+                continue
+            seq = self._part_seq.get((table, rank), 0)
+            self._part_seq[(table, rank)] = seq + 1
+            tag = "all" if rank is None else f"r{rank:03d}"
+            rel = f"{table}/{tag}-{seq:06d}{PART_SUFFIX}"
+            try:
+                info = self._write_part(rel, pend.to_table())
+            except Exception as exc:  # disk full, permissions: stop writing, say so on close
+                self._failed = f"writing {rel} failed: {exc.__class__.__name__}: {exc}"
+                log.error("mgtrace: %s; further steps are dropped and counted", self._failed)
+                continue
+            with self._lock:
+                self._fold_drops()
+                self.manifest.parts.append(info)
+                self._bytes_written += info.bytes
+                save_manifest(self.path, self.manifest)
+
+    def _write_part(self, rel_path: str, table: pa.Table) -> PartInfo:
+        return write_part_file(self.path, rel_path, table)
+
+
+def _rows_of(tables: StepTables) -> int:
+    try:
+        return sum(_column_length(next(iter(c.values()))) or 1 for c in tables.values() if c)
+    except Exception:
+        return 0
+
+
+__all__ = ["TraceWriter", "WriterStats", "append_table", "write_part_file"]

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mgtrace.schemas.sample import write_sample_trace
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def sample_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A read-only sample trace shared by tests that do not modify it."""
+    path = tmp_path_factory.mktemp("sample") / "trace"
+    write_sample_trace(path, steps=120, rows=16)
+    return path
+
+
+@pytest.fixture
+def fresh_trace(tmp_path: Path) -> Path:
+    """A sample trace of the test's own, free to damage."""
+    path = tmp_path / "trace"
+    write_sample_trace(path, steps=60, rows=8)
+    return path
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a subprocess, as a user would."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "mgtrace", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or REPO,
+        env=env,
+        timeout=120,
+    )
+
+
+def assert_one_sentence_error(proc: subprocess.CompletedProcess[str], code: int) -> str:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert err.startswith("mgtrace: error: "), err
+    assert len(err.splitlines()) == 1, err
+    return err

@@ -1,0 +1,67 @@
+"""mgtrace sql / info output formats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from mgtrace.cli import main
+from mgtrace.schemas.tables import TABLES
+
+pytestmark = pytest.mark.unit
+
+QUERY = "SELECT step, count(*) AS n FROM batch_rows GROUP BY step ORDER BY step LIMIT 4"
+
+
+def test_table_output(sample_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sql", str(sample_trace), QUERY, "--max-rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 rows shown; more not shown" in out and "16" in out
+
+
+def test_csv_json_parquet(sample_trace: Path, tmp_path: Path, capsys) -> None:
+    assert main(["sql", str(sample_trace), QUERY, "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines() == ['"step","n"', "0,16", "1,16", "2,16", "3,16"]
+    assert main(["sql", str(sample_trace), QUERY, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)[3] == {"step": 3, "n": 16}
+    out = tmp_path / "r.parquet"
+    assert main(["sql", str(sample_trace), QUERY, "--format", "parquet", "-o", str(out)]) == 0
+    assert pq.read_table(out).column("n").to_pylist() == [16] * 4
+
+
+def test_parquet_needs_output(sample_trace: Path, capsys) -> None:
+    assert main(["sql", str(sample_trace), QUERY, "--format", "parquet"]) == 2
+    assert "needs -o" in capsys.readouterr().err
+
+
+def test_list_shows_every_view(sample_trace: Path, capsys) -> None:
+    assert main(["sql", str(sample_trace), "--list"]) == 0
+    out = capsys.readouterr().out
+    for name, spec in TABLES.items():
+        assert name in out
+        for column in spec.schema.names:
+            assert column in out
+
+
+def test_info_json(sample_trace: Path, capsys) -> None:
+    assert main(["info", str(sample_trace), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["complete"] is True
+    assert info["steps"] == 120 and info["ranks"] == 1
+    assert info["rows"]["batch_rows"] == 120 * 16
+    assert info["run"]["num_speculative_tokens"] == 3
+    assert info["drops"]["steps"] == 0
+    assert info["bytes_on_disk"] > 0
+
+
+def test_info_table(sample_trace: Path, capsys) -> None:
+    assert main(["info", str(sample_trace)]) == 0
+    out = capsys.readouterr().out
+    assert "complete" in out and "rows per table" in out and "batch_rows" in out
+
+
+def test_unknown_command_is_usage_error(capsys) -> None:
+    assert main(["frobnicate"]) == 2

@@ -1,0 +1,132 @@
+"""Each bad input gets one sentence and its exit code from the real CLI, never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mgtrace.schemas.manifest import MANIFEST_NAME
+from tests.conftest import assert_one_sentence_error, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _first_part(trace: Path, table: str = "batch_rows") -> Path:
+    manifest = json.loads((trace / MANIFEST_NAME).read_text())
+    rel = next(p["path"] for p in manifest["parts"] if p["table"] == table)
+    return trace / rel
+
+
+def test_good_trace_is_the_control(fresh_trace: Path) -> None:
+    proc = run_cli("info", str(fresh_trace))
+    assert proc.returncode == 0, proc.stderr
+    assert "complete" in proc.stdout
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    err = assert_one_sentence_error(run_cli("info", str(tmp_path / "missing")), 3)
+    assert "does not exist" in err
+
+
+def test_path_is_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert "not a directory" in assert_one_sentence_error(run_cli("info", str(f)), 3)
+
+
+def test_missing_manifest(tmp_path: Path) -> None:
+    assert "no manifest.json" in assert_one_sentence_error(run_cli("info", str(tmp_path)), 3)
+
+
+def test_corrupt_manifest(fresh_trace: Path) -> None:
+    (fresh_trace / MANIFEST_NAME).write_text('{"format": "mgtrace-trace", "schema_')
+    err = assert_one_sentence_error(run_cli("info", str(fresh_trace)), 3)
+    assert "cannot be parsed" in err
+
+
+def test_unknown_schema_version(fresh_trace: Path) -> None:
+    path = fresh_trace / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    data["schema_version"] = 99
+    path.write_text(json.dumps(data))
+    err = assert_one_sentence_error(run_cli("sql", str(fresh_trace), "SELECT 1"), 3)
+    assert "schema version 99" in err
+
+
+def test_truncated_part(fresh_trace: Path) -> None:
+    part = _first_part(fresh_trace)
+    data = part.read_bytes()
+    part.write_bytes(data[: len(data) // 2])
+    err = assert_one_sentence_error(run_cli("info", str(fresh_trace)), 3)
+    assert "truncated" in err and part.name in err
+
+
+def test_corrupt_part_same_size(fresh_trace: Path) -> None:
+    part = _first_part(fresh_trace)
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    err = assert_one_sentence_error(run_cli("info", str(fresh_trace)), 3)
+    assert "checksum" in err
+
+
+def test_missing_part(fresh_trace: Path) -> None:
+    _first_part(fresh_trace).unlink()
+    assert "missing" in assert_one_sentence_error(run_cli("info", str(fresh_trace)), 3)
+
+
+def test_skip_bad_parts_reads_the_rest(fresh_trace: Path) -> None:
+    part = _first_part(fresh_trace, "batch_rows")
+    part.write_bytes(b"PAR1 garbage")
+    proc = run_cli(
+        "sql",
+        str(fresh_trace),
+        "--skip-bad-parts",
+        "--format",
+        "csv",
+        "SELECT count(*) AS n FROM steps",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped part" in proc.stderr and part.name in proc.stderr
+    assert proc.stdout.strip().splitlines() == ['"n"', "60"]
+    proc = run_cli(
+        "sql",
+        str(fresh_trace),
+        "--skip-bad-parts",
+        "--format",
+        "csv",
+        "SELECT count(*) AS n FROM batch_rows",
+    )
+    assert proc.stdout.strip().splitlines() == ['"n"', "0"]
+
+
+def test_bad_sql_is_a_usage_error(fresh_trace: Path) -> None:
+    err = assert_one_sentence_error(run_cli("sql", str(fresh_trace), "SELECT nope FROM steps"), 2)
+    assert "the query failed" in err
+
+
+def test_sql_without_query(fresh_trace: Path) -> None:
+    assert_one_sentence_error(run_cli("sql", str(fresh_trace)), 2)
+
+
+def test_output_is_never_overwritten_without_force(fresh_trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.csv"
+    out.write_text("keep")
+    proc = run_cli("sql", str(fresh_trace), "SELECT 1 AS x", "--format", "csv", "-o", str(out))
+    assert "already exists" in assert_one_sentence_error(proc, 2)
+    assert out.read_text() == "keep"
+    proc = run_cli(
+        "sql", str(fresh_trace), "SELECT 1 AS x", "--format", "csv", "-o", str(out), "-f"
+    )
+    assert proc.returncode == 0 and out.read_text().splitlines() == ['"x"', "1"]
+
+
+def test_failed_query_leaves_no_output_file(fresh_trace: Path, tmp_path: Path) -> None:
+    outdir = tmp_path / "results"
+    outdir.mkdir()
+    out = outdir / "out.parquet"
+    proc = run_cli("sql", str(fresh_trace), "SELECT nope", "--format", "parquet", "-o", str(out))
+    assert_one_sentence_error(proc, 2)
+    assert list(outdir.iterdir()) == []

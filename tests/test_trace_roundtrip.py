@@ -1,0 +1,160 @@
+"""Every table survives writer → Parquet → reader unchanged; manifests are validated."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from mgtrace.errors import ManifestError, SchemaVersionError, TraceNotFoundError
+from mgtrace.schemas.manifest import MANIFEST_NAME, load_manifest
+from mgtrace.schemas.reader import TraceReader
+from mgtrace.schemas.sample import SAMPLE_RUN, sample_step
+from mgtrace.schemas.tables import SCHEMA_VERSION, TABLES
+from mgtrace.schemas.writer import TraceWriter, append_table
+
+pytestmark = pytest.mark.unit
+
+
+def _expected_rows(table: str, rank: int, step: int, columns: dict) -> list[dict]:
+    """What the reader must return for one step of one table, column by column."""
+    spec = TABLES[table]
+    n = max((len(v) for v in columns.values() if isinstance(v, (list, np.ndarray))), default=1)
+    rows = []
+    for i in range(n):
+        row = {}
+        for field in spec.schema:
+            if spec.per_step and field.name == "rank":
+                row["rank"] = rank
+            elif spec.per_step and field.name == "step":
+                row["step"] = step
+            elif field.name not in columns:
+                row[field.name] = None
+            else:
+                v = columns[field.name]
+                v = v[i] if isinstance(v, (list, np.ndarray)) else v
+                row[field.name] = v.item() if isinstance(v, np.generic) else v
+        rows.append(row)
+    return rows
+
+
+def test_every_table_round_trips(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    expected: dict[str, list[dict]] = {name: [] for name in TABLES}
+    with TraceWriter(tmp_path / "t", run=SAMPLE_RUN, source={"kind": "test"}) as w:
+        for rank in (0, 1):
+            for step in range(5):
+                tables = sample_step(step, 6, rng)
+                assert w.write_step(rank, step, tables)
+                for name, cols in tables.items():
+                    expected[name] += _expected_rows(name, rank, step, cols)
+        requests = {"req_id": ["a", "b"], "arrival_s": [0.5, 1.5], "corrupt": [None, True]}
+        findings = {
+            "replay_id": "x",
+            "kind": "malformed",
+            "signature": "s",
+            "step": 3,
+            "req_id": "a",
+        }
+        w.write_rows("requests", requests)
+        w.write_rows("findings", findings)
+        expected["requests"] = _expected_rows("requests", 0, 0, requests)
+        expected["findings"] = _expected_rows("findings", 0, 0, findings)
+    reader = TraceReader(tmp_path / "t")
+    assert reader.complete
+    for name in TABLES:
+        got = reader.table(name).to_pylist()
+        keys = [k for k in TABLES[name].keys if k in TABLES[name].schema.names]
+
+        def order(row: dict, keys: list[str] = keys) -> tuple[str, ...]:
+            return tuple(str(row[k]) for k in keys)
+
+        assert sorted(got, key=order) == sorted(expected[name], key=order), name
+        assert (
+            reader.table(name)
+            .schema.remove_metadata()
+            .equals(TABLES[name].schema.remove_metadata())
+        )
+    # one set of parts per rank for per-step tables
+    ranks = {p.rank for p in reader.parts if p.table == "batch_rows"}
+    assert ranks == {0, 1}
+
+
+def test_duckdb_views_match_arrow(sample_trace: Path) -> None:
+    reader = TraceReader(sample_trace)
+    con = reader.connect()
+    for name in TABLES:
+        n = con.execute(f"SELECT count(*) FROM {name}").fetchone()[0]
+        assert n == reader.table(name).num_rows == reader.rows(name)
+    # empty tables are views with the right columns too
+    cols = [r[0] for r in con.execute("DESCRIBE launches").fetchall()]
+    assert cols == list(TABLES["launches"].schema.names)
+
+
+def test_append_table_adds_findings_part(fresh_trace: Path) -> None:
+    before = TraceReader(fresh_trace).rows("findings")
+    full = pa.Table.from_pylist(
+        [{"replay_id": "r2", "kind": "foreign_state", "signature": "sig", "step": 4}],
+        schema=TABLES["findings"].schema,
+    )
+    append_table(fresh_trace, "findings", full, tag="replay-r2")
+    reader = TraceReader(fresh_trace)
+    assert reader.rows("findings") == before + 1
+    assert reader.complete
+
+
+def test_unknown_schema_version_is_refused(fresh_trace: Path) -> None:
+    path = fresh_trace / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    TraceReader(fresh_trace)  # control: the untouched trace reads
+    data["schema_version"] = SCHEMA_VERSION + 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(SchemaVersionError, match="schema version"):
+        TraceReader(fresh_trace)
+
+
+def test_manifest_errors(tmp_path: Path, fresh_trace: Path) -> None:
+    with pytest.raises(TraceNotFoundError):
+        TraceReader(tmp_path / "nope")
+    with pytest.raises(ManifestError, match=r"no manifest\.json"):
+        TraceReader(tmp_path)
+    (fresh_trace / MANIFEST_NAME).write_text("{ not json")
+    with pytest.raises(ManifestError, match="cannot be parsed"):
+        load_manifest(fresh_trace)
+    (fresh_trace / MANIFEST_NAME).write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ManifestError, match="not an mgtrace manifest"):
+        load_manifest(fresh_trace)
+
+
+def test_malformed_steps_are_refused_and_counted(tmp_path: Path) -> None:
+    with TraceWriter(tmp_path / "t") as w:
+        assert w.write_step(0, 0, {"steps": {"num_reqs": 1}})
+        # unequal column lengths, an unknown column, a missing key column: each refused
+        w.write_step(0, 1, {"batch_rows": {"batch_row": [0, 1], "req_id": ["a"]}})
+        w.write_step(0, 2, {"steps": {"bogus": 1}})
+        w.write_step(0, 3, {"batch_rows": {"batch_row": [0]}})
+        assert w.write_step(0, 4, {"steps": {"num_reqs": 2}})
+    m = TraceReader(tmp_path / "t").manifest
+    assert m.drops.malformed_steps == 3
+    assert m.drops.step_ranges == [[0, 1, 3]]
+    assert m.errors["malformed_step"]["count"] == 3
+    steps = TraceReader(tmp_path / "t").table("steps").column("step").to_pylist()
+    assert steps == [0, 4]
+
+
+def test_writer_refuses_to_overwrite(fresh_trace: Path, tmp_path: Path) -> None:
+    from mgtrace.errors import OutputError
+
+    with pytest.raises(OutputError, match="already exists"):
+        TraceWriter(fresh_trace)
+    other = tmp_path / "not-a-trace"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep me")
+    with pytest.raises(OutputError, match="not an mgtrace trace"):
+        TraceWriter(other, overwrite=True)
+    assert (other / "precious.txt").exists()
+    TraceWriter(fresh_trace, overwrite=True).close()  # control: a trace may be replaced
+    assert TraceReader(fresh_trace).rows("steps") == 0
