@@ -30,7 +30,10 @@ $(VENV)/.peer: $(VENV)/.installed requirements-peer.txt
 peer: $(VENV)/.peer
 
 demo: $(VENV)/.installed
-	$(PY) -m mgtrace.demo_main $(DEMO_DIR)
+	$(PY) -m mgtrace.schemas.sample $(DEMO_DIR)
+	$(VENV)/bin/mgtrace info $(DEMO_DIR)
+	$(VENV)/bin/mgtrace sql $(DEMO_DIR) "SELECT reorder_region, mamba_split, count(*) AS rows, \
+		avg(accepted_prev) AS mean_accepted FROM batch_rows GROUP BY ALL ORDER BY rows DESC"
 
 test: $(VENV)/.peer
 	$(PY) -m ruff check mgtrace tests benchmarks

@@ -158,3 +158,41 @@ def test_writer_refuses_to_overwrite(fresh_trace: Path, tmp_path: Path) -> None:
     assert (other / "precious.txt").exists()
     TraceWriter(fresh_trace, overwrite=True).close()  # control: a trace may be replaced
     assert TraceReader(fresh_trace).rows("steps") == 0
+
+
+def test_categorical_columns_accept_codes(tmp_path: Path) -> None:
+    """Hot-path producers may write codes into a column's categories; strings come back."""
+    with TraceWriter(tmp_path / "t") as w:
+        w.write_step(
+            0,
+            0,
+            {
+                "batch_rows": {
+                    "batch_row": np.arange(4, dtype=np.int32),
+                    "req_id": ["a", "b", "c", "d"],
+                    "reorder_region": np.array([0, 1, 3, 9], np.int8),  # 9: out of range
+                    "mamba_split": ["decode", "prefill", None, "decode"],
+                }
+            },
+        )
+        w.write_step(
+            0,
+            1,
+            {
+                "batch_rows": {
+                    "batch_row": np.arange(1, dtype=np.int32),
+                    "req_id": ["a"],
+                    "reorder_region": ["long_extend"],  # strings and codes may mix
+                    "mamba_split": np.array([1], np.int8),
+                }
+            },
+        )
+    t = TraceReader(tmp_path / "t").table("batch_rows")
+    assert t.column("reorder_region").to_pylist() == [
+        "decode",
+        "short_extend",
+        "prefill",
+        None,
+        "long_extend",
+    ]
+    assert t.column("mamba_split").to_pylist() == ["decode", "prefill", None, "decode", "prefill"]

@@ -44,12 +44,29 @@ FINDING_KINDS = (
 )
 
 
-def col(name: str, type_: pa.DataType, doc: str, *, nullable: bool = True) -> pa.Field:
-    return pa.field(name, type_, nullable=nullable, metadata={"doc": doc})
+def col(
+    name: str,
+    type_: pa.DataType,
+    doc: str,
+    *,
+    nullable: bool = True,
+    categories: tuple[str, ...] = (),
+) -> pa.Field:
+    """A documented column. A categorical string column lists its values: a writer may pass
+    integer codes into ``categories`` instead of strings (much cheaper on a hot path)."""
+    metadata = {"doc": doc}
+    if categories:
+        metadata["categories"] = ",".join(categories)
+    return pa.field(name, type_, nullable=nullable, metadata=metadata)
 
 
-def key(name: str, type_: pa.DataType, doc: str) -> pa.Field:
-    return col(name, type_, doc, nullable=False)
+def key(name: str, type_: pa.DataType, doc: str, *, categories: tuple[str, ...] = ()) -> pa.Field:
+    return col(name, type_, doc, nullable=False, categories=categories)
+
+
+def categories_of(field: pa.Field) -> tuple[str, ...]:
+    raw = (field.metadata or {}).get(b"categories")
+    return tuple(raw.decode().split(",")) if raw else ()
 
 
 RANK = key("rank", I32, "Worker rank that produced the row.")
@@ -151,9 +168,17 @@ BATCH_ROWS = _table(
         ),
         col("is_prefilling", BOOL, "Whether the request was still in its prompt."),
         col(
-            "reorder_region", STR, "Reorder region: decode | short_extend | long_extend | prefill."
+            "reorder_region",
+            STR,
+            "Reorder region: decode | short_extend | long_extend | prefill.",
+            categories=REORDER_REGIONS,
         ),
-        col("mamba_split", STR, "Where the Mamba builder put the row: decode | prefill."),
+        col(
+            "mamba_split",
+            STR,
+            "Where the Mamba builder put the row: decode | prefill.",
+            categories=MAMBA_SPLITS,
+        ),
     ],
 )
 
@@ -162,15 +187,30 @@ LAUNCHES = _table(
     "One row per batch row of an align kernel launch: the inputs exactly as the kernel read them.",
     ("rank", "step", "kernel", "batch_row"),
     [
-        key("kernel", STR, "precopy | postprocess | aligned_indices."),
+        key("kernel", STR, "precopy | postprocess | aligned_indices.", categories=KERNELS),
         key("batch_row", I32, "Program index b of the launch grid."),
         col("batch_step", I64, "Step whose batch (and idx_mapping) the launch processed."),
         col("req_slot", I32, "idx_mapping[batch_row] (V2), batch_row (V1); -1 for a padded row."),
-        col("row_rule", STR, "Block-table row rule compiled in: req_slot | batch_row."),
+        col(
+            "row_rule",
+            STR,
+            "Block-table row rule compiled in: req_slot | batch_row.",
+            categories=ROW_RULES,
+        ),
         col("bt_row", I32, "Block-table row the kernel indexed under its rule."),
-        col("bt_table", STR, "Which block table was bound: v1 | source | input."),
+        col(
+            "bt_table",
+            STR,
+            "Which block table was bound: v1 | source | input.",
+            categories=BLOCK_TABLE_KINDS,
+        ),
         col("bt_step", I64, "Step whose content of that block table was live at launch."),
-        col("mode", STR, "Post-process mode: decision (V1) | precomputed (V2); null otherwise."),
+        col(
+            "mode",
+            STR,
+            "Post-process mode: decision (V1) | precomputed (V2); null otherwise.",
+            categories=POSTPROCESS_MODES,
+        ),
         col("num_accepted", I32, "Accepted count the kernel read (snapshot before normalisation)."),
         col("num_accepted_cpu", I32, "CPU-held accepted count, only where it differs."),
         col("state_idx", I32, "mamba_state_idx: post-process source column, precopy destination."),
@@ -193,6 +233,7 @@ BLOCK_TABLES = _table(
             "table",
             STR,
             "v1 (InputBatch rows) | source (V2 per-slot) | input (V2 gathered, batch order).",
+            categories=BLOCK_TABLE_KINDS,
         ),
         key("row", I32, "Table row."),
         col("block_ids", I32_LIST, "Block ids of the row; empty after a clear.", nullable=False),
@@ -205,7 +246,7 @@ ROW_MOVES = _table(
     ("rank", "step", "seq"),
     [
         key("seq", I32, "Order within the step."),
-        key("op", STR, "add | remove | swap | move | clear."),
+        key("op", STR, "add | remove | swap | move | clear.", categories=ROW_MOVE_OPS),
         col("row_a", I32, "Row added/removed/cleared, first swapped row, or move source."),
         col("row_b", I32, "Second swapped row, or move destination."),
         col("req_id", STR, "Request at row_a before the op."),
@@ -222,7 +263,7 @@ SCHED = _table(
     ("rank", "step", "req_id"),
     [
         key("req_id", STR, "Engine request id."),
-        key("kind", STR, "new | cached | resumed | finished | preempted."),
+        key("kind", STR, "new | cached | resumed | finished | preempted.", categories=SCHED_KINDS),
         col("num_scheduled", I32, "Tokens scheduled, drafts included."),
         col(
             "num_computed", I32, "Scheduler's computed count (optimistic under async spec decode)."

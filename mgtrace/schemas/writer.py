@@ -40,7 +40,7 @@ from mgtrace.schemas.manifest import (
     load_manifest,
     save_manifest,
 )
-from mgtrace.schemas.tables import TABLES, TableSpec
+from mgtrace.schemas.tables import TABLES, TableSpec, categories_of
 
 log = logging.getLogger("mgtrace.writer")
 
@@ -70,106 +70,159 @@ class MalformedStep(ValueError):
 
 def _column_length(value: Any) -> int | None:
     """Rows a column value holds, or None for a scalar that broadcasts."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return len(value)
+    if kind is np.ndarray:
+        return value.shape[0] if value.ndim else None
     if value is None or isinstance(value, (str, bytes, int, float, bool, np.generic)):
-        return None
-    if isinstance(value, np.ndarray) and value.ndim == 0:
         return None
     return len(value)
 
 
+@dataclass(frozen=True)
+class _ColumnRules:
+    """Per table, what a caller may and must pass (precomputed: validation is per step)."""
+
+    allowed: frozenset[str]
+    required: frozenset[str]
+
+
+def _rules(spec: TableSpec) -> _ColumnRules:
+    implicit = ("rank", "step") if spec.per_step else ()
+    return _ColumnRules(
+        allowed=frozenset(n for n in spec.schema.names if n not in implicit),
+        required=frozenset(
+            f.name for f in spec.schema if not f.nullable and f.name not in implicit
+        ),
+    )
+
+
+_RULES = {name: _rules(spec) for name, spec in TABLES.items()}
+
+
 def _validate_chunk(spec: TableSpec, columns: Columns) -> int:
     """Return the chunk's row count; raise MalformedStep when columns disagree."""
-    rows: int | None = None
-    for name, value in columns.items():
-        if name not in spec.schema.names or (spec.per_step and name in ("rank", "step")):
-            raise MalformedStep(f"table {spec.name!r} has no column {name!r}")
-        n = _column_length(value)
-        if n is None:
-            continue
-        if rows is None:
-            rows = n
-        elif n != rows:
-            raise MalformedStep(
-                f"table {spec.name!r}: column {name!r} has {n} rows, others have {rows}"
-            )
-    for f in spec.schema:
-        if not f.nullable and f.name not in ("rank", "step") and f.name not in columns:
-            raise MalformedStep(f"table {spec.name!r} misses required column {f.name!r}")
-    return 1 if rows is None else rows
+    rules = _RULES[spec.name]
+    names = columns.keys()
+    if not names <= rules.allowed:
+        bad = sorted(names - rules.allowed)
+        raise MalformedStep(f"table {spec.name!r} has no column {bad[0]!r}")
+    if not rules.required <= names:
+        missing = sorted(rules.required - names)
+        raise MalformedStep(f"table {spec.name!r} misses required column {missing[0]!r}")
+    lengths = {_column_length(v) for v in columns.values()}
+    lengths.discard(None)
+    if len(lengths) > 1:
+        detail = ", ".join(f"{k}={_column_length(v)}" for k, v in columns.items())
+        raise MalformedStep(f"table {spec.name!r}: columns disagree on row count ({detail})")
+    return lengths.pop() if lengths else 1
 
 
 def _is_numeric(type_: pa.DataType) -> bool:
     return pa.types.is_integer(type_) or pa.types.is_floating(type_) or pa.types.is_boolean(type_)
 
 
+def _is_codes(value: Any) -> bool:
+    return type(value) is np.ndarray and value.dtype.kind in "iu"
+
+
+def _numeric_chunks(values: list[Any], counts: list[int], type_: pa.DataType) -> pa.Array | None:
+    """Fast path for null-free numbers: all scalars, or arrays / flat lists; else None."""
+    np_type = type_.to_pandas_dtype()
+    try:
+        if _column_length(values[0]) is None:
+            if None in values:  # numpy would turn None into False or raise, Arrow keeps nulls
+                return None
+            scalars = np.asarray(values, dtype=np_type)
+            if scalars.shape != (len(values),):
+                return None
+            return pa.array(np.repeat(scalars, counts), type=type_)
+        joined = np.concatenate(values)
+    except (ValueError, TypeError):
+        return None
+    if joined.shape != (sum(counts),) or joined.dtype == object:  # object: nulls inside
+        return None
+    return pa.array(joined.astype(np_type, copy=False), type=type_)
+
+
+def _category_chunks(values: list[Any], categories: tuple[str, ...]) -> pa.Array:
+    """Integer codes into a categorical column's values, decoded by Arrow, not Python."""
+    codes = pa.array(np.concatenate(values).astype(np.int32, copy=False))
+    valid = pc.and_(pc.greater_equal(codes, 0), pc.less(codes, len(categories)))
+    codes = pc.if_else(valid, codes, pa.scalar(None, pa.int32()))  # bad code -> null
+    return pc.take(pa.array(categories, pa.string()), codes)
+
+
 def _chunks_to_arrow(values: list[Any], counts: list[int], field: pa.Field) -> pa.Array:
     """Concatenate one column's per-step values (arrays, lists, scalars or None)."""
     type_ = field.type
-    if _is_numeric(type_) and all(v is not None and not isinstance(v, list) for v in values):
-        np_type = type_.to_pandas_dtype()
-        parts = [
-            np.full(n, v, dtype=np_type) if _column_length(v) is None else np.asarray(v, np_type)
-            for v, n in zip(values, counts, strict=True)
-        ]
-        return pa.array(np.concatenate(parts) if parts else np.empty(0, np_type), type=type_)
+    if _is_numeric(type_):
+        fast = _numeric_chunks(values, counts, type_)
+        if fast is not None:
+            return fast
+    categories = categories_of(field)
+    if categories and all(_is_codes(v) for v in values):
+        return _category_chunks(values, categories)
     flat: list[Any] = []
     for v, n in zip(values, counts, strict=True):
         if _column_length(v) is None:
             flat.extend(itertools.repeat(v.item() if isinstance(v, np.generic) else v, n))
+        elif categories and _is_codes(v):
+            flat.extend(categories[c] if 0 <= c < len(categories) else None for c in v.tolist())
         else:
             flat.extend(v.tolist() if isinstance(v, np.ndarray) else v)
     return pa.array(flat, type=type_)
 
 
 class _Pending:
-    """Columns of one (table, rank) waiting for the next part."""
+    """Steps of one (table, rank) waiting for the next part, kept as handed over."""
 
-    __slots__ = ("columns", "counts", "rank", "spec", "steps")
+    __slots__ = ("chunks", "counts", "rank", "rows", "spec", "steps")
 
     def __init__(self, spec: TableSpec, rank: int | None) -> None:
         self.spec = spec
         self.rank = rank
         self.counts: list[int] = []
         self.steps: list[int] = []
-        self.columns: dict[str, list[Any]] = {}
-
-    @property
-    def rows(self) -> int:
-        return sum(self.counts)
+        self.chunks: list[Columns] = []
+        self.rows = 0
 
     def add(self, step: int | None, columns: Columns, n: int) -> None:
-        chunk = len(self.counts)
+        self.rows += n
         self.counts.append(n)
+        self.chunks.append(columns)
         if step is not None:
             self.steps.append(step)
-        for name, value in columns.items():
-            col = self.columns.get(name)
-            if col is None:
-                col = self.columns[name] = [None] * chunk
-            col.append(value)
-        for col in self.columns.values():
-            if len(col) == chunk:
-                col.append(None)
 
     def to_table(self) -> pa.Table:
         spec = self.spec
+        rows = self.rows
         arrays = []
         for f in spec.schema:
-            if spec.per_step and f.name == "rank":
-                arrays.append(pa.array(np.full(self.rows, self.rank, np.int32)))
-            elif spec.per_step and f.name == "step":
+            name = f.name
+            if spec.per_step and name == "rank":
+                arrays.append(pa.array(np.full(rows, self.rank, np.int32)))
+            elif spec.per_step and name == "step":
                 arrays.append(pa.array(np.repeat(np.asarray(self.steps, np.int64), self.counts)))
-            elif f.name in self.columns:
-                arrays.append(_chunks_to_arrow(self.columns[f.name], self.counts, f))
             else:
-                arrays.append(pa.nulls(self.rows, f.type))
+                values = [c.get(name) for c in self.chunks]
+                if all(v is None for v in values):
+                    arrays.append(pa.nulls(rows, f.type))
+                else:
+                    arrays.append(_chunks_to_arrow(values, self.counts, f))
         return pa.Table.from_arrays(arrays, schema=spec.schema)
 
 
 def write_part_file(trace_dir: Path, rel_path: str, table: pa.Table) -> PartInfo:
     """Write one Parquet part atomically (temporary name, then rename) and describe it."""
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression=COMPRESSION, use_dictionary=True)
+    # Dictionary pages suit these columns (ids, columns, counts repeat within a part) and make
+    # zstd cheaper; statistics are kept for the key columns that queries prune on.
+    keys = [n for n in ("rank", "step") if n in table.column_names]
+    pq.write_table(
+        table, sink, compression=COMPRESSION, use_dictionary=True, write_statistics=keys or False
+    )
     data = sink.getvalue()
     target = trace_dir / rel_path
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,1 @@
+"""DuckDB views and canned queries over a trace."""
