@@ -6,6 +6,7 @@ sentence and returns its exit code; no traceback reaches the user for bad input.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -26,8 +27,9 @@ SKIP_BAD_PARTS = click.option(
 
 
 def _stdout() -> Console:
-    # Piped output gets room for wide tables instead of rich's 80-column default.
-    return Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+    from mgtrace.render import stdout_console
+
+    return stdout_console()
 
 
 def _stderr() -> Console:
@@ -43,7 +45,28 @@ def _open(trace: Path, skip_bad_parts: bool):
     return reader
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Verbs that live in their own packages: imported only when used, so that `mgtrace info`
+# does not pay for torch and triton.
+PLUGIN_COMMANDS = {
+    "simulate": "mgtrace.sim.cli:simulate",
+    "check-kernels": "mgtrace.kernels.cli:check_kernels",
+    "replay": "mgtrace.replayer.cli:replay",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *PLUGIN_COMMANDS])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = PLUGIN_COMMANDS.get(name)
+        if target is None:
+            return super().get_command(ctx, name)
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mgtrace")
 def cli() -> None:
     """Record vLLM hybrid-model align bookkeeping, replay it offline, find the first corrupt step.

@@ -8,6 +8,14 @@ import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
+
+def stdout_console() -> Console:
+    """Piped output gets room for wide tables instead of rich's 80-column default."""
+    import sys
+
+    return Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+
+
 _RUN_FIELDS = (
     ("runner", "runner"),
     ("vllm_version", "vLLM"),
@@ -64,8 +72,14 @@ def render_info(info: dict[str, Any], console: Console) -> None:
     )
     for kind, entry in info["errors"].items():
         t.add_row(f"errors: {kind}", f"{entry['count']} (first: {entry['first']})")
-    if info["ground_truth"]:
-        t.add_row("injected bugs", ", ".join(info["ground_truth"]) or "none")
+    truth = info["ground_truth"]
+    if truth:
+        injected = truth.get("injected") or []
+        first = truth.get("first_step")
+        text = ", ".join(injected) if injected else "none"
+        if first is not None:
+            text += f" (first corrupt step {first})"
+        t.add_row("injected bugs", text)
     if info["replays"]:
         t.add_row("replays with findings", str(info["replays"]))
     for s in info["skipped_parts"]:
@@ -103,3 +117,44 @@ def render_views(views: list[tuple[str, str, str, str]], console: Console) -> No
         t.add_row(view if view != last else "", column, type_, doc)
         last = view
     console.print(t)
+
+
+def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str | None) -> None:
+    """The replay summary: the first corrupt step, its requests, and the finding kinds."""
+    rules = result.rules.canonical()
+    if result.clean:
+        console.print(
+            f"[green]clean[/]: {result.steps} steps replayed under {rules}; no request read "
+            "state that is not its own"
+        )
+        return
+    first = [f for f in result.findings if f.step == result.first_step]
+    requests = sorted({f.req_id for f in first})
+    console.print(
+        f"[red]corruption[/] under {rules}: first at step {result.first_step}, "
+        f"request{'s' if len(requests) > 1 else ''} {', '.join(requests)}"
+    )
+    for f in first:
+        console.print(f"  {f.kind}: {f.detail}", highlight=False)
+    counts: dict[str, set[str]] = {}
+    for f in result.findings:
+        counts.setdefault(f.kind, set()).add(f.req_id)
+    t = Table(title="findings by kind", title_justify="left")
+    t.add_column("kind")
+    t.add_column("requests", justify="right")
+    t.add_column("first step", justify="right")
+    for kind, reqs in sorted(counts.items()):
+        step = min(f.step for f in result.findings if f.kind == kind)
+        t.add_row(kind, str(len(reqs)), str(step))
+    console.print(t)
+    console.print(
+        f"{len(result.findings)} findings over {result.steps} steps "
+        f"({result.repeats} repeats of the same finding for the same request not listed)",
+        style="dim",
+    )
+    if replay_id is not None:
+        console.print(
+            f'next: mgtrace sql {trace} "SELECT step, req_id, kind, detail FROM findings '
+            f"WHERE replay_id = '{replay_id}' ORDER BY step LIMIT 20\"",
+            highlight=False,
+        )

@@ -1,0 +1,185 @@
+"""`mgtrace replay`: a thin layer over ``replay_trace`` and the findings writer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, UsageError
+from mgtrace.replayer.rules import RULES, RuleSet
+
+
+def replay_id_for(rules: RuleSet) -> str:
+    """Findings of one rule set replace those of an earlier replay with the same rules."""
+    return hashlib.sha1(rules.canonical().encode()).hexdigest()[:12]
+
+
+def rules_from_options(values: dict[str, str | None], rules_text: str | None) -> RuleSet:
+    base = RuleSet.parse(rules_text) if rules_text else RuleSet()
+    chosen = {name: v for name, v in values.items() if v is not None}
+    return base.with_(**chosen) if chosen else base
+
+
+def _rule_options(func):  # noqa: ANN001, ANN202 - click decorator plumbing
+    for rule in reversed(list(RULES.values())):
+        choices = " | ".join((*rule.values, "as-recorded"))
+        func = click.option(
+            rule.flag,
+            rule.name,
+            default=None,
+            metavar="VALUE",
+            help=f"{rule.summary} [{choices}]",
+        )(func)
+    return func
+
+
+def list_rules(console: Console) -> None:
+    from rich.table import Table
+
+    t = Table(title="replay rules (default: as-recorded)", title_justify="left")
+    t.add_column("flag")
+    t.add_column("values")
+    t.add_column("what it changes")
+    t.add_column("rules in or out")
+    for rule in RULES.values():
+        t.add_row(rule.flag, " | ".join((*rule.values, "as-recorded")), rule.summary, rule.undoes)
+    console.print(t)
+
+
+@click.command("replay")
+@click.argument("trace", type=click.Path(path_type=Path), required=False)
+@_rule_options
+@click.option("--rules", "rules_text", metavar="R=V,...", help="Rules in canonical form.")
+@click.option(
+    "--backend",
+    type=click.Choice(["reference", "triton"]),
+    default="reference",
+    show_default=True,
+    help="Kernel backend: numpy reference or Triton.",
+)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option(
+    "--layout",
+    type=click.Choice(["compact", "full"]),
+    default="compact",
+    show_default=True,
+    help="State pool: tag-size states or the recorded shapes.",
+)
+@click.option(
+    "--from-step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Report findings from this step on.",
+)
+@click.option("--to-step", type=click.IntRange(min=0), default=None, help="Stop after this step.")
+@click.option("--allow-gaps", is_flag=True, help="Replay across dropped steps (may mislead).")
+@click.option("--no-save", is_flag=True, help="Do not add the findings to the trace.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--list-rules", "show_rules", is_flag=True, help="List the rules and exit.")
+@click.option("--skip-bad-parts", is_flag=True, help="Read the valid parts of a damaged trace.")
+def replay(
+    trace: Path | None,
+    rules_text: str | None,
+    backend: str,
+    device: str,
+    layout: str,
+    from_step: int | None,
+    to_step: int | None,
+    allow_gaps: bool,
+    no_save: bool,
+    as_json: bool,
+    show_rules: bool,
+    skip_bad_parts: bool,
+    **rule_values: str | None,
+) -> int:
+    """Re-run the align kernels of TRACE on provenance-tagged shadow state and report the
+    first step at which a request reads state that is not its own.
+
+    Exit codes: 0 clean, 1 corruption found, 3 unreadable trace, 125 inconclusive.
+    """
+    from mgtrace.render import stdout_console
+
+    out = stdout_console()
+    if show_rules:
+        list_rules(out)
+        return EXIT_CLEAN
+    if trace is None:
+        raise UsageError("give a TRACE to replay (or --list-rules)")
+    from mgtrace.render import render_replay
+    from mgtrace.replayer.findings import save_findings
+    from mgtrace.replayer.loop import replay_trace
+    from mgtrace.schemas.reader import TraceReader
+
+    rules = rules_from_options(rule_values, rules_text)
+    reader = TraceReader(trace, skip_bad_parts=skip_bad_parts)
+    err = Console(stderr=True)
+    total = reader.rows("steps")
+    if to_step is not None:
+        total = min(total, (to_step + 1) * max(1, len({p.rank for p in reader.parts})))
+    columns = (TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("steps", total=total)
+        result = replay_trace(
+            reader,
+            rules,
+            backend=backend,
+            device=device,
+            layout=layout,
+            from_step=from_step,
+            to_step=to_step,
+            allow_gaps=allow_gaps,
+            progress=lambda n: bar.advance(task, n),
+        )
+    replay_id = replay_id_for(rules)
+    saved = False
+    if not no_save:
+        try:
+            save_findings(trace, result.findings, replay_id=replay_id, rules=rules.canonical())
+            saved = True
+        except OSError as exc:
+            err.print(f"mgtrace: could not add the findings to {trace}: {exc.strerror}")
+    if as_json:
+        click.echo(json.dumps(summary_json(result, replay_id, saved), indent=1, default=str))
+    else:
+        render_replay(result, out, trace=trace, replay_id=replay_id if saved else None)
+    return EXIT_CORRUPTION if result.findings else EXIT_CLEAN
+
+
+def summary_json(result, replay_id: str, saved: bool) -> dict:  # noqa: ANN001
+    first = [f for f in result.findings if f.step == result.first_step]
+    return {
+        "rules": result.rules.canonical(),
+        "replay_id": replay_id if saved else None,
+        "steps": result.steps,
+        "ranks": result.ranks,
+        "clean": result.clean,
+        "first_step": result.first_step,
+        "first_requests": sorted({f.req_id for f in first}),
+        "first_findings": [
+            {
+                "kind": f.kind,
+                "signature": f.signature,
+                "req_id": f.req_id,
+                "writer_req_id": f.writer_req_id,
+                "detail": f.detail,
+            }
+            for f in first
+        ],
+        "counts": _counts(result.findings),
+        "findings": len(result.findings),
+        "repeats_suppressed": result.repeats,
+        "argv": sys.argv[1:],
+    }
+
+
+def _counts(findings) -> dict[str, int]:  # noqa: ANN001
+    out: dict[str, int] = {}
+    for f in findings:
+        out[f.kind] = out.get(f.kind, 0) + 1
+    return out

@@ -1,0 +1,382 @@
+"""The replay step loop: rules -> precopy -> forward model -> post-process -> oracle.
+
+One ``RankReplay`` holds one rank's shadow state: the tag pool, the block tables, block
+ownership and the oracle. Per step, in the engine's order:
+
+1. the scheduler's block-id deltas update ownership;
+2. a post-process deferred from an earlier batch (pipeline parallelism) runs first, on the
+   tables as the previous step left them;
+3. the step's block-table changes are applied;
+4. the precopy runs, then the forward model reads (checked) and writes the tags of every
+   batch row, padded rows write where their stale indices point;
+5. the post-process runs, and the oracle checks the state each row will read next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mgtrace.errors import InconclusiveError, UsageError
+from mgtrace.kernels.launch import AlignLaunch
+from mgtrace.kernels.reference import LaunchResult, run_reference
+from mgtrace.replayer.findings import MALFORMED, Finding
+from mgtrace.replayer.oracle import Oracle, StateRead
+from mgtrace.replayer.ownership import BlockOwnership
+from mgtrace.replayer.requests import DUMMY_REQUEST, RequestIds
+from mgtrace.replayer.rules import AS_RECORDED, RuleSet
+from mgtrace.replayer.steps import RankTrace, ranks_of
+from mgtrace.replayer.tables import TableStore
+from mgtrace.replayer.tags import DRAFTS_FOLDED, DUMMY, SPECULATIVE, TagPool
+from mgtrace.replayer.view import RowView, launch_under_rules, row_view
+from mgtrace.schemas.reader import TraceReader
+
+Backend = Callable[..., LaunchResult]
+BACKENDS = ("reference", "triton")
+
+
+def load_backend(name: str, device: str) -> Backend:
+    if name == "reference":
+        if device != "cpu":
+            raise UsageError("the reference backend runs on the CPU; use --backend triton")
+        return run_reference
+    if name == "triton":
+        from mgtrace.kernels.runtime import load_triton_kernels
+
+        return load_triton_kernels(device).run_triton
+    raise UsageError(f"unknown backend {name!r}; choose reference or triton")
+
+
+def _table_dims(trace: RankTrace, k: int) -> tuple[int, int]:
+    """Rows and columns the replayed block tables need to hold every recorded index."""
+    t = trace._tables.table
+    rows = [trace.run.max_num_seqs or 0, 1]
+    width = [k + 2]
+    if t.num_rows:
+        rows.append(int(np.max(t.column("row").to_numpy())) + 1)
+        lengths = [len(x) for x in t.column("block_ids").to_pylist()]
+        width.append(max(lengths))
+    lc = trace._launch_cols
+    if len(lc["bt_row"]):
+        rows.append(int(np.max(lc["bt_row"])) + 1)
+    cols = trace._batch_cols["state_col"]
+    if len(cols):
+        width.append(int(np.max(cols)) + k + 2)
+    return max(rows), max(width)
+
+
+@dataclass
+class RankReplay:
+    trace: RankTrace
+    rules: RuleSet
+    backend: Backend
+    layout: str = "compact"
+    oracle: Oracle = field(init=False)
+
+    def __post_init__(self) -> None:
+        run = self.trace.run
+        self.k = run.num_speculative_tokens
+        self.block_size = run.mamba_block_size
+        self.runner = run.runner
+        self.pool = TagPool(run, layout=self.layout)
+        groups = len(self.pool.groups)
+        kinds = ("v1",) if self.runner == "v1" else ("source", "input")
+        self.own_kind = kinds[0]
+        rows, width = _table_dims(self.trace, self.k)
+        self.tables = TableStore(kinds, groups, rows, width)
+        self.ownership = BlockOwnership(groups, run.num_blocks or 1)
+        width0 = self.pool.groups[0].width if self.pool.groups else 0
+        conv_keep = width0 - self.k if width0 > self.k else width0
+        self.oracle = Oracle(
+            rank=self.trace.rank,
+            ids=self.trace.ids,
+            pool=self.pool,
+            ownership=self.ownership,
+            conv_keep=conv_keep,
+        )
+        self.views: dict[int, RowView] = {}
+        self.keep_views = max(run.pp_size, 1) + 2
+
+    # ----------------------------------------------------------------- the step
+    def step(self, step: int) -> None:
+        trace = self.trace
+        view = row_view(
+            trace.batch(step),
+            self.rules,
+            recorded_threshold=trace.step_value("reorder_threshold", step),
+            k=self.k,
+        )
+        self.views[step] = view
+        self.views.pop(step - self.keep_views, None)
+        sched = trace.sched(step)
+        if sched["req_id"]:
+            self.ownership.apply(
+                step,
+                trace.ids.uids(sched["req_id"]).tolist(),
+                sched["kind"],
+                sched["new_block_ids"],
+            )
+        launches = [
+            launch_under_rules(launch, self.rules, runner=self.runner)
+            for launch in trace.launches(step)
+        ]
+        for launch in launches:
+            if launch.batch_step is not None and launch.batch_step < step:
+                self._run_copy(step, launch)
+        self.tables.apply(trace.table_updates(step))
+        current = [x for x in launches if x.batch_step is None or x.batch_step >= step]
+        for launch in current:
+            if launch.kernel == "precopy":
+                self._run_copy(step, launch)
+        self._forward(step, view)
+        for launch in current:
+            if launch.kernel == "aligned_indices":
+                self._padded_rows(step, launch, view)
+        for launch in current:
+            if launch.kernel == "postprocess":
+                self._run_copy(step, launch)
+
+    # ----------------------------------------------------------------- kernels
+    def _run_copy(self, step: int, launch: AlignLaunch) -> None:
+        kind = launch.bt_table or self.own_kind
+        if kind not in self.tables.tables:
+            kind = self.own_kind
+        result = self.backend(launch, self.pool.pool, self.tables.block_tables(kind))
+        view = self.views.get(launch.batch_step if launch.batch_step is not None else step)
+        for p in result.validation.problems:
+            uid, name = self._row_owner(view, p.batch_row)
+            self.oracle._report(
+                uid,
+                Finding(
+                    kind=MALFORMED,
+                    mechanism=f"{launch.kernel}:{p.what}",
+                    rank=self.trace.rank,
+                    step=step,
+                    req_id=name,
+                    batch_row=p.batch_row,
+                    detail=p.sentence(),
+                    group=p.group,
+                ),
+            )
+        copies = result.validation.copies
+        if copies.rows.size and view is not None:
+            rows = copies.rows.astype(np.int64)
+            uid = np.array([self._row_owner(view, int(r))[0] for r in rows], dtype=np.int64)
+            for g in range(len(self.pool.groups)):
+                self.oracle.check_writes(step, f"{launch.kernel}-copy", g, copies.dst[g], uid, rows)
+        if launch.kernel == "postprocess" and view is not None:
+            self._check_next_state(step, launch, result, view)
+
+    @staticmethod
+    def _row_owner(view: RowView | None, batch_row: int) -> tuple[int, str]:
+        if view is None or not 0 <= batch_row < view.num_rows:
+            return DUMMY_REQUEST, "<padded row>"
+        return int(view.uid[batch_row]), view.req_ids[batch_row]
+
+    def _check_next_state(
+        self, step: int, launch: AlignLaunch, result: LaunchResult, view: RowView
+    ) -> None:
+        """After the post-process: the state each row will read next must be its own, whole."""
+        b = np.asarray(np.ma.getdata(launch.batch_row), dtype=np.int64)
+        slot_live = np.asarray(np.ma.getdata(launch.req_slot)) >= 0
+        keep = slot_live & (b >= 0) & (b < view.num_rows) & ~result.validation.bad
+        if not keep.any():
+            return
+        b = b[keep]
+        acc_out = result.accepted_out[keep].astype(np.int64)
+        acc = view.accepted[b].astype(np.int64)
+        c, n, d = view.computed[b], view.scheduled[b], view.draft[b]
+        expected = np.where(acc >= 1, c + n - d + acc - 1, c + n)
+        offset = np.maximum(acc_out - 1, 0)
+        self._read(step, "next-state", view, b, expected, offset, offset)
+
+    # ----------------------------------------------------------------- forward model
+    def _read(
+        self,
+        step: int,
+        what: str,
+        view: RowView,
+        rows: np.ndarray,
+        expected: np.ndarray,
+        temporal_col: np.ndarray,
+        conv_offset: np.ndarray,
+    ) -> None:
+        slot, col = view.slot[rows], view.state_col[rows]
+        groups = range(len(self.pool.groups))
+        temporal = np.stack(
+            [self.tables.gather(self.own_kind, g, slot, col + temporal_col) for g in groups]
+        )
+        conv = np.stack([self.tables.gather(self.own_kind, g, slot, col) for g in groups])
+        self.oracle.check_reads(
+            step,
+            StateRead(
+                what=what,
+                rows=rows,
+                uid=view.uid[rows].astype(np.int64),
+                expected_tokens=expected.astype(np.int64),
+                temporal_blocks=temporal,
+                conv_blocks=conv,
+                conv_offset=conv_offset.astype(np.int64),
+            ),
+        )
+
+    def _forward(self, step: int, view: RowView) -> None:
+        if not view.num_rows:
+            return
+        live = view.slot >= 0
+        prefill = view.prefill_split
+        accepted = np.where(view.moved, 1, np.maximum(view.accepted_prev, 1)).astype(np.int64)
+        c = view.computed.astype(np.int64)
+        n = view.scheduled.astype(np.int64)
+        d = view.draft.astype(np.int64)
+        # Reads: decodes from window column accepted-1, prefills from column 0 (with context).
+        dec = np.flatnonzero(live & ~prefill)
+        pre = np.flatnonzero(live & prefill & (c > 0))
+        self._read(step, "decode-read", view, dec, c[dec], accepted[dec] - 1, accepted[dec] - 1)
+        zeros = np.zeros(len(pre), dtype=np.int64)
+        self._read(step, "prefill-read", view, pre, c[pre], zeros, zeros)
+        # Writes: decodes write 1+d states (one per token), prefills fold all and write one.
+        keep = self.oracle.conv_keep
+        width = self.pool.groups[0].width if self.pool.groups else 0
+        for g, _gs in enumerate(self.pool.groups):
+            rows_w, cols_w, uids_w, tok_w, flags_w = [], [], [], [], []
+            for j in range(self.k + 1):
+                sel = np.flatnonzero(live & ~prefill & (j < n))
+                rows_w.append(sel)
+                cols_w.append(view.state_col[sel] + j)
+                tok_w.append(c[sel] + j + 1)
+                flags_w.append(np.full(len(sel), SPECULATIVE if j else 0))
+            sel = np.flatnonzero(live & prefill)
+            rows_w.append(sel)
+            cols_w.append(view.state_col[sel])
+            tok_w.append(c[sel] + n[sel])
+            flags_w.append(np.where(d[sel] > 0, DRAFTS_FOLDED, 0))
+            rows_a = np.concatenate(rows_w)
+            blocks = self.tables.gather(self.own_kind, g, view.slot[rows_a], np.concatenate(cols_w))
+            uids_w = view.uid[rows_a].astype(np.int64)
+            ok = blocks >= 0
+            self.oracle.check_writes(step, "forward-write", g, blocks[ok], uids_w[ok], rows_a[ok])
+            self.pool.write_temporal(
+                g,
+                blocks[ok],
+                uids_w[ok],
+                np.concatenate(tok_w)[ok],
+                step,
+                np.concatenate(flags_w)[ok],
+            )
+            # Conv: one window per request, in the running column, covering R - K + 1 ...
+            rows_c = np.flatnonzero(live)
+            covered = np.where(
+                prefill[rows_c], c[rows_c] + n[rows_c], c[rows_c] + n[rows_c] - d[rows_c]
+            )
+            cblocks = self.tables.gather(
+                self.own_kind, g, view.slot[rows_c], view.state_col[rows_c]
+            )
+            okc = cblocks >= 0
+            last = covered - keep + width - 1
+            self.pool.write_conv(g, cblocks[okc], view.uid[rows_c][okc], last[okc])
+        self.oracle.own_state.update(view.uid[live].tolist())
+
+    def _padded_rows(self, step: int, launch: AlignLaunch, view: RowView) -> None:
+        """Padded rows of a CUDA-graph batch run the decode kernel on the state indices their
+        (stale) block-table row gives: they write wherever those point."""
+        slots = np.asarray(np.ma.getdata(launch.req_slot))
+        pad = np.flatnonzero(slots < 0)
+        if not len(pad) or launch.seq_len is None:
+            return
+        rows = np.asarray(np.ma.getdata(launch.bt_row), dtype=np.int64)[pad]
+        if self.rules["clear_vacated_rows"] == "true":
+            rows = rows[rows < view.num_rows]  # rows past the batch read as cleared
+            if not len(rows):
+                return
+            pad = pad[: len(rows)]
+        seq = np.asarray(launch.column("seq_len"), dtype=np.int64)[pad]
+        first = np.maximum((seq - 1) // self.block_size, 0)
+        kind = launch.bt_table if launch.bt_table in self.tables.tables else self.own_kind
+        for g in range(len(self.pool.groups)):
+            cols = first[:, None] + np.arange(self.k + 1)[None, :]
+            blocks = self.tables.gather(kind, g, rows[:, None], cols)
+            flat = blocks.ravel()
+            ok = flat > 0
+            if not ok.any():
+                continue
+            dummy = np.full(int(ok.sum()), DUMMY_REQUEST, dtype=np.int64)
+            brow = np.repeat(launch.batch_row[pad], self.k + 1)[ok]
+            self.oracle.check_writes(step, "padded-row-write", g, flat[ok], dummy, brow)
+            self.pool.write_temporal(
+                g, flat[ok], dummy, np.zeros_like(dummy), step, np.full_like(dummy, DUMMY)
+            )
+
+
+@dataclass
+class ReplayResult:
+    rules: RuleSet
+    findings: list[Finding]
+    steps: int
+    ranks: list[int]
+    first_step: int | None
+    repeats: int  # findings suppressed because the same request already had them
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings
+
+
+def replay_trace(
+    reader: TraceReader,
+    rules: RuleSet | None = None,
+    *,
+    backend: str = "reference",
+    device: str = "cpu",
+    layout: str = "compact",
+    from_step: int | None = None,
+    to_step: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    allow_gaps: bool = False,
+) -> ReplayResult:
+    """Replay every rank of a trace under ``rules``; findings before ``from_step`` are dropped."""
+    rules = rules or RuleSet()
+    run_backend = load_backend(backend, device)
+    ids = RequestIds()
+    findings: list[Finding] = []
+    repeats = 0
+    steps_done = 0
+    ranks = ranks_of(reader)
+    for rank in ranks:
+        trace = RankTrace(reader, rank, ids)
+        if not allow_gaps:
+            _require_contiguous(trace, reader)
+        rep = RankReplay(trace, rules, run_backend, layout)
+        for step in trace:
+            if to_step is not None and step > to_step:
+                break
+            rep.step(step)
+            steps_done += 1
+            if progress is not None:
+                progress(1)
+        findings += [f for f in rep.oracle.findings if from_step is None or f.step >= from_step]
+        repeats += sum(v - 1 for v in rep.oracle.repeats.values())
+    findings.sort(key=lambda f: (f.step, f.rank, f.batch_row if f.batch_row is not None else -1))
+    return ReplayResult(
+        rules=rules,
+        findings=findings,
+        steps=steps_done,
+        ranks=ranks,
+        first_step=findings[0].step if findings else None,
+        repeats=repeats,
+    )
+
+
+def _require_contiguous(trace: RankTrace, reader: TraceReader) -> None:
+    steps = trace.step_numbers
+    if len(steps) and (steps[0] != 0 or np.any(np.diff(steps) != 1)):
+        gap = int(steps[0]) if steps[0] != 0 else int(steps[np.argmax(np.diff(steps) != 1)]) + 1
+        raise InconclusiveError(
+            f"rank {trace.rank} of the trace has a gap at step {gap} (dropped or never recorded "
+            "steps); the shadow state cannot be rebuilt across it"
+        )
+
+
+__all__ = ["AS_RECORDED", "BACKENDS", "ReplayResult", "replay_trace"]

@@ -1,0 +1,88 @@
+"""Who owns each state block, rebuilt from the scheduler's block-id deltas alone.
+
+New and resumed requests get their block lists replaced, cached requests get ids appended,
+finished and preempted requests let theirs go. The latest assignment of a block wins: the
+scheduler frees a request's previous state block without saying so (the worker's rows are
+append-only), so when that block is handed to another request the new holder takes it over.
+Block 0 is the null block and belongs to nobody.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mgtrace.replayer.requests import NO_REQUEST
+
+NULL_BLOCK = 0
+
+
+@dataclass
+class Assignment:
+    uid: int
+    step: int
+
+
+class BlockOwnership:
+    def __init__(self, num_groups: int, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.owner = np.zeros((num_groups, num_blocks), dtype=np.int32)  # uid, 0 = free
+        self.since = np.full((num_groups, num_blocks), -1, dtype=np.int64)  # step assigned
+        self._held: dict[int, list[list[int]]] = {}  # uid -> per group block ids
+
+    def _release(self, uid: int) -> None:
+        for group, blocks in enumerate(self._held.pop(uid, [])):
+            ids = np.asarray(blocks, dtype=np.int64)
+            ids = ids[(ids > NULL_BLOCK) & (ids < self.num_blocks)]
+            mine = ids[self.owner[group, ids] == uid]
+            self.owner[group, mine] = NO_REQUEST
+            self.since[group, mine] = -1
+
+    def _acquire(self, uid: int, step: int, per_group: Sequence[Sequence[int] | None]) -> None:
+        held = self._held.setdefault(uid, [[] for _ in range(self.owner.shape[0])])
+        for group, blocks in enumerate(per_group):
+            if not blocks or group >= self.owner.shape[0]:
+                continue
+            held[group].extend(blocks)
+            ids = np.asarray(blocks, dtype=np.int64)
+            ids = ids[(ids > NULL_BLOCK) & (ids < self.num_blocks)]
+            self.owner[group, ids] = uid
+            self.since[group, ids] = step
+
+    def apply(
+        self,
+        step: int,
+        uids: Sequence[int],
+        kinds: Sequence[str],
+        new_block_ids: Sequence[Sequence[Sequence[int]] | None],
+    ) -> None:
+        """One step's ``sched`` rows, in the order the scheduler emitted them."""
+        for uid, kind, blocks in zip(uids, kinds, new_block_ids, strict=True):
+            if kind in ("finished", "preempted"):
+                self._release(uid)
+            elif kind in ("new", "resumed"):
+                self._release(uid)
+                self._acquire(uid, step, blocks or [])
+            elif blocks:
+                self._acquire(uid, step, blocks)
+
+    def owner_of(self, group: int, block: int) -> Assignment | None:
+        if not NULL_BLOCK < block < self.num_blocks:
+            return None
+        uid = int(self.owner[group, block])
+        return None if uid == NO_REQUEST else Assignment(uid, int(self.since[group, block]))
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, dict[int, list[list[int]]]]:
+        return (
+            self.owner.copy(),
+            self.since.copy(),
+            {u: [list(g) for g in groups] for u, groups in self._held.items()},
+        )
+
+    def restore(self, snap: tuple[np.ndarray, np.ndarray, dict[int, list[list[int]]]]) -> None:
+        owner, since, held = snap
+        self.owner = owner.copy()
+        self.since = since.copy()
+        self._held = {u: [list(g) for g in groups] for u, groups in held.items()}

@@ -1,0 +1,38 @@
+"""Request ids as small integers: provenance tags and ownership maps store uids, not strings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+NO_REQUEST = 0  # uid of "nobody": a zeroed tag, a free block
+DUMMY_REQUEST = -1  # uid a padded (dummy) row writes with
+
+
+class RequestIds:
+    """Stable mapping between engine request ids and uids 1, 2, 3, ... in order of appearance."""
+
+    def __init__(self) -> None:
+        self._uid: dict[str, int] = {}
+        self._names: list[str] = ["<none>"]
+
+    def uid(self, req_id: str) -> int:
+        uid = self._uid.get(req_id)
+        if uid is None:
+            uid = self._uid[req_id] = len(self._names)
+            self._names.append(req_id)
+        return uid
+
+    def uids(self, req_ids: Iterable[str]) -> np.ndarray:
+        return np.fromiter((self.uid(r) for r in req_ids), dtype=np.int32)
+
+    def name(self, uid: int) -> str:
+        if uid == DUMMY_REQUEST:
+            return "<padded row>"
+        if 0 <= uid < len(self._names):
+            return self._names[uid]
+        return f"<uid {uid}>"
+
+    def __len__(self) -> int:
+        return len(self._names) - 1

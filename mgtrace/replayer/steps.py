@@ -1,0 +1,248 @@
+"""Step-indexed access to one rank of a trace, as numpy arrays.
+
+Each table is read once, sorted by step and cut into per-step slices, so that the replay
+loop costs a few array views per step instead of a query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mgtrace.kernels.launch import ROW_COLUMNS, AlignLaunch
+from mgtrace.replayer.requests import RequestIds
+from mgtrace.schemas.reader import TraceReader
+from mgtrace.schemas.tables import (
+    BLOCK_TABLE_KINDS,
+    KERNELS,
+    POSTPROCESS_MODES,
+    REORDER_REGIONS,
+    ROW_RULES,
+)
+
+
+def _numpy(col: pa.ChunkedArray, fill: int = -1) -> np.ndarray:
+    """An integer column as int64 numpy, nulls replaced by ``fill``."""
+    if pa.types.is_boolean(col.type):
+        col = pc.cast(col, pa.int8())
+    if col.null_count:
+        col = pc.fill_null(col, fill)
+    return col.to_numpy(zero_copy_only=False)
+
+
+class _Sliced:
+    """One table's rows of one rank, sorted by (step, *order), with per-step slices."""
+
+    def __init__(self, table: pa.Table, order: list[str]) -> None:
+        table = table.sort_by([("step", "ascending"), *((o, "ascending") for o in order)])
+        self.table = table
+        self.steps = table.column("step").to_numpy(zero_copy_only=False)
+        self.unique, self.starts = np.unique(self.steps, return_index=True)
+        self.ends = np.append(self.starts[1:], len(self.steps))
+        self._index = {int(s): i for i, s in enumerate(self.unique)}
+
+    def bounds(self, step: int) -> tuple[int, int]:
+        i = self._index.get(step)
+        if i is None:
+            return 0, 0
+        return int(self.starts[i]), int(self.ends[i])
+
+
+@dataclass
+class StepBatch:
+    """One step's batch rows (batch order) as arrays; request ids also as uids."""
+
+    step: int
+    uid: np.ndarray
+    req_ids: list[str]
+    cols: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.uid)
+
+
+BATCH_INT_COLUMNS = (
+    "batch_row",
+    "req_slot",
+    "num_scheduled",
+    "num_computed",
+    "num_prompt",
+    "num_draft",
+    "accepted_prev",
+    "accepted_prev_cpu",
+    "accepted",
+    "prev_state_col",
+    "state_col",
+)
+
+
+class RankTrace:
+    """Everything the replayer needs of one rank, loaded once."""
+
+    def __init__(self, reader: TraceReader, rank: int, ids: RequestIds) -> None:
+        self.rank = rank
+        self.ids = ids
+        self.run = reader.manifest.run
+
+        def load(name: str) -> pa.Table:
+            t = reader.table(name)
+            return t.filter(pc.equal(t.column("rank"), rank))
+
+        steps = load("steps").sort_by("step")
+        self.step_numbers = steps.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+        self.step_info = {
+            name: _numpy(steps.column(name)) for name in steps.column_names if name != "rank"
+        }
+        self._batch = _Sliced(load("batch_rows"), ["batch_row"])
+        self._launch = _Sliced(load("launches"), ["kernel", "batch_step", "batch_row"])
+        lt = self._launch.table
+        self._launch_cols = {
+            c: _numpy(lt.column(c)) for c in (*ROW_COLUMNS, "step", "batch_step", "bt_step")
+        }
+        self._launch_has = {
+            c: lt.column(c).is_valid().to_numpy(zero_copy_only=False) for c in ROW_COLUMNS
+        }
+        self._launch_kernel = _codes(lt.column("kernel"), KERNELS)
+        self._launch_rule = _codes(lt.column("row_rule"), ROW_RULES)
+        self._launch_mode = _codes(lt.column("mode"), POSTPROCESS_MODES)
+        self._launch_table = _codes(lt.column("bt_table"), BLOCK_TABLE_KINDS)
+        self._tables = _Sliced(load("block_tables"), ["group", "table", "row"])
+        self._sched = _Sliced(load("sched"), [])
+        self._batch_cols = {c: _numpy(self._batch.table.column(c)) for c in BATCH_INT_COLUMNS}
+        bt = self._batch.table
+        self._batch_req = bt.column("req_id").to_pylist()
+        self._batch_uid = ids.uids(self._batch_req)
+        self._batch_prefill = (
+            pc.fill_null(pc.equal(bt.column("mamba_split"), "prefill"), False)
+            .to_numpy(zero_copy_only=False)
+            .astype(bool)
+        )
+        self._batch_region = (
+            pc.fill_null(pc.index_in(bt.column("reorder_region"), value_set=_REGIONS), -1)
+            .to_numpy(zero_copy_only=False)
+            .astype(np.int8)
+        )
+        self._batch_is_prefilling = pc.fill_null(bt.column("is_prefilling"), False).to_numpy(
+            zero_copy_only=False
+        )
+
+    # --------------------------------------------------------------------- steps
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.step_numbers.tolist())
+
+    def __len__(self) -> int:
+        return len(self.step_numbers)
+
+    def step_value(self, name: str, step: int) -> int | None:
+        i = int(np.searchsorted(self.step_numbers, step))
+        if i >= len(self.step_numbers) or self.step_numbers[i] != step:
+            return None
+        v = int(self.step_info[name][i])
+        return None if v == -1 else v
+
+    def batch(self, step: int) -> StepBatch:
+        lo, hi = self._batch.bounds(step)
+        cols = {c: a[lo:hi] for c, a in self._batch_cols.items()}
+        cols["is_prefill_split"] = self._batch_prefill[lo:hi]
+        cols["region"] = self._batch_region[lo:hi]
+        cols["is_prefilling"] = self._batch_is_prefilling[lo:hi]
+        return StepBatch(step, self._batch_uid[lo:hi], self._batch_req[lo:hi], cols)
+
+    def launches(self, step: int) -> list[AlignLaunch]:
+        """The step's launches, in the order the engine ran them.
+
+        A post-process of an earlier batch (pipeline-parallel deferral) runs first, at the
+        start of the step; then the precopy, the padded-row gather and the post-process.
+        """
+        lo, hi = self._launch.bounds(step)
+        if lo == hi:
+            return []
+        out = []
+        kcol = self._launch_kernel[lo:hi]
+        bstep = self._launch_cols["batch_step"][lo:hi]
+        keys = sorted(
+            set(zip(kcol.tolist(), bstep.tolist(), strict=True)),
+            key=lambda kb: (kb[1] >= step, _KERNEL_ORDER[kb[0]], kb[1]),
+        )
+        for kernel, batch_step in keys:
+            sel = np.flatnonzero((kcol == kernel) & (bstep == batch_step)) + lo
+            out.append(self._make_launch(sel, KERNELS[kernel]))
+        return out
+
+    def _make_launch(self, sel: np.ndarray, kernel: str) -> AlignLaunch:
+        c = self._launch_cols
+        first = int(sel[0])
+        values: dict[str, Any] = {}
+        for name in ROW_COLUMNS:
+            if name == "num_accepted_cpu":
+                continue
+            if not self._launch_has[name][sel].any():
+                values[name] = None
+                continue
+            values[name] = c[name][sel].astype(np.int32)
+        cpu = c["num_accepted_cpu"][sel]
+        cpu_has = self._launch_has["num_accepted_cpu"][sel]
+        values["num_accepted_cpu"] = (
+            np.ma.MaskedArray(np.where(cpu_has, cpu, 0).astype(np.int32), mask=~cpu_has)
+            if cpu_has.any()
+            else None
+        )
+        mode = self._launch_mode[first]
+        return AlignLaunch(
+            kernel=kernel,
+            row_rule=ROW_RULES[self._launch_rule[first]],
+            mode=None if mode < 0 else POSTPROCESS_MODES[mode],
+            bt_table=None
+            if self._launch_table[first] < 0
+            else BLOCK_TABLE_KINDS[self._launch_table[first]],
+            rank=self.rank,
+            step=int(c["step"][first]),
+            batch_step=int(c["batch_step"][first]),
+            bt_step=int(c["bt_step"][first]),
+            block_size=self.run.mamba_block_size,
+            num_speculative_tokens=self.run.num_speculative_tokens,
+            **values,
+        )
+
+    def table_updates(self, step: int) -> list[tuple[int, str, int, list[int]]]:
+        lo, hi = self._tables.bounds(step)
+        if lo == hi:
+            return []
+        t = self._tables.table.slice(lo, hi - lo)
+        return list(
+            zip(
+                t.column("group").to_pylist(),
+                t.column("table").to_pylist(),
+                t.column("row").to_pylist(),
+                t.column("block_ids").to_pylist(),
+                strict=True,
+            )
+        )
+
+    def sched(self, step: int) -> dict[str, Any]:
+        lo, hi = self._sched.bounds(step)
+        t = self._sched.table.slice(lo, hi - lo)
+        return {name: t.column(name).to_pylist() for name in ("req_id", "kind", "new_block_ids")}
+
+
+_REGIONS = pa.array(list(REORDER_REGIONS))
+_KERNEL_ORDER = {
+    KERNELS.index(k): i for i, k in enumerate(("precopy", "aligned_indices", "postprocess"))
+}
+
+
+def _codes(col: pa.ChunkedArray, categories: tuple[str, ...]) -> np.ndarray:
+    """A categorical column as int8 codes into ``categories`` (-1 for null or unknown)."""
+    idx = pc.index_in(col, value_set=pa.array(list(categories)))
+    return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int8)
+
+
+def ranks_of(reader: TraceReader) -> list[int]:
+    t = reader.table("steps", columns=["rank"])
+    return sorted(set(t.column("rank").to_pylist()))

@@ -1,0 +1,56 @@
+"""The block tables as the engine held them, rebuilt step by step from the trace's row changes.
+
+The trace records a block-table row only when it changes (its full new content), per group
+and per table kind: ``v1`` (InputBatch rows), ``source`` (V2 per request slot) and ``input``
+(V2, gathered in batch order each step). Rows never written hold zeros: vLLM's tables start
+zeroed, and 0 is the null block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from mgtrace.kernels.pool import BlockTables
+
+Update = tuple[int, str, int, list[int]]
+
+
+class TableStore:
+    def __init__(self, kinds: Iterable[str], num_groups: int, rows: int, width: int) -> None:
+        self.rows = rows
+        self.width = width
+        self.tables = {
+            kind: [np.zeros((rows, width), dtype=np.int32) for _ in range(num_groups)]
+            for kind in kinds
+        }
+
+    def apply(self, updates: Iterable[Update]) -> None:
+        for group, kind, row, block_ids in updates:
+            table = self.tables[kind][group]
+            if not 0 <= row < self.rows:
+                continue  # a malformed row id: the launch that indexes it is reported instead
+            n = min(len(block_ids), self.width)
+            table[row, :n] = block_ids[:n]
+            table[row, n:] = 0
+
+    def block_tables(self, kind: str) -> BlockTables:
+        return BlockTables(self.tables[kind])
+
+    def gather(self, kind: str, group: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """table[rows, cols] with -1 where the index is out of range (never an exception)."""
+        table = self.tables[kind][group]
+        rows = np.asarray(rows, dtype=np.int64)
+        cols = np.asarray(cols, dtype=np.int64)
+        ok = (rows >= 0) & (rows < self.rows) & (cols >= 0) & (cols < self.width)
+        out = np.full(np.broadcast(rows, cols).shape, -1, dtype=np.int64)
+        rr, cc = np.broadcast_arrays(rows, cols)
+        out[ok] = table[rr[ok], cc[ok]]
+        return out
+
+    def snapshot(self) -> dict[str, list[np.ndarray]]:
+        return {k: [t.copy() for t in ts] for k, ts in self.tables.items()}
+
+    def restore(self, snap: dict[str, list[np.ndarray]]) -> None:
+        self.tables = {k: [t.copy() for t in ts] for k, ts in snap.items()}

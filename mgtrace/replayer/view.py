@@ -1,0 +1,115 @@
+"""A step's batch and launches after the counterfactual rules: what the replay executes.
+
+Each rule is a small pure function of the recorded values, so a test can state exactly what
+it changes: ``reorder_threshold`` re-runs the reorder and the Mamba split,
+``accepted_source`` swaps the accepted counts the kernels read for the ones the CPU held,
+``bt_row_is_req`` recompiles the copy kernels with the other block-table row rule, and
+``clear_vacated_rows`` makes padded rows gather from cleared rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from mgtrace.kernels.launch import AlignLaunch
+from mgtrace.replayer.rules import AS_RECORDED, RuleSet, resolve_threshold
+from mgtrace.replayer.steps import StepBatch
+from mgtrace.sim.reorder import apply_swaps, mamba_split, regions, reorder_swaps
+
+
+@dataclass
+class RowView:
+    """One batch in batch order, with the values the replay uses (rules applied)."""
+
+    step: int
+    uid: np.ndarray
+    req_ids: list[str]
+    slot: np.ndarray
+    computed: np.ndarray
+    scheduled: np.ndarray
+    draft: np.ndarray
+    prompt: np.ndarray
+    state_col: np.ndarray
+    prev_state_col: np.ndarray
+    accepted_prev: np.ndarray  # as this step consumed it, after accepted_source
+    accepted: np.ndarray  # produced this step, -1 when the row sampled nothing
+    prefill_split: np.ndarray  # bool: the Mamba builder ran the row through prefill kernels
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.uid)
+
+    @property
+    def moved(self) -> np.ndarray:
+        """Rows whose running column changed: the precopy moved their state, accepted := 1."""
+        return (self.prev_state_col >= 0) & (self.prev_state_col != self.state_col)
+
+
+def split_under_threshold(batch: StepBatch, threshold: int, k: int) -> np.ndarray:
+    """Which rows the Mamba builder treats as prefills after a reorder at ``threshold``."""
+    c = batch.cols
+    n, comp, prompt = c["num_scheduled"], c["num_computed"], c["num_prompt"]
+    order = np.asarray(
+        apply_swaps(list(range(batch.num_rows)), reorder_swaps(regions(n, comp, prompt, threshold)))
+    )
+    if not len(order):
+        return np.zeros(0, dtype=bool)
+    num_decodes = mamba_split(n[order], comp[order], prompt[order], 1 + k)
+    prefill = np.ones(batch.num_rows, dtype=bool)
+    prefill[order[:num_decodes]] = False
+    return prefill
+
+
+def row_view(
+    batch: StepBatch, rules: RuleSet, *, recorded_threshold: int | None, k: int
+) -> RowView:
+    c = batch.cols
+    prefill = c["is_prefill_split"].astype(bool)
+    if rules["reorder_threshold"] != AS_RECORDED:
+        threshold = resolve_threshold(rules["reorder_threshold"], recorded_threshold, k)
+        if threshold is not None:
+            prefill = split_under_threshold(batch, threshold, k)
+    accepted_prev = c["accepted_prev"].copy()
+    if rules["accepted_source"] == "cpu":
+        cpu = c["accepted_prev_cpu"]
+        accepted_prev = np.where(cpu >= 0, cpu, accepted_prev)
+    return RowView(
+        step=batch.step,
+        uid=batch.uid,
+        req_ids=batch.req_ids,
+        slot=c["req_slot"],
+        computed=c["num_computed"],
+        scheduled=c["num_scheduled"],
+        draft=np.maximum(c["num_draft"], 0),
+        prompt=c["num_prompt"],
+        state_col=c["state_col"],
+        prev_state_col=c["prev_state_col"],
+        accepted_prev=accepted_prev,
+        accepted=c["accepted"],
+        prefill_split=prefill,
+    )
+
+
+def launch_under_rules(launch: AlignLaunch, rules: RuleSet, *, runner: str) -> AlignLaunch:
+    """The launch the replay runs: recompiled row rule, accepted counts from their source."""
+    changes: dict[str, object] = {}
+    rule = rules["bt_row_is_req"]
+    if rule != AS_RECORDED and launch.kernel != "aligned_indices":
+        by_slot = rule == "true"
+        changes["row_rule"] = "req_slot" if by_slot else "batch_row"
+        changes["bt_row"] = None
+        if runner == "v2":
+            # Slot-indexed rows live in the per-slot source tables, batch rows in the gather.
+            changes["bt_table"] = "source" if by_slot else "input"
+    if rules["accepted_source"] == "cpu" and launch.num_accepted_cpu is not None:
+        cpu = launch.num_accepted_cpu
+        has = ~np.ma.getmaskarray(cpu)
+        data = np.ma.getdata(cpu)
+        if launch.num_accepted is not None:
+            changes["num_accepted"] = np.where(has, data, launch.num_accepted).astype(np.int32)
+        if launch.kernel == "precopy" and launch.token_bias is not None:
+            bias = np.maximum(data - 1, 0)
+            changes["token_bias"] = np.where(has, bias, launch.token_bias).astype(np.int32)
+    return replace(launch, **changes) if changes else launch
