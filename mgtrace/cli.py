@@ -51,6 +51,7 @@ PLUGIN_COMMANDS = {
     "simulate": "mgtrace.sim.cli:simulate",
     "check-kernels": "mgtrace.kernels.cli:check_kernels",
     "replay": "mgtrace.replayer.cli:replay",
+    "bisect": "mgtrace.replayer.cli:bisect_cmd",
 }
 
 

@@ -158,3 +158,23 @@ def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str |
             f"WHERE replay_id = '{replay_id}' ORDER BY step LIMIT 20\"",
             highlight=False,
         )
+
+
+def render_verdict(v: Any, console: Console, *, log: Any) -> None:
+    style = {"bad": "red", "clean": "green"}.get(v.status, "yellow")
+    console.print(f"[{style}]{v.sentence()}[/]", highlight=False)
+    if v.status == "bad":
+        for f in v.first_findings[:4]:
+            console.print(f"  {f['kind']}: {f['detail']}", highlight=False)
+        if v.explanations:
+            console.print("  multi-rule explanations: " + "; ".join(v.explanations))
+        console.print("reproduce:")
+        for side in ("bad", "good"):
+            if side in v.commands:
+                console.print(f"  {side}:  {v.commands[side]}", highlight=False)
+    console.print(
+        f"{v.steps_replayed} steps replayed in {v.wall_s:.2f} s over {len(v.probes)} probes",
+        style="dim",
+    )
+    if log is not None:
+        console.print(f"log: {log} (re-check with: mgtrace bisect --replay {log})", style="dim")

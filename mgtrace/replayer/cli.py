@@ -26,7 +26,7 @@ def rules_from_options(values: dict[str, str | None], rules_text: str | None) ->
     return base.with_(**chosen) if chosen else base
 
 
-def _rule_options(func):  # noqa: ANN001, ANN202 - click decorator plumbing
+def _rule_options(func):
     for rule in reversed(list(RULES.values())):
         choices = " | ".join((*rule.values, "as-recorded"))
         func = click.option(
@@ -151,7 +151,7 @@ def replay(
     return EXIT_CORRUPTION if result.findings else EXIT_CLEAN
 
 
-def summary_json(result, replay_id: str, saved: bool) -> dict:  # noqa: ANN001
+def summary_json(result, replay_id: str, saved: bool) -> dict:
     first = [f for f in result.findings if f.step == result.first_step]
     return {
         "rules": result.rules.canonical(),
@@ -178,8 +178,96 @@ def summary_json(result, replay_id: str, saved: bool) -> dict:  # noqa: ANN001
     }
 
 
-def _counts(findings) -> dict[str, int]:  # noqa: ANN001
+def _counts(findings) -> dict[str, int]:
     out: dict[str, int] = {}
     for f in findings:
         out[f.kind] = out.get(f.kind, 0) + 1
     return out
+
+
+@click.command("bisect")
+@click.argument("trace", type=click.Path(path_type=Path), required=False)
+@_rule_options
+@click.option("--rules", "rules_text", metavar="R=V,...", help="Base rules (default: as recorded).")
+@click.option(
+    "--horizon",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Steps past the first bad step a fix must keep clean.",
+)
+@click.option(
+    "--backend", type=click.Choice(["reference", "triton"]), default="reference", show_default=True
+)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option(
+    "--log",
+    "log_path",
+    type=click.Path(path_type=Path),
+    help="Write the bisect log here (default: TRACE/bisect.json).",
+)
+@click.option(
+    "--replay",
+    "replay_log",
+    type=click.Path(path_type=Path),
+    help="Re-check a bisect log: run it again and compare.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
+@click.option("--skip-bad-parts", is_flag=True, help="Read the valid parts of a damaged trace.")
+def bisect_cmd(
+    trace: Path | None,
+    rules_text: str | None,
+    horizon: int,
+    backend: str,
+    device: str,
+    log_path: Path | None,
+    replay_log: Path | None,
+    as_json: bool,
+    skip_bad_parts: bool,
+    **rule_values: str | None,
+) -> int:
+    """Find the first step at which TRACE goes bad, its requests, and the single rule change
+    that makes that step good; print the commands that reproduce both sides.
+
+    Exit codes: 0 clean, 1 corruption found (verdict given), 3 unreadable trace,
+    125 inconclusive (dropped steps, incomplete recording).
+    """
+    from mgtrace.render import render_verdict, stdout_console
+    from mgtrace.replayer.bisect import bisect, recheck_log, save_log
+
+    out = stdout_console()
+    if replay_log is not None:
+        same, old, new = recheck_log(replay_log, backend=backend, device=device)
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {"holds": same, "logged": old.sentence(), "now": new.sentence()}, indent=1
+                )
+            )
+        else:
+            out.print(f"logged: {old.sentence()}", highlight=False)
+            out.print(f"now:    {new.sentence()}", highlight=False)
+            out.print("[green]the verdict holds[/]" if same else "[red]the verdict changed[/]")
+        return new.exit_code if same else 125
+    if trace is None:
+        raise UsageError("give a TRACE to bisect (or --replay LOG)")
+    base = rules_from_options(rule_values, rules_text)
+    verdict = bisect(
+        trace,
+        base=base,
+        horizon=horizon,
+        backend=backend,
+        device=device,
+        skip_bad_parts=skip_bad_parts,
+    )
+    log = log_path or Path(trace) / "bisect.json"
+    try:
+        save_log(verdict, log)
+    except OSError as exc:
+        Console(stderr=True).print(f"mgtrace: could not write the bisect log {log}: {exc}")
+        log = None
+    if as_json:
+        click.echo(json.dumps(verdict.to_json(), indent=1, default=str))
+    else:
+        render_verdict(verdict, out, log=log)
+    return verdict.exit_code

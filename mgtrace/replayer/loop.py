@@ -68,6 +68,18 @@ def _table_dims(trace: RankTrace, k: int) -> tuple[int, int]:
 
 
 @dataclass
+class Checkpoint:
+    step: int  # the last step applied
+    pool: np.ndarray
+    tables: dict[str, list[np.ndarray]]
+    ownership: tuple
+    wrote: np.ndarray
+    repeats: dict[tuple[int, str], int]
+    findings: int
+    views: dict[int, RowView]
+
+
+@dataclass
 class RankReplay:
     trace: RankTrace
     rules: RuleSet
@@ -98,6 +110,61 @@ class RankReplay:
         )
         self.views: dict[int, RowView] = {}
         self.keep_views = max(run.pp_size, 1) + 2
+
+    # ----------------------------------------------------------------- checkpoints
+    def checkpoint(self, step: int) -> Checkpoint:
+        """Everything the replay carries from one step to the next, after ``step``."""
+        o = self.oracle
+        return Checkpoint(
+            step=step,
+            pool=self.pool.snapshot(),
+            tables=self.tables.snapshot(),
+            ownership=self.ownership.snapshot(),
+            wrote=o.wrote.copy(),
+            repeats=dict(o.repeats),
+            findings=len(o.findings),
+            views=dict(self.views),
+        )
+
+    def restore(self, cp: Checkpoint) -> None:
+        o = self.oracle
+        self.pool.restore(cp.pool)
+        self.tables.restore(cp.tables)
+        self.ownership.restore(cp.ownership)
+        o.wrote = cp.wrote.copy()
+        o.repeats = dict(cp.repeats)
+        del o.findings[cp.findings :]
+        self.views = dict(cp.views)
+
+    def run(
+        self,
+        *,
+        start: int = 0,
+        until: int | None = None,
+        stop_on_finding: bool = False,
+        checkpoints: dict[int, Checkpoint] | None = None,
+        every: int = 256,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Replay steps ``start..until``; return the last step replayed (start-1 if none).
+
+        With ``stop_on_finding`` it stops after the first step that produced a finding; with
+        ``checkpoints`` it keeps a checkpoint every ``every`` steps (before step s, keyed s).
+        """
+        last = start - 1
+        for step in self.trace.steps_from(start):
+            if until is not None and step > until:
+                break
+            if checkpoints is not None and step % every == 0:
+                checkpoints[step] = self.checkpoint(step - 1)
+            before = len(self.oracle.findings)
+            self.step(step)
+            last = step
+            if progress is not None:
+                progress(1)
+            if stop_on_finding and len(self.oracle.findings) > before:
+                break
+        return last
 
     # ----------------------------------------------------------------- the step
     def step(self, step: int) -> None:
@@ -190,13 +257,13 @@ class RankReplay:
         c, n, d = view.computed[b], view.scheduled[b], view.draft[b]
         expected = np.where(acc >= 1, c + n - d + acc - 1, c + n)
         offset = np.maximum(acc_out - 1, 0)
-        self._read(step, "next-state", view, b, expected, offset, offset)
+        self._read(step, ["next-state"] * len(b), view, b, expected, offset, offset)
 
     # ----------------------------------------------------------------- forward model
     def _read(
         self,
         step: int,
-        what: str,
+        what: list[str],
         view: RowView,
         rows: np.ndarray,
         expected: np.ndarray,
@@ -232,11 +299,10 @@ class RankReplay:
         n = view.scheduled.astype(np.int64)
         d = view.draft.astype(np.int64)
         # Reads: decodes from window column accepted-1, prefills from column 0 (with context).
-        dec = np.flatnonzero(live & ~prefill)
-        pre = np.flatnonzero(live & prefill & (c > 0))
-        self._read(step, "decode-read", view, dec, c[dec], accepted[dec] - 1, accepted[dec] - 1)
-        zeros = np.zeros(len(pre), dtype=np.int64)
-        self._read(step, "prefill-read", view, pre, c[pre], zeros, zeros)
+        rows = np.flatnonzero(live & (~prefill | (c > 0)))
+        col = np.where(prefill[rows], 0, accepted[rows] - 1)
+        what = ["prefill-read" if p else "decode-read" for p in prefill[rows].tolist()]
+        self._read(step, what, view, rows, c[rows], col, col)
         # Writes: decodes write 1+d states (one per token), prefills fold all and write one.
         keep = self.oracle.conv_keep
         width = self.pool.groups[0].width if self.pool.groups else 0
@@ -277,7 +343,7 @@ class RankReplay:
             okc = cblocks >= 0
             last = covered - keep + width - 1
             self.pool.write_conv(g, cblocks[okc], view.uid[rows_c][okc], last[okc])
-        self.oracle.own_state.update(view.uid[live].tolist())
+        self.oracle.mark_written(view.uid[live].astype(np.int64))
 
     def _padded_rows(self, step: int, launch: AlignLaunch, view: RowView) -> None:
         """Padded rows of a CUDA-graph batch run the decode kernel on the state indices their
@@ -349,13 +415,8 @@ def replay_trace(
         if not allow_gaps:
             _require_contiguous(trace, reader)
         rep = RankReplay(trace, rules, run_backend, layout)
-        for step in trace:
-            if to_step is not None and step > to_step:
-                break
-            rep.step(step)
-            steps_done += 1
-            if progress is not None:
-                progress(1)
+        last = rep.run(until=to_step, progress=progress)
+        steps_done += int(np.count_nonzero(trace.step_numbers <= last))
         findings += [f for f in rep.oracle.findings if from_step is None or f.step >= from_step]
         repeats += sum(v - 1 for v in rep.oracle.repeats.values())
     findings.sort(key=lambda f: (f.step, f.rank, f.batch_row if f.batch_row is not None else -1))

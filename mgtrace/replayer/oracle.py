@@ -28,11 +28,15 @@ from mgtrace.replayer.requests import DUMMY_REQUEST, NO_REQUEST, RequestIds
 from mgtrace.replayer.tags import TagPool
 
 
+def _verb(what: str) -> str:
+    return "will read next" if what == "next-state" else "reads"
+
+
 @dataclass
 class StateRead:
     """Rows about to read state: where, and what they should find there."""
 
-    what: str  # mechanism prefix: decode-read, prefill-read, next-state
+    what: list[str]  # per row, mechanism prefix: decode-read, prefill-read, next-state
     rows: np.ndarray  # batch rows
     uid: np.ndarray
     expected_tokens: np.ndarray  # E per row
@@ -50,7 +54,19 @@ class Oracle:
     conv_keep: int  # conv rows a read relies on (K-1)
     findings: list[Finding] = field(default_factory=list)
     repeats: dict[tuple[int, str], int] = field(default_factory=dict)
-    own_state: set[int] = field(default_factory=set)  # uids that wrote a state of their own
+    wrote: np.ndarray = field(default_factory=lambda: np.zeros(1024, dtype=bool))
+
+    def mark_written(self, uids: np.ndarray) -> None:
+        """These requests now have a state of their own (a prefix share is no longer legal)."""
+        if len(uids) and uids.max() >= len(self.wrote):
+            grown = np.zeros(max(2 * len(self.wrote), int(uids.max()) + 1), dtype=bool)
+            grown[: len(self.wrote)] = self.wrote
+            self.wrote = grown
+        self.wrote[uids] = True
+
+    def has_written(self, uids: np.ndarray) -> np.ndarray:
+        inside = (uids >= 0) & (uids < len(self.wrote))
+        return inside & self.wrote[np.where(inside, uids, 0)]
 
     def _report(self, uid: int, f: Finding) -> None:
         key = (uid, f.signature)
@@ -76,7 +92,7 @@ class Oracle:
         tags[ok] = self.pool.read_temporal(g, blocks[ok])
         uid_t, tok_t, step_t = tags[:, 0], tags[:, 1], tags[:, 2]
         mine = uid_t == read.uid
-        prefix = ~mine & ~np.isin(read.uid, list(self.own_state)) & (tok_t == read.expected_tokens)
+        prefix = ~mine & ~self.has_written(read.uid) & (tok_t == read.expected_tokens)
         prefix &= uid_t > 0
         unwritten = ok & (uid_t == NO_REQUEST)
         foreign = ok & ~mine & ~prefix & ~unwritten
@@ -85,27 +101,27 @@ class Oracle:
             uid, e, t = int(read.uid[i]), int(read.expected_tokens[i]), int(tok_t[i])
             name = self.ids.name(uid)
             if unwritten[i]:
-                kind, mech = WRONG_TOKENS, f"{read.what}:temporal:unwritten"
+                kind, mech = WRONG_TOKENS, f"{read.what[i]}:temporal:unwritten"
                 detail = (
-                    f"request {name} reads a temporal state no request has written "
+                    f"request {name} {_verb(read.what[i])} a temporal state no request has written "
                     f"(block {int(blocks[i])}); it has {e} tokens"
                 )
                 writer_id, writer_step = None, None
             elif foreign[i]:
                 writer = self.ids.name(int(uid_t[i]))
                 who = "a padded row" if uid_t[i] == DUMMY_REQUEST else f"request {writer}"
-                kind, mech = FOREIGN_STATE, f"{read.what}:temporal"
+                kind, mech = FOREIGN_STATE, f"{read.what[i]}:temporal"
                 detail = (
-                    f"request {name} reads a temporal state written by {who} at step "
-                    f"{int(step_t[i])} ({t} tokens folded in; it has {e})"
+                    f"request {name} {_verb(read.what[i])} a temporal state written by {who} "
+                    f"at step {int(step_t[i])} ({t} tokens folded in; it has {e})"
                 )
                 writer_id, writer_step = writer, int(step_t[i])
             else:
                 rel = "ahead" if t > e else "behind"
-                kind, mech = WRONG_TOKENS, f"{read.what}:temporal:{rel}"
+                kind, mech = WRONG_TOKENS, f"{read.what[i]}:temporal:{rel}"
                 detail = (
-                    f"request {name} reads its own temporal state with {t} tokens folded in "
-                    f"where it has {e} (written at step {int(step_t[i])})"
+                    f"request {name} {_verb(read.what[i])} its own temporal state with {t} "
+                    f"tokens folded in where it has {e} (written at step {int(step_t[i])})"
                 )
                 writer_id, writer_step = name, int(step_t[i])
             self._report(
@@ -138,8 +154,7 @@ class Oracle:
         got_uid = np.take_along_axis(uids, cols, axis=1)
         got_pos = np.take_along_axis(pos, cols, axis=1)
         want_pos = read.expected_tokens[:, None] - self.conv_keep + np.arange(self.conv_keep)
-        own = set(self.own_state)
-        may_share = ~np.isin(read.uid, list(own))
+        may_share = ~self.has_written(read.uid)
         uid_ok = (got_uid == read.uid[:, None]) | (may_share[:, None] & (got_uid > 0))
         pos_ok = got_pos == want_pos
         never = ok & ((got_uid == NO_REQUEST) & inside).any(axis=1)
@@ -149,21 +164,21 @@ class Oracle:
             uid = int(read.uid[i])
             name = self.ids.name(uid)
             if never[i]:
-                kind, mech = WRONG_TOKENS, f"{read.what}:conv:unwritten"
-                detail = f"request {name} reads conv rows no request has written"
+                kind, mech = WRONG_TOKENS, f"{read.what[i]}:conv:unwritten"
+                detail = f"request {name} {_verb(read.what[i])} conv rows no request has written"
                 writer_id = None
             elif bad_uid[i]:
                 j = int(np.argmax(~uid_ok[i] & inside[i]))
                 writer = self.ids.name(int(got_uid[i, j]))
-                kind, mech = FOREIGN_STATE, f"{read.what}:conv"
-                detail = f"request {name} reads conv rows of {writer}"
+                kind, mech = FOREIGN_STATE, f"{read.what[i]}:conv"
+                detail = f"request {name} {_verb(read.what[i])} conv rows of {writer}"
                 writer_id = writer
             else:
                 j = int(np.argmax(~pos_ok[i] & inside[i]))
                 rel = "ahead" if got_pos[i, j] > want_pos[i, j] else "behind"
-                kind, mech = WRONG_TOKENS, f"{read.what}:conv:{rel}"
+                kind, mech = WRONG_TOKENS, f"{read.what[i]}:conv:{rel}"
                 detail = (
-                    f"request {name} reads conv positions {int(got_pos[i, 0])}.."
+                    f"request {name} {_verb(read.what[i])} conv positions {int(got_pos[i, 0])}.."
                     f"{int(got_pos[i, -1])} where it needs {int(want_pos[i, 0])}.."
                     f"{int(want_pos[i, -1])}"
                 )

@@ -65,7 +65,7 @@ class BlockOwnership:
             elif kind in ("new", "resumed"):
                 self._release(uid)
                 self._acquire(uid, step, blocks or [])
-            elif blocks:
+            elif blocks and any(blocks):
                 self._acquire(uid, step, blocks)
 
     def owner_of(self, group: int, block: int) -> Assignment | None:

@@ -35,8 +35,12 @@ class Rule:
         return "N" in self.values and value.isdigit() and int(value) > 0
 
     def alternatives(self) -> tuple[str, ...]:
-        """The values bisect tries, in order (integers other than the named ones excluded)."""
-        return tuple(v for v in self.values if v != "N")
+        """The values bisect tries: named values that can differ from what was recorded."""
+        return tuple(v for v in self.values if v not in ("N", *self.same_as_recorded))
+
+    # Values that name what a trace records anyway (the kernel's accepted count is the
+    # recorded one), so trying them cannot change a replay.
+    same_as_recorded: tuple[str, ...] = ()
 
 
 RULES: dict[str, Rule] = {
@@ -59,6 +63,7 @@ RULES: dict[str, Rule] = {
             ("kernel", "cpu"),
             "Take accepted counts as the kernel read them, or as the CPU held them.",
             "accepted-count copy overtaken by row moves (vllm#51571)",
+            same_as_recorded=("kernel",),
         ),
         Rule(
             "clear_vacated_rows",

@@ -112,6 +112,9 @@ class RankTrace:
         self._launch_rule = _codes(lt.column("row_rule"), ROW_RULES)
         self._launch_mode = _codes(lt.column("mode"), POSTPROCESS_MODES)
         self._launch_table = _codes(lt.column("bt_table"), BLOCK_TABLE_KINDS)
+        for name in ROW_COLUMNS:  # int32 once here, so launches are views, not copies
+            self._launch_cols[name] = self._launch_cols[name].astype(np.int32)
+        self._index_launch_groups()
         self._tables = _Sliced(load("block_tables"), ["group", "table", "row"])
         self._sched = _Sliced(load("sched"), [])
         self._batch_cols = {c: _numpy(self._batch.table.column(c)) for c in BATCH_INT_COLUMNS}
@@ -139,6 +142,9 @@ class RankTrace:
     def __len__(self) -> int:
         return len(self.step_numbers)
 
+    def steps_from(self, start: int) -> list[int]:
+        return self.step_numbers[np.searchsorted(self.step_numbers, start) :].tolist()
+
     def step_value(self, name: str, step: int) -> int | None:
         i = int(np.searchsorted(self.step_numbers, step))
         if i >= len(self.step_numbers) or self.step_numbers[i] != step:
@@ -160,51 +166,70 @@ class RankTrace:
         A post-process of an earlier batch (pipeline-parallel deferral) runs first, at the
         start of the step; then the precopy, the padded-row gather and the post-process.
         """
-        lo, hi = self._launch.bounds(step)
-        if lo == hi:
-            return []
-        out = []
-        kcol = self._launch_kernel[lo:hi]
-        bstep = self._launch_cols["batch_step"][lo:hi]
-        keys = sorted(
-            set(zip(kcol.tolist(), bstep.tolist(), strict=True)),
-            key=lambda kb: (kb[1] >= step, _KERNEL_ORDER[kb[0]], kb[1]),
+        groups = self._launch_groups.get(step, ())
+        ordered = sorted(
+            groups,
+            key=lambda g: (
+                self._group_batch_step[g] >= step,
+                _KERNEL_ORDER[self._group_kernel[g]],
+                self._group_batch_step[g],
+            ),
         )
-        for kernel, batch_step in keys:
-            sel = np.flatnonzero((kcol == kernel) & (bstep == batch_step)) + lo
-            out.append(self._make_launch(sel, KERNELS[kernel]))
-        return out
+        return [self._make_launch(g) for g in ordered]
 
-    def _make_launch(self, sel: np.ndarray, kernel: str) -> AlignLaunch:
+    def _index_launch_groups(self) -> None:
+        """Rows sorted by (step, kernel, batch_step, batch_row): each launch is a slice."""
         c = self._launch_cols
-        first = int(sel[0])
+        n = len(self._launch_kernel)
+        if n == 0:
+            self._launch_groups: dict[int, list[int]] = {}
+            self._group_bounds = np.zeros((0, 2), dtype=np.int64)
+            return
+        change = np.ones(n, dtype=bool)
+        change[1:] = (
+            (np.diff(c["step"]) != 0)
+            | (np.diff(self._launch_kernel) != 0)
+            | (np.diff(c["batch_step"]) != 0)
+        )
+        starts = np.flatnonzero(change)
+        ends = np.append(starts[1:], n)
+        self._group_bounds = np.stack([starts, ends], axis=1)
+        self._group_kernel = self._launch_kernel[starts].tolist()
+        self._group_batch_step = c["batch_step"][starts].tolist()
+        self._group_has = {
+            name: np.maximum.reduceat(has.astype(np.int8), starts).astype(bool)
+            for name, has in self._launch_has.items()
+        }
+        self._launch_groups = {}
+        for g, st in enumerate(c["step"][starts].tolist()):
+            self._launch_groups.setdefault(st, []).append(g)
+
+    def _make_launch(self, g: int) -> AlignLaunch:
+        c = self._launch_cols
+        lo, hi = (int(x) for x in self._group_bounds[g])
         values: dict[str, Any] = {}
         for name in ROW_COLUMNS:
             if name == "num_accepted_cpu":
                 continue
-            if not self._launch_has[name][sel].any():
-                values[name] = None
-                continue
-            values[name] = c[name][sel].astype(np.int32)
-        cpu = c["num_accepted_cpu"][sel]
-        cpu_has = self._launch_has["num_accepted_cpu"][sel]
-        values["num_accepted_cpu"] = (
-            np.ma.MaskedArray(np.where(cpu_has, cpu, 0).astype(np.int32), mask=~cpu_has)
-            if cpu_has.any()
-            else None
-        )
-        mode = self._launch_mode[first]
+            values[name] = c[name][lo:hi] if self._group_has[name][g] else None
+        if self._group_has["num_accepted_cpu"][g]:
+            has = self._launch_has["num_accepted_cpu"][lo:hi]
+            values["num_accepted_cpu"] = np.ma.MaskedArray(
+                np.where(has, c["num_accepted_cpu"][lo:hi], 0).astype(np.int32), mask=~has
+            )
+        else:
+            values["num_accepted_cpu"] = None
+        mode = self._launch_mode[lo]
+        table = self._launch_table[lo]
         return AlignLaunch(
-            kernel=kernel,
-            row_rule=ROW_RULES[self._launch_rule[first]],
+            kernel=KERNELS[self._group_kernel[g]],
+            row_rule=ROW_RULES[self._launch_rule[lo]],
             mode=None if mode < 0 else POSTPROCESS_MODES[mode],
-            bt_table=None
-            if self._launch_table[first] < 0
-            else BLOCK_TABLE_KINDS[self._launch_table[first]],
+            bt_table=None if table < 0 else BLOCK_TABLE_KINDS[table],
             rank=self.rank,
-            step=int(c["step"][first]),
-            batch_step=int(c["batch_step"][first]),
-            bt_step=int(c["bt_step"][first]),
+            step=int(c["step"][lo]),
+            batch_step=self._group_batch_step[g],
+            bt_step=int(c["bt_step"][lo]),
             block_size=self.run.mamba_block_size,
             num_speculative_tokens=self.run.num_speculative_tokens,
             **values,

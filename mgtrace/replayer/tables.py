@@ -44,10 +44,8 @@ class TableStore:
         rows = np.asarray(rows, dtype=np.int64)
         cols = np.asarray(cols, dtype=np.int64)
         ok = (rows >= 0) & (rows < self.rows) & (cols >= 0) & (cols < self.width)
-        out = np.full(np.broadcast(rows, cols).shape, -1, dtype=np.int64)
-        rr, cc = np.broadcast_arrays(rows, cols)
-        out[ok] = table[rr[ok], cc[ok]]
-        return out
+        found = table[np.where(ok, rows, 0), np.where(ok, cols, 0)]
+        return np.where(ok, found, -1)
 
     def snapshot(self) -> dict[str, list[np.ndarray]]:
         return {k: [t.copy() for t in ts] for k, ts in self.tables.items()}

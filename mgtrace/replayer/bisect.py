@@ -1,0 +1,315 @@
+"""`mgtrace bisect`: the first bad step, the rule change that makes it good, and the commands.
+
+1. The recorded replay runs with checkpoints and stops at its first finding: step F.
+2. Every single rule change from the registry is a candidate. A rule changes nothing before
+   the first step where its inputs differ from the recorded ones (``first_divergence``), so
+   its replay starts from the recorded checkpoint just before that step, not from step 0,
+   and runs to F plus a horizon. The rule "fixes" F when that stretch is clean.
+3. When no single rule fixes F, pairs of the rules that had an effect are tried and ranked.
+
+A verdict is given only when the trace supports one: a gap (dropped steps) before F, or a
+clean replay of a trace with drops or an incomplete recording, is inconclusive (exit 125).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, EXIT_INCONCLUSIVE, MgtraceError
+from mgtrace.replayer.divergence import first_divergence
+from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, FOREIGN_STATE, Finding
+from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
+from mgtrace.replayer.requests import RequestIds
+from mgtrace.replayer.rules import RuleSet, single_changes
+from mgtrace.replayer.steps import RankTrace, ranks_of
+from mgtrace.schemas.reader import TraceReader
+
+LOG_FORMAT = "mgtrace-bisect"
+DEFAULT_HORIZON = 32
+CHECKPOINT_EVERY = 128
+
+
+@dataclass
+class Probe:
+    """One replay bisect ran: which rules, which steps, what it found first."""
+
+    rules: str
+    rank: int
+    from_step: int
+    to_step: int
+    first_finding_step: int | None
+    clean: bool
+    note: str = ""
+    steps: int = 0  # steps this probe replayed (0 when the rule changes nothing before F)
+
+
+@dataclass
+class Verdict:
+    status: str  # bad | clean | inconclusive
+    trace: str
+    base_rules: str
+    reason: str = ""
+    first_step: int | None = None
+    rank: int | None = None
+    requests: list[str] = field(default_factory=list)
+    first_findings: list[dict[str, Any]] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)  # single rule changes that make F clean
+    explanations: list[str] = field(default_factory=list)  # multi-rule, ranked
+    commands: dict[str, str] = field(default_factory=dict)
+    horizon: int = DEFAULT_HORIZON
+    probes: list[Probe] = field(default_factory=list)
+    steps_replayed: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        return {"bad": EXIT_CORRUPTION, "clean": EXIT_CLEAN}.get(self.status, EXIT_INCONCLUSIVE)
+
+    def sentence(self) -> str:
+        if self.status == "inconclusive":
+            return f"inconclusive: {self.reason}"
+        if self.status == "clean":
+            return f"clean: no request reads state that is not its own under {self.base_rules}"
+        lead = self.first_findings[0] if self.first_findings else {}
+        what = _describe(lead)
+        fix = (
+            f"clean under {' '.join(RuleSet.parse(self.fixes[0]).as_flags())}"
+            if self.fixes
+            else "no single rule change makes it clean"
+        )
+        if not self.fixes and self.explanations:
+            fix += f"; clean under {' '.join(RuleSet.parse(self.explanations[0]).as_flags())}"
+        return f"corruption starts at step {self.first_step}: {what}; {fix}"
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["format"] = LOG_FORMAT
+        data["verdict"] = self.sentence()
+        return data
+
+
+def _describe(f: dict[str, Any]) -> str:
+    if not f:
+        return "a finding"
+    if f["kind"] == FOREIGN_STATE and f.get("writer_req_id"):
+        at = f" at step {f['writer_step']}" if f.get("writer_step") is not None else ""
+        return f"request {f['req_id']} reads state written by request {f['writer_req_id']}{at}"
+    if f["kind"] == FOREIGN_BLOCK_WRITE:
+        return f"request {f['writer_req_id']} writes a block of request {f['req_id']}"
+    return f["detail"]
+
+
+def _finding_dict(f: Finding) -> dict[str, Any]:
+    return {
+        "kind": f.kind,
+        "signature": f.signature,
+        "req_id": f.req_id,
+        "writer_req_id": f.writer_req_id,
+        "writer_step": f.writer_step,
+        "batch_row": f.batch_row,
+        "detail": f.detail,
+    }
+
+
+def _gaps(trace: RankTrace) -> int | None:
+    steps = trace.step_numbers
+    if not len(steps):
+        return None
+    if steps[0] != 0:
+        return 0
+    jumps = np.flatnonzero(np.diff(steps) != 1)
+    return int(steps[jumps[0]]) + 1 if len(jumps) else None
+
+
+class Bisector:
+    def __init__(
+        self,
+        trace_path: Path,
+        *,
+        base: RuleSet | None = None,
+        backend: str = "reference",
+        device: str = "cpu",
+        horizon: int = DEFAULT_HORIZON,
+        every: int = CHECKPOINT_EVERY,
+        skip_bad_parts: bool = False,
+    ) -> None:
+        self.path = Path(trace_path)
+        self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
+        self.base = base or RuleSet()
+        self.backend_name = backend
+        self.device = device
+        self.backend = load_backend(backend, device)
+        self.horizon = horizon
+        self.every = every
+        self.ids = RequestIds()
+        self.traces = {r: RankTrace(self.reader, r, self.ids) for r in ranks_of(self.reader)}
+
+    def run(self) -> Verdict:
+        t0 = time.perf_counter()
+        v = Verdict(
+            status="clean",
+            trace=str(self.path),
+            base_rules=self.base.canonical(),
+            horizon=self.horizon,
+        )
+        m = self.reader.manifest
+        gaps = {r: _gaps(t) for r, t in self.traces.items()}
+        checkpoints: dict[int, dict[int, Checkpoint]] = {}
+        firsts: dict[int, int] = {}
+        replays: dict[int, RankReplay] = {}
+        for rank, trace in self.traces.items():
+            rep = RankReplay(trace, self.base, self.backend)
+            cps: dict[int, Checkpoint] = {}
+            # A later rank only matters if it goes bad before the earliest finding so far.
+            until = min(firsts.values()) - 1 if firsts else None
+            last = rep.run(until=until, stop_on_finding=True, checkpoints=cps, every=self.every)
+            done = int(np.count_nonzero(trace.step_numbers <= last))
+            v.steps_replayed += done
+            first = rep.oracle.findings[0].step if rep.oracle.findings else None
+            v.probes.append(
+                Probe(
+                    self.base.canonical(),
+                    rank,
+                    0,
+                    last,
+                    first,
+                    first is None,
+                    "recorded rules",
+                    steps=done,
+                )
+            )
+            checkpoints[rank], replays[rank] = cps, rep
+            if first is not None:
+                firsts[rank] = first
+        if not firsts:
+            problems = []
+            if any(g is not None for g in gaps.values()) or m.drops.total_steps:
+                problems.append("the trace has dropped steps")
+            if not m.complete:
+                problems.append("the recording did not finish (complete=false)")
+            if problems:
+                v.status = "inconclusive"
+                v.reason = (
+                    f"the replay is clean, but {' and '.join(problems)}, so corruption may lie "
+                    "in what is missing"
+                )
+            v.wall_s = time.perf_counter() - t0
+            return v
+        first = min(firsts.values())
+        rank = min(r for r, f in firsts.items() if f == first)
+        gap = gaps[rank]
+        if gap is not None and gap <= first:
+            v.status = "inconclusive"
+            v.reason = (
+                f"rank {rank} has a gap at step {gap} (dropped or unrecorded steps) before the "
+                f"first finding at step {first}; the shadow state there cannot be trusted"
+            )
+            v.wall_s = time.perf_counter() - t0
+            return v
+        v.status, v.first_step, v.rank = "bad", first, rank
+        lead = [f for f in replays[rank].oracle.findings if f.step == first]
+        v.first_findings = [_finding_dict(f) for f in lead]
+        v.requests = sorted(
+            {f.req_id for f in lead}
+            | {f.writer_req_id for f in lead if f.kind == FOREIGN_BLOCK_WRITE and f.writer_req_id}
+        )
+        trace = self.traces[rank]
+        end = first + self.horizon
+        delays: dict[str, int] = {}
+        for cand in single_changes(self.base, trace.run.num_speculative_tokens):
+            probe = self._probe(trace, checkpoints[rank], cand, end, first)
+            v.probes.append(probe)
+            v.steps_replayed += probe.steps
+            if probe.clean:
+                v.fixes.append(cand.canonical())
+            elif probe.note != "no effect":
+                delays[cand.canonical()] = probe.first_finding_step or first
+        if not v.fixes and len(delays) >= 2:
+            ranked = sorted(delays, key=lambda c: -delays[c])
+            for a, b in itertools.combinations(ranked, 2):
+                merged = RuleSet.parse(a).with_(**RuleSet.parse(b).changed())
+                probe = self._probe(trace, checkpoints[rank], merged, end, first)
+                v.probes.append(probe)
+                v.steps_replayed += probe.steps
+                if probe.clean:
+                    v.explanations.append(merged.canonical())
+        v.commands = self._commands(v, end)
+        v.wall_s = time.perf_counter() - t0
+        return v
+
+    def _probe(
+        self, trace: RankTrace, cps: dict[int, Checkpoint], rules: RuleSet, end: int, first: int
+    ) -> Probe:
+        start = first_divergence(trace, rules, until=first)
+        if start is None:
+            return Probe(rules.canonical(), trace.rank, first, first, first, False, "no effect")
+        rep = RankReplay(trace, rules, self.backend)
+        usable = [s for s in cps if s <= start]
+        begin = max(usable) if usable else 0
+        if usable:
+            rep.restore(cps[begin])
+        last = rep.run(start=begin, until=end, stop_on_finding=True)
+        found = rep.oracle.findings[0].step if rep.oracle.findings else None
+        return Probe(
+            rules.canonical(),
+            trace.rank,
+            begin,
+            last,
+            found,
+            found is None,
+            f"diverges at step {start}",
+            steps=max(0, last - begin + 1),
+        )
+
+    def _commands(self, v: Verdict, end: int) -> dict[str, str]:
+        """The exact replays that show the bad side and, when there is one, the good side."""
+
+        def cmd(rules: RuleSet, to_step: int) -> str:
+            parts = ["mgtrace", "replay", str(self.path), *rules.as_flags(), f"--to-step={to_step}"]
+            if self.backend_name != "reference":
+                parts += [f"--backend={self.backend_name}", f"--device={self.device}"]
+            return " ".join(shlex.quote(p) for p in parts)
+
+        out = {"bad": cmd(self.base, end)}
+        good = v.fixes[0] if v.fixes else (v.explanations[0] if v.explanations else None)
+        if good is not None:
+            out["good"] = cmd(self.base.with_(**RuleSet.parse(good).changed()), end)
+        return out
+
+
+def bisect(trace: Path, **kwargs: Any) -> Verdict:
+    return Bisector(trace, **kwargs).run()
+
+
+def save_log(v: Verdict, path: Path) -> None:
+    from mgtrace.schemas.manifest import write_json_atomic
+
+    write_json_atomic(path, v.to_json())
+
+
+def recheck_log(path: Path, **kwargs: Any) -> tuple[bool, Verdict, Verdict]:
+    """Run the bisect again on the trace a log names; True when the verdict still holds."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise MgtraceError(f"cannot read the bisect log {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != LOG_FORMAT:
+        raise MgtraceError(f"{path} is not an mgtrace bisect log")
+    old = Verdict(**{k: data[k] for k in Verdict.__dataclass_fields__ if k in data})
+    old.probes = [Probe(**p) for p in data.get("probes", [])]
+    new = bisect(Path(old.trace), base=RuleSet.parse(old.base_rules), horizon=old.horizon, **kwargs)
+    same = (
+        new.status == old.status
+        and new.first_step == old.first_step
+        and new.requests == old.requests
+        and new.fixes == old.fixes
+    )
+    return same, old, new
