@@ -30,10 +30,9 @@ $(VENV)/.peer: $(VENV)/.installed requirements-peer.txt
 peer: $(VENV)/.peer
 
 demo: $(VENV)/.installed
-	$(PY) -m mgtrace.schemas.sample $(DEMO_DIR)
-	$(VENV)/bin/mgtrace info $(DEMO_DIR)
-	$(VENV)/bin/mgtrace sql $(DEMO_DIR) "SELECT reorder_region, mamba_split, count(*) AS rows, \
-		avg(accepted_prev) AS mean_accepted FROM batch_rows GROUP BY ALL ORDER BY rows DESC"
+	$(VENV)/bin/mgtrace demo -o $(DEMO_DIR) --force
+	$(VENV)/bin/mgtrace sql $(DEMO_DIR) "SELECT mamba_split, reorder_region, count(*) AS rows \
+		FROM batch_rows WHERE num_draft > 0 GROUP BY ALL ORDER BY rows DESC"
 
 test: $(VENV)/.peer
 	$(PY) -m ruff check mgtrace tests benchmarks

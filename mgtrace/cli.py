@@ -52,6 +52,9 @@ PLUGIN_COMMANDS = {
     "check-kernels": "mgtrace.kernels.cli:check_kernels",
     "replay": "mgtrace.replayer.cli:replay",
     "bisect": "mgtrace.replayer.cli:bisect_cmd",
+    "diff": "mgtrace.replayer.cli:diff_cmd",
+    "minimize": "mgtrace.replayer.cli:minimize_cmd",
+    "demo": "mgtrace.demo:demo",
 }
 
 

@@ -271,3 +271,120 @@ def bisect_cmd(
     else:
         render_verdict(verdict, out, log=log)
     return verdict.exit_code
+
+
+@click.command("diff")
+@click.argument("trace_a", type=click.Path(path_type=Path))
+@click.argument("trace_b", type=click.Path(path_type=Path), required=False)
+@click.option(
+    "--rules-a",
+    default="as-recorded",
+    show_default=True,
+    metavar="R=V,...",
+    help="Rule set of the first replay (one trace).",
+)
+@click.option(
+    "--rules-b", default=None, metavar="R=V,...", help="Rule set of the second replay (one trace)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def diff_cmd(
+    trace_a: Path, trace_b: Path | None, rules_a: str, rules_b: str | None, as_json: bool
+) -> int:
+    """The first step where TRACE_A and TRACE_B differ, or where two rule sets on TRACE_A
+    lead to different shadow state (--rules-a / --rules-b).
+
+    Exit codes: 0 no divergence, 1 divergence found, 2 usage error, 3 unreadable trace.
+    """
+    from dataclasses import asdict
+
+    from mgtrace.render import stdout_console
+    from mgtrace.replayer.diff import diff_rules, diff_traces
+    from mgtrace.schemas.reader import TraceReader
+
+    out = stdout_console()
+    if trace_b is not None:
+        if rules_b is not None:
+            raise UsageError("compare two traces or two rule sets, not both")
+        result = diff_traces(TraceReader(trace_a), TraceReader(trace_b))
+        sentence = result.sentence(str(trace_a), str(trace_b))
+    else:
+        if rules_b is None:
+            raise UsageError("give a second trace, or --rules-b to compare two rule sets")
+        a, b = RuleSet.parse(rules_a), RuleSet.parse(rules_b)
+        result = diff_rules(TraceReader(trace_a), a, b)
+        sentence = result.sentence(a, b)
+    if as_json:
+        click.echo(json.dumps({"sentence": sentence, **asdict(result)}, indent=1, default=str))
+    else:
+        out.print(sentence, highlight=False)
+        for side in ("a", "b"):
+            for f in getattr(result, f"findings_{side}", [])[:3]:
+                out.print(f"  {side}: {f['kind']}: {f['detail']}", highlight=False)
+    return EXIT_CLEAN if result.first_step is None else EXIT_CORRUPTION
+
+
+@click.command("minimize")
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="The minimized trace; test_<name>.py is written beside it.",
+)
+@_rule_options
+@click.option("--rules", "rules_text", metavar="R=V,...", help="Rules to replay under.")
+@click.option("--signature", help="Pin this finding signature (default: the first finding's).")
+@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def minimize_cmd(
+    trace: Path,
+    output: Path,
+    rules_text: str | None,
+    signature: str | None,
+    force: bool,
+    as_json: bool,
+    **rule_values: str | None,
+) -> int:
+    """Delta-debug TRACE down to the fewest requests and steps that still show the same
+    finding (pinned by its signature); write it with a standalone pytest file.
+
+    Exit codes: 0 minimized, 2 usage error, 3 unreadable trace, 125 nothing to minimize.
+    """
+    from dataclasses import asdict
+
+    from mgtrace.render import stdout_console
+    from mgtrace.replayer.minimize import minimize
+
+    rules = rules_from_options(rule_values, rules_text)
+    err = Console(stderr=True)
+    status = err.status("minimizing", spinner="dots") if err.is_terminal else None
+
+    def progress(phase: str, queries: int, size: int) -> None:
+        if status is not None:
+            status.update(f"minimizing {phase}: {size} left, {queries} replays")
+
+    if status is not None:
+        status.start()
+    try:
+        result = minimize(
+            trace, output, rules=rules, signature=signature, force=force, progress=progress
+        )
+    finally:
+        if status is not None:
+            status.stop()
+    if as_json:
+        click.echo(json.dumps(asdict(result), indent=1))
+        return EXIT_CLEAN
+    out = stdout_console()
+    out.print(
+        f"minimized {trace}: {result.original_steps} steps and {result.original_requests} "
+        f"requests -> {result.steps} steps and {len(result.requests)} requests "
+        f"({', '.join(result.requests)}), {result.table_updates} block-table changes",
+        highlight=False,
+    )
+    out.print(f"pinned finding: {result.signature} at step {result.first_step}", highlight=False)
+    out.print(f"{result.queries} replays in {result.wall_s:.1f} s", style="dim")
+    out.print(f"wrote {result.output} and {result.test_file}", highlight=False)
+    out.print(f"next: python -m pytest {result.test_file}", highlight=False)
+    return EXIT_CLEAN

@@ -229,8 +229,10 @@ class RankReplay:
             )
         copies = result.validation.copies
         if copies.rows.size and view is not None:
-            rows = copies.rows.astype(np.int64)
-            uid = np.array([self._row_owner(view, int(r))[0] for r in rows], dtype=np.int64)
+            recorded = np.asarray(np.ma.getdata(launch.batch_row), dtype=np.int64)
+            rows = recorded[copies.rows.astype(np.int64)]
+            pos = view.positions(rows)
+            uid = np.where(pos >= 0, view.uid[np.maximum(pos, 0)], DUMMY_REQUEST).astype(np.int64)
             for g in range(len(self.pool.groups)):
                 self.oracle.check_writes(step, f"{launch.kernel}-copy", g, copies.dst[g], uid, rows)
         if launch.kernel == "postprocess" and view is not None:
@@ -238,17 +240,18 @@ class RankReplay:
 
     @staticmethod
     def _row_owner(view: RowView | None, batch_row: int) -> tuple[int, str]:
-        if view is None or not 0 <= batch_row < view.num_rows:
+        pos = -1 if view is None else int(view.positions(np.array([batch_row]))[0])
+        if pos < 0:
             return DUMMY_REQUEST, "<padded row>"
-        return int(view.uid[batch_row]), view.req_ids[batch_row]
+        return int(view.uid[pos]), view.req_ids[pos]
 
     def _check_next_state(
         self, step: int, launch: AlignLaunch, result: LaunchResult, view: RowView
     ) -> None:
         """After the post-process: the state each row will read next must be its own, whole."""
-        b = np.asarray(np.ma.getdata(launch.batch_row), dtype=np.int64)
+        b = view.positions(np.asarray(np.ma.getdata(launch.batch_row), dtype=np.int64))
         slot_live = np.asarray(np.ma.getdata(launch.req_slot)) >= 0
-        keep = slot_live & (b >= 0) & (b < view.num_rows) & ~result.validation.bad
+        keep = slot_live & (b >= 0) & ~result.validation.bad
         if not keep.any():
             return
         b = b[keep]
@@ -280,7 +283,7 @@ class RankReplay:
             step,
             StateRead(
                 what=what,
-                rows=rows,
+                rows=view.batch_row[rows],
                 uid=view.uid[rows].astype(np.int64),
                 expected_tokens=expected.astype(np.int64),
                 temporal_blocks=temporal,
@@ -323,7 +326,9 @@ class RankReplay:
             blocks = self.tables.gather(self.own_kind, g, view.slot[rows_a], np.concatenate(cols_w))
             uids_w = view.uid[rows_a].astype(np.int64)
             ok = blocks >= 0
-            self.oracle.check_writes(step, "forward-write", g, blocks[ok], uids_w[ok], rows_a[ok])
+            self.oracle.check_writes(
+                step, "forward-write", g, blocks[ok], uids_w[ok], view.batch_row[rows_a[ok]]
+            )
             self.pool.write_temporal(
                 g,
                 blocks[ok],
@@ -354,7 +359,8 @@ class RankReplay:
             return
         rows = np.asarray(np.ma.getdata(launch.bt_row), dtype=np.int64)[pad]
         if self.rules["clear_vacated_rows"] == "true":
-            rows = rows[rows < view.num_rows]  # rows past the batch read as cleared
+            num_reqs = self.trace.step_value("num_reqs", step) or view.num_rows
+            rows = rows[rows < num_reqs]  # rows past the batch read as cleared
             if not len(rows):
                 return
             pad = pad[: len(rows)]

@@ -26,6 +26,7 @@ class RowView:
     step: int
     uid: np.ndarray
     req_ids: list[str]
+    batch_row: np.ndarray  # recorded batch row of each position (a minimized trace has holes)
     slot: np.ndarray
     computed: np.ndarray
     scheduled: np.ndarray
@@ -40,6 +41,14 @@ class RowView:
     @property
     def num_rows(self) -> int:
         return len(self.uid)
+
+    def positions(self, batch_rows: np.ndarray) -> np.ndarray:
+        """Positions in this view of recorded batch rows; -1 for rows it does not hold."""
+        rows = np.asarray(batch_rows, dtype=np.int64)
+        index = np.full(int(self.batch_row.max()) + 2 if self.num_rows else 1, -1, np.int64)
+        index[self.batch_row] = np.arange(self.num_rows)
+        ok = (rows >= 0) & (rows < len(index))
+        return np.where(ok, index[np.where(ok, rows, 0)], -1)
 
     @property
     def moved(self) -> np.ndarray:
@@ -79,6 +88,7 @@ def row_view(
         step=batch.step,
         uid=batch.uid,
         req_ids=batch.req_ids,
+        batch_row=c["batch_row"].astype(np.int64),
         slot=c["req_slot"],
         computed=c["num_computed"],
         scheduled=c["num_scheduled"],

@@ -1,0 +1,137 @@
+"""`mgtrace diff`: the first step where two traces, or two rule sets on one trace, diverge.
+
+Two traces are compared on their recorded inputs: per table, an order-independent hash of
+each (rank, step)'s rows; the first step whose hashes differ, and in which tables.
+
+Two rule sets on one trace are compared on their effects: both replays run in lockstep and
+the first step after which their shadow states differ is reported, with the blocks that
+differ and what each side's oracle said at that step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mgtrace.replayer.loop import RankReplay, load_backend
+from mgtrace.replayer.requests import RequestIds
+from mgtrace.replayer.rules import RuleSet
+from mgtrace.replayer.steps import RankTrace, ranks_of
+from mgtrace.schemas.reader import TraceReader
+
+INPUT_TABLES = ("steps", "batch_rows", "launches", "block_tables", "sched", "row_moves")
+
+
+@dataclass
+class TraceDiff:
+    first_step: int | None
+    rank: int | None
+    tables: list[str] = field(default_factory=list)  # tables that differ at that step
+    only_in: str | None = None  # "a" or "b" when one trace simply has more steps
+
+    def sentence(self, a: str, b: str) -> str:
+        if self.first_step is None:
+            return f"{a} and {b} record the same inputs at every step"
+        if self.only_in is not None:
+            side = a if self.only_in == "a" else b
+            return f"the traces agree up to step {self.first_step - 1}; only {side} goes on"
+        return (
+            f"the traces first differ at step {self.first_step} (rank {self.rank}) in "
+            f"{', '.join(self.tables)}"
+        )
+
+
+def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
+    per_table: dict[str, tuple[int, int]] = {}
+    best: tuple[int, int] | None = None
+    for name in INPUT_TABLES:
+        ha, hb = _step_hashes(a, name), _step_hashes(b, name)
+        keys = set(ha) | set(hb)
+        diff = [k for k in keys if ha.get(k) != hb.get(k)]
+        if diff:
+            first = min(diff, key=lambda k: (k[1], k[0]))
+            per_table[name] = first
+            if best is None or (first[1], first[0]) < (best[1], best[0]):
+                best = first
+    if best is None:
+        return TraceDiff(None, None)
+    rank, step = best
+    tables = [t for t, first in per_table.items() if first == best]
+    steps_a, steps_b = _steps(a, rank), _steps(b, rank)
+    only = None
+    if step not in steps_a and step in steps_b:
+        only = "b"
+    elif step in steps_a and step not in steps_b:
+        only = "a"
+    return TraceDiff(step, rank, tables, only)
+
+
+def _steps(reader: TraceReader, rank: int) -> set[int]:
+    con = reader.connect()
+    return {r[0] for r in con.execute("SELECT step FROM steps WHERE rank = ?", [rank]).fetchall()}
+
+
+def _step_hashes(reader: TraceReader, table: str) -> dict[tuple[int, int], int]:
+    con = reader.connect()
+    rows = con.execute(
+        f"SELECT rank, step, bit_xor(hash(*COLUMNS(* EXCLUDE (rank, step)))) "
+        f"FROM {table} GROUP BY rank, step"
+    ).fetchall()
+    return {(int(r), int(s)): int(h) for r, s, h in rows}
+
+
+@dataclass
+class RulesDiff:
+    first_step: int | None
+    rank: int | None
+    blocks: list[int] = field(default_factory=list)  # blocks whose tags differ (first few)
+    findings_a: list[dict[str, Any]] = field(default_factory=list)
+    findings_b: list[dict[str, Any]] = field(default_factory=list)
+    steps: int = 0
+
+    def sentence(self, a: RuleSet, b: RuleSet) -> str:
+        if self.first_step is None:
+            return (
+                f"{a.canonical()} and {b.canonical()} leave identical shadow state at every "
+                f"one of {self.steps} steps"
+            )
+        shown = ", ".join(str(x) for x in self.blocks[:8])
+        return (
+            f"{a.canonical()} and {b.canonical()} first diverge at step {self.first_step} "
+            f"(rank {self.rank}): blocks {shown} hold different state"
+        )
+
+
+def diff_rules(
+    reader: TraceReader, a: RuleSet, b: RuleSet, *, backend: str = "reference", device: str = "cpu"
+) -> RulesDiff:
+    run = load_backend(backend, device)
+    ids = RequestIds()
+    out = RulesDiff(None, None)
+    for rank in ranks_of(reader):
+        trace = RankTrace(reader, rank, ids)
+        ra, rb = RankReplay(trace, a, run), RankReplay(trace, b, run)
+        for step in trace:
+            if out.first_step is not None and step >= out.first_step:
+                break
+            ra.step(step)
+            rb.step(step)
+            out.steps += 1
+            pa, pb = ra.pool.pool.numpy(), rb.pool.pool.numpy()
+            if np.array_equal(pa, pb):
+                continue
+            page = ra.pool.pool.page_bytes
+            size = ra.pool.pool.num_blocks * page
+            differs = (pa[:size] != pb[:size]).reshape(-1, page).any(axis=1)
+            out.first_step, out.rank = step, rank
+            out.blocks = np.flatnonzero(differs).tolist()
+            out.findings_a = [_brief(f) for f in ra.oracle.findings if f.step == step]
+            out.findings_b = [_brief(f) for f in rb.oracle.findings if f.step == step]
+            break
+    return out
+
+
+def _brief(f: Any) -> dict[str, Any]:
+    return {"kind": f.kind, "req_id": f.req_id, "detail": f.detail}

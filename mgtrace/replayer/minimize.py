@@ -1,0 +1,437 @@
+"""`mgtrace minimize`: delta debugging down to the smallest trace that shows the same finding.
+
+The finding is pinned by its signature (``kind:mechanism``) at the first bad step, so a
+reduction can never drift to another bug: a candidate counts only when its replay's first
+findings still include that signature and nothing else goes bad earlier.
+
+Reductions only delete recorded rows, they never rewrite them:
+1. steps after the first bad step;
+2. requests (ddmin): every row of a request, in every table;
+3. steps that no longer hold anything, renumbered so the trace stays contiguous (their
+   block-table changes move to the next step kept);
+4. block-table row changes to rows that no kept request or kernel row indexes.
+
+The result is written as a trace plus a standalone pytest file that replays it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mgtrace.errors import InconclusiveError, OutputError
+from mgtrace.replayer.loop import replay_trace
+from mgtrace.replayer.rules import RuleSet
+from mgtrace.schemas.manifest import Manifest, save_manifest
+from mgtrace.schemas.reader import TraceReader
+from mgtrace.schemas.tables import TABLES
+from mgtrace.schemas.writer import write_part_file
+
+STEP_COLUMNS = ("step", "batch_step", "bt_step", "postprocess_step", "first_step", "last_step")
+
+
+class MemoryTrace:
+    """A trace held as Arrow tables: what the replayer reads, without touching the disk."""
+
+    def __init__(self, manifest: Manifest, tables: dict[str, pa.Table]) -> None:
+        self.manifest = manifest
+        self.tables_ = tables
+
+    def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
+        t = self.tables_[name]
+        return t.select(columns) if columns else t
+
+    def rows(self, name: str) -> int:
+        return self.tables_[name].num_rows
+
+
+def load_memory(reader: TraceReader) -> MemoryTrace:
+    tables = {name: reader.table(name) for name in TABLES if name != "findings"}
+    tables["findings"] = TABLES["findings"].schema.empty_table()
+    return MemoryTrace(reader.manifest, tables)
+
+
+@dataclass
+class Outcome:
+    first_step: int | None
+    signatures: set[str]
+
+
+def outcome(trace: MemoryTrace, rules: RuleSet) -> Outcome:
+    result = replay_trace(trace, rules)  # type: ignore[arg-type]
+    first = [f.signature for f in result.findings if f.step == result.first_step]
+    return Outcome(result.first_step, set(first))
+
+
+# ------------------------------------------------------------------ reductions
+def truncate(trace: MemoryTrace, last_step: int) -> MemoryTrace:
+    out = {}
+    for name, t in trace.tables_.items():
+        if TABLES[name].per_step and t.num_rows:
+            t = t.filter(pc.less_equal(t.column("step"), last_step))
+        out[name] = t
+    return MemoryTrace(trace.manifest, out)
+
+
+def without_requests(trace: MemoryTrace, drop: set[str]) -> MemoryTrace:
+    """Delete every row of the requests in ``drop``."""
+    if not drop:
+        return trace
+    t = trace.tables_
+    dropped = pa.array(sorted(drop))
+    br = t["batch_rows"]
+    gone = br.filter(pc.is_in(br.column("req_id"), value_set=dropped))
+    out = dict(t)
+    out["batch_rows"] = br.filter(pc.invert(pc.is_in(br.column("req_id"), value_set=dropped)))
+    out["sched"] = t["sched"].filter(
+        pc.invert(pc.is_in(t["sched"].column("req_id"), value_set=dropped))
+    )
+    out["requests"] = t["requests"].filter(
+        pc.invert(pc.is_in(t["requests"].column("req_id"), value_set=dropped))
+    )
+    moves = t["row_moves"]
+    if moves.num_rows:
+        hit = pc.or_kleene(
+            pc.is_in(moves.column("req_id"), value_set=dropped),
+            pc.is_in(moves.column("req_id_b"), value_set=dropped),
+        )
+        out["row_moves"] = moves.filter(pc.invert(pc.fill_null(hit, False)))
+    launches = t["launches"]
+    if launches.num_rows and gone.num_rows:
+        # launch rows of a dropped request: same rank, batch step and batch row
+        def key(rank: pa.Array, step: pa.Array, row: pa.Array) -> np.ndarray:
+            return (
+                np.asarray(rank, np.int64) * (1 << 50)
+                + np.asarray(step, np.int64) * (1 << 20)
+                + np.asarray(row, np.int64)
+            )
+
+        gone_keys = key(gone.column("rank"), gone.column("step"), gone.column("batch_row"))
+        lk = key(
+            launches.column("rank"),
+            pc.fill_null(launches.column("batch_step"), -1),
+            launches.column("batch_row"),
+        )
+        # A kernel's programs are numbered 0..n-1, so a dropped request's rows stay as padded
+        # rows (slot -1, which every align kernel skips); its gather rows simply go.
+        hit = np.isin(lk, gone_keys)
+        gather = np.asarray(pc.equal(launches.column("kernel"), "aligned_indices"))
+        launches = launches.filter(pa.array(~(hit & gather)))
+        hit = hit[~(hit & gather)]
+        slot = np.asarray(pc.fill_null(launches.column("req_slot"), -1)).copy()
+        slot[hit] = -1
+        idx = launches.column_names.index("req_slot")
+        out["launches"] = launches.set_column(
+            idx, launches.schema.field(idx), pa.array(slot, pa.int32())
+        )
+    return MemoryTrace(trace.manifest, out)
+
+
+def without_table_updates(trace: MemoryTrace, drop: np.ndarray) -> MemoryTrace:
+    """Delete the block-table changes at the given row positions of ``block_tables``."""
+    t = trace.tables_["block_tables"]
+    keep = np.ones(t.num_rows, dtype=bool)
+    keep[drop] = False
+    return MemoryTrace(trace.manifest, {**trace.tables_, "block_tables": t.filter(pa.array(keep))})
+
+
+def _unreferenced_table_rows(trace: MemoryTrace) -> np.ndarray:
+    """Positions of block-table changes to rows no kept request or kernel row indexes."""
+    t = trace.tables_
+    bt = t["block_tables"]
+    if not bt.num_rows:
+        return np.zeros(0, dtype=np.int64)
+    used = set(t["batch_rows"].column("req_slot").drop_null().to_pylist())
+    launches = t["launches"]
+    if launches.num_rows:
+        live = launches.filter(pc.greater_equal(pc.fill_null(launches.column("req_slot"), -1), 0))
+        used |= set(live.column("bt_row").drop_null().to_pylist())
+        gather = launches.filter(pc.equal(launches.column("kernel"), "aligned_indices"))
+        used |= set(gather.column("bt_row").drop_null().to_pylist())
+    rows = np.asarray(bt.column("row"))
+    return np.flatnonzero(~np.isin(rows, list(used)))
+
+
+def compact_steps(trace: MemoryTrace) -> MemoryTrace:
+    """Drop steps that hold no batch rows, launches or scheduler rows; renumber the rest."""
+    t = trace.tables_
+    used: set[tuple[int, int]] = set()
+    launches = t["launches"]
+    live = launches.filter(pc.greater_equal(pc.fill_null(launches.column("req_slot"), -1), 0))
+    for tab in (t["batch_rows"], live, t["sched"]):
+        used |= set(
+            zip(tab.column("rank").to_pylist(), tab.column("step").to_pylist(), strict=True)
+        )
+    ranks = sorted({r for r, _ in used}) or [0]
+    mapping: dict[int, dict[int, int]] = {}
+    for rank in ranks:
+        kept = sorted(s for r, s in used if r == rank)
+        mapping[rank] = {s: i for i, s in enumerate(kept)}
+    out = {}
+    for name, tab in t.items():
+        spec = TABLES[name]
+        if not tab.num_rows or name == "findings":
+            out[name] = tab
+            continue
+        if name == "block_tables":
+            out[name] = _carry_forward(tab, mapping)
+            continue
+        if spec.per_step:
+            ranks_col = tab.column("rank").to_pylist()
+            steps_col = tab.column("step").to_pylist()
+            keep = np.array(
+                [s in mapping.get(r, {}) for r, s in zip(ranks_col, steps_col, strict=True)],
+                dtype=bool,
+            )
+            tab = tab.filter(pa.array(keep))
+            out[name] = _renumber(tab, mapping)
+        else:
+            out[name] = tab
+    return MemoryTrace(trace.manifest, out)
+
+
+def _map_steps(ranks: list[int], values: list[int | None], mapping, *, forward: bool) -> list:
+    res = []
+    for r, v in zip(ranks, values, strict=True):
+        if v is None:
+            res.append(None)
+            continue
+        m = mapping.get(r, {})
+        if v in m:
+            res.append(m[v])
+        else:
+            # a step that no longer exists: the nearest kept step (next one when carrying)
+            ks = sorted(m)
+            idx = np.searchsorted(ks, v)
+            idx = min(idx, len(ks) - 1) if forward else max(idx - 1, 0)
+            res.append(m[ks[idx]] if ks else None)
+    return res
+
+
+def _renumber(tab: pa.Table, mapping: dict[int, dict[int, int]]) -> pa.Table:
+    ranks = tab.column("rank").to_pylist()
+    for col in STEP_COLUMNS:
+        if col in tab.column_names:
+            new = _map_steps(ranks, tab.column(col).to_pylist(), mapping, forward=False)
+            idx = tab.column_names.index(col)
+            tab = tab.set_column(idx, tab.schema.field(idx), pa.array(new, pa.int64()))
+    return tab
+
+
+def _carry_forward(tab: pa.Table, mapping: dict[int, dict[int, int]]) -> pa.Table:
+    """Block-table changes of dropped steps move to the next step kept, in order."""
+    ranks = tab.column("rank").to_pylist()
+    new = _map_steps(ranks, tab.column("step").to_pylist(), mapping, forward=True)
+    keep = np.array([v is not None for v in new], dtype=bool)
+    idx = tab.column_names.index("step")
+    tab = tab.set_column(idx, tab.schema.field(idx), pa.array(new, pa.int64()))
+    # the sort in the replayer is stable within a step, so a later change of a row still wins
+    return tab.filter(pa.array(keep))
+
+
+def ddmin(
+    items: list[Any],
+    still_bad: Callable[[list[Any]], bool],
+    on_query: Callable[[int], None] | None = None,
+) -> list[Any]:
+    """Zeller's ddmin: a 1-minimal subset of ``items`` for which ``still_bad`` holds."""
+    n = 2
+    current = list(items)
+    while len(current) >= 2:
+        chunk = max(1, len(current) // n)
+        subsets = [current[i : i + chunk] for i in range(0, len(current), chunk)]
+        reduced = False
+        for sub in subsets:
+            if on_query:
+                on_query(len(current))
+            if still_bad(sub):
+                current, n, reduced = sub, 2, True
+                break
+        if not reduced:
+            for sub in subsets:
+                complement = [x for x in current if x not in set(sub)]
+                if on_query:
+                    on_query(len(current))
+                if complement and still_bad(complement):
+                    current, n, reduced = complement, max(n - 1, 2), True
+                    break
+        if not reduced:
+            if n >= len(current):
+                break
+            n = min(len(current), 2 * n)
+    return current
+
+
+@dataclass
+class MinimizeResult:
+    signature: str
+    first_step: int
+    original_steps: int
+    original_requests: int
+    steps: int
+    requests: list[str]
+    table_updates: int
+    queries: int
+    wall_s: float
+    output: str
+    test_file: str
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def minimize(
+    trace_path: Path,
+    output: Path,
+    *,
+    rules: RuleSet | None = None,
+    signature: str | None = None,
+    force: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> MinimizeResult:
+    rules = rules or RuleSet()
+    t0 = time.perf_counter()
+    reader = TraceReader(trace_path)
+    full = load_memory(reader)
+    base = outcome(full, rules)
+    if base.first_step is None:
+        raise InconclusiveError(
+            f"{trace_path} replays clean under {rules.canonical()}; there is nothing to minimize"
+        )
+    pin = signature or sorted(base.signatures)[0]
+    if pin not in base.signatures:
+        known = ", ".join(sorted(base.signatures))
+        raise InconclusiveError(f"signature {pin!r} is not among the first findings ({known})")
+    queries = 0
+
+    def bad(candidate: MemoryTrace) -> bool:
+        nonlocal queries
+        queries += 1
+        got = outcome(candidate, rules)
+        return got.first_step is not None and pin in got.signatures
+
+    history = []
+    current = truncate(full, base.first_step)
+    if not bad(current):
+        raise InconclusiveError("the finding does not survive cutting the steps after it")
+    history.append({"pass": "truncate", "steps": base.first_step + 1})
+    requests = sorted(set(current.tables_["batch_rows"].column("req_id").to_pylist()))
+
+    def keep_requests(keep: list[str]) -> bool:
+        return bad(without_requests(current, set(requests) - set(keep)))
+
+    kept = ddmin(
+        requests, keep_requests, on_query=lambda n: progress and progress("requests", queries, n)
+    )
+    current = without_requests(current, set(requests) - set(kept))
+    history.append({"pass": "requests", "requests": len(kept)})
+    compacted = compact_steps(current)
+    if bad(compacted):
+        current = compacted
+    history.append({"pass": "steps", "steps": _num_steps(current)})
+    unused = _unreferenced_table_rows(current)
+    if len(unused):
+        trimmed = without_table_updates(current, unused)
+        if bad(trimmed):
+            current = trimmed
+    history.append({"pass": "rows", "table_updates": current.tables_["block_tables"].num_rows})
+    final = outcome(current, rules)
+    test_file = write_minimized(
+        current, output, full.manifest, trace_path, pin, final.first_step, rules, force=force
+    )
+    return MinimizeResult(
+        signature=pin,
+        first_step=int(final.first_step),
+        original_steps=reader.rows("steps"),
+        original_requests=len(set(full.tables_["batch_rows"].column("req_id").to_pylist())),
+        steps=_num_steps(current),
+        requests=sorted(set(current.tables_["batch_rows"].column("req_id").to_pylist())),
+        table_updates=current.tables_["block_tables"].num_rows,
+        queries=queries,
+        wall_s=time.perf_counter() - t0,
+        output=str(output),
+        test_file=str(test_file),
+        history=history,
+    )
+
+
+def _num_steps(trace: MemoryTrace) -> int:
+    return len(set(trace.tables_["steps"].column("step").to_pylist()))
+
+
+TEST_TEMPLATE = '''"""Standalone repro, minimized by mgtrace from {source}.
+
+Replaying the trace beside this file under {rules} must report {signature!r}
+first, at step {step}. Run with: python -m pytest {name}
+"""
+
+from pathlib import Path
+
+from mgtrace.replayer.loop import replay_trace
+from mgtrace.replayer.rules import RuleSet
+from mgtrace.schemas.reader import TraceReader
+
+TRACE = Path(__file__).resolve().parent / {trace_dir!r}
+
+
+def test_minimized_repro() -> None:
+    result = replay_trace(TraceReader(TRACE), RuleSet.parse({rules!r}))
+    first = {{f.signature for f in result.findings if f.step == result.first_step}}
+    assert result.first_step == {step}
+    assert {signature!r} in first
+'''
+
+
+def write_minimized(
+    trace: MemoryTrace,
+    output: Path,
+    manifest: Manifest,
+    source: Path,
+    signature: str,
+    first_step: int,
+    rules: RuleSet,
+    *,
+    force: bool,
+) -> Path:
+    """Write the trace directory and ``test_<name>.py`` beside it; all or nothing."""
+    output = Path(output)
+    test_file = output.parent / f"test_{output.name.replace('-', '_')}.py"
+    if (output.exists() or test_file.exists()) and not force:
+        raise OutputError(f"{output} (or {test_file.name}) already exists; pass --force")
+    tmp = output.parent / f".{output.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    m = replace(manifest, parts=[], complete=True, ground_truth=None)
+    m.source = {
+        "kind": "minimized",
+        "from": str(source),
+        "signature": signature,
+        "first_step": first_step,
+        "rules": rules.canonical(),
+    }
+    for name, tab in trace.tables_.items():
+        if tab.num_rows:
+            m.parts.append(
+                write_part_file(tmp, f"{name}/all-000000.parquet", tab.cast(TABLES[name].schema))
+            )
+    save_manifest(tmp, m)
+    if output.exists():
+        shutil.rmtree(output)
+    tmp.rename(output)
+    test_file.write_text(
+        TEST_TEMPLATE.format(
+            source=source,
+            rules=rules.canonical(),
+            signature=signature,
+            step=first_step,
+            name=test_file.name,
+            trace_dir=output.name,
+        )
+    )
+    return test_file

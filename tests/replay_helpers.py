@@ -1,0 +1,45 @@
+"""Simulated traces with known ground truth, shared by the replay, bisect and diff tests."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from mgtrace.sim.config import (
+    BUG_ASYNC_RACE,
+    BUG_BATCH_ROW,
+    BUG_REORDER,
+    BUG_STALE_ROW,
+    SimConfig,
+)
+from mgtrace.sim.engine import simulate
+
+# Per toggle: the engine it needs, a scenario that triggers it early, and the rule undoing it.
+TOGGLES = {
+    BUG_REORDER: ({"runner": "v1", "scenario": "pairs"}, "reorder_threshold=1+k"),
+    BUG_ASYNC_RACE: ({"runner": "v1", "scenario": "pairs"}, "accepted_source=cpu"),
+    BUG_STALE_ROW: ({"runner": "v1", "scenario": "pairs"}, "clear_vacated_rows=true"),
+    BUG_BATCH_ROW: ({"runner": "v2", "pp": 2, "scenario": "pairs"}, "bt_row_is_req=true"),
+}
+
+_ROOT: list[Path] = []
+
+
+def set_root(path: Path) -> None:
+    _ROOT[:] = [path]
+
+
+@cache
+def sim_trace(bug: str | None, seed: int, steps: int = 1500, **engine: object) -> Path:
+    """A simulated trace, made once per test session for each distinct configuration."""
+    tags = "-".join(f"{k}{v}" for k, v in sorted(engine.items()))
+    name = f"{bug or 'clean'}-{seed}-{steps}-{tags}"
+    out = _ROOT[0] / name
+    cfg = SimConfig(steps=steps, seed=seed, bugs=(bug,) if bug else (), output=out, **engine)
+    simulate(cfg.validate())
+    return out
+
+
+def toggle_trace(bug: str, seed: int, steps: int = 1500) -> Path:
+    engine, _ = TOGGLES[bug]
+    return sim_trace(bug, seed, steps, **engine)

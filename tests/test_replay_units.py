@@ -1,0 +1,119 @@
+"""Unit tests of the replayer's parts: rules, ownership, provenance tags, table store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mgtrace.errors import UsageError
+from mgtrace.replayer.ownership import BlockOwnership
+from mgtrace.replayer.rules import AS_RECORDED, RULES, RuleSet, single_changes
+from mgtrace.replayer.tables import TableStore
+from mgtrace.replayer.tags import TagPool
+from mgtrace.schemas.manifest import RunMetadata, StateLayout
+
+pytestmark = pytest.mark.unit
+
+
+# ---------------------------------------------------------------- rules
+def test_rule_set_parse_and_canonical_round_trip() -> None:
+    rules = RuleSet.parse("reorder_threshold=1+k, bt_row_is_req=TRUE")
+    assert rules.canonical() == "bt_row_is_req=true,reorder_threshold=1+k"
+    assert RuleSet.parse(rules.canonical()) == rules
+    assert rules.as_flags() == ["--bt-row-is-req=true", "--reorder-threshold=1+k"]
+    assert RuleSet().canonical() == AS_RECORDED
+    assert RuleSet.parse("reorder-threshold=7")["reorder_threshold"] == "7"
+
+
+@pytest.mark.parametrize(
+    "text", ["nope=1", "bt_row_is_req=maybe", "reorder_threshold=0", "accepted_source", "x"]
+)
+def test_bad_rules_are_refused(text: str) -> None:
+    with pytest.raises(UsageError):
+        RuleSet.parse(text)
+
+
+def test_single_changes_cover_every_rule_once() -> None:
+    changes = list(single_changes(RuleSet(), k=3))
+    assert all(len(c.changed()) == 1 for c in changes)
+    assert {next(iter(c.changed())) for c in changes} == set(RULES)
+    assert RuleSet.parse("accepted_source=kernel") not in changes  # same as recorded
+    assert not any(
+        c.changed() == {"reorder_threshold": "1+k"} for c in single_changes(RuleSet(), k=0)
+    )
+
+
+# ---------------------------------------------------------------- ownership
+def test_ownership_follows_scheduler_deltas() -> None:
+    own = BlockOwnership(num_groups=1, num_blocks=32)
+    own.apply(0, [1, 2], ["new", "new"], [[[3, 4, 0]], [[5]]])
+    assert own.owner_of(0, 4).uid == 1 and own.owner_of(0, 5).uid == 2
+    assert own.owner_of(0, 0) is None  # the null block belongs to nobody
+    own.apply(1, [1], ["cached"], [[[6]]])
+    assert own.owner_of(0, 6).uid == 1 and own.owner_of(0, 6).step == 1
+    # the scheduler frees block 3 silently and hands it to request 2: the latest holder wins
+    own.apply(2, [2], ["cached"], [[[3]]])
+    assert own.owner_of(0, 3).uid == 2
+    own.apply(3, [1], ["finished"], [None])
+    assert own.owner_of(0, 4) is None and own.owner_of(0, 3).uid == 2
+    own.apply(4, [2], ["resumed"], [[[7]]])  # resumed: the block list is replaced
+    assert own.owner_of(0, 5) is None and own.owner_of(0, 7).uid == 2
+
+
+# ---------------------------------------------------------------- tags
+def _run(conv_layout: str = "SD") -> RunMetadata:
+    shape = [5, 64] if conv_layout == "SD" else [64, 5]
+    return RunMetadata(
+        num_speculative_tokens=2,
+        num_blocks=16,
+        states=[
+            StateLayout(0, 0, "conv", shape, "bfloat16", conv_layout),
+            StateLayout(0, 0, "temporal", [4, 8, 16], "float32"),
+        ],
+    )
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+def test_tags_round_trip(layout: str) -> None:
+    pool = TagPool(_run(layout))
+    blocks = np.array([3, 7])
+    pool.write_temporal(0, blocks, np.array([11, 12]), np.array([100, 200]), 9, np.array([0, 1]))
+    pool.write_conv(0, blocks, np.array([11, 12]), np.array([99, 199]))
+    tags = pool.read_temporal(0, blocks)
+    assert tags.tolist() == [[11, 100, 9, 0], [12, 200, 9, 1]]
+    uids, pos = pool.read_conv(0, blocks)
+    assert uids.tolist() == [[11] * 5, [12] * 5]
+    assert pos.tolist() == [list(range(95, 100)), list(range(195, 200))]
+    untouched = pool.read_temporal(0, np.array([4]))
+    assert untouched.tolist() == [[0, 0, 0, 0]]
+
+
+def test_tags_move_with_the_kernels_byte_copies() -> None:
+    """A precopy with bias 2 shifts the conv rows by two tokens and takes the temporal state
+    from column src+2, so the tags say exactly what the moved state holds."""
+    from mgtrace.kernels.launch import AlignLaunch
+    from mgtrace.kernels.reference import run_reference
+
+    pool = TagPool(_run())
+    store = TableStore(["v1"], 1, rows=2, width=8)
+    store.apply([(0, "v1", 0, [0, 2, 3, 4, 5, 6])])
+    uid = np.array([5])
+    pool.write_conv(0, np.array([2]), uid, np.array([40]))
+    for j, block in enumerate((2, 3, 4)):
+        pool.write_temporal(0, np.array([block]), uid, np.array([36 + j]), 1, np.array([0]))
+    launch = AlignLaunch(
+        kernel="precopy", batch_row=[0], req_slot=[0], state_idx=[5], src_col=[1],
+        token_bias=[2], block_size=16, num_speculative_tokens=2,
+    )
+    run_reference(launch, pool.pool, store.block_tables("v1"))
+    assert pool.read_temporal(0, np.array([6]))[0, :2].tolist() == [5, 38]  # from column 3
+    uids, pos = pool.read_conv(0, np.array([6]))
+    assert pos[0, :3].tolist() == [38, 39, 40]  # rows shifted left by the bias
+    assert uids[0, :3].tolist() == [5, 5, 5]
+
+
+def test_table_store_gather_never_raises() -> None:
+    store = TableStore(["v1"], 1, rows=2, width=3)
+    store.apply([(0, "v1", 1, [7, 8, 9, 10]), (0, "v1", 9, [1])])  # too long; bad row ignored
+    got = store.gather("v1", 0, np.array([1, 1, 5, -1]), np.array([0, 2, 0, 0]))
+    assert got.tolist() == [7, 9, -1, -1]
