@@ -388,6 +388,23 @@ def test_minimized_repro() -> None:
 '''
 
 
+def write_trace(trace: MemoryTrace, output: Path, manifest: Manifest) -> None:
+    """Write an in-memory trace as a trace directory, atomically (temporary name, rename)."""
+    output = Path(output)
+    tmp = output.parent / f".{output.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    m = replace(manifest, parts=[])
+    for name, tab in trace.tables_.items():
+        if tab.num_rows:
+            rel = f"{name}/all-000000.parquet"
+            m.parts.append(write_part_file(tmp, rel, tab.cast(TABLES[name].schema)))
+    save_manifest(tmp, m)
+    if output.exists():
+        shutil.rmtree(output)
+    tmp.rename(output)
+
+
 def write_minimized(
     trace: MemoryTrace,
     output: Path,
@@ -404,10 +421,7 @@ def write_minimized(
     test_file = output.parent / f"test_{output.name.replace('-', '_')}.py"
     if (output.exists() or test_file.exists()) and not force:
         raise OutputError(f"{output} (or {test_file.name}) already exists; pass --force")
-    tmp = output.parent / f".{output.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    m = replace(manifest, parts=[], complete=True, ground_truth=None)
+    m = replace(manifest, complete=True, ground_truth=None)
     m.source = {
         "kind": "minimized",
         "from": str(source),
@@ -415,15 +429,7 @@ def write_minimized(
         "first_step": first_step,
         "rules": rules.canonical(),
     }
-    for name, tab in trace.tables_.items():
-        if tab.num_rows:
-            m.parts.append(
-                write_part_file(tmp, f"{name}/all-000000.parquet", tab.cast(TABLES[name].schema))
-            )
-    save_manifest(tmp, m)
-    if output.exists():
-        shutil.rmtree(output)
-    tmp.rename(output)
+    write_trace(trace, output, m)
     test_file.write_text(
         TEST_TEMPLATE.format(
             source=source,
