@@ -132,7 +132,7 @@ def _numeric_chunks(values: list[Any], counts: list[int], type_: pa.DataType) ->
     np_type = type_.to_pandas_dtype()
     try:
         if _column_length(values[0]) is None:
-            if None in values:  # numpy would turn None into False or raise, Arrow keeps nulls
+            if any(v is None for v in values):  # numpy would turn None into False or raise
                 return None
             scalars = np.asarray(values, dtype=np_type)
             if scalars.shape != (len(values),):
@@ -144,6 +144,50 @@ def _numeric_chunks(values: list[Any], counts: list[int], type_: pa.DataType) ->
     if joined.shape != (sum(counts),) or joined.dtype == object:  # object: nulls inside
         return None
     return pa.array(joined.astype(np_type, copy=False), type=type_)
+
+
+def _masked_numeric_chunks(
+    values: list[Any], counts: list[int], type_: pa.DataType
+) -> pa.Array | None:
+    """Numbers with nulls, vectorised per chunk: arrays, masked arrays, scalars and None.
+
+    Plain lists are left to the generic path (their nulls would need a look at every value).
+    """
+    np_type = type_.to_pandas_dtype()
+    data, masks = [], []
+    for v, n in zip(values, counts, strict=True):
+        kind = type(v)
+        if v is None:
+            data.append(np.zeros(n, np_type))
+            masks.append(np.ones(n, bool))
+        elif kind is np.ndarray and v.ndim == 1 and v.dtype != object:
+            data.append(v)
+            masks.append(np.zeros(n, bool))
+        elif kind is np.ma.MaskedArray:
+            data.append(np.ma.getdata(v))
+            masks.append(np.ma.getmaskarray(v))
+        elif _column_length(v) is None:
+            data.append(np.full(n, v, np_type))
+            masks.append(np.zeros(n, bool))
+        else:
+            return None
+    return pa.array(
+        np.concatenate(data).astype(np_type, copy=False), type=type_, mask=np.concatenate(masks)
+    )
+
+
+def _scalar_string_chunks(values: list[Any], counts: list[int]) -> pa.Array | None:
+    """One string (or None) per chunk, repeated: built as dictionary codes, then decoded."""
+    if not all(v is None or type(v) is str for v in values):
+        return None
+    uniques: dict[str, int] = {}
+    codes = np.fromiter(
+        (-1 if v is None else uniques.setdefault(v, len(uniques)) for v in values),
+        dtype=np.int32,
+        count=len(values),
+    )
+    repeated = pa.array(np.repeat(codes, counts), mask=np.repeat(codes < 0, counts))
+    return pc.take(pa.array(list(uniques), pa.string()), repeated)
 
 
 def _category_chunks(values: list[Any], categories: tuple[str, ...]) -> pa.Array:
@@ -159,11 +203,17 @@ def _chunks_to_arrow(values: list[Any], counts: list[int], field: pa.Field) -> p
     type_ = field.type
     if _is_numeric(type_):
         fast = _numeric_chunks(values, counts, type_)
+        if fast is None:
+            fast = _masked_numeric_chunks(values, counts, type_)
         if fast is not None:
             return fast
     categories = categories_of(field)
     if categories and all(_is_codes(v) for v in values):
         return _category_chunks(values, categories)
+    if pa.types.is_string(type_):
+        fast = _scalar_string_chunks(values, counts)
+        if fast is not None:
+            return fast
     flat: list[Any] = []
     for v, n in zip(values, counts, strict=True):
         if _column_length(v) is None:

@@ -1,0 +1,188 @@
+"""The Mamba state block pool and the align-mode allocation of vLLM's MambaManager.
+
+Block 0 is the null block: it fills skipped columns and is never handed out. Free blocks
+are taken from the head of the free queue and returned to its tail, as vLLM's free-block
+queue does, so a freed block is reused only after every older free block.
+
+Align mode keeps per request one scheduler-side block row of ``cdiv(num_tokens, B) + S``
+columns (S = speculative blocks): column ``cdiv(num_tokens, B) - 1`` is the running state,
+the S columns after it hold the per-draft states, and the columns before it are null except
+the previous running block (held until the runner has copied it forward) and prefix-cache
+boundary blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+NULL_BLOCK = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PoolExhausted(Exception):
+    """Not enough free blocks for an allocation; the scheduler preempts or waits."""
+
+
+class BlockPool:
+    """Free queue plus reference counts; a cached block is held by the prefix cache too."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free: deque[int] = deque(range(1, num_blocks))
+        self.ref = [0] * num_blocks
+        # blocks holding a cached prefix state: shared read-only until handed out afresh
+        self.shared: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise PoolExhausted(n)
+        out = [self.free.popleft() for _ in range(n)]
+        for b in out:
+            self.ref[b] = 1
+        self.shared.difference_update(out)
+        return out
+
+    def hold(self, block: int) -> None:
+        self.ref[block] += 1
+        self.shared.add(block)
+
+    def release(self, block: int) -> None:
+        if block == NULL_BLOCK:
+            return
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            self.free.append(block)
+
+
+class PrefixCache:
+    """One cached boundary state per prompt family: (tokens covered, block id)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.entries: dict[int, tuple[int, int]] = {}
+
+    def lookup(self, family: int) -> tuple[int, int] | None:
+        return self.entries.get(family)
+
+    def insert(self, family: int, tokens: int, block: int) -> None:
+        if family in self.entries or block == NULL_BLOCK:
+            return
+        self.pool.hold(block)
+        self.entries[family] = (tokens, block)
+
+    def evict_one(self) -> bool:
+        """Drop the oldest entry (pool pressure); False when there is none."""
+        if not self.entries:
+            return False
+        family = next(iter(self.entries))
+        _, block = self.entries.pop(family)
+        self.pool.release(block)
+        return True
+
+    def pinned(self) -> set[int]:
+        return {b for _, b in self.entries.values()}
+
+
+class AlignAllocator:
+    """MambaManager in align mode, for one Mamba KV-cache group."""
+
+    def __init__(self, pool: BlockPool, block_size: int, spec_blocks: int) -> None:
+        self.pool = pool
+        self.B = block_size
+        self.S = spec_blocks
+        self.rows: dict[str, list[int]] = {}
+        self.allocated: set[str] = set()
+        self.last_state_idx: dict[str, int] = {}
+
+    def row(self, req: str) -> list[int]:
+        return self.rows.setdefault(req, [])
+
+    def start_with_hit(self, req: str, hit_tokens: int, block: int) -> list[int]:
+        """A prefix hit: null columns, then the cached boundary block (shared, read-only)."""
+        col = hit_tokens // self.B - 1
+        self.pool.hold(block)
+        row = [NULL_BLOCK] * col + [block]
+        self.rows[req] = row
+        return list(row)
+
+    def blocks_needed(self, req: str, num_tokens: int) -> int:
+        """Fresh blocks ``allocate`` would take (a dry run of its column arithmetic)."""
+        row = self.rows.get(req, [])
+        prev_len = len(row)
+        required = cdiv(num_tokens, self.B) + self.S
+        if required <= prev_len:
+            return 0
+        skipped = required - self.S - 1
+        length = max(prev_len, skipped)
+        if req in self.allocated:
+            length += sum(1 for i in range(prev_len - self.S, prev_len) if i < skipped)
+        return max(required - length, 0)
+
+    def allocate(self, req: str, num_tokens: int) -> list[int]:
+        """Grow the row to cover ``num_tokens``; return the appended tail (the new block ids
+        a SchedulerOutput carries, nulls and relocated spec blocks included)."""
+        row = self.rows.setdefault(req, [])
+        required = cdiv(num_tokens, self.B) + self.S
+        if required <= len(row):
+            self.allocated.add(req)
+            return []
+        prev_len = len(row)
+        first = req not in self.allocated
+        if not first:
+            self.last_state_idx[req] = prev_len - 1 - self.S
+        elif prev_len > 0:
+            self.last_state_idx[req] = prev_len - 1  # the prefix-hit boundary block
+        skipped = required - self.S - 1
+        need = self.blocks_needed(req, num_tokens)
+        if need > self.pool.num_free:
+            raise PoolExhausted(need)
+        if prev_len < skipped:
+            row.extend([NULL_BLOCK] * (skipped - prev_len))
+        if not first:
+            for i in range(prev_len - self.S, prev_len):
+                if i >= skipped:
+                    break
+                row.append(row[i])
+                row[i] = NULL_BLOCK
+        n_new = max(required - len(row), 0)
+        assert n_new <= (1 + self.S if first else 1), (req, n_new)
+        row.extend(self.pool.take(n_new))
+        self.allocated.add(req)
+        return row[prev_len:]
+
+    def retire(self, req: str, processed_tokens: int) -> int | None:
+        """Free the previous running block once the runner has copied past it."""
+        idx = self.last_state_idx.get(req)
+        if idx is None or idx >= cdiv(processed_tokens, self.B) - 1:
+            return None
+        # done with this state block either way; the next allocation records a new one
+        del self.last_state_idx[req]
+        row = self.rows[req]
+        block = row[idx]
+        if block == NULL_BLOCK:
+            return None
+        self.pool.release(block)
+        row[idx] = NULL_BLOCK
+        return block
+
+    def free(self, req: str) -> list[int]:
+        """Release every block of a finished or preempted request."""
+        row = self.rows.pop(req, [])
+        self.allocated.discard(req)
+        self.last_state_idx.pop(req, None)
+        seen = set()
+        for b in reversed(row):
+            if b != NULL_BLOCK and b not in seen:
+                seen.add(b)
+                self.pool.release(b)
+        return [b for b in row if b != NULL_BLOCK]
+
+    def running_col(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.B) - 1

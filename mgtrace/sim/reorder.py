@@ -1,0 +1,123 @@
+"""Batch ordering rules: V1's four-region reorder, the Mamba builder's split, V2's sort.
+
+V1 reorders the persistent batch in place with row swaps into decode -> short_extend ->
+long_extend -> prefill, judged against the runner's threshold. The Mamba builder then splits
+the reordered batch at its own threshold (1 + k) and, with short extends not treated as
+decodes, counts every row from the first prefill-like row on as a prefill. When the runner's
+threshold is lower than the builder's, spec-decode rows sit in long_extend among chunked
+prefill continuations and the ones behind a continuation go through the prefill kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mgtrace.schemas.tables import REORDER_REGIONS
+
+REGION_DECODE, REGION_SHORT, REGION_LONG, REGION_PREFILL = range(4)
+REGION_NAMES = np.array(REORDER_REGIONS, dtype=object)
+
+
+def regions(
+    num_scheduled: np.ndarray,
+    num_computed: np.ndarray,
+    num_prompt: np.ndarray,
+    threshold: int,
+) -> np.ndarray:
+    """Region id per row (0 decode, 1 short_extend, 2 long_extend, 3 prefill)."""
+    has_context = num_computed > 0
+    below = num_scheduled <= threshold
+    prefilling = num_computed < num_prompt
+    out = np.where(below, np.where(prefilling, REGION_SHORT, REGION_DECODE), REGION_LONG)
+    out[~has_context] = REGION_PREFILL
+    return out.astype(np.int8)
+
+
+def reorder_swaps(region: np.ndarray) -> list[tuple[int, int]]:
+    """Row swaps that bring the batch into region order, in the order the engine makes them.
+
+    Rows already in the right region stay. The misplaced rows, stably sorted by region, fill
+    the misplaced positions in ascending order; each permutation cycle is then walked from
+    its first source, swapping the held row into its destination until the cycle closes.
+    """
+    n = len(region)
+    if n == 0:
+        return []
+    counts = np.bincount(region, minlength=4)
+    target = np.repeat(np.arange(4, dtype=np.int8), counts)
+    wrong = np.flatnonzero(region != target)
+    if len(wrong) == 0:
+        return []
+    sources = wrong[np.argsort(region[wrong], kind="stable")]
+    dest = dict(zip(sources.tolist(), wrong.tolist(), strict=True))
+    swaps: list[tuple[int, int]] = []
+    for start in sources.tolist():
+        hold = start
+        to = dest[hold]
+        while to != hold:
+            swaps.append((hold, to))
+            nxt = dest[to]
+            dest[to] = to
+            to = nxt
+        dest[hold] = hold
+    return swaps
+
+
+def mamba_split(
+    num_scheduled: np.ndarray,
+    num_computed: np.ndarray,
+    num_prompt: np.ndarray,
+    threshold: int,
+) -> int:
+    """Number of leading rows the Mamba builder treats as decodes.
+
+    A row still in its prompt counts as a prefill, except a one-token chunk with prior state,
+    which the builder promotes to a decode (it can replay a decode graph).
+    """
+    prefilling = (num_computed < num_prompt) & ~((num_computed > 0) & (num_scheduled == 1))
+    return decode_count(num_scheduled, prefilling, threshold)
+
+
+def decode_count(num_scheduled: np.ndarray, is_prefilling: np.ndarray, threshold: int) -> int:
+    """Split of a reordered batch with short extends counted as prefills.
+
+    A row is prefill-like when it schedules more than ``threshold`` tokens or is prefilling;
+    every row from the first prefill-like one on counts as a prefill.
+    """
+    n = len(num_scheduled)
+    if n == 0 or num_scheduled[0] > threshold:
+        return 0
+    is_prefill = (num_scheduled > threshold) | is_prefilling
+    if not is_prefill.any():
+        return n
+    return int(np.argmax(is_prefill))
+
+
+def v2_sort(
+    req_ids: list[str], num_scheduled: list[int], has_drafts: list[bool], decode_query_len: int
+) -> list[int]:
+    """V2 batch order: rows with drafts, then rows of exactly the decode length, then the
+    rest by token count; ties keep the scheduler's order. Returns positions into the input."""
+    keys = [
+        (not d, n != decode_query_len, n, i)
+        for i, (n, d) in enumerate(zip(num_scheduled, has_drafts, strict=True))
+    ]
+    return [k[3] for k in sorted(keys)]
+
+
+def v2_order(
+    num_scheduled: np.ndarray,
+    has_drafts: np.ndarray,
+    decode_query_len: int,
+) -> np.ndarray:
+    """``v2_sort`` on arrays: the same order, as positions into the scheduler's order."""
+    n = len(num_scheduled)
+    return np.lexsort((np.arange(n), num_scheduled, num_scheduled != decode_query_len, ~has_drafts))
+
+
+def apply_swaps(order: list[int], swaps: list[tuple[int, int]]) -> list[int]:
+    """Apply swaps to a list of row contents (used to check a swap sequence)."""
+    out = list(order)
+    for a, b in swaps:
+        out[a], out[b] = out[b], out[a]
+    return out

@@ -1,0 +1,79 @@
+"""Pieces both runner models share: the align arithmetic and per-step row containers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def running_cols(num_computed: np.ndarray, num_scheduled: np.ndarray, B: int) -> np.ndarray:
+    """Running-state column after the step's tokens: cdiv(computed + scheduled, B) - 1."""
+    return -(-(num_computed + num_scheduled) // B) - 1
+
+
+def seed_cols(num_computed: np.ndarray, B: int) -> np.ndarray:
+    """Column a request without a recorded state index starts from: (computed - 1) // B."""
+    return (num_computed - 1) // B
+
+
+def copy_boundary(R: np.ndarray, N: np.ndarray, B: int) -> tuple[np.ndarray, ...]:
+    """The post-process decision: does the completed block need the boundary state?
+
+    R tokens are covered by the running state, N are truly computed after acceptance.
+    Returns (needs_copy, accept_token_bias, dest_block_col).
+    """
+    aligned = (N // B) * B
+    return aligned >= R, aligned - R, aligned // B - 1
+
+
+def capture_size(n: int, max_size: int) -> int:
+    """CUDA-graph capture size a uniform decode batch of n rows is padded to."""
+    if n <= 0:
+        return 0
+    if n <= 8:
+        size = 1
+        while size < n:
+            size *= 2
+    else:
+        size = -(-n // 8) * 8
+    return min(size, max(max_size, n))
+
+
+@dataclass
+class StepResult:
+    """What one rank recorded in one step, and the bug events it produced."""
+
+    tables: dict[str, Any]
+    launches: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def sparse(values: np.ndarray, differs: np.ndarray) -> list[int | None] | None:
+    """A column that holds a value only where ``differs``; None when it never does."""
+    if not differs.any():
+        return None
+    return [int(v) if d else None for v, d in zip(values.tolist(), differs.tolist(), strict=True)]
+
+
+class PerRequest:
+    """Runner-side per-request values in arrays indexed by request number, grown on demand."""
+
+    def __init__(self, **fields: tuple[np.dtype | type, object]) -> None:
+        self._fields = fields
+        self.cap = 0
+        for name, (dtype, fill) in fields.items():
+            setattr(self, name, np.full(0, fill, dtype=dtype))
+        self.ensure(1024)
+
+    def ensure(self, cap: int) -> None:
+        if cap <= self.cap:
+            return
+        new_cap = max(cap, 2 * self.cap)
+        for name, (dtype, fill) in self._fields.items():
+            old = getattr(self, name)
+            arr = np.full(new_cap, fill, dtype=dtype)
+            arr[: len(old)] = old
+            setattr(self, name, arr)
+        self.cap = new_cap

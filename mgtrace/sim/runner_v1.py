@@ -1,0 +1,429 @@
+"""The V1 model runner's bookkeeping: InputBatch rows, reorder, align pre/post-process.
+
+The persistent batch is the row order: a new request takes the smallest row freed this step
+(else the next row), ``condense`` moves the highest live row into the lowest hole, and the
+reorder swaps rows. Block-table rows and the pinned accepted-count buffer move with the rows.
+Under async scheduling the previous step's accepted counts are copied device-to-host into that
+buffer while this step's row moves run; the runner then reads it through the previous step's
+row positions. The copy may land before the moves (then the remap reads moved rows) or after
+them (then it is consistent): that is the race of ``async-accepted-race``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mgtrace.sim.config import BUG_ASYNC_RACE, BUG_REORDER, BUG_STALE_ROW, SimConfig
+from mgtrace.sim.input_rows import InputRows
+from mgtrace.sim.reorder import REGION_DECODE, REGION_NAMES, mamba_split, regions, reorder_swaps
+from mgtrace.sim.runner_common import (
+    PerRequest,
+    StepResult,
+    capture_size,
+    copy_boundary,
+    running_cols,
+    sparse,
+)
+from mgtrace.sim.scheduler import KIND_CACHED, KIND_RESUMED, SchedOut
+
+SPLIT_NAMES = np.array(["decode", "prefill"], dtype=object)
+
+
+class RunnerV1:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.B = cfg.mamba_block_size
+        self.k = cfg.k
+        self.max_rows = cfg.max_num_seqs
+        self.rows = InputRows(cfg.max_num_seqs, clear_vacated=not cfg.has(BUG_STALE_ROW))
+        self.req = PerRequest(
+            state_idx=(np.int64, 0),  # mamba_state_idx
+            has_state=(bool, False),
+            true_nc=(np.int64, 0),  # runner's corrected num_computed
+            true_acc=(np.int32, 1),  # normalised accepted count of its last step
+            prev_row=(np.int64, -1),  # prev_req_id_to_index
+            last_seen=(np.int64, -10),
+            pos=(np.int64, -1),  # position in this step's SchedulerOutput
+            row=(np.int64, -1),  # InputBatch row while in the batch
+        )
+        self._last_idx = np.zeros(0, np.int64)
+        self.pending: np.ndarray | None = None  # the in-flight device-to-host copy
+        self._kept: dict[str, list[int]] = {}  # block rows of requests out of the batch
+        self.builder_thresholds: dict[str, int | None] = {
+            "mamba2": cfg.mamba_threshold,
+            "attention(TRITON_ATTN)": None,
+        }
+        if cfg.has(BUG_REORDER):
+            # the drafter's attention picked FlashInfer, which asks for threshold 1
+            self.builder_thresholds["drafter_attention(FLASHINFER)"] = 1
+        else:
+            self.builder_thresholds["drafter_attention(TRITON_ATTN)"] = None
+        values = [t for t in self.builder_thresholds.values() if t is not None]
+        self.reorder_threshold = min(values) if values else None
+
+    # ------------------------------------------------------------------ one step
+    def execute(
+        self,
+        so: SchedOut,
+        accepted: np.ndarray,
+        landed_early: bool,
+        live_owner: Callable[[], dict[int, str]],
+    ) -> StepResult:
+        cfg = self.cfg
+        step = so.step
+        B = self.B
+        race = cfg.has(BUG_ASYNC_RACE)
+        ib = self.rows
+        pr = self.req
+        if len(so):
+            pr.ensure(int(so.idx.max()) + 1)
+        ib.begin_step()
+        ids = so.req_ids
+        m = len(ids)
+        n_prev = ib.num_reqs
+        # where each request sits in this step's SchedulerOutput (-1: not scheduled)
+        pr.pos[self._last_idx] = -1
+        pr.pos[so.idx] = np.arange(m)
+        self._last_idx = so.idx
+        has_pending = self.pending is not None and cfg.async_scheduling
+        landed = bool(landed_early) if has_pending else True
+        if race and has_pending and landed:
+            ib.acc[:n_prev] = self.pending
+
+        # _update_states: finished, preempted, unscheduled and resumed rows leave
+        kinds = so.kind
+        live_pos = pr.pos[ib.key[:n_prev]]
+        leave = live_pos < 0
+        leave[~leave] = kinds[live_pos[~leave]] == KIND_RESUMED
+        for row in np.flatnonzero(leave).tolist():
+            req = ib.row_req[row]
+            self._kept[req] = ib.bt[row]
+            pr.row[ib.key[row]] = -1
+            ib.remove(req)
+        for r in (*so.finished, *so.preempted):
+            self._kept.pop(r.req_id, None)
+            pr.has_state[r.idx] = False
+        fresh = np.flatnonzero(kinds != KIND_CACHED)
+        if len(fresh):
+            fi = so.idx[fresh]
+            pr.has_state[fi] = False
+            pr.true_nc[fi] = so.num_computed[fresh]
+            pr.last_seen[fi] = -10
+        at = pr.row[so.idx]
+        inb = at >= 0
+        ib.nc[at[inb]] = so.num_computed[inb]
+        for p, new_ids in so.new_block_ids.items():
+            if inb[p]:
+                ib.append_blocks(ids[p], new_ids)
+        for p in np.flatnonzero(~inb).tolist():
+            rid = ids[p]
+            kept = self._kept.pop(rid, [])
+            new_ids = so.ids_at(p)
+            # a request back after a step out of the batch keeps the runner's block row
+            row_ids = kept + new_ids if kinds[p] == KIND_CACHED else new_ids
+            ib.add(rid, int(so.num_computed[p]), so.reqs[p].prompt_len, row_ids, key=int(so.idx[p]))
+        ib.condense()
+        n = ib.num_reqs
+
+        # _may_reorder_batch at the runner's threshold
+        T_run = self.reorder_threshold
+        perm = pr.pos[ib.key[:n]]
+        sched_n = so.num_scheduled[perm]
+        run_region = np.zeros(n, np.int8)
+        if T_run is not None and n:
+            run_region = regions(sched_n, ib.nc[:n], ib.prompt[:n], T_run)
+            swaps = reorder_swaps(run_region)
+            # the swaps sort the regions, stably: the reordered batch's regions are sorted
+            run_region = np.sort(run_region)
+            for a, b in swaps:
+                ib.swap(a, b)
+            if swaps:
+                perm = pr.pos[ib.key[:n]]
+                sched_n = so.num_scheduled[perm]
+        pr.row[ib.key[:n]] = np.arange(n)
+        if race and has_pending and not landed:
+            ib.acc[:n_prev] = self.pending
+
+        req_ids = ib.req_ids()
+        ridx = so.idx[perm]
+        nc_sched = ib.nc[:n].copy()
+        nc = pr.true_nc[ridx]
+        prompt = ib.prompt[:n].copy()
+        draft = so.num_draft[perm]
+        samples = so.samples[perm]
+
+        # _prepare_inputs: accepted counts through the previous step's row positions
+        seen = pr.last_seen[ridx] == step - 1
+        prev_pos = np.where(seen, pr.prev_row[ridx], -1)
+        correct = np.where(seen, pr.true_acc[ridx], 1).astype(np.int32)
+        if race and has_pending:
+            consumed = np.where(seen, ib.acc[np.maximum(prev_pos, 0)], 1).astype(np.int32)
+        else:
+            consumed = correct
+        ib.acc[:n] = consumed
+
+        # preprocess_mamba: advance the running column, copy the state forward
+        prev_col = np.where(pr.has_state[ridx], pr.state_idx[ridx], (nc - 1) // B)
+        curr = running_cols(nc, sched_n, B)
+        precopy = (prev_col != -1) & (prev_col != curr)
+        pr.state_idx[ridx] = curr
+        pr.has_state[ridx] = True
+        ib.acc[:n][precopy] = 1
+
+        # the Mamba builder's split, on the reordered batch
+        region = regions(sched_n, nc_sched, prompt, self.cfg.mamba_threshold)
+        if T_run is None:
+            run_region = region
+        split = mamba_split(sched_n, nc, prompt, self.cfg.mamba_threshold)
+        is_decode_split = np.arange(n) < split
+        prefilling = nc < prompt
+
+        # sampling and the align post-process
+        acc_now = accepted[perm]
+        R = nc + sched_n - draft
+        N = R + acc_now - 1
+        need, _bias, dst = copy_boundary(R, N, B)
+        normalised = np.where(need & (dst == curr), 1, acc_now).astype(np.int32)
+        self.pending = normalised
+        pr.true_acc[ridx] = normalised
+        pr.true_nc[ridx] = nc + sched_n - np.where(samples, draft + 1 - acc_now, 0)
+        pr.prev_row[ridx] = np.arange(n)
+        pr.last_seen[ridx] = step
+
+        events: list[dict[str, Any]] = []
+        if cfg.has(BUG_REORDER):
+            bad = (region == REGION_DECODE) & ~is_decode_split
+            for i in np.flatnonzero(bad).tolist():
+                events.append(
+                    {
+                        "bug": BUG_REORDER,
+                        "step": step,
+                        "req_id": req_ids[i],
+                        "batch_row": i,
+                        "recorded": {
+                            "mamba_split": "prefill",
+                            "reorder_region": REGION_NAMES[run_region[i]],
+                        },
+                        "correct": {"mamba_split": "decode", "reorder_region": "decode"},
+                    }
+                )
+        if race and has_pending:
+            matters = (consumed != correct) & (precopy | is_decode_split)
+            for i in np.flatnonzero(matters).tolist():
+                events.append(
+                    {
+                        "bug": BUG_ASYNC_RACE,
+                        "step": step,
+                        "req_id": req_ids[i],
+                        "batch_row": i,
+                        "recorded": {"accepted_prev": int(consumed[i])},
+                        "correct": {"accepted_prev": int(correct[i])},
+                        "d2h_landed_before_moves": landed,
+                    }
+                )
+
+        # padded rows of a uniform decode batch gather state indices from rows past the batch
+        pad_rows: list[int] = []
+        if cfg.cudagraph_padding and n and split == n and bool((sched_n == 1 + self.k).all()):
+            pad_rows = list(range(n, capture_size(n, self.max_rows)))
+        owners: dict[int, str] | None = None
+        for row in pad_rows:
+            cols = ib.bt[row][: 1 + self.k]
+            if not any(cols):
+                continue
+            owners = owners if owners is not None else live_owner()
+            hit = [(b, owners[b]) for b in cols if b and b in owners]
+            if hit and cfg.has(BUG_STALE_ROW):
+                for b, owner in hit:
+                    events.append(
+                        {
+                            "bug": BUG_STALE_ROW,
+                            "step": step,
+                            "req_id": owner,
+                            "batch_row": row,
+                            "block_id": b,
+                            "stale_from": ib.stale.get(row),
+                            "recorded": {"state_indices": cols},
+                            "correct": {"state_indices": [0] * (1 + self.k)},
+                        }
+                    )
+
+        tables = self._tables(
+            step,
+            n,
+            req_ids,
+            sched_n,
+            nc,
+            prompt,
+            draft,
+            consumed,
+            correct,
+            acc_now,
+            samples,
+            prev_col,
+            curr,
+            prefilling,
+            run_region,
+            is_decode_split,
+            split,
+            landed,
+            has_pending,
+            so.total_tokens,
+        )
+        launches = self._launches(
+            step, n, sched_n, nc, draft, consumed, correct, prev_col, curr, acc_now, pad_rows
+        )
+        return StepResult(tables=tables, launches=launches, events=events)
+
+    # ------------------------------------------------------------------ recording
+    def _tables(
+        self,
+        step: int,
+        n: int,
+        req_ids: list[str],
+        sched_n: np.ndarray,
+        nc: np.ndarray,
+        prompt: np.ndarray,
+        draft: np.ndarray,
+        consumed: np.ndarray,
+        correct: np.ndarray,
+        acc_now: np.ndarray,
+        samples: np.ndarray,
+        prev_col: np.ndarray,
+        curr: np.ndarray,
+        prefilling: np.ndarray,
+        run_region: np.ndarray,
+        is_decode_split: np.ndarray,
+        split: int,
+        landed: bool,
+        has_pending: bool,
+        total_tokens: int,
+    ) -> dict[str, Any]:
+        moves = self.rows.moves
+        rows = np.arange(n, dtype=np.int32)
+        batch_rows: dict[str, Any] = {
+            "batch_row": rows,
+            "req_id": req_ids,
+            "req_slot": rows,
+            "num_scheduled": sched_n.astype(np.int32),
+            "num_computed": nc.astype(np.int32),
+            "num_prompt": prompt.astype(np.int32),
+            "num_draft": draft.astype(np.int32),
+            "accepted_prev": consumed,
+            "accepted": acc_now.astype(np.int32)
+            if samples.all()
+            else [
+                int(a) if s else None
+                for a, s in zip(acc_now.tolist(), samples.tolist(), strict=True)
+            ],
+            "prev_state_col": prev_col.astype(np.int32),
+            "state_col": curr.astype(np.int32),
+            "is_prefilling": prefilling,
+            "reorder_region": REGION_NAMES[run_region].tolist(),
+            "mamba_split": SPLIT_NAMES[(~is_decode_split).astype(np.int8)].tolist(),
+        }
+        differs = sparse(correct, consumed != correct)
+        if differs is not None:
+            batch_rows["accepted_prev_cpu"] = differs
+        tables: dict[str, Any] = {
+            "steps": {
+                "num_reqs": n,
+                "num_scheduled_tokens": int(total_tokens),
+                "reorder_threshold": self.reorder_threshold,
+                "mamba_threshold": self.cfg.mamba_threshold,
+                "num_mamba_decodes": split,
+                "postprocess_step": step if n else None,
+                "accepted_landed": landed if has_pending else None,
+            },
+            "batch_rows": batch_rows,
+        }
+        if moves:
+            op, a, b, ra, rb, xa, xb = zip(*moves, strict=True)
+            tables["row_moves"] = {
+                "seq": np.arange(len(moves), dtype=np.int32),
+                "op": list(op),
+                "row_a": list(a),
+                "row_b": list(b),
+                "req_id": list(ra),
+                "req_id_b": list(rb),
+                "accepted_a": list(xa),
+                "accepted_b": list(xb),
+                "d2h_landed": landed if has_pending else None,
+            }
+        if self.rows.dirty:
+            dirty = sorted(self.rows.dirty)
+            tables["block_tables"] = {
+                "group": 0,
+                "table": "v1",
+                "row": np.asarray(dirty, np.int32),
+                "block_ids": [self.rows.bt[r] for r in dirty],
+            }
+        return tables
+
+    def _launches(
+        self,
+        step: int,
+        n: int,
+        sched_n: np.ndarray,
+        nc: np.ndarray,
+        draft: np.ndarray,
+        consumed: np.ndarray,
+        correct: np.ndarray,
+        prev_col: np.ndarray,
+        curr: np.ndarray,
+        acc_now: np.ndarray,
+        pad_rows: list[int],
+    ) -> list[dict[str, Any]]:
+        if n == 0:
+            return []
+        rows = np.arange(n, dtype=np.int32)
+        common = {
+            "batch_row": rows,
+            "batch_step": step,
+            "req_slot": rows,
+            "row_rule": "req_slot",
+            "bt_row": rows,
+            "bt_table": "v1",
+            "bt_step": step,
+        }
+        pre = dict(
+            common,
+            kernel="precopy",
+            num_accepted=consumed,
+            state_idx=curr.astype(np.int32),
+            src_col=prev_col.astype(np.int32),
+            token_bias=(consumed - 1).astype(np.int32),
+        )
+        differs = sparse(correct, consumed != correct)
+        if differs is not None:
+            pre["num_accepted_cpu"] = differs
+        post = dict(
+            common,
+            kernel="postprocess",
+            mode="decision",
+            num_accepted=acc_now.astype(np.int32),
+            state_idx=curr.astype(np.int32),
+            num_scheduled=sched_n.astype(np.int32),
+            num_computed=nc.astype(np.int32),
+            num_draft=draft.astype(np.int32),
+        )
+        out = [pre, post]
+        if pad_rows:
+            pr = np.asarray(pad_rows, np.int32)
+            out.append(
+                {
+                    "kernel": "aligned_indices",
+                    "batch_row": pr,
+                    "batch_step": step,
+                    "req_slot": -1,
+                    "row_rule": "req_slot",
+                    "bt_row": pr,
+                    "bt_table": "v1",
+                    "bt_step": step,
+                    "seq_len": 1,
+                }
+            )
+        return out

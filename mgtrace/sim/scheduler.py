@@ -1,0 +1,630 @@
+"""The engine scheduler: token budget, chunked prefill, spec decode, preemption, align allocation.
+
+Per step it emits a SchedulerOutput equivalent (``SchedOut``). Counts follow vLLM's request
+bookkeeping: ``num_tokens`` = prompt + output, a request is in its prefill while
+``num_computed < num_tokens - 1`` and decodes (1 + drafts) once only the last sampled token is
+left. Under async scheduling the counts are optimistic: a step's drafts are assumed accepted
+when the next step is scheduled, and the rejected ones are taken back when the result arrives.
+
+The hot counters live in arrays indexed by request number (``ReqStore``), so that the common
+step (every running request decodes without a new block) is scheduled with a few numpy ops;
+any request that needs more (a prefill chunk, a new block, a retired block, a tight budget)
+goes through the scalar path, which defines the rules.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mgtrace.sim.block_pool import AlignAllocator, BlockPool, PoolExhausted, PrefixCache
+from mgtrace.sim.config import SimConfig
+from mgtrace.sim.workload import Arrival
+
+WAITING, RUNNING, FINISHING, FINISHED = range(4)
+STATUS_NAMES = ("waiting", "running", "finishing", "finished")
+KIND_NEW, KIND_CACHED, KIND_RESUMED = range(3)
+KIND_NAMES = np.array(["new", "cached", "resumed"], dtype=object)
+
+_INT_FIELDS = (
+    "nc",
+    "ntok",
+    "nout",
+    "inflight",
+    "inflight_tok",
+    "epoch",
+    "rowlen",
+    "prompt",
+    "output_len",
+    "boundary",
+    "first_step",
+    "last_step",
+)
+
+
+class ReqStore:
+    """Per-request counters, one slot per request number, grown by doubling."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.cap = 0
+        self.n = 0
+        self.req_ids = np.empty(0, dtype=object)
+        for name in _INT_FIELDS:
+            setattr(self, name, np.zeros(0, np.int64))
+        self.has_drafts = np.zeros(0, bool)
+        self.last_pending = np.zeros(0, bool)  # holds a previous state block to retire
+        self.status = np.zeros(0, np.int8)
+        self._grow(capacity)
+
+    def _grow(self, cap: int) -> None:
+        def grown(a: np.ndarray, fill: object = 0) -> np.ndarray:
+            out = np.full(cap, fill, dtype=a.dtype)
+            out[: len(a)] = a
+            return out
+
+        self.req_ids = grown(self.req_ids, None)
+        for name in _INT_FIELDS:
+            setattr(self, name, grown(getattr(self, name)))
+        self.has_drafts = grown(self.has_drafts, False)
+        self.last_pending = grown(self.last_pending, False)
+        self.status = grown(self.status)
+        self.cap = cap
+
+    def new(self, req_id: str, a: Arrival, block_size: int) -> int:
+        if self.n == self.cap:
+            self._grow(self.cap * 2)
+        i = self.n
+        self.n += 1
+        self.req_ids[i] = req_id
+        self.ntok[i] = a.prompt_len
+        self.prompt[i] = a.prompt_len
+        self.output_len[i] = a.output_len
+        self.boundary[i] = (a.prefix_len // block_size) * block_size if a.family >= 0 else -1
+        self.first_step[i] = -1
+        self.last_step[i] = -1
+        return i
+
+
+class Request:
+    """A request's identity and rarely-changing facts; its counters live in the store."""
+
+    __slots__ = (
+        "arrival",
+        "family",
+        "finish_reason",
+        "group",
+        "idx",
+        "num_preemptions",
+        "output_len",
+        "prefix_hit_tokens",
+        "prefix_len",
+        "prompt_len",
+        "req_id",
+        "resumed",
+        "store",
+        "wants_hit",
+    )
+
+    def __init__(self, req_id: str, a: Arrival, store: ReqStore, block_size: int) -> None:
+        self.req_id = req_id
+        self.arrival = a
+        self.prompt_len = a.prompt_len
+        self.output_len = a.output_len
+        self.family = a.family
+        self.prefix_len = a.prefix_len
+        self.wants_hit = a.wants_hit
+        self.group = a.group
+        self.prefix_hit_tokens = 0
+        self.finish_reason = "running"
+        self.resumed = False
+        self.num_preemptions = 0
+        self.store = store
+        self.idx = store.new(req_id, a, block_size)
+
+    @property
+    def num_computed(self) -> int:
+        return int(self.store.nc[self.idx])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.store.ntok[self.idx])
+
+    @property
+    def num_output(self) -> int:
+        return int(self.store.nout[self.idx])
+
+    @property
+    def status(self) -> str:
+        return STATUS_NAMES[self.store.status[self.idx]]
+
+    @property
+    def first_step(self) -> int:
+        return int(self.store.first_step[self.idx])
+
+    @property
+    def last_step(self) -> int:
+        return int(self.store.last_step[self.idx])
+
+
+@dataclass(slots=True)
+class Scheduled:
+    """One scheduled request of a step (a view of a ``SchedOut`` position)."""
+
+    req: Request
+    kind: str  # new | cached | resumed
+    num_scheduled: int
+    num_draft: int
+    num_computed: int  # scheduler's count before the step (optimistic under async)
+    new_block_ids: list[int]
+    samples: bool  # whether the step samples a token for it (final chunk or decode)
+    epoch: int
+
+
+@dataclass
+class SchedOut:
+    """A step's SchedulerOutput, one array entry per scheduled request, in schedule order."""
+
+    step: int
+    reqs: list[Request] = field(default_factory=list)
+    idx: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    kind: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
+    num_scheduled: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    num_draft: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    num_computed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    samples: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    epoch: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # position -> ids
+    req_ids: list[str] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    total_tokens: int = 0
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def ids_at(self, pos: int) -> list[int]:
+        return self.new_block_ids.get(pos, [])
+
+    @property
+    def scheduled(self) -> list[Scheduled]:
+        return [
+            Scheduled(
+                req=r,
+                kind=str(KIND_NAMES[self.kind[i]]),
+                num_scheduled=int(self.num_scheduled[i]),
+                num_draft=int(self.num_draft[i]),
+                num_computed=int(self.num_computed[i]),
+                new_block_ids=self.ids_at(i),
+                samples=bool(self.samples[i]),
+                epoch=int(self.epoch[i]),
+            )
+            for i, r in enumerate(self.reqs)
+        ]
+
+
+class _Builder:
+    """Collects a step's scheduled rows; ``build`` puts them in running-list order."""
+
+    WAITING_KEY = 1 << 40  # admissions from the waiting queue come after every running row
+
+    def __init__(self) -> None:
+        self.reqs: list[Request] = []
+        self.new_ids: list[list[int]] = []
+        self.cols: dict[str, list] = {
+            k: [] for k in ("idx", "kind", "n", "d", "nc", "samples", "epoch", "key")
+        }
+
+    def add(
+        self,
+        req: Request,
+        kind: int,
+        n: int,
+        d: int,
+        nc: int,
+        samples: bool,
+        epoch: int,
+        new_ids: list[int],
+        key: int,
+    ) -> None:
+        self.reqs.append(req)
+        self.new_ids.append(new_ids)
+        c = self.cols
+        c["idx"].append(req.idx)
+        c["kind"].append(kind)
+        c["n"].append(n)
+        c["d"].append(d)
+        c["nc"].append(nc)
+        c["samples"].append(samples)
+        c["epoch"].append(epoch)
+        c["key"].append(key)
+
+    def add_many(
+        self,
+        reqs: list[Request],
+        idx: np.ndarray,
+        n: np.ndarray,
+        nc: np.ndarray,
+        epoch: np.ndarray,
+        keys: np.ndarray,
+    ) -> None:
+        """Decode rows with no new blocks: cached, sampling, drafts = n - 1."""
+        m = len(reqs)
+        self.reqs.extend(reqs)
+        self.new_ids.extend([[]] * m)
+        c = self.cols
+        c["idx"].extend(idx.tolist())
+        c["kind"].extend([KIND_CACHED] * m)
+        c["n"].extend(n.tolist())
+        c["d"].extend((n - 1).tolist())
+        c["nc"].extend(nc.tolist())
+        c["samples"].extend([True] * m)
+        c["epoch"].extend(epoch.tolist())
+        c["key"].extend(keys.tolist())
+
+    def build(self, out: SchedOut, store: ReqStore) -> None:
+        c = self.cols
+        keys = np.asarray(c["key"], np.int64)
+        order = np.argsort(keys, kind="stable")
+        ordered = bool((order == np.arange(len(order))).all())
+        out.reqs = self.reqs if ordered else [self.reqs[i] for i in order.tolist()]
+        out.idx = np.asarray(c["idx"], np.int64)[order]
+        out.kind = np.asarray(c["kind"], np.int8)[order]
+        out.num_scheduled = np.asarray(c["n"], np.int64)[order]
+        out.num_draft = np.asarray(c["d"], np.int64)[order]
+        out.num_computed = np.asarray(c["nc"], np.int64)[order]
+        out.samples = np.asarray(c["samples"], bool)[order]
+        out.epoch = np.asarray(c["epoch"], np.int64)[order]
+        out.new_block_ids = {
+            p: self.new_ids[i] for p, i in enumerate(order.tolist()) if self.new_ids[i]
+        }
+        out.req_ids = store.req_ids[out.idx].tolist()
+        out.total_tokens = int(out.num_scheduled.sum())
+
+
+class Scheduler:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.B = cfg.mamba_block_size
+        self.k = cfg.k
+        self.S = cfg.spec_blocks
+        self.pool = BlockPool(cfg.pool_blocks)
+        self.alloc = AlignAllocator(self.pool, self.B, cfg.spec_blocks)
+        self.cache = PrefixCache(self.pool)
+        self.store = ReqStore()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.to_finish: list[Request] = []
+        self.preempted_now: list[Request] = []
+        self._run_idx: np.ndarray | None = None  # request numbers of ``running``, cached
+
+    # ------------------------------------------------------------------ admission
+    def new_request(self, req_id: str, a: Arrival) -> Request:
+        req = Request(req_id, a, self.store, self.B)
+        self.waiting.append(req)
+        return req
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self, step: int) -> SchedOut:
+        out = SchedOut(step=step)
+        for req in self.to_finish:
+            self._release(req)
+            out.finished.append(req)
+        self.to_finish = []
+        self.preempted_now = []
+        build = _Builder()
+        budget = self._schedule_running(step, build)
+        st = self.store
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.cfg.max_num_seqs
+            and not self.preempted_now
+        ):
+            req = self.waiting[0]
+            if st.nc[req.idx] == 0 and not req.resumed:
+                self._maybe_hit(req)
+            n, d = self._want(req, budget)
+            if n == 0:
+                break
+            end = int(st.nc[req.idx]) + n
+            try:
+                self._make_room(self.alloc.blocks_needed(req.req_id, end))
+                self._allocate(req, end)
+            except PoolExhausted:
+                break
+            self.waiting.popleft()
+            kind = KIND_RESUMED if req.resumed else KIND_NEW
+            st.status[req.idx] = RUNNING
+            self.running.append(req)
+            self._run_idx = None
+            # a new or resumed request's row is the whole row: hit columns + fresh tail
+            self._commit(
+                req,
+                kind,
+                n,
+                d,
+                list(self.alloc.rows[req.req_id]),
+                step,
+                build,
+                _Builder.WAITING_KEY + len(build.reqs),
+            )
+            budget -= n
+        build.build(out, st)
+        out.preempted = list(self.preempted_now)
+        return out
+
+    def _schedule_running(self, step: int, build: _Builder) -> int:
+        """Running requests in order; returns the budget left.
+
+        Rows that only decode into blocks they already hold ("simple") are committed in one
+        go; the others take the scalar path in list order, each with the budget left at its
+        position. From the first simple row that would not fit, every row is scalar.
+        """
+        st = self.store
+        budget = self.cfg.max_num_batched_tokens
+        run = list(self.running)
+        if not run:
+            return budget
+        if self._run_idx is None:
+            self._run_idx = np.fromiter((r.idx for r in run), np.int64, len(run))
+        idx = self._run_idx
+        eligible = st.status[idx] == RUNNING
+        if self.cfg.pp > 1:
+            eligible &= st.inflight[idx] == 0
+        nc = st.nc[idx]
+        n_dec = 1 + self.k * st.has_drafts[idx]
+        simple = eligible & (st.ntok[idx] - nc == 1) & ~st.last_pending[idx]
+        simple &= -(-(nc + n_dec) // self.B) + self.S <= st.rowlen[idx]
+        want = np.where(simple, n_dec, 0)
+        cs = np.cumsum(want)
+        taken = 0  # tokens of the rows that went through the scalar path
+        start = 0
+        scalar_from = len(run)
+        for c in [*np.flatnonzero(eligible & ~simple).tolist(), len(run)]:
+            if c > start and int(cs[c - 1]) + taken > budget:
+                scalar_from = start + int(
+                    np.searchsorted(cs[start:c], budget - taken, side="right")
+                )
+                break
+            left = budget - (int(cs[c - 1]) if c else 0) - taken
+            if c == len(run) or left <= 0:
+                scalar_from = c
+                break
+            start = c + 1
+            if st.status[run[c].idx] != RUNNING:
+                continue  # preempted earlier in this step
+            t = self._schedule_one(run[c], left, step, build, key=c)
+            taken += t or 0
+            if self.preempted_now and t is not None:
+                scalar_from = c + 1  # a later row may be the victim: go row by row
+                break
+        sel = np.flatnonzero(want[:scalar_from])
+        if len(sel):
+            self._commit_simple(
+                [run[i] for i in sel.tolist()], idx[sel], want[sel], sel, step, build
+            )
+        left = budget - (int(cs[scalar_from - 1]) if scalar_from else 0) - taken
+        for pos in range(scalar_from, len(run)):
+            if left <= 0:
+                break
+            req = run[pos]
+            if st.status[req.idx] != RUNNING or (self.cfg.pp > 1 and st.inflight[req.idx]):
+                continue
+            left -= self._schedule_one(req, left, step, build, key=pos) or 0
+        return left
+
+    def _commit_simple(
+        self,
+        reqs: list[Request],
+        ids: np.ndarray,
+        n: np.ndarray,
+        keys: np.ndarray,
+        step: int,
+        build: _Builder,
+    ) -> None:
+        """Commit decode rows that need no block change, in one go."""
+        st = self.store
+        nc = st.nc[ids].copy()
+        build.add_many(reqs, ids, n, nc, st.epoch[ids], keys)
+        first = st.first_step[ids]
+        st.first_step[ids] = np.where(first < 0, step, first)
+        st.last_step[ids] = step
+        st.nc[ids] = nc + n
+        st.ntok[ids] += n  # optimistic: every draft accepted, plus the bonus token
+        st.has_drafts[ids] = self.k > 0
+        st.inflight[ids] += 1
+        st.inflight_tok[ids] += n
+
+    def _schedule_one(
+        self,
+        req: Request,
+        budget: int,
+        step: int,
+        build: _Builder,
+        key: int,
+    ) -> int | None:
+        """The scalar path for one running request: tokens taken, 0 if none, None if the
+        request was preempted to make room."""
+        n, d = self._want(req, budget)
+        if n == 0:
+            return 0
+        new_ids = self._allocate_or_preempt(req, n)
+        if new_ids is None:
+            return None
+        kind = KIND_RESUMED if req.resumed else KIND_CACHED
+        self._commit(req, kind, n, d, new_ids, step, build, key)
+        return n
+
+    def _want(self, req: Request, budget: int) -> tuple[int, int]:
+        """Tokens (drafts included) and drafts the request would take with ``budget`` left."""
+        st = self.store
+        nc = int(st.nc[req.idx])
+        remaining = int(st.ntok[req.idx]) - nc
+        if remaining <= 1:
+            if remaining < 1:
+                return 0, 0
+            d = min(self.k if st.has_drafts[req.idx] else 0, budget - 1)
+            return 1 + d, d
+        n = min(remaining, budget)
+        if n < remaining:
+            # align mode ends non-final prefill chunks on a block boundary
+            n = ((nc + n) // self.B) * self.B - nc
+            if n <= 0:
+                return 0, 0
+        boundary = int(st.boundary[req.idx])
+        if boundary > 0 and self.cache.lookup(req.family) is None and nc < boundary < nc + n:
+            # stop the chunk at the family's boundary so its state can be cached
+            n = boundary - nc
+        return n, 0
+
+    def _maybe_hit(self, req: Request) -> None:
+        if req.family < 0 or not req.wants_hit:
+            return
+        entry = self.cache.lookup(req.family)
+        if entry is None:
+            return
+        tokens, block = entry
+        if tokens >= self.store.ntok[req.idx] or tokens < self.B:
+            return
+        self.alloc.start_with_hit(req.req_id, tokens, block)
+        self.store.rowlen[req.idx] = len(self.alloc.rows[req.req_id])
+        self.store.nc[req.idx] = tokens
+        req.prefix_hit_tokens = tokens
+
+    def _make_room(self, need: int) -> None:
+        while need > self.pool.num_free and self.cache.evict_one():
+            pass
+        if need > self.pool.num_free:
+            raise PoolExhausted(need)
+
+    def _allocate(self, req: Request, num_tokens: int) -> list[int]:
+        ids = self.alloc.allocate(req.req_id, num_tokens)
+        self.store.rowlen[req.idx] = len(self.alloc.rows[req.req_id])
+        self.store.last_pending[req.idx] = req.req_id in self.alloc.last_state_idx
+        return ids
+
+    def _allocate_or_preempt(self, req: Request, n: int) -> list[int] | None:
+        st = self.store
+        rid = req.req_id
+        # free on the processed basis: in-flight drafts may still be rejected
+        processed = int(st.nc[req.idx] - st.inflight_tok[req.idx])
+        self.alloc.retire(rid, max(processed, 0))
+        st.last_pending[req.idx] = rid in self.alloc.last_state_idx
+        end = int(st.nc[req.idx]) + n
+        while True:
+            try:
+                self._make_room(self.alloc.blocks_needed(rid, end))
+                return self._allocate(req, end)
+            except PoolExhausted:
+                victim = self._pick_victim()
+                self._preempt(victim)
+                if victim is req:
+                    return None
+
+    def _pick_victim(self) -> Request:
+        for req in reversed(self.running):
+            if self.store.status[req.idx] == RUNNING:
+                return req
+        raise AssertionError("no running request to preempt")
+
+    def _preempt(self, req: Request) -> None:
+        st = self.store
+        i = req.idx
+        self.alloc.free(req.req_id)
+        st.rowlen[i] = 0
+        st.last_pending[i] = False
+        self.running.remove(req)
+        self._run_idx = None
+        st.status[i] = WAITING
+        st.nc[i] = 0
+        st.ntok[i] = req.prompt_len + st.nout[i]
+        st.has_drafts[i] = False
+        st.inflight[i] = 0
+        st.inflight_tok[i] = 0
+        st.epoch[i] += 1
+        req.resumed = True
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.preempted_now.append(req)
+
+    def _commit(
+        self,
+        req: Request,
+        kind: int,
+        n: int,
+        d: int,
+        new_ids: list[int],
+        step: int,
+        build: _Builder,
+        key: int,
+    ) -> None:
+        st = self.store
+        i = req.idx
+        nc = int(st.nc[i])
+        samples = nc + n >= st.ntok[i]
+        build.add(req, kind, n, d, nc, bool(samples), int(st.epoch[i]), new_ids, key)
+        if st.first_step[i] < 0:
+            st.first_step[i] = step
+        st.last_step[i] = step
+        req.resumed = False
+        st.nc[i] = nc + n
+        if samples:
+            st.ntok[i] += 1 + d  # optimistic: every draft accepted, plus the bonus token
+            # the drafter proposes in the same step, so the next step carries k drafts
+            st.has_drafts[i] = self.k > 0
+        st.inflight[i] += 1
+        st.inflight_tok[i] += n
+
+    # ------------------------------------------------------------------ results
+    def apply_results(self, so: SchedOut, accepted: np.ndarray) -> list[Request]:
+        """Fold a step's outcome (accepted per position) in; returns the requests it
+        finished."""
+        if not len(so):
+            return []
+        st = self.store
+        idx = so.idx
+        valid = (so.epoch == st.epoch[idx]) & (st.status[idx] == RUNNING)
+        if not valid.all():
+            keep = np.flatnonzero(valid)
+            idx = idx[keep]
+            n, d, samples = so.num_scheduled[keep], so.num_draft[keep], so.samples[keep]
+            acc, nc_before = accepted[keep], so.num_computed[keep]
+            reqs = [so.reqs[p] for p in keep.tolist()]
+        else:
+            n, d, samples = so.num_scheduled, so.num_draft, so.samples
+            acc, nc_before, reqs = accepted, so.num_computed, so.reqs
+        st.inflight[idx] -= 1
+        st.inflight_tok[idx] -= n
+        rejected = np.where(samples, d + 1 - acc, 0)
+        st.nc[idx] -= rejected
+        st.ntok[idx] -= rejected
+        st.nout[idx] += np.where(samples, acc, 0)
+        seeds = np.flatnonzero(st.boundary[idx] == nc_before + n)
+        for p in seeds.tolist():
+            req = reqs[p]
+            boundary = int(st.boundary[req.idx])
+            if boundary > 0 and self.cache.lookup(req.family) is None:
+                col = boundary // self.B - 1
+                row = self.alloc.rows.get(req.req_id)
+                if row is not None and col < len(row):
+                    self.cache.insert(req.family, boundary, row[col])
+        done = np.flatnonzero(st.nout[idx] >= st.output_len[idx])
+        finished = []
+        for p in done.tolist():
+            req = reqs[p]
+            req.finish_reason = "length" if req.output_len >= req.arrival.max_tokens else "stop"
+            st.status[req.idx] = FINISHING
+            self.to_finish.append(req)
+            finished.append(req)
+        return finished
+
+    def _release(self, req: Request) -> None:
+        self.alloc.free(req.req_id)
+        self.store.rowlen[req.idx] = 0
+        self.store.last_pending[req.idx] = False
+        if req in self.running:
+            self.running.remove(req)
+            self._run_idx = None
+        self.store.status[req.idx] = FINISHED

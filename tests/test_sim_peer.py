@@ -1,0 +1,180 @@
+"""Peer tier: the simulator's batch rules against the real vLLM package on the CPU.
+
+vLLM is imported with CUDA hidden and the CPU target, so ``InputBatch`` builds without
+pinned memory. Each case drives the real InputBatch and the simulator's ``InputRows`` through
+the same random rounds of removals, additions, condense and reorder, and compares row order,
+computed counts, accepted-count buffers, block-table rows and the exact swap sequence.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mgtrace.sim.input_rows import InputRows
+from mgtrace.sim.reorder import decode_count, regions, reorder_swaps
+
+pytestmark = pytest.mark.peer
+
+MAX_REQS = 24
+MAX_LEN = 512
+WIDTH = 16
+
+
+@pytest.fixture(scope="module")
+def vllm_mods():
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.attention.backends import utils as attn_utils
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    except Exception as exc:  # vLLM absent, or present but not importable here
+        pytest.skip(
+            f"vLLM is not importable ({exc.__class__.__name__}: {exc}); "
+            "run `make peer` to install the peer package"
+        )
+    return SimpleNamespace(
+        torch=torch,
+        SamplingParams=SamplingParams,
+        attn=attn_utils,
+        CachedRequestState=CachedRequestState,
+        InputBatch=InputBatch,
+    )
+
+
+def _input_batch(v):
+    return v.InputBatch(
+        max_num_reqs=MAX_REQS,
+        max_model_len=MAX_LEN,
+        max_num_batched_tokens=4096,
+        device=v.torch.device("cpu"),
+        vocab_size=1000,
+        block_sizes=[16],
+        max_num_blocks_per_req=[WIDTH],
+    )
+
+
+def _state(v, req_id: str, prompt: int, computed: int, blocks: list[int]):
+    return v.CachedRequestState(
+        req_id=req_id,
+        prompt_token_ids=[1] * prompt,
+        mm_features=[],
+        sampling_params=v.SamplingParams(),
+        generator=None,
+        block_ids=(list(blocks),),
+        num_computed_tokens=computed,
+        output_token_ids=[],
+    )
+
+
+def _real_row(ib, row: int) -> list[int]:
+    bt = ib.block_table[0]
+    return bt.block_table.np[row, : bt.num_blocks_per_row[row]].tolist()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_rows_and_reorder_match_input_batch(vllm_mods, seed: int) -> None:
+    v = vllm_mods
+    rng = random.Random(seed)
+    real = _input_batch(v)
+    ours = InputRows(MAX_REQS)
+    real_swaps: list[tuple[int, int]] = []
+    real_swap = real.swap_states
+
+    def recording_swap(i1: int, i2: int) -> None:
+        real_swaps.append((i1, i2))
+        real_swap(i1, i2)
+
+    real.swap_states = recording_swap
+    prompts: dict[str, int] = {}
+    next_id = 0
+    for _round in range(30):
+        ours.begin_step()
+        n0 = ours.num_reqs
+        before = np.array([rng.randint(1, 4) for _ in range(n0)], np.int32)
+        real.num_accepted_tokens_cpu[:n0] = before
+        ours.acc[:n0] = before
+        live = list(ours.req_row)
+        for rid in rng.sample(live, k=rng.randint(0, len(live))):
+            real.remove_request(rid)
+            ours.remove(rid)
+        for rid in list(ours.req_row):
+            if rng.random() < 0.3 and len(ours.bt[ours.req_row[rid]]) < WIDTH:
+                extra = [rng.randint(1, 999)]
+                real.block_table.append_row([extra], real.req_id_to_index[rid])
+                ours.append_blocks(rid, extra)
+        for _ in range(rng.randint(0, MAX_REQS - ours.num_reqs)):
+            rid = f"r{next_id}"
+            next_id += 1
+            prompt = rng.randint(1, 200)
+            computed = rng.choice([0, 0, rng.randint(0, prompt), prompt, prompt + 3])
+            blocks = [rng.randint(0, 999) for _ in range(rng.randint(1, 4))]
+            prompts[rid] = prompt
+            real.add_request(_state(v, rid, prompt, computed, blocks))
+            ours.add(rid, computed, prompt, blocks)
+        real.condense()
+        ours.condense()
+        n = ours.num_reqs
+        assert real.req_ids == ours.req_ids()
+        assert real.num_accepted_tokens_cpu[:n].tolist() == ours.acc[:n].tolist()
+        # the accepted-count buffer must travel with the rows through the reorder
+        marks = np.array([rng.randint(1, 4) for _ in range(n)], np.int32)
+        real.num_accepted_tokens_cpu[:n] = marks
+        ours.acc[:n] = marks
+        sched = {rid: rng.choice([1, 2, 3, 4, 5, 9, 40]) for rid in ours.req_ids()}
+        threshold = rng.choice([1, 2, 4])
+        real_swaps.clear()
+        v.attn.reorder_batch_to_split_decodes_and_prefills(
+            real, SimpleNamespace(num_scheduled_tokens=sched), decode_threshold=threshold
+        )
+        sched_n = np.array([sched[r] for r in ours.req_ids()])
+        our_swaps = reorder_swaps(regions(sched_n, ours.nc[:n], ours.prompt[:n], threshold))
+        for a, b in our_swaps:
+            ours.swap(a, b)
+        assert real_swaps == our_swaps
+        assert real.req_ids == ours.req_ids()
+        assert real.num_computed_tokens_cpu[:n].tolist() == ours.nc[:n].tolist()
+        assert real.num_accepted_tokens_cpu[:n].tolist() == ours.acc[:n].tolist()
+        for row in range(MAX_REQS):
+            assert _real_row(real, row) == ours.bt[row], row
+        real.refresh_metadata()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_matches_split_decodes_and_prefills(vllm_mods, seed: int) -> None:
+    v = vllm_mods
+    torch = v.torch
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 32))
+    threshold = int(rng.choice([1, 2, 4, 8]))
+    qlen = rng.choice([1, 2, 3, 4, 5, 8, 17, 300], size=n)
+    computed = rng.choice([0, 10, 100, 500], size=n)
+    prompt = rng.choice([5, 50, 200, 1000], size=n)
+    order = np.argsort(regions(qlen, computed, prompt, threshold), kind="stable")
+    qlen, computed, prompt = qlen[order], computed[order], prompt[order]
+    prefilling = computed < prompt
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlen)]), dtype=torch.int32)
+    seq = torch.tensor(computed + qlen, dtype=torch.int32)
+    cm = v.attn.CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seq,
+        num_reqs=n,
+        num_actual_tokens=int(qlen.sum()),
+        max_query_len=int(qlen.max()),
+        max_seq_len=int(seq.max()),
+        block_table_tensor=torch.zeros((n, 4), dtype=torch.int32),
+        slot_mapping=torch.zeros(int(qlen.sum()), dtype=torch.int64),
+        is_prefilling=torch.tensor(prefilling),
+        seq_lens_cpu_upper_bound=seq,
+    )
+    num_decodes, *_ = v.attn.split_decodes_and_prefills(
+        cm, decode_threshold=threshold, treat_short_extends_as_decodes=False
+    )
+    assert num_decodes == decode_count(qlen, prefilling, threshold)

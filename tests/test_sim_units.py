@@ -1,0 +1,206 @@
+"""Unit tests of the simulator's parts: allocation arithmetic, reorder, boundary, workload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mgtrace.errors import UsageError
+from mgtrace.schemas.reader import TraceReader
+from mgtrace.sim import SimConfig, simulate
+from mgtrace.sim.block_pool import NULL_BLOCK, AlignAllocator, BlockPool, PoolExhausted
+from mgtrace.sim.reorder import (
+    apply_swaps,
+    mamba_split,
+    regions,
+    reorder_swaps,
+    v2_order,
+    v2_sort,
+)
+from mgtrace.sim.runner_common import capture_size, copy_boundary
+from mgtrace.sim.workload import Client
+
+pytestmark = pytest.mark.unit
+
+
+def test_first_allocation_puts_running_and_spec_blocks_after_nulls() -> None:
+    # B=4, k=2: prompt [A,B,C] + drafts d1,d2 -> block 0 [A,B,C,d1], running state in block 1
+    alloc = AlignAllocator(BlockPool(16), block_size=4, spec_blocks=2)
+    row = alloc.allocate("r", 5)
+    assert row == alloc.rows["r"] and len(row) == 4
+    assert row[0] == NULL_BLOCK and NULL_BLOCK not in row[1:]
+    assert alloc.running_col(5) == 1
+
+
+def test_decode_crossing_reuses_spec_blocks_and_retires_the_old_state() -> None:
+    pool = BlockPool(32)
+    alloc = AlignAllocator(pool, block_size=4, spec_blocks=2)
+    alloc.allocate("r", 3)  # cols: 0 running, 1-2 spec
+    first = list(alloc.rows["r"])
+    tail = alloc.allocate("r", 3 + 3)  # 6 tokens: running column 1
+    row = alloc.rows["r"]
+    assert row[1] == first[1] and row[2] == first[2]  # spec block 1 becomes the running one
+    assert len(tail) == 1 and tail[0] == row[3] and row[3] not in first
+    assert alloc.last_state_idx["r"] == 0
+    assert alloc.retire("r", 4) is None  # not copied past yet
+    freed = alloc.retire("r", 9)
+    assert freed == first[0] and row[0] == NULL_BLOCK and first[0] in pool.free
+
+
+def test_long_chunk_relocates_all_spec_blocks_behind_null_columns() -> None:
+    alloc = AlignAllocator(BlockPool(32), block_size=4, spec_blocks=3)
+    alloc.allocate("r", 4)
+    spec = alloc.rows["r"][1:4]
+    alloc.allocate("r", 40)  # running column 9
+    row = alloc.rows["r"]
+    assert row[9:12] == spec and row[1:4] == [NULL_BLOCK] * 3 and len(row) == 13
+    assert alloc.blocks_needed("r", 41) == 1
+
+
+def test_pool_exhaustion_is_reported_before_any_change() -> None:
+    pool = BlockPool(4)
+    alloc = AlignAllocator(pool, block_size=4, spec_blocks=2)
+    alloc.allocate("a", 4)
+    with pytest.raises(PoolExhausted):
+        alloc.allocate("b", 4)
+    assert "b" not in alloc.rows or alloc.rows["b"] == []
+
+
+@pytest.mark.parametrize(
+    ("R", "N", "B", "need", "bias", "dst"),
+    [
+        (6, 8, 4, True, 2, 1),  # the block just completed gets the state from spec col +2
+        (5, 6, 4, False, -1, 0),
+        (8, 8, 4, True, 0, 1),  # a prefill chunk ending on a boundary: dst == src, no bias
+        (7, 9, 4, True, 1, 1),
+    ],
+)
+def test_copy_boundary(R: int, N: int, B: int, need: bool, bias: int, dst: int) -> None:
+    n, b, d = copy_boundary(np.array([R]), np.array([N]), B)
+    assert bool(n[0]) is need and int(b[0]) == bias and int(d[0]) == dst
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40))
+def test_reorder_swaps_sort_regions_like_the_engine(region: list[int]) -> None:
+    reg = np.asarray(region, np.int8)
+    out = apply_swaps(list(range(len(reg))), reorder_swaps(reg))
+    assert [region[i] for i in out] == sorted(region)
+    target = np.sort(reg)
+    wrong = np.flatnonzero(reg != target)
+    stable_sources = wrong[np.argsort(reg[wrong], kind="stable")]
+    # rows already in place stay; misplaced rows fill the misplaced slots in stable order
+    assert [out[p] for p in wrong] == stable_sources.tolist()
+    assert all(out[p] == p for p in range(len(reg)) if p not in set(wrong.tolist()))
+
+
+def test_regions_and_split_put_decodes_behind_a_continuation_into_prefill() -> None:
+    # threshold 1 (lowered by a drafter backend): 4-token spec decodes become long extends
+    sched = np.array([4, 2048, 4, 4])
+    computed = np.array([900, 512, 700, 650])
+    prompt = np.array([800, 4000, 600, 600])
+    assert regions(sched, computed, prompt, 1).tolist() == [2, 2, 2, 2]
+    assert mamba_split(sched, computed, prompt, 4) == 1
+    assert regions(sched, computed, prompt, 4).tolist() == [0, 2, 0, 0]
+
+
+def test_one_token_prompt_chunk_with_state_is_a_decode() -> None:
+    assert mamba_split(np.array([1, 4]), np.array([10, 20]), np.array([11, 5]), 4) == 2
+    assert mamba_split(np.array([2, 4]), np.array([10, 20]), np.array([12, 5]), 4) == 0
+
+
+def test_v2_sort_orders_drafts_then_uniform_then_by_length() -> None:
+    ids = ["a", "b", "c", "d", "e"]
+    order = v2_sort(ids, [7, 4, 4, 2, 4], [False, True, False, True, True], 4)
+    assert [ids[i] for i in order] == ["b", "e", "d", "c", "a"]
+
+
+def test_capture_sizes() -> None:
+    assert [capture_size(n, 96) for n in (0, 1, 3, 5, 8, 9, 17, 95)] == [0, 1, 4, 8, 8, 16, 24, 96]
+
+
+def test_workload_is_seeded() -> None:
+    def arrivals(seed: int) -> list[tuple[float, int, int]]:
+        c = Client(SimConfig(scenario="pairs", seed=seed))
+        out = [(a.arrival_s, a.prompt_len, a.output_len) for a in c.poll(0.0)]
+        out += [(a.arrival_s, a.prompt_len, a.output_len) for a in c.poll(5.0)]
+        return out
+
+    assert arrivals(1) == arrivals(1) != arrivals(2)
+    first = arrivals(1)
+    assert len(first) == 60 and sum(p > 50000 for _, p, _ in first) == 30
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"scenario": "burst"}, "unknown scenario"),
+        ({"runner": "v3"}, "unknown runner"),
+        ({"steps": 0}, "--steps"),
+        ({"bugs": ("nope",)}, "unknown bug"),
+        ({"bugs": ("batch-row-block-table",)}, "needs --runner v2"),
+        ({"runner": "v1", "pp": 2}, "V1 runner does not support"),
+        ({"mamba_block_size": 3}, "must exceed k"),
+        ({"bugs": ("async-accepted-race",), "async_scheduling": False}, "async"),
+    ],
+)
+def test_bad_config_is_one_usage_error(kwargs: dict, words: str) -> None:
+    with pytest.raises(UsageError, match=words) as info:
+        SimConfig(**kwargs).validate()
+    assert "\n" not in info.value.message
+
+
+def test_same_seed_same_trace(tmp_path: Path) -> None:
+    def run(name: str) -> dict:
+        m = simulate(
+            SimConfig(
+                scenario="mixed",
+                steps=150,
+                seed=5,
+                length_scale=0.2,
+                bugs=("reorder-threshold-mismatch",),
+                output=tmp_path / name,
+            )
+        )
+        r = TraceReader(tmp_path / name)
+        return {
+            "truth": m.ground_truth,
+            **{t: r.table(t).to_pydict() for t in ("batch_rows", "launches", "sched")},
+        }
+
+    assert run("a") == run("b")
+
+
+def test_trace_has_every_recorded_table(tmp_path: Path) -> None:
+    m = simulate(
+        SimConfig(
+            scenario="steady", steps=120, length_scale=0.2, runner="v2", pp=2, output=tmp_path / "t"
+        )
+    )
+    assert m.complete and m.drops.total_steps == 0 and not m.errors
+    r = TraceReader(tmp_path / "t")
+    for table in (
+        "steps",
+        "batch_rows",
+        "launches",
+        "block_tables",
+        "row_moves",
+        "sched",
+        "requests",
+    ):
+        assert r.rows(table) > 0, table
+    steps = r.table("steps").to_pydict()
+    assert sorted(set(steps["rank"])) == [0, 1] and len(steps["step"]) == 240
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.booleans()), max_size=30))
+def test_v2_order_matches_the_sort_rule(rows: list[tuple[int, bool]]) -> None:
+    n = np.array([r[0] for r in rows], np.int64)
+    d = np.array([r[1] for r in rows], bool)
+    ids = [f"r{i}" for i in range(len(rows))]
+    assert v2_order(n, d, 4).tolist() == v2_sort(ids, n.tolist(), d.tolist(), 4)
