@@ -196,3 +196,29 @@ def test_categorical_columns_accept_codes(tmp_path: Path) -> None:
         "long_extend",
     ]
     assert t.column("mamba_split").to_pylist() == ["decode", "prefill", None, "decode", "prefill"]
+
+
+def test_bulk_steps_equal_single_steps(tmp_path: Path) -> None:
+    """write_steps (many steps, a step column) produces the same rows as write_step."""
+    rng = np.random.default_rng(5)
+    steps = [sample_step(s, 4, rng) for s in range(6)]
+    with TraceWriter(tmp_path / "single") as w:
+        for s, tables in enumerate(steps):
+            w.write_step(0, s, {"batch_rows": tables["batch_rows"], "steps": tables["steps"]})
+    bulk_rows = {
+        k: np.concatenate([np.asarray(t["batch_rows"][k], dtype=object) for t in steps])
+        for k in steps[0]["batch_rows"]
+        if isinstance(steps[0]["batch_rows"][k], (list, np.ndarray))
+    }
+    bulk_rows = {k: v.tolist() for k, v in bulk_rows.items()}
+    bulk_rows["step"] = np.repeat(np.arange(6), 4)
+    bulk_steps = {k: [t["steps"][k] for t in steps] for k in steps[0]["steps"]}
+    bulk_steps["step"] = np.arange(6)
+    with TraceWriter(tmp_path / "bulk") as w:
+        assert w.write_steps(0, 0, 5, {"batch_rows": bulk_rows, "steps": bulk_steps})
+        w.write_steps(0, 6, 6, {"steps": {"num_reqs": 1}})  # malformed: no step column
+    single, bulk = TraceReader(tmp_path / "single"), TraceReader(tmp_path / "bulk")
+    for name in ("batch_rows", "steps"):
+        assert single.table(name).to_pylist() == bulk.table(name).to_pylist()
+    assert bulk.manifest.drops.malformed_steps == 1
+    assert bulk.manifest.drops.step_ranges == [[0, 6, 6]]

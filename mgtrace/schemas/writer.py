@@ -239,11 +239,12 @@ class _Pending:
         self.rows = 0
 
     def add(self, step: int | None, columns: Columns, n: int) -> None:
+        """``step`` is the chunk's step; None for a bulk chunk (a ``step`` column) or rows
+        of a table without steps."""
         self.rows += n
         self.counts.append(n)
         self.chunks.append(columns)
-        if step is not None:
-            self.steps.append(step)
+        self.steps.append(step)
 
     def to_table(self) -> pa.Table:
         spec = self.spec
@@ -254,7 +255,11 @@ class _Pending:
             if spec.per_step and name == "rank":
                 arrays.append(pa.array(np.full(rows, self.rank, np.int32)))
             elif spec.per_step and name == "step":
-                arrays.append(pa.array(np.repeat(np.asarray(self.steps, np.int64), self.counts)))
+                values = [
+                    c["step"] if s is None else s
+                    for c, s in zip(self.chunks, self.steps, strict=True)
+                ]
+                arrays.append(_chunks_to_arrow(values, self.counts, f))
             else:
                 values = [c.get(name) for c in self.chunks]
                 if all(v is None for v in values):
@@ -368,6 +373,20 @@ class TraceWriter:
         self._steps_queued += 1
         return True
 
+    def write_steps(self, rank: int, first: int, last: int, tables: StepTables) -> bool:
+        """Queue steps ``first..last`` at once: every per-step table carries a ``step`` column.
+
+        For producers that buffer many steps (the simulator): one queue item and one chunk per
+        table instead of one per step. Never blocks; False when dropped (all those steps).
+        """
+        if len(self._queue) >= self._max_queue or self._closed or self._failed is not None:
+            for step in range(first, last + 1):
+                self._dropped.append((rank, step, 0))
+            return False
+        self._queue.append((rank, (first, last), tables))
+        self._steps_queued += last - first + 1
+        return True
+
     def write_rows(self, table: str, columns: Columns) -> None:
         """Queue rows of a table that is not keyed by step (requests, findings)."""
         if self._closed:
@@ -461,7 +480,9 @@ class TraceWriter:
             rank, step, tables = self._queue.popleft()
             n += 1
             if self._failed is not None:
-                self._dropped.append((rank, step, 0))
+                first, last = step if isinstance(step, tuple) else (step, step)
+                if first is not None:
+                    self._dropped.extend((rank, s, 0) for s in range(first, last + 1))
                 continue
             try:
                 self._accept(rank, step, tables)
@@ -471,7 +492,8 @@ class TraceWriter:
                 self._refuse(rank, step, tables, f"{exc.__class__.__name__}: {exc}")
         return n
 
-    def _accept(self, rank: int | None, step: int | None, tables: StepTables) -> None:
+    def _accept(self, rank: int | None, step: Any, tables: StepTables) -> None:
+        bulk = isinstance(step, tuple)
         checked = []
         for name, columns in tables.items():
             spec = TABLES.get(name)
@@ -479,26 +501,41 @@ class TraceWriter:
                 raise MalformedStep(f"unknown table {name!r}")
             if spec.per_step and step is None:
                 raise MalformedStep(f"table {name!r} rows must be written with write_step")
-            checked.append((spec, columns, _validate_chunk(spec, columns)))
+            if bulk and spec.per_step:
+                if "step" not in columns:
+                    raise MalformedStep(f"bulk rows of table {name!r} need a step column")
+                columns = {k: v for k, v in columns.items() if k != "step"} | {
+                    "step": columns["step"]
+                }
+                n = _validate_chunk(spec, {k: v for k, v in columns.items() if k != "step"})
+                if _column_length(columns["step"]) not in (None, n):
+                    raise MalformedStep(f"table {name!r}: the step column has the wrong length")
+            else:
+                n = _validate_chunk(spec, columns)
+            checked.append((spec, columns, n))
         for spec, columns, n in checked:
             part_rank = rank if spec.per_step else None
             pend = self._pending.get((spec.name, part_rank))
             if pend is None:
                 pend = self._pending[(spec.name, part_rank)] = _Pending(spec, part_rank)
-            pend.add(step if spec.per_step else None, columns, n)
-        if step is not None:
+            pend.add(None if bulk or not spec.per_step else step, columns, n)
+        if bulk:
+            self._steps_written += step[1] - step[0] + 1
+        elif step is not None:
             self._steps_written += 1
 
-    def _refuse(self, rank: int | None, step: int | None, tables: StepTables, why: str) -> None:
+    def _refuse(self, rank: int | None, step: Any, tables: StepTables, why: str) -> None:
         with self._lock:
             drops = self.manifest.drops
             if step is None:
                 self.manifest.errors.setdefault("malformed_rows", {"count": 0, "first": why})
                 self.manifest.errors["malformed_rows"]["count"] += 1
                 return
-            drops.malformed_steps += 1
+            first, last = step if isinstance(step, tuple) else (step, step)
+            drops.malformed_steps += last - first + 1
             drops.rows += _rows_of(tables)
-            drops.add_step(int(rank or 0), int(step))
+            for s in range(int(first), int(last) + 1):
+                drops.add_step(int(rank or 0), s)
             entry = self.manifest.errors.setdefault("malformed_step", {"count": 0, "first": why})
             entry["count"] += 1
         if entry["count"] == 1:
