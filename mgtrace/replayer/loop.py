@@ -178,13 +178,8 @@ class RankReplay:
         self.views[step] = view
         self.views.pop(step - self.keep_views, None)
         sched = trace.sched(step)
-        if sched["req_id"]:
-            self.ownership.apply(
-                step,
-                trace.ids.uids(sched["req_id"]).tolist(),
-                sched["kind"],
-                sched["new_block_ids"],
-            )
+        if sched["uid"]:
+            self.ownership.apply(step, sched["uid"], sched["kind"], sched["new_block_ids"])
         launches = [
             launch_under_rules(launch, self.rules, runner=self.runner)
             for launch in trace.launches(step)
@@ -238,12 +233,12 @@ class RankReplay:
         if launch.kernel == "postprocess" and view is not None:
             self._check_next_state(step, launch, result, view)
 
-    @staticmethod
-    def _row_owner(view: RowView | None, batch_row: int) -> tuple[int, str]:
+    def _row_owner(self, view: RowView | None, batch_row: int) -> tuple[int, str]:
         pos = -1 if view is None else int(view.positions(np.array([batch_row]))[0])
         if pos < 0:
             return DUMMY_REQUEST, "<padded row>"
-        return int(view.uid[pos]), view.req_ids[pos]
+        uid = int(view.uid[pos])
+        return uid, self.trace.ids.name(uid)
 
     def _check_next_state(
         self, step: int, launch: AlignLaunch, result: LaunchResult, view: RowView
@@ -307,46 +302,44 @@ class RankReplay:
         what = ["prefill-read" if p else "decode-read" for p in prefill[rows].tolist()]
         self._read(step, what, view, rows, c[rows], col, col)
         # Writes: decodes write 1+d states (one per token), prefills fold all and write one.
+        dec = np.flatnonzero(live & ~prefill)
+        pre = np.flatnonzero(live & prefill)
+        j = np.arange(self.k + 1)
+        in_window = j[None, :] < n[dec][:, None]  # [decodes, 1+k]
+        rows_a = np.concatenate([np.broadcast_to(dec[:, None], in_window.shape)[in_window], pre])
+        cols_a = np.concatenate(
+            [(view.state_col[dec][:, None] + j[None, :])[in_window], view.state_col[pre]]
+        )
+        tokens = np.concatenate([(c[dec][:, None] + j[None, :] + 1)[in_window], c[pre] + n[pre]])
+        flags = np.concatenate(
+            [
+                np.broadcast_to(np.where(j > 0, SPECULATIVE, 0)[None, :], in_window.shape)[
+                    in_window
+                ],
+                np.where(d[pre] > 0, DRAFTS_FOLDED, 0),
+            ]
+        )
+        uids_a = view.uid[rows_a].astype(np.int64)
+        # Conv: one window per request, in its running column; row i holds position R-K+1+i
+        # where R is what the running state covers (a prefill folds its drafts in as well).
+        rows_c = np.flatnonzero(live)
+        covered = np.where(
+            prefill[rows_c], c[rows_c] + n[rows_c], c[rows_c] + n[rows_c] - d[rows_c]
+        )
         keep = self.oracle.conv_keep
         width = self.pool.groups[0].width if self.pool.groups else 0
-        for g, _gs in enumerate(self.pool.groups):
-            rows_w, cols_w, uids_w, tok_w, flags_w = [], [], [], [], []
-            for j in range(self.k + 1):
-                sel = np.flatnonzero(live & ~prefill & (j < n))
-                rows_w.append(sel)
-                cols_w.append(view.state_col[sel] + j)
-                tok_w.append(c[sel] + j + 1)
-                flags_w.append(np.full(len(sel), SPECULATIVE if j else 0))
-            sel = np.flatnonzero(live & prefill)
-            rows_w.append(sel)
-            cols_w.append(view.state_col[sel])
-            tok_w.append(c[sel] + n[sel])
-            flags_w.append(np.where(d[sel] > 0, DRAFTS_FOLDED, 0))
-            rows_a = np.concatenate(rows_w)
-            blocks = self.tables.gather(self.own_kind, g, view.slot[rows_a], np.concatenate(cols_w))
-            uids_w = view.uid[rows_a].astype(np.int64)
+        last = covered - keep + width - 1
+        for g in range(len(self.pool.groups)):
+            blocks = self.tables.gather(self.own_kind, g, view.slot[rows_a], cols_a)
             ok = blocks >= 0
             self.oracle.check_writes(
-                step, "forward-write", g, blocks[ok], uids_w[ok], view.batch_row[rows_a[ok]]
+                step, "forward-write", g, blocks[ok], uids_a[ok], view.batch_row[rows_a[ok]]
             )
-            self.pool.write_temporal(
-                g,
-                blocks[ok],
-                uids_w[ok],
-                np.concatenate(tok_w)[ok],
-                step,
-                np.concatenate(flags_w)[ok],
-            )
-            # Conv: one window per request, in the running column, covering R - K + 1 ...
-            rows_c = np.flatnonzero(live)
-            covered = np.where(
-                prefill[rows_c], c[rows_c] + n[rows_c], c[rows_c] + n[rows_c] - d[rows_c]
-            )
+            self.pool.write_temporal(g, blocks[ok], uids_a[ok], tokens[ok], step, flags[ok])
             cblocks = self.tables.gather(
                 self.own_kind, g, view.slot[rows_c], view.state_col[rows_c]
             )
             okc = cblocks >= 0
-            last = covered - keep + width - 1
             self.pool.write_conv(g, cblocks[okc], view.uid[rows_c][okc], last[okc])
         self.oracle.mark_written(view.uid[live].astype(np.int64))
 

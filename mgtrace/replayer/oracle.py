@@ -146,13 +146,9 @@ class Oracle:
         ok = blocks >= 0
         if not ok.any():
             return
-        uids, pos = self.pool.read_conv(g, np.where(ok, blocks, 0))
-        width = uids.shape[1]
-        cols = read.conv_offset[:, None] + np.arange(self.conv_keep)[None, :]
-        inside = cols < width
-        cols = np.minimum(cols, width - 1)
-        got_uid = np.take_along_axis(uids, cols, axis=1)
-        got_pos = np.take_along_axis(pos, cols, axis=1)
+        got_uid, got_pos, inside = self.pool.read_conv_rows(
+            g, np.where(ok, blocks, 0), read.conv_offset, self.conv_keep
+        )
         want_pos = read.expected_tokens[:, None] - self.conv_keep + np.arange(self.conv_keep)
         may_share = ~self.has_written(read.uid)
         uid_ok = (got_uid == read.uid[:, None]) | (may_share[:, None] & (got_uid > 0))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 NO_REQUEST = 0  # uid of "nobody": a zeroed tag, a free block
 DUMMY_REQUEST = -1  # uid a padded (dummy) row writes with
@@ -26,6 +28,14 @@ class RequestIds:
 
     def uids(self, req_ids: Iterable[str]) -> np.ndarray:
         return np.fromiter((self.uid(r) for r in req_ids), dtype=np.int32)
+
+    def uids_of_column(self, column: pa.ChunkedArray) -> np.ndarray:
+        """uids of a string column, looking each distinct id up once."""
+        if not len(column):
+            return np.zeros(0, dtype=np.int32)
+        encoded = pc.dictionary_encode(column).combine_chunks()
+        table = self.uids(encoded.dictionary.to_pylist())
+        return table[encoded.indices.to_numpy(zero_copy_only=False)]
 
     def name(self, uid: int) -> str:
         if uid == DUMMY_REQUEST:

@@ -23,6 +23,7 @@ from mgtrace.schemas.tables import (
     POSTPROCESS_MODES,
     REORDER_REGIONS,
     ROW_RULES,
+    SCHED_KINDS,
 )
 
 
@@ -59,7 +60,6 @@ class StepBatch:
 
     step: int
     uid: np.ndarray
-    req_ids: list[str]
     cols: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
@@ -117,10 +117,22 @@ class RankTrace:
         self._index_launch_groups()
         self._tables = _Sliced(load("block_tables"), ["group", "table", "row"])
         self._sched = _Sliced(load("sched"), [])
+        st = self._sched.table
+        self._sched_uid = ids.uids_of_column(st.column("req_id"))
+        self._sched_kind = _codes(st.column("kind"), SCHED_KINDS)
+        adds = pc.fill_null(
+            pc.greater(pc.list_value_length(pc.list_flatten(st.column("new_block_ids"))), 0), False
+        )
+        grouped = pc.list_parent_indices(st.column("new_block_ids")) if st.num_rows else None
+        has_ids = np.zeros(st.num_rows, dtype=bool)
+        if grouped is not None and len(grouped):
+            has_ids[np.asarray(grouped)[np.asarray(adds)]] = True
+        self._sched_matters = has_ids | np.asarray(
+            pc.fill_null(pc.not_equal(st.column("kind"), "cached"), True)
+        )
         self._batch_cols = {c: _numpy(self._batch.table.column(c)) for c in BATCH_INT_COLUMNS}
         bt = self._batch.table
-        self._batch_req = bt.column("req_id").to_pylist()
-        self._batch_uid = ids.uids(self._batch_req)
+        self._batch_uid = ids.uids_of_column(bt.column("req_id"))
         self._batch_prefill = (
             pc.fill_null(pc.equal(bt.column("mamba_split"), "prefill"), False)
             .to_numpy(zero_copy_only=False)
@@ -158,7 +170,7 @@ class RankTrace:
         cols["is_prefill_split"] = self._batch_prefill[lo:hi]
         cols["region"] = self._batch_region[lo:hi]
         cols["is_prefilling"] = self._batch_is_prefilling[lo:hi]
-        return StepBatch(step, self._batch_uid[lo:hi], self._batch_req[lo:hi], cols)
+        return StepBatch(step, self._batch_uid[lo:hi], cols)
 
     def launches(self, step: int) -> list[AlignLaunch]:
         """The step's launches, in the order the engine ran them.
@@ -251,9 +263,16 @@ class RankTrace:
         )
 
     def sched(self, step: int) -> dict[str, Any]:
+        """The scheduler rows that change block ownership (cached rows adding nothing do not)."""
         lo, hi = self._sched.bounds(step)
-        t = self._sched.table.slice(lo, hi - lo)
-        return {name: t.column(name).to_pylist() for name in ("req_id", "kind", "new_block_ids")}
+        sel = np.flatnonzero(self._sched_matters[lo:hi]) + lo
+        if not len(sel):
+            return {"uid": [], "kind": [], "new_block_ids": []}
+        return {
+            "uid": self._sched_uid[sel].tolist(),
+            "kind": [SCHED_KINDS[k] for k in self._sched_kind[sel].tolist()],
+            "new_block_ids": self._sched.table.column("new_block_ids").take(sel).to_pylist(),
+        }
 
 
 _REGIONS = pa.array(list(REORDER_REGIONS))

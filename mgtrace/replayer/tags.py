@@ -134,6 +134,26 @@ class TagPool:
         ints[self._conv_index(state, blocks, 0)] = uid[:, None]
         ints[self._conv_index(state, blocks, 1)] = pos
 
+    def read_conv_rows(
+        self, group: int, blocks: np.ndarray, first: np.ndarray, count: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Tags of window rows ``first .. first+count-1`` per block: uids, positions, and
+        whether each row lies inside the window (rows past it read as row W-1, masked)."""
+        state = self.groups[group].conv
+        spec = self.pool.specs[state]
+        rows = first[:, None] + np.arange(count)[None, :]
+        inside = rows < spec.width
+        rows = np.minimum(rows, spec.width - 1)
+        base = self._base(state, blocks)[:, None]
+        if spec.layout == "SD":
+            at = base + rows * (spec.unit_bytes // 4)
+            step = 1
+        else:
+            at = base + rows * (spec.elem_size // 4)
+            step = spec.row_bytes // 4
+        ints = self._ints_view()
+        return ints[at], ints[at + step], inside
+
     def read_conv(self, group: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         state = self.groups[group].conv
         if state is None:

@@ -25,7 +25,6 @@ class RowView:
 
     step: int
     uid: np.ndarray
-    req_ids: list[str]
     batch_row: np.ndarray  # recorded batch row of each position (a minimized trace has holes)
     slot: np.ndarray
     computed: np.ndarray
@@ -87,7 +86,6 @@ def row_view(
     return RowView(
         step=batch.step,
         uid=batch.uid,
-        req_ids=batch.req_ids,
         batch_row=c["batch_row"].astype(np.int64),
         slot=c["req_slot"],
         computed=c["num_computed"],
