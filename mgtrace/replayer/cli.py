@@ -78,6 +78,8 @@ def list_rules(console: Console) -> None:
     help="Report findings from this step on.",
 )
 @click.option("--to-step", type=click.IntRange(min=0), default=None, help="Stop after this step.")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Cache a checkpoint every N steps (TRACE/.replay-cache) for --from-step.")
 @click.option("--allow-gaps", is_flag=True, help="Replay across dropped steps (may mislead).")
 @click.option("--no-save", is_flag=True, help="Do not add the findings to the trace.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -91,6 +93,7 @@ def replay(
     layout: str,
     from_step: int | None,
     to_step: int | None,
+    checkpoint_every: int | None,
     allow_gaps: bool,
     no_save: bool,
     as_json: bool,
@@ -134,6 +137,7 @@ def replay(
             from_step=from_step,
             to_step=to_step,
             allow_gaps=allow_gaps,
+            checkpoint_every=checkpoint_every,
             progress=lambda n: bar.advance(task, n),
         )
     replay_id = replay_id_for(rules)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -145,6 +146,7 @@ class RankReplay:
         checkpoints: dict[int, Checkpoint] | None = None,
         every: int = 256,
         progress: Callable[[int], None] | None = None,
+        on_checkpoint: Callable[[Checkpoint], None] | None = None,
     ) -> int:
         """Replay steps ``start..until``; return the last step replayed (start-1 if none).
 
@@ -155,8 +157,13 @@ class RankReplay:
         for step in self.trace.steps_from(start):
             if until is not None and step > until:
                 break
-            if checkpoints is not None and step % every == 0:
-                checkpoints[step] = self.checkpoint(step - 1)
+            if step % every == 0 and step > start:
+                if checkpoints is not None:
+                    checkpoints[step] = self.checkpoint(step - 1)
+                if on_checkpoint is not None:
+                    on_checkpoint(self.checkpoint(step - 1))
+            elif checkpoints is not None and step == 0:
+                checkpoints[0] = self.checkpoint(-1)
             before = len(self.oracle.findings)
             self.step(step)
             last = step
@@ -400,8 +407,15 @@ def replay_trace(
     to_step: int | None = None,
     progress: Callable[[int], None] | None = None,
     allow_gaps: bool = False,
+    checkpoint_every: int | None = None,
 ) -> ReplayResult:
-    """Replay every rank of a trace under ``rules``; findings before ``from_step`` are dropped."""
+    """Replay every rank of a trace under ``rules``; findings before ``from_step`` are dropped.
+
+    With ``from_step`` a checkpoint cached by an earlier replay under the same rules starts
+    the replay close to that step; ``checkpoint_every`` caches new ones on the way.
+    """
+    from mgtrace.replayer import checkpoint as ckpt
+
     rules = rules or RuleSet()
     run_backend = load_backend(backend, device)
     ids = RequestIds()
@@ -414,8 +428,30 @@ def replay_trace(
         if not allow_gaps:
             _require_contiguous(trace, reader)
         rep = RankReplay(trace, rules, run_backend, layout)
-        last = rep.run(until=to_step, progress=progress)
-        steps_done += int(np.count_nonzero(trace.step_numbers <= last))
+        cache = None
+        if (from_step or checkpoint_every) and hasattr(reader, "path"):
+            cache = ckpt.cache_dir(reader, rules.canonical(), layout)
+        start = 0
+        if from_step and cache is not None:
+            found = ckpt.latest_before(cache, rank, from_step)
+            if found is not None:
+                start = ckpt.restore(rep, found) + 1
+        save = None
+        if checkpoint_every and cache is not None:
+
+            def save(cp: Checkpoint, rank: int = rank, cache: Path = cache) -> None:
+                ckpt.save(cache, rank, cp)
+
+        last = rep.run(
+            start=start,
+            until=to_step,
+            progress=progress,
+            every=checkpoint_every or 256,
+            on_checkpoint=save,
+        )
+        steps_done += int(
+            np.count_nonzero((trace.step_numbers <= last) & (trace.step_numbers >= start))
+        )
         findings += [f for f in rep.oracle.findings if from_step is None or f.step >= from_step]
         repeats += sum(v - 1 for v in rep.oracle.repeats.values())
     findings.sort(key=lambda f: (f.step, f.rank, f.batch_row if f.batch_row is not None else -1))
