@@ -42,7 +42,7 @@ def time_replay(trace: Path, backend: str, device: str, layout: str) -> dict:
     t0 = time.perf_counter()
     rt = RankTrace(reader, 0, RequestIds())
     t1 = time.perf_counter()
-    rep = RankReplay(rt, RuleSet(), load_backend(backend, device), layout)
+    rep = RankReplay(rt, RuleSet(), load_backend(backend, device), layout, device)
     t2 = time.perf_counter()
     last = rep.run()
     t3 = time.perf_counter()

@@ -166,7 +166,7 @@ class Bisector:
         firsts: dict[int, int] = {}
         replays: dict[int, RankReplay] = {}
         for rank, trace in self.traces.items():
-            rep = RankReplay(trace, self.base, self.backend)
+            rep = RankReplay(trace, self.base, self.backend, device=self.device)
             cps: dict[int, Checkpoint] = {}
             # A later rank only matters if it goes bad before the earliest finding so far.
             until = min(firsts.values()) - 1 if firsts else None
@@ -251,7 +251,7 @@ class Bisector:
         start = first_divergence(trace, rules, until=first)
         if start is None:
             return Probe(rules.canonical(), trace.rank, first, first, first, False, "no effect")
-        rep = RankReplay(trace, rules, self.backend)
+        rep = RankReplay(trace, rules, self.backend, device=self.device)
         usable = [s for s in cps if s <= start]
         begin = max(usable) if usable else 0
         if usable:

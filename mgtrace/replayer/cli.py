@@ -78,8 +78,13 @@ def list_rules(console: Console) -> None:
     help="Report findings from this step on.",
 )
 @click.option("--to-step", type=click.IntRange(min=0), default=None, help="Stop after this step.")
-@click.option("--checkpoint-every", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Cache a checkpoint every N steps (TRACE/.replay-cache) for --from-step.")
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Cache a checkpoint every N steps (TRACE/.replay-cache) for --from-step.",
+)
 @click.option("--allow-gaps", is_flag=True, help="Replay across dropped steps (may mislead).")
 @click.option("--no-save", is_flag=True, help="Do not add the findings to the trace.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")

@@ -112,14 +112,15 @@ def diff_rules(
     out = RulesDiff(None, None)
     for rank in ranks_of(reader):
         trace = RankTrace(reader, rank, ids)
-        ra, rb = RankReplay(trace, a, run), RankReplay(trace, b, run)
+        ra = RankReplay(trace, a, run, device=device)
+        rb = RankReplay(trace, b, run, device=device)
         for step in trace:
             if out.first_step is not None and step >= out.first_step:
                 break
             ra.step(step)
             rb.step(step)
             out.steps += 1
-            pa, pb = ra.pool.pool.numpy(), rb.pool.pool.numpy()
+            pa, pb = ra.pool.snapshot(), rb.pool.snapshot()
             if np.array_equal(pa, pb):
                 continue
             page = ra.pool.pool.page_bytes

@@ -86,6 +86,7 @@ class RankReplay:
     rules: RuleSet
     backend: Backend
     layout: str = "compact"
+    device: str = "cpu"
     oracle: Oracle = field(init=False)
 
     def __post_init__(self) -> None:
@@ -93,7 +94,7 @@ class RankReplay:
         self.k = run.num_speculative_tokens
         self.block_size = run.mamba_block_size
         self.runner = run.runner
-        self.pool = TagPool(run, layout=self.layout)
+        self.pool = TagPool(run, layout=self.layout, device=self.device)
         groups = len(self.pool.groups)
         kinds = ("v1",) if self.runner == "v1" else ("source", "input")
         self.own_kind = kinds[0]
@@ -427,7 +428,7 @@ def replay_trace(
         trace = RankTrace(reader, rank, ids)
         if not allow_gaps:
             _require_contiguous(trace, reader)
-        rep = RankReplay(trace, rules, run_backend, layout)
+        rep = RankReplay(trace, rules, run_backend, layout, device)
         cache = None
         if (from_step or checkpoint_every) and hasattr(reader, "path"):
             cache = ckpt.cache_dir(reader, rules.canonical(), layout)

@@ -44,6 +44,17 @@ class StateRead:
     conv_blocks: np.ndarray  # [groups, rows]
     conv_offset: np.ndarray  # first conv row read, per row
 
+    def subset(self, sel: np.ndarray) -> StateRead:
+        return StateRead(
+            what=[self.what[i] for i in sel.tolist()],
+            rows=self.rows[sel],
+            uid=self.uid[sel],
+            expected_tokens=self.expected_tokens[sel],
+            temporal_blocks=self.temporal_blocks[:, sel],
+            conv_blocks=self.conv_blocks[:, sel],
+            conv_offset=self.conv_offset[sel],
+        )
+
 
 @dataclass
 class Oracle:
@@ -77,13 +88,38 @@ class Oracle:
 
     # ----------------------------------------------------------------- reads
     def check_reads(self, step: int, read: StateRead) -> None:
+        """Every row must find its own state with exactly E tokens; the few rows that do not
+        go through the detailed checks, which tell prefix hits from foreign reads."""
         if not len(read.rows):
             return
+        suspect = np.zeros(len(read.rows), dtype=bool)
         for g, gs in enumerate(self.pool.groups):
             if gs.temporal is not None:
-                self._check_temporal(step, read, g)
+                blocks = read.temporal_blocks[g]
+                ok = blocks >= 0
+                uid, tokens = self.pool.read_temporal_head(g, np.where(ok, blocks, 0))
+                suspect |= ok & ((uid != read.uid) | (tokens != read.expected_tokens))
             if gs.conv is not None and self.conv_keep > 0:
-                self._check_conv(step, read, g)
+                blocks = read.conv_blocks[g]
+                ok = blocks >= 0
+                uids, pos, inside = self.pool.read_conv_rows(
+                    g, np.where(ok, blocks, 0), read.conv_offset, self.conv_keep
+                )
+                want = read.expected_tokens[:, None] - self.conv_keep + self._keep_range
+                good = ((uids == read.uid[:, None]) & (pos == want)) | ~inside
+                suspect |= ok & ~good.all(axis=1)
+        if not suspect.any():
+            return
+        detail = read.subset(np.flatnonzero(suspect))
+        for g, gs in enumerate(self.pool.groups):
+            if gs.temporal is not None:
+                self._check_temporal(step, detail, g)
+            if gs.conv is not None and self.conv_keep > 0:
+                self._check_conv(step, detail, g)
+
+    @property
+    def _keep_range(self) -> np.ndarray:
+        return np.arange(self.conv_keep)
 
     def _check_temporal(self, step: int, read: StateRead, g: int) -> None:
         blocks = read.temporal_blocks[g]

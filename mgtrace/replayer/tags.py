@@ -30,6 +30,37 @@ SPECULATIVE = 2  # a state after a draft token (window column > 0)
 DUMMY = 4  # written by a padded row of a CUDA-graph batch
 
 
+class _IntView:
+    """The pool as int32 words: a numpy view on the CPU; on a GPU, indexed through torch
+    (each access a small copy, so a replay on a GPU pays for its tag checks)."""
+
+    def __init__(self, host: np.ndarray | None, pool: StatePool) -> None:
+        self.host = host
+        self.pool = pool
+
+    def __getitem__(self, idx: np.ndarray) -> np.ndarray:
+        if self.host is not None:
+            return self.host[idx]
+        import torch
+
+        words = self.pool.buffer.view(torch.int32)
+        flat = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64).ravel())
+        return words[flat.to(words.device)].cpu().numpy().reshape(np.shape(idx))
+
+    def __setitem__(self, idx: np.ndarray, values: np.ndarray) -> None:
+        if self.host is not None:
+            self.host[idx] = values
+            return
+        import torch
+
+        words = self.pool.buffer.view(torch.int32)
+        idx = np.asarray(idx, dtype=np.int64)
+        vals = np.broadcast_to(np.asarray(values, dtype=np.int32), idx.shape)
+        words[torch.from_numpy(idx.ravel()).to(words.device)] = torch.from_numpy(
+            np.ascontiguousarray(vals).ravel()
+        ).to(words.device)
+
+
 @dataclass(frozen=True)
 class GroupStates:
     """Indices, in the pool, of the conv and temporal states that stand for one group."""
@@ -99,12 +130,11 @@ class TagPool:
         self.layout = layout
         self.groups = per_group
         self.pool = StatePool(specs, run.num_blocks, device=device)
-        self._ints = None if self.pool.device.type != "cpu" else self.pool.numpy().view(np.int32)
+        on_cpu = self.pool.device.type == "cpu"
+        self._ints = _IntView(self.pool.numpy().view(np.int32) if on_cpu else None, self.pool)
 
     # ----------------------------------------------------------------- addressing
-    def _ints_view(self) -> np.ndarray:
-        if self._ints is None:
-            raise UsageError("tags are read and written on the CPU copy of the pool")
+    def _ints_view(self) -> _IntView:
         return self._ints
 
     def _base(self, state: int, blocks: np.ndarray) -> np.ndarray:
@@ -178,8 +208,14 @@ class TagPool:
         base = self._base(state, blocks)
         ints[base] = uid
         ints[base + 1] = tokens
-        ints[base + 2] = step
+        ints[base + 2] = np.full(len(base), step)
         ints[base + 3] = flags
+
+    def read_temporal_head(self, group: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """uid and tokens folded in, the two fields every read checks."""
+        base = self._base(self.groups[group].temporal, blocks)
+        ints = self._ints_view()
+        return ints[base], ints[base + 1]
 
     def read_temporal(self, group: int, blocks: np.ndarray) -> np.ndarray | None:
         """[len(blocks), 4]: uid, tokens, step, flags."""
