@@ -157,6 +157,25 @@ def sql(
         _stderr().print(f"wrote {output}")
 
 
+@cli.command()
+@click.argument("trace", type=TRACE)
+@click.option(
+    "-o", "--output", type=click.Path(path_type=Path), required=True, help="The HTML file to write."
+)
+@click.option("--no-bisect", is_flag=True, help="Leave the bisect verdict out (faster).")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@SKIP_BAD_PARTS
+def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_parts: bool) -> None:
+    """Write one self-contained HTML report of TRACE: run, timeline, findings, verdict."""
+    from mgtrace.api import Trace
+    from mgtrace.query.export import check_output_path
+    from mgtrace.report import write_report
+
+    check_output_path(output, force=force)
+    write_report(Trace(trace, skip_bad_parts=skip_bad_parts), output, bisect=not no_bisect)
+    _stderr().print(f"wrote {output}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: run the CLI, turn every MgtraceError into one sentence."""
     try:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -15,6 +13,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from mgtrace.atomic import atomic_write
 from mgtrace.errors import OutputError
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -54,18 +53,6 @@ def check_output_path(path: Path, *, force: bool) -> None:
         raise OutputError(f"the directory {path.parent} does not exist")
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write through a temporary file in the target directory and rename it into place."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def export_table(table: pa.Table, fmt: str, output: Path | None) -> None:
     """Write ``table`` in ``fmt`` to ``output`` (atomically) or to stdout."""
     writer = _WRITERS[fmt]
@@ -77,4 +64,4 @@ def export_table(table: pa.Table, fmt: str, output: Path | None) -> None:
         sys.stdout.buffer.write(buf.getvalue())
         sys.stdout.flush()
         return
-    write_atomic(output, lambda fh: writer(table, fh))
+    atomic_write(output, lambda fh: writer(table, fh))

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from mgtrace import __version__
+from mgtrace.atomic import atomic_write
 from mgtrace.replayer.loop import Checkpoint, RankReplay
 from mgtrace.replayer.view import row_view
 from mgtrace.schemas.reader import TraceReader
@@ -61,10 +60,7 @@ def save(directory: Path, rank: int, cp: Checkpoint) -> Path:
         for g, t in enumerate(tables):
             arrays[f"table_{kind}_{g}"] = t
     target = directory / f"rank{rank:03d}-step{cp.step:09d}.npz"
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "wb") as fh:
-        np.savez_compressed(fh, **arrays)
-    os.replace(tmp, target)
+    atomic_write(target, lambda fh: np.savez_compressed(fh, **arrays))
     return target
 
 

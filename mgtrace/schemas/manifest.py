@@ -8,12 +8,11 @@ each part, so a crashed writer leaves a manifest that lists only whole parts.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mgtrace.atomic import atomic_write
 from mgtrace.errors import ManifestError, SchemaVersionError
 from mgtrace.schemas.tables import SCHEMA_VERSION, TABLES
 
@@ -153,15 +152,8 @@ class Manifest:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON under a temporary name in the same directory, then rename over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = json.dumps(data, indent=1, sort_keys=False) + "\n"
+    atomic_write(path, lambda fh: fh.write(text.encode()))
 
 
 def save_manifest(trace_dir: Path, manifest: Manifest) -> None:

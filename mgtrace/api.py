@@ -1,0 +1,218 @@
+"""The Python API the CLI and the notebooks share.
+
+>>> import mgtrace
+>>> t = mgtrace.simulate("run.trace", bugs=["reorder-threshold-mismatch"], steps=2000)
+>>> t.info()["steps"]
+2000
+>>> t.sql("SELECT mamba_split, count(*) FROM batch_rows GROUP BY ALL").fetchall()
+>>> t.replay().first_step, t.replay(reorder_threshold="1+k").clean
+>>> t.bisect().sentence()
+>>> t.minimize("repro").steps
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from mgtrace.replayer.rules import RuleSet
+from mgtrace.schemas.reader import TraceReader
+
+if TYPE_CHECKING:
+    import duckdb
+
+    from mgtrace.replayer.bisect import Verdict
+    from mgtrace.replayer.diff import RulesDiff, TraceDiff
+    from mgtrace.replayer.loop import ReplayResult
+    from mgtrace.replayer.minimize import MinimizeResult
+    from mgtrace.schemas.manifest import Manifest, RunMetadata
+
+
+def _rules(rules: RuleSet | str | None, values: dict[str, Any]) -> RuleSet:
+    base = RuleSet.parse(rules) if isinstance(rules, str) else (rules or RuleSet())
+    chosen = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in values.items()}
+    return base.with_(**chosen) if chosen else base
+
+
+class Trace:
+    """One trace directory: its metadata, its tables, and the offline analyses on it."""
+
+    def __init__(self, path: str | Path, *, skip_bad_parts: bool = False) -> None:
+        self.path = Path(path)
+        self._skip_bad_parts = skip_bad_parts
+        self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
+        self._con = None
+
+    def __repr__(self) -> str:
+        state = "complete" if self.reader.complete else "incomplete"
+        return f"Trace({str(self.path)!r}, {self.reader.rows('steps')} steps, {state})"
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.reader.manifest
+
+    @property
+    def run(self) -> RunMetadata:
+        return self.reader.manifest.run
+
+    def reload(self) -> Trace:
+        """Read the manifest again (after a replay added findings, say)."""
+        self.reader = TraceReader(self.path, skip_bad_parts=self._skip_bad_parts)
+        self._con = None
+        return self
+
+    # ------------------------------------------------------------------ data
+    def info(self) -> dict[str, Any]:
+        """Run metadata, steps, requests, ranks, size, completeness and drops."""
+        from mgtrace.query.info import trace_info
+
+        return trace_info(self.reader)
+
+    def sql(self, query: str) -> duckdb.DuckDBPyRelation:
+        """A DuckDB relation over the trace views; call .df(), .arrow(), .fetchall(), .show()."""
+        from mgtrace.query.views import run_query
+
+        if self._con is None:
+            self._con = self.reader.connect()
+        return run_query(self._con, query)
+
+    def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
+        return self.reader.table(name, columns=columns)
+
+    # ------------------------------------------------------------------ analyses
+    def replay(
+        self,
+        rules: RuleSet | str | None = None,
+        *,
+        backend: str = "reference",
+        device: str = "cpu",
+        layout: str = "compact",
+        from_step: int | None = None,
+        to_step: int | None = None,
+        save: bool = False,
+        **rule_values: Any,
+    ) -> ReplayResult:
+        """Replay under ``rules`` (keyword rules such as ``reorder_threshold="1+k"`` too).
+
+        With ``save=True`` the findings are added to the trace's ``findings`` table.
+        """
+        from mgtrace.replayer.cli import replay_id_for
+        from mgtrace.replayer.findings import save_findings
+        from mgtrace.replayer.loop import replay_trace
+
+        ruleset = _rules(rules, rule_values)
+        result = replay_trace(
+            self.reader,
+            ruleset,
+            backend=backend,
+            device=device,
+            layout=layout,
+            from_step=from_step,
+            to_step=to_step,
+        )
+        if save:
+            save_findings(
+                self.path,
+                result.findings,
+                replay_id=replay_id_for(ruleset),
+                rules=ruleset.canonical(),
+            )
+            self.reload()
+        return result
+
+    def bisect(
+        self,
+        rules: RuleSet | str | None = None,
+        *,
+        horizon: int = 32,
+        backend: str = "reference",
+        device: str = "cpu",
+        **rule_values: Any,
+    ) -> Verdict:
+        """The first bad step, its requests, and the rule change that makes it good."""
+        from mgtrace.replayer.bisect import bisect
+
+        return bisect(
+            self.path,
+            base=_rules(rules, rule_values),
+            horizon=horizon,
+            backend=backend,
+            device=device,
+        )
+
+    def minimize(
+        self,
+        output: str | Path,
+        *,
+        signature: str | None = None,
+        force: bool = False,
+        rules: RuleSet | str | None = None,
+        **rule_values: Any,
+    ) -> MinimizeResult:
+        """The smallest trace that still shows the same first finding, and a pytest file."""
+        from mgtrace.replayer.minimize import minimize
+
+        return minimize(
+            self.path,
+            Path(output),
+            rules=_rules(rules, rule_values),
+            signature=signature,
+            force=force,
+        )
+
+    def diff(
+        self,
+        other: Trace | str | Path | None = None,
+        *,
+        rules_a: str = "as-recorded",
+        rules_b: str | None = None,
+    ) -> TraceDiff | RulesDiff:
+        """The first step where another trace, or another rule set on this one, diverges."""
+        from mgtrace.replayer.diff import diff_rules, diff_traces
+
+        if other is not None:
+            reader = other.reader if isinstance(other, Trace) else TraceReader(other)
+            return diff_traces(self.reader, reader)
+        if rules_b is None:
+            raise ValueError("give another trace or rules_b")
+        return diff_rules(self.reader, RuleSet.parse(rules_a), RuleSet.parse(rules_b))
+
+
+def open_trace(path: str | Path, *, skip_bad_parts: bool = False) -> Trace:
+    return Trace(path, skip_bad_parts=skip_bad_parts)
+
+
+def simulate(
+    output: str | Path,
+    *,
+    scenario: str = "pairs",
+    steps: int = 2000,
+    runner: str = "v1",
+    k: int = 3,
+    pp: int = 1,
+    seed: int = 0,
+    bugs: Iterable[str] = (),
+    force: bool = False,
+    **options: Any,
+) -> Trace:
+    """Run the engine simulator into ``output`` and open the trace it wrote."""
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate as run
+
+    cfg = SimConfig(
+        scenario=scenario,
+        steps=steps,
+        runner=runner,
+        k=k,
+        pp=pp,
+        seed=seed,
+        bugs=tuple(bugs),
+        output=Path(output),
+        overwrite=force,
+        **options,
+    )
+    run(cfg.validate())
+    return Trace(output)

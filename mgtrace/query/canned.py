@@ -1,0 +1,63 @@
+"""Canned triage queries: the questions asked of every trace, as SQL over the trace views.
+
+Each returns SQL text, so a notebook can show it, edit it and run it with ``Trace.sql``.
+"""
+
+from __future__ import annotations
+
+BATCH_COMPOSITION = """
+SELECT step,
+       count(*) FILTER (WHERE reorder_region = 'decode')       AS decode,
+       count(*) FILTER (WHERE reorder_region = 'short_extend') AS short_extend,
+       count(*) FILTER (WHERE reorder_region = 'long_extend')  AS long_extend,
+       count(*) FILTER (WHERE reorder_region = 'prefill')      AS prefill,
+       count(*) FILTER (WHERE num_draft > 0 AND mamba_split = 'prefill') AS drafts_in_prefill_split
+FROM batch_rows WHERE rank = {rank}
+GROUP BY step ORDER BY step
+"""
+
+ACCEPTED_DISTRIBUTION = """
+SELECT accepted, count(*) AS rows
+FROM batch_rows WHERE accepted IS NOT NULL AND num_draft > 0
+GROUP BY accepted ORDER BY accepted
+"""
+
+FINDINGS_OVER_TIME = """
+SELECT step, kind, count(DISTINCT req_id) AS requests
+FROM findings {where}
+GROUP BY step, kind ORDER BY step
+"""
+
+FIRST_DECODE_IN_PREFILL_SPLIT = """
+-- The field re-analysis: was a request's first spec-decode step run through the Mamba
+-- prefill kernels, and did replay find its state corrupted?
+WITH decode AS (
+  SELECT req_id, step, mamba_split FROM batch_rows WHERE num_draft > 0
+), first_decode AS (
+  SELECT req_id, arg_min(mamba_split, step) = 'prefill' AS first_decode_in_prefill_split
+  FROM decode GROUP BY req_id
+), corrupted AS (
+  SELECT DISTINCT req_id FROM findings {where}
+)
+SELECT f.first_decode_in_prefill_split,
+       count(*) AS requests,
+       count(c.req_id) AS flagged_by_replay
+FROM first_decode f LEFT JOIN corrupted c USING (req_id)
+GROUP BY ALL ORDER BY ALL
+"""
+
+REQUEST_BLOCKS = """
+SELECT step, req_id, kind, unnest(new_block_ids[1]) AS block_id
+FROM sched WHERE req_id IN ({requests}) AND new_block_ids IS NOT NULL
+ORDER BY step
+"""
+
+
+def findings_filter(replay_id: str | None) -> str:
+    if replay_id is None:
+        return ""
+    return "WHERE replay_id = '" + replay_id.replace("'", "''") + "'"
+
+
+def quoted(values: list[str]) -> str:
+    return ", ".join("'" + v.replace("'", "''") + "'" for v in values) or "''"

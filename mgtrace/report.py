@@ -1,0 +1,153 @@
+"""`mgtrace report`: one self-contained HTML file (embedded PNG plots, tables) per trace.
+
+It shows the run metadata, the batch-composition timeline, the accepted-count distribution,
+the corruption onset, the findings, the field re-analysis cross-tab and the bisect verdict.
+Rendering takes data and figures; it never touches click.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mgtrace import __version__
+from mgtrace.api import Trace
+from mgtrace.atomic import atomic_write
+from mgtrace.query import canned, plots
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
+td, th { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; }
+.verdict { padding: 0.8em 1em; border-radius: 6px; margin: 1em 0; font-size: 1.05em; }
+.bad { background: #fde8e8; border: 1px solid #e0a0a0; }
+.clean { background: #e8f6e8; border: 1px solid #a0d0a0; }
+.inconclusive { background: #fff6dc; border: 1px solid #e0c870; }
+code { background: #f4f4f4; padding: 1px 4px; }
+img { max-width: 100%; }
+"""
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    body = "".join(
+        "<tr>"
+        + "".join(f"<td>{html.escape('' if v is None else str(v))}</td>" for v in r)
+        + "</tr>"
+        for r in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _img(fig: Any, alt: str) -> str:
+    data = base64.b64encode(plots.to_png(fig)).decode()
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -> str:
+    """The report's HTML. Replays the trace as recorded (without saving) for its findings."""
+    from mgtrace.replayer.bisect import bisect as run_bisect
+
+    info = trace.info()
+    result = trace.replay()
+    verdict = run_bisect(trace.path) if bisect else None
+    run = info["run"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>mgtrace report: {html.escape(str(trace.path))}</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>mgtrace report: <code>{html.escape(str(trace.path))}</code></h1>",
+    ]
+    if verdict is not None:
+        parts.append(
+            f"<div class='verdict {verdict.status}' id='verdict'>"
+            f"{html.escape(verdict.sentence())}</div>"
+        )
+        if verdict.commands:
+            parts.append(_table(["side", "command"], sorted(verdict.commands.items())))
+    elif result.clean:
+        parts.append(
+            "<div class='verdict clean' id='verdict'>clean: the replay found nothing</div>"
+        )
+    parts.append("<h2>Run</h2>")
+    meta = [
+        ("status", "complete" if info["complete"] else "incomplete"),
+        ("source", info["source"].get("kind")),
+        ("runner", run["runner"]),
+        ("vLLM", run["vllm_version"]),
+        ("model", run["model"]),
+        ("k", run["num_speculative_tokens"]),
+        ("mamba block size", run["mamba_block_size"]),
+        ("async scheduling", run["async_scheduling"]),
+        ("TP / PP", f"{run['tp_size']} / {run['pp_size']}"),
+        ("runner reorder threshold", run["runner_reorder_threshold"]),
+        ("builder thresholds", run["builder_reorder_thresholds"]),
+        ("steps", info["steps"]),
+        ("requests", info["requests"]),
+        ("ranks", info["ranks"]),
+        ("dropped steps", info["drops"]["steps"] + info["drops"]["malformed_steps"]),
+    ]
+    parts.append(_table(["field", "value"], meta))
+    first_bad = result.first_step
+    parts += [
+        "<h2>Timeline</h2>",
+        _img(plots.batch_composition(trace, first_bad=first_bad), "batch composition"),
+    ]
+    parts += [
+        "<h2>Accepted counts</h2>",
+        _img(plots.accepted_distribution(trace), "accepted-count distribution"),
+    ]
+    parts.append("<h2>Findings (replay as recorded)</h2>")
+    counts: dict[str, set[str]] = {}
+    for f in result.findings:
+        counts.setdefault(f.kind, set()).add(f.req_id)
+    parts.append(
+        _table(
+            ["kind", "requests"], [(k, len(v)) for k, v in sorted(counts.items())] or [("none", 0)]
+        )
+    )
+    first_seen: dict[tuple[str, str], int] = {}
+    for f in result.findings:
+        first_seen.setdefault((f.kind, f.req_id), f.step)
+    onset = [(kind, req, step) for (kind, req), step in first_seen.items()]
+    parts.append(_img(plots.corruption_onset(onset), "corruption onset"))
+    parts.append(
+        _table(
+            ["step", "rank", "request", "kind", "detail"],
+            [(f.step, f.rank, f.req_id, f.kind, f.detail) for f in result.findings[:max_findings]],
+        )
+    )
+    if len(result.findings) > max_findings:
+        parts.append(
+            f"<p>{len(result.findings) - max_findings} more findings not shown "
+            "(query them with <code>mgtrace sql</code>).</p>"
+        )
+    if result.findings:
+        first = [f for f in result.findings if f.step == first_bad]
+        chosen = sorted(
+            {f.req_id for f in first} | {f.writer_req_id for f in first if f.writer_req_id}
+        )[:4]
+        parts += [
+            "<h2>Block ownership of the first requests</h2>",
+            _img(plots.block_ownership(trace, chosen), "block ownership"),
+        ]
+    parts.append(
+        f"<p style='color:#888'>mgtrace {__version__}, "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p></body></html>"
+    )
+    return "\n".join(parts)
+
+
+def write_report(trace: Trace, output: Path, *, bisect: bool = True) -> Path:
+    text = build_report(trace, bisect=bisect)
+    atomic_write(output, lambda fh: fh.write(text.encode()))
+    return output
+
+
+__all__ = ["build_report", "canned", "write_report"]
