@@ -10,12 +10,12 @@ VLLM_SPEC ?= vllm==0.33.0
 PIP := $(PY) -m pip --disable-pip-version-check -q
 DEMO_DIR ?= out/demo
 
-.PHONY: venv peer demo test lint docs bench clean
+.PHONY: venv peer demo test lint docs notebooks bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,report,notebooks]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -44,6 +44,11 @@ lint: $(VENV)/.installed
 
 docs: $(VENV)/.installed
 	$(PY) -m mgtrace.schemas.docgen docs/trace-format.md
+
+# Rendered, executed copies of the notebooks (the notebooks themselves stay without outputs).
+notebooks: $(VENV)/.installed
+	mkdir -p docs/notebooks
+	$(VENV)/bin/jupyter nbconvert --to html --execute --output-dir docs/notebooks notebooks/*.ipynb
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache

@@ -1,0 +1,74 @@
+"""`mgtrace report` writes one self-contained HTML file that a real browser renders."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import mgtrace
+from tests.conftest import assert_one_sentence_error, run_cli
+
+pytest.importorskip("matplotlib", reason="the report extra is not installed")
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("report")
+    mgtrace.simulate(root / "run", steps=800, seed=0, bugs=["reorder-threshold-mismatch"])
+    out = root / "report.html"
+    proc = run_cli("report", str(root / "run"), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_report_is_self_contained(report: Path) -> None:
+    text = report.read_text()
+    assert "corruption starts at step" in text and "--reorder-threshold=1+k" in text
+    assert len(re.findall(r'src="data:image/png;base64,', text)) >= 4
+    assert not re.search(r'(src|href)="(https?:|file:|/)', text)  # nothing fetched from outside
+    for heading in ("Run", "Timeline", "Accepted counts", "Findings (replay as recorded)"):
+        assert f"<h2>{heading}</h2>" in text
+
+
+def _chromium() -> str | None:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None and os.environ.get("CI"):
+        pytest.fail("CI must install Debian's chromium for the report test (see .ci/run)")
+    return found
+
+
+def test_report_renders_in_headless_chromium(report: Path, tmp_path: Path) -> None:
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed here")
+    profile = ["--user-data-dir=" + str(tmp_path / "profile")]
+    dom = subprocess.run(
+        [chromium, *CHROMIUM_FLAGS, *profile, "--dump-dom", report.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    ).stdout
+    assert 'id="verdict"' in dom and "corruption starts at step" in dom
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [chromium, *CHROMIUM_FLAGS, *profile, "--window-size=1200,2400",
+         f"--screenshot={shot}", report.as_uri()],
+        capture_output=True, timeout=120,
+    )
+    data = shot.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 50_000  # plots, not a blank page
+
+
+def test_report_refuses_to_overwrite(report: Path) -> None:
+    proc = run_cli("report", str(report.parent / "run"), "-o", str(report), "--no-bisect")
+    assert "already exists" in assert_one_sentence_error(proc, 2)
