@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-def _text_outputs(nb) -> str:  # noqa: ANN001 - nbformat node
+def _text_outputs(nb) -> str:
     out = []
     for cell in nb.cells:
         for o in cell.get("outputs", []):
