@@ -112,6 +112,7 @@ class RankReplay:
         )
         self.views: dict[int, RowView] = {}
         self.keep_views = max(run.pp_size, 1) + 2
+        self._touched_after_forward: list[np.ndarray] = []
 
     # ----------------------------------------------------------------- checkpoints
     def checkpoint(self, step: int) -> Checkpoint:
@@ -239,6 +240,8 @@ class RankReplay:
             for g in range(len(self.pool.groups)):
                 self.oracle.check_writes(step, f"{launch.kernel}-copy", g, copies.dst[g], uid, rows)
         if launch.kernel == "postprocess" and view is not None:
+            if copies.rows.size:
+                self._touched_after_forward.append(copies.dst.ravel())
             self._check_next_state(step, launch, result, view)
 
     def _row_owner(self, view: RowView | None, batch_row: int) -> tuple[int, str]:
@@ -263,6 +266,20 @@ class RankReplay:
         c, n, d = view.computed[b], view.scheduled[b], view.draft[b]
         expected = np.where(acc >= 1, c + n - d + acc - 1, c + n)
         offset = np.maximum(acc_out - 1, 0)
+        if view.step == step:
+            # A decode-split row's next state is the column the forward model just wrote for
+            # it, unless something wrote there since (a padded row, a copy) or the counts do
+            # not line up; only those rows, and prefill-split rows, need the read.
+            must = view.prefill_split[b] | (acc_out != np.maximum(acc, 1)) | (acc_out > n)
+            touched = self._touched_after_forward
+            if touched:
+                hit = np.concatenate(touched)
+                slot, col = view.slot[b], view.state_col[b]
+                for g in range(len(self.pool.groups)):
+                    at = self.tables.gather(self.own_kind, g, slot, col + offset)
+                    run = self.tables.gather(self.own_kind, g, slot, col)
+                    must |= np.isin(at, hit) | np.isin(run, hit)
+            b, expected, offset = b[must], expected[must], offset[must]
         self._read(step, ["next-state"] * len(b), view, b, expected, offset, offset)
 
     # ----------------------------------------------------------------- forward model
@@ -296,6 +313,7 @@ class RankReplay:
         )
 
     def _forward(self, step: int, view: RowView) -> None:
+        self._touched_after_forward: list[np.ndarray] = []
         if not view.num_rows:
             return
         live = view.slot >= 0
@@ -376,6 +394,7 @@ class RankReplay:
             if not ok.any():
                 continue
             dummy = np.full(int(ok.sum()), DUMMY_REQUEST, dtype=np.int64)
+            self._touched_after_forward.append(flat[ok])
             brow = np.repeat(launch.batch_row[pad], self.k + 1)[ok]
             self.oracle.check_writes(step, "padded-row-write", g, flat[ok], dummy, brow)
             self.pool.write_temporal(
