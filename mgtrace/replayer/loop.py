@@ -273,12 +273,17 @@ class RankReplay:
             must = view.prefill_split[b] | (acc_out != np.maximum(acc, 1)) | (acc_out > n)
             touched = self._touched_after_forward
             if touched:
+                mark = np.zeros(self.ownership.num_blocks + 1, dtype=bool)
                 hit = np.concatenate(touched)
+                mark[hit[(hit >= 0) & (hit < len(mark))]] = True
                 slot, col = view.slot[b], view.state_col[b]
                 for g in range(len(self.pool.groups)):
-                    at = self.tables.gather(self.own_kind, g, slot, col + offset)
-                    run = self.tables.gather(self.own_kind, g, slot, col)
-                    must |= np.isin(at, hit) | np.isin(run, hit)
+                    for blocks in (
+                        self.tables.gather(self.own_kind, g, slot, col + offset),
+                        self.tables.gather(self.own_kind, g, slot, col),
+                    ):
+                        inside = (blocks >= 0) & (blocks < len(mark))
+                        must |= inside & mark[np.where(inside, blocks, 0)]
             b, expected, offset = b[must], expected[must], offset[must]
         self._read(step, ["next-state"] * len(b), view, b, expected, offset, offset)
 

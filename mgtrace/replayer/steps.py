@@ -116,6 +116,16 @@ class RankTrace:
             self._launch_cols[name] = self._launch_cols[name].astype(np.int32)
         self._index_launch_groups()
         self._tables = _Sliced(load("block_tables"), ["group", "table", "row"])
+        tt = self._tables.table
+        self._table_rows = list(
+            zip(
+                tt.column("group").to_pylist(),
+                tt.column("table").to_pylist(),
+                tt.column("row").to_pylist(),
+                tt.column("block_ids").to_pylist(),
+                strict=True,
+            )
+        )
         self._sched = _Sliced(load("sched"), [])
         st = self._sched.table
         self._sched_uid = ids.uids_of_column(st.column("req_id"))
@@ -129,6 +139,13 @@ class RankTrace:
             has_ids[np.asarray(grouped)[np.asarray(adds)]] = True
         self._sched_matters = has_ids | np.asarray(
             pc.fill_null(pc.not_equal(st.column("kind"), "cached"), True)
+        )
+        # Block lists of the rows that change ownership, read once (few rows; most add none).
+        matters = np.flatnonzero(self._sched_matters)
+        self._sched_pos = np.full(st.num_rows, -1, dtype=np.int64)
+        self._sched_pos[matters] = np.arange(len(matters))
+        self._sched_blocks = (
+            st.column("new_block_ids").take(pa.array(matters)).to_pylist() if len(matters) else []
         )
         self._batch_cols = {c: _numpy(self._batch.table.column(c)) for c in BATCH_INT_COLUMNS}
         bt = self._batch.table
@@ -249,18 +266,7 @@ class RankTrace:
 
     def table_updates(self, step: int) -> list[tuple[int, str, int, list[int]]]:
         lo, hi = self._tables.bounds(step)
-        if lo == hi:
-            return []
-        t = self._tables.table.slice(lo, hi - lo)
-        return list(
-            zip(
-                t.column("group").to_pylist(),
-                t.column("table").to_pylist(),
-                t.column("row").to_pylist(),
-                t.column("block_ids").to_pylist(),
-                strict=True,
-            )
-        )
+        return self._table_rows[lo:hi]
 
     def sched(self, step: int) -> dict[str, Any]:
         """The scheduler rows that change block ownership (cached rows adding nothing do not)."""
@@ -271,7 +277,7 @@ class RankTrace:
         return {
             "uid": self._sched_uid[sel].tolist(),
             "kind": [SCHED_KINDS[k] for k in self._sched_kind[sel].tolist()],
-            "new_block_ids": self._sched.table.column("new_block_ids").take(sel).to_pylist(),
+            "new_block_ids": [self._sched_blocks[i] for i in self._sched_pos[sel].tolist()],
         }
 
 
