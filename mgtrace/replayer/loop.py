@@ -298,12 +298,22 @@ class RankReplay:
         temporal_col: np.ndarray,
         conv_offset: np.ndarray,
     ) -> None:
+        if not len(rows):
+            return
         slot, col = view.slot[rows], view.state_col[rows]
-        groups = range(len(self.pool.groups))
-        temporal = np.stack(
-            [self.tables.gather(self.own_kind, g, slot, col + temporal_col) for g in groups]
+        n = len(rows)
+        both = np.stack(
+            [
+                self.tables.gather(
+                    self.own_kind,
+                    g,
+                    np.concatenate([slot, slot]),
+                    np.concatenate([col + temporal_col, col]),
+                )
+                for g in range(len(self.pool.groups))
+            ]
         )
-        conv = np.stack([self.tables.gather(self.own_kind, g, slot, col) for g in groups])
+        temporal, conv = both[:, :n], both[:, n:]
         self.oracle.check_reads(
             step,
             StateRead(

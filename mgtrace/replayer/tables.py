@@ -21,10 +21,23 @@ class TableStore:
     def __init__(self, kinds: Iterable[str], num_groups: int, rows: int, width: int) -> None:
         self.rows = rows
         self.width = width
-        self.tables = {
-            kind: [np.zeros((rows, width), dtype=np.int32) for _ in range(num_groups)]
-            for kind in kinds
-        }
+        self._flat: dict[str, list[np.ndarray]] = {}
+        self.tables: dict[str, list[np.ndarray]] = {}
+        for kind in kinds:
+            self._set(kind, [np.zeros((rows, width), dtype=np.int32) for _ in range(num_groups)])
+
+    def _set(self, kind: str, tables: list[np.ndarray]) -> None:
+        """Each table is a view into a flat buffer with one extra -1 at the end, so a gather
+        can send every out-of-range index there instead of masking twice."""
+        flats, views = [], []
+        for t in tables:
+            flat = np.empty(self.rows * self.width + 1, dtype=np.int32)
+            flat[:-1] = t.ravel()
+            flat[-1] = -1
+            flats.append(flat)
+            views.append(flat[:-1].reshape(self.rows, self.width))
+        self._flat[kind] = flats
+        self.tables[kind] = views
 
     def apply(self, updates: Iterable[Update]) -> None:
         for group, kind, row, block_ids in updates:
@@ -40,15 +53,17 @@ class TableStore:
 
     def gather(self, kind: str, group: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """table[rows, cols] with -1 where the index is out of range (never an exception)."""
-        table = self.tables[kind][group]
+        flat = self._flat[kind][group]
         rows = np.asarray(rows, dtype=np.int64)
         cols = np.asarray(cols, dtype=np.int64)
-        ok = (rows >= 0) & (rows < self.rows) & (cols >= 0) & (cols < self.width)
-        found = table[np.where(ok, rows, 0), np.where(ok, cols, 0)]
-        return np.where(ok, found, -1)
+        bad = (rows < 0) | (rows >= self.rows) | (cols < 0) | (cols >= self.width)
+        index = rows * self.width + cols
+        index[bad] = len(flat) - 1  # the sentinel slot past the table, which holds -1
+        return flat[index]
 
     def snapshot(self) -> dict[str, list[np.ndarray]]:
         return {k: [t.copy() for t in ts] for k, ts in self.tables.items()}
 
     def restore(self, snap: dict[str, list[np.ndarray]]) -> None:
-        self.tables = {k: [t.copy() for t in ts] for k, ts in snap.items()}
+        for kind, tables in snap.items():
+            self._set(kind, tables)
