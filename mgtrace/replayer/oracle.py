@@ -160,22 +160,38 @@ class Oracle:
                     f"tokens folded in where it has {e} (written at step {int(step_t[i])})"
                 )
                 writer_id, writer_step = name, int(step_t[i])
-            self._report(
-                uid,
-                Finding(
-                    kind=kind,
-                    mechanism=mech,
-                    rank=self.rank,
-                    step=step,
-                    req_id=name,
-                    batch_row=int(read.rows[i]),
-                    detail=detail,
-                    group=g,
-                    block_id=int(blocks[i]),
-                    writer_req_id=writer_id,
-                    writer_step=writer_step,
-                ),
-            )
+            self._report_read(step, read, i, g, blocks, kind, mech, detail, writer_id, writer_step)
+
+    def _report_read(
+        self,
+        step: int,
+        read: StateRead,
+        i: int,
+        g: int,
+        blocks: np.ndarray,
+        kind: str,
+        mechanism: str,
+        detail: str,
+        writer_req_id: str | None,
+        writer_step: int | None,
+    ) -> None:
+        uid = int(read.uid[i])
+        self._report(
+            uid,
+            Finding(
+                kind=kind,
+                mechanism=mechanism,
+                rank=self.rank,
+                step=step,
+                req_id=self.ids.name(uid),
+                batch_row=int(read.rows[i]),
+                detail=detail,
+                group=g,
+                block_id=int(blocks[i]),
+                writer_req_id=writer_req_id,
+                writer_step=writer_step,
+            ),
+        )
 
     def _check_conv(self, step: int, read: StateRead, g: int) -> None:
         blocks = read.conv_blocks[g]
@@ -215,21 +231,7 @@ class Oracle:
                     f"{int(want_pos[i, -1])}"
                 )
                 writer_id = name
-            self._report(
-                uid,
-                Finding(
-                    kind=kind,
-                    mechanism=mech,
-                    rank=self.rank,
-                    step=step,
-                    req_id=name,
-                    batch_row=int(read.rows[i]),
-                    detail=detail,
-                    group=g,
-                    block_id=int(blocks[i]),
-                    writer_req_id=writer_id,
-                ),
-            )
+            self._report_read(step, read, i, g, blocks, kind, mech, detail, writer_id, None)
 
     # ----------------------------------------------------------------- writes
     def check_writes(
