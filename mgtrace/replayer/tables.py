@@ -23,6 +23,7 @@ class TableStore:
         self.width = width
         self._flat: dict[str, list[np.ndarray]] = {}
         self.tables: dict[str, list[np.ndarray]] = {}
+        self._snapshots: dict[str, BlockTables] = {}
         for kind in kinds:
             self._set(kind, [np.zeros((rows, width), dtype=np.int32) for _ in range(num_groups)])
 
@@ -38,9 +39,11 @@ class TableStore:
             views.append(flat[:-1].reshape(self.rows, self.width))
         self._flat[kind] = flats
         self.tables[kind] = views
+        self._snapshots.pop(kind, None)
 
     def apply(self, updates: Iterable[Update]) -> None:
         for group, kind, row, block_ids in updates:
+            self._snapshots.pop(kind, None)
             table = self.tables[kind][group]
             if not 0 <= row < self.rows:
                 continue  # a malformed row id: the launch that indexes it is reported instead
@@ -49,7 +52,11 @@ class TableStore:
             table[row, n:] = 0
 
     def block_tables(self, kind: str) -> BlockTables:
-        return BlockTables(self.tables[kind])
+        """The kernels' read-only snapshot of one table kind, rebuilt only after a change."""
+        snap = self._snapshots.get(kind)
+        if snap is None:
+            snap = self._snapshots[kind] = BlockTables(self.tables[kind])
+        return snap
 
     def gather(self, kind: str, group: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """table[rows, cols] with -1 where the index is out of range (never an exception)."""

@@ -1,0 +1,252 @@
+"""One align-kernel launch: the single description every backend and the trace share.
+
+An :class:`AlignLaunch` holds the rows of one ``(rank, step, kernel)`` group of the trace's
+``launches`` table. Its field names are exactly the table's column names (a test keeps the
+two in step), so a launch read from a trace, one built by the simulator and one handed to a
+backend are the same object. Columns that hold one value for the whole launch (the kernel,
+the row rule compiled in, the mode) are scalars here; per-row columns are numpy arrays,
+``None`` when the kernel does not read them, and ``numpy.ma`` masked arrays where only some
+rows carry a value (``num_accepted_cpu`` is recorded only where it differs).
+
+Launch-level parameters that are not columns (mamba block size, k) sit beside the columns;
+the state layout lives on :class:`mgtrace.kernels.pool.StatePool`.
+
+Arrow is imported lazily so that the kernels run where only torch, triton and numpy exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mgtrace.errors import TraceError, UsageError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+KERNELS = ("precopy", "postprocess", "aligned_indices")
+ROW_RULES = ("req_slot", "batch_row")
+MODES = ("decision", "precomputed")
+BT_TABLES = ("v1", "source", "input")
+
+# Columns holding one value per launch, written to every row of the table.
+SCALAR_COLUMNS = ("rank", "step", "kernel", "batch_step", "row_rule", "bt_table", "bt_step", "mode")
+# Columns holding one value per batch row.
+ROW_COLUMNS = (
+    "batch_row",
+    "req_slot",
+    "bt_row",
+    "num_accepted",
+    "num_accepted_cpu",
+    "state_idx",
+    "num_scheduled",
+    "num_computed",
+    "num_draft",
+    "src_col",
+    "token_bias",
+    "seq_len",
+)
+
+# What each kernel (and post-process mode) reads, besides batch_row and req_slot.
+REQUIRED_COLUMNS: dict[tuple[str, str | None], tuple[str, ...]] = {
+    ("precopy", None): ("state_idx", "src_col", "token_bias"),
+    ("postprocess", "decision"): (
+        "num_accepted",
+        "state_idx",
+        "num_scheduled",
+        "num_computed",
+        "num_draft",
+    ),
+    ("postprocess", "precomputed"): ("num_accepted", "state_idx", "num_computed"),
+    ("aligned_indices", None): ("seq_len",),
+}
+
+RowArray = np.ndarray  # int32, or a numpy.ma.MaskedArray where some rows are null
+
+
+@dataclass(eq=False)
+class AlignLaunch:
+    """The rows of one align-kernel launch, as the kernel read them, in batch order."""
+
+    kernel: str
+    batch_row: RowArray
+    req_slot: RowArray
+    row_rule: str = "req_slot"
+    bt_row: RowArray | None = None  # derived from row_rule when left out
+    mode: str | None = None
+    num_accepted: RowArray | None = None
+    num_accepted_cpu: RowArray | None = None
+    state_idx: RowArray | None = None
+    num_scheduled: RowArray | None = None
+    num_computed: RowArray | None = None
+    num_draft: RowArray | None = None
+    src_col: RowArray | None = None
+    token_bias: RowArray | None = None
+    seq_len: RowArray | None = None
+    rank: int = 0
+    step: int = 0
+    batch_step: int | None = None
+    bt_table: str | None = None
+    bt_step: int | None = None
+    # Launch parameters that are not table columns.
+    block_size: int = field(default=16, metadata={"column": False})
+    num_speculative_tokens: int = field(default=0, metadata={"column": False})
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise UsageError(f"unknown align kernel {self.kernel!r}; expected one of {KERNELS}")
+        if self.row_rule not in ROW_RULES:
+            raise UsageError(f"unknown row rule {self.row_rule!r}; expected one of {ROW_RULES}")
+        if self.kernel == "postprocess":
+            if self.mode not in MODES:
+                raise UsageError(f"a post-process launch needs mode in {MODES}, got {self.mode!r}")
+        elif self.mode is not None:
+            raise UsageError(f"a {self.kernel} launch has no post-process mode")
+        if self.block_size <= 0:
+            raise UsageError(f"mamba block size must be positive, got {self.block_size}")
+        for name in ROW_COLUMNS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, _as_rows(value))
+        if len(self.req_slot) != len(self.batch_row):
+            raise UsageError("req_slot and batch_row must have one entry per row")
+        if self.bt_row is None:
+            self.bt_row = self.expected_bt_row()
+        for name in ROW_COLUMNS:
+            value = getattr(self, name)
+            if value is not None and len(value) != self.num_rows:
+                raise UsageError(f"column {name} has {len(value)} rows, the launch {self.num_rows}")
+        # Plain int32 views of every column, and whether any row is null: the hot path of a
+        # replay reads these instead of unwrapping masked arrays on every launch.
+        self._plain = {
+            name: np.ma.getdata(getattr(self, name))
+            for name in ROW_COLUMNS
+            if getattr(self, name) is not None
+        }
+        self.has_nulls = any(
+            isinstance(getattr(self, name), np.ma.MaskedArray) for name in self._plain
+        )
+        # Structural facts the validator needs on every launch, computed once: the record
+        # is frozen (arrays are private read-only copies), so they cannot go stale.
+        n = self.num_rows
+        self.block32 = np.int32(self.block_size)
+        self.lacks_required = any(self._plain.get(c) is None for c in self.required_columns)
+        self.all_live = not self.has_nulls and bool((self._plain["req_slot"] >= 0).all())
+        self.rows_in_order = bool(np.array_equal(self._plain["batch_row"], np.arange(n)))
+        self.bt_row_consistent = bool(np.array_equal(self._plain["bt_row"], self.expected_bt_row()))
+        # Nothing for the row-level checks to find: no nulls, rows in order, bt_row agrees.
+        self.well_formed = (
+            not self.has_nulls
+            and not self.lacks_required
+            and self.rows_in_order
+            and self.bt_row_consistent
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.batch_row)
+
+    @property
+    def required_columns(self) -> tuple[str, ...]:
+        return REQUIRED_COLUMNS[(self.kernel, self.mode)]
+
+    def expected_bt_row(self) -> np.ndarray:
+        """The block-table row each program indexes under the launch's row rule."""
+        rows = self.req_slot if self.row_rule == "req_slot" else self.batch_row
+        return np.array(np.ma.getdata(rows), dtype=np.int32)
+
+    def with_row_rule(self, rule: str) -> AlignLaunch:
+        """The same launch compiled with another block-table row rule (a counterfactual)."""
+        return replace(self, row_rule=rule, bt_row=None)
+
+    def column_or_none(self, name: str) -> np.ndarray | None:
+        return self._plain.get(name)
+
+    def column(self, name: str) -> np.ndarray:
+        """A per-row column as plain int32 (null rows read 0); callers validate nulls first."""
+        value = self._plain.get(name)
+        if value is None:
+            raise UsageError(f"the {self.kernel} launch has no {name} column")
+        return value
+
+
+def column_names() -> tuple[str, ...]:
+    """The launch fields that are table columns, in the dataclass's order."""
+    return tuple(f.name for f in fields(AlignLaunch) if f.metadata.get("column", True))
+
+
+def _as_rows(value: Any) -> np.ndarray:
+    """A private, read-only int32 copy: a launch record never changes once built."""
+    if isinstance(value, np.ma.MaskedArray):
+        out = np.ma.MaskedArray(
+            np.array(np.ma.getdata(value), dtype=np.int32),
+            mask=np.array(np.ma.getmaskarray(value), dtype=bool),
+        )
+        out.data.setflags(write=False)
+        out.mask.setflags(write=False)
+        return out
+    out = np.array(value, dtype=np.int32)
+    out.setflags(write=False)
+    return out
+
+
+def launch_to_arrow(launch: AlignLaunch) -> pa.Table:
+    """The launch as rows of the ``launches`` table (schema from ``mgtrace.schemas``)."""
+    import pyarrow as pa
+
+    from mgtrace.schemas.tables import LAUNCHES
+
+    n = launch.num_rows
+    columns: dict[str, pa.Array] = {}
+    for f in LAUNCHES.schema:
+        value = getattr(launch, f.name)
+        if f.name in SCALAR_COLUMNS:
+            columns[f.name] = pa.array([value] * n, type=f.type)
+        elif value is None:
+            columns[f.name] = pa.nulls(n, type=f.type)
+        else:
+            data = np.asarray(np.ma.getdata(value))
+            mask = np.ma.getmaskarray(value) if isinstance(value, np.ma.MaskedArray) else None
+            columns[f.name] = pa.array(data, type=f.type, mask=mask)
+    return pa.table(columns, schema=LAUNCHES.schema)
+
+
+def launch_from_arrow(
+    table: pa.Table, *, block_size: int, num_speculative_tokens: int = 0
+) -> AlignLaunch:
+    """One launch from the ``launches`` rows of a single (rank, step, kernel), any row order."""
+    from mgtrace.schemas.tables import LAUNCHES
+
+    missing = [name for name in LAUNCHES.column_names if name not in table.column_names]
+    if missing:
+        raise TraceError(f"the launches rows lack column(s) {', '.join(missing)}")
+    if table.num_rows == 0:
+        raise TraceError("an align launch needs at least one row")
+    table = table.sort_by("batch_row")
+    values: dict[str, Any] = {}
+    for name in SCALAR_COLUMNS:
+        distinct = table.column(name).unique().to_pylist()
+        if len(distinct) != 1:
+            raise TraceError(
+                f"the launches rows mix several values of {name} ({distinct}); "
+                "select the rows of one (rank, step, kernel)"
+            )
+        values[name] = distinct[0]
+    for name in ROW_COLUMNS:
+        col = table.column(name)
+        if col.null_count == len(col):
+            values[name] = None
+            continue
+        data = col.to_numpy(zero_copy_only=False)
+        if col.null_count:
+            mask = col.is_null().to_numpy(zero_copy_only=False)
+            values[name] = np.ma.MaskedArray(np.where(mask, 0, data).astype(np.int32), mask=mask)
+        else:
+            values[name] = data.astype(np.int32)
+    if values["req_slot"] is None or values["batch_row"] is None:
+        raise TraceError("the launches rows have no req_slot values")
+    return AlignLaunch(
+        **values, block_size=block_size, num_speculative_tokens=num_speculative_tokens
+    )

@@ -1,0 +1,73 @@
+"""``mgtrace check-kernels``: exit codes, JSON, reproducers and one-sentence errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from mgtrace.errors import UsageError
+from mgtrace.kernels import check as check_mod
+from mgtrace.kernels.cli import check_kernels
+from tests.conftest import assert_one_sentence_error, run_cli
+
+pytestmark = pytest.mark.interp
+
+
+def _invoke(args: list[str]):
+    return CliRunner().invoke(check_kernels, args, standalone_mode=False, catch_exceptions=False)
+
+
+def test_clean_run_exits_zero_with_json() -> None:
+    result = _invoke(["--cases", "8", "--seed", "5", "--json"])
+    assert result.return_value == 0
+    report = json.loads(result.output)
+    assert report["ok"] and report["done"] == 8 and report["compared"]["triton"] == 8
+
+
+def test_a_mismatch_exits_one_with_a_reproducer(monkeypatch) -> None:
+    real = check_mod.run_reference
+
+    def off_by_one_byte(launch, pool, tables, **kw):
+        result = real(launch, pool, tables, **kw)
+        if result.validation.copies.rows.size:
+            pool.numpy()[int(result.validation.copies.dst[0, 0]) * pool.page_bytes] ^= 1
+        return result
+
+    monkeypatch.setattr(check_mod, "run_reference", off_by_one_byte)
+    result = _invoke(["--cases", "6", "--seed", "11"])
+    assert result.return_value == 1
+    assert "MISMATCH" in result.output
+    assert "reproduce: mgtrace check-kernels --seed 1" in result.output
+    # Control: without the fault the same cases agree.
+    monkeypatch.setattr(check_mod, "run_reference", real)
+    assert _invoke(["--cases", "6", "--seed", "11"]).return_value == 0
+
+
+def test_missing_vllm_is_one_sentence(monkeypatch) -> None:
+    from mgtrace.kernels import vllm_peer
+
+    monkeypatch.setattr(vllm_peer, "VLLM_MODULE", "vllm_is_not_here")
+    with pytest.raises(UsageError, match="cannot be imported"):
+        _invoke(["--cases", "1", "--against", "vllm"])
+
+
+def test_cuda_without_a_gpu_is_a_usage_error() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_cli("check-kernels", "--device", "cuda", "--cases", "1")
+    assert_one_sentence_error(proc, 2)
+
+
+def test_report_points_at_the_first_bad_byte() -> None:
+    case = check_mod.random_case(3)
+    got = case.pool.clone()
+    got.numpy()[case.pool.page_bytes * 2 + case.pool.offsets[0]] ^= 0xFF
+    seen = []
+    check_mod._compare(case.pool, case.pool.numpy(), got, "x", lambda *a: seen.append(a))
+    assert seen and "block 2, state 0 byte 0" in seen[0][2]
+    assert np.array_equal(case.pool.numpy(), case.pool.clone().numpy())

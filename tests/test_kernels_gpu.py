@@ -1,0 +1,105 @@
+"""GPU tier: the same differential with compiled kernels, plus a CUDA-graph replay.
+
+Run it in its own process (``pytest -m gpu``): Triton decides per process whether kernels
+are interpreted, and the interp tier asks for interpretation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mgtrace.errors import UsageError
+from mgtrace.kernels import run_reference
+from mgtrace.kernels.check import run_check
+from mgtrace.kernels.gen import random_case
+from mgtrace.kernels.validate import validate_launch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from mgtrace.kernels.runtime import load_triton_kernels
+
+    try:
+        return load_triton_kernels("cuda")
+    except UsageError as exc:
+        pytest.skip(str(exc))
+
+
+def _vllm_importable() -> bool:
+    from mgtrace.kernels.vllm_peer import load_vllm_kernels
+
+    try:
+        load_vllm_kernels("cuda")
+    except UsageError:
+        return False
+    return True
+
+
+def test_campaign_on_the_gpu(kernels) -> None:
+    report = run_check(150, 4242, _vllm_importable(), "cuda")
+    assert report.ok, report.mismatches
+    assert report.compared["triton"] == 150
+
+
+def test_postprocess_replayed_from_a_cuda_graph(kernels) -> None:
+    for seed in range(40):
+        case = random_case(seed, kernel="postprocess")
+        v = validate_launch(case.launch, case.pool, case.tables)
+        if v.ok and v.copies.rows.size:
+            break
+    launch = v.sanitized(case.launch)
+    ref = case.pool.clone()
+    expected = run_reference(launch, ref, case.tables)
+    pool = case.pool.clone("cuda")
+    layout = kernels.DeviceLayout.build(pool, case.tables)
+
+    def dev(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.array(launch.column(name))).cuda()
+
+    args = [dev(c) for c in ("req_slot", "num_accepted", "state_idx")]
+    computed = dev("num_computed")
+    decision = launch.mode == "decision"
+    extra = [
+        dev("num_scheduled") if decision else computed,
+        computed,
+        dev("num_draft") if decision else computed,
+    ]
+    out = args[1].clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        # Compile outside the capture; the warm-up copies are undone below.
+        kernels.launch_postprocess(
+            layout,
+            len(pool.specs),
+            *args,
+            *extra,
+            out,
+            block_size=launch.block_size,
+            precomputed=not decision,
+            row_is_slot=launch.row_rule == "req_slot",
+        )
+    torch.cuda.synchronize()
+    pool.buffer.copy_(case.pool.buffer.cuda())
+    with torch.cuda.graph(graph, stream=stream):
+        kernels.launch_postprocess(
+            layout,
+            len(pool.specs),
+            *args,
+            *extra,
+            out,
+            block_size=launch.block_size,
+            precomputed=not decision,
+            row_is_slot=launch.row_rule == "req_slot",
+        )
+    graph.replay()
+    torch.cuda.synchronize()
+    assert np.array_equal(pool.buffer.cpu().numpy(), ref.buffer.numpy())
+    assert out.cpu().numpy().tolist() == expected.accepted_out.tolist()

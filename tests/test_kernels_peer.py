@@ -1,0 +1,120 @@
+"""Peer tier: byte-identical to vLLM's own align kernels on the same pools and inputs.
+
+vLLM's ``postprocess_mamba_fused_kernel``, ``precopy_mamba_align_fused_kernel`` and
+``get_aligned_state_indices_multi_group_kernel`` run unmodified (interpreted on the CPU),
+on the very bytes the reference backend reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from mgtrace.errors import UsageError
+from mgtrace.kernels import BlockTables, StatePool, StateSpec, run_reference
+from mgtrace.kernels.check import run_check
+from mgtrace.kernels.gen import random_case
+from mgtrace.kernels.validate import validate_launch
+from tests.kernel_builders import postprocess, precopy, two_state_pool
+
+pytestmark = pytest.mark.peer
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    from mgtrace.kernels.runtime import load_triton_kernels
+    from mgtrace.kernels.vllm_peer import load_vllm_kernels
+
+    load_triton_kernels("cpu")
+    try:
+        return load_vllm_kernels("cpu")
+    except UsageError as exc:
+        pytest.skip(f"{exc} (the peer tier needs vllm==0.33.0 installed with --no-deps)")
+
+
+def _against_vllm(vllm, case, launch=None, *, run_launch=None):
+    """Reference on ``launch`` vs vLLM on ``run_launch`` (default: the same launch)."""
+    from mgtrace.kernels.vllm_peer import comparable, run_vllm
+
+    launch = launch or case.launch
+    v = validate_launch(launch, case.pool, case.tables)
+    safe = v.sanitized(launch)
+    has_idx = case.has_idx_mapping or bool(v.bad.any())
+    target = run_launch or safe
+    if comparable(target, has_idx):
+        return None
+    ref_pool, vllm_pool = case.pool.clone(), case.pool.clone()
+    ref = run_reference(launch, ref_pool, case.tables, validation=v)
+    out = run_vllm(vllm, target, vllm_pool, case.tables, has_idx_mapping=has_idx, tiles=case.tiles)
+    expected = ref.accepted_out if launch.kernel == "postprocess" else ref.aligned_indices
+    same_out = (expected is None and out is None) or np.array_equal(expected, out)
+    return np.array_equal(ref_pool.numpy(), vllm_pool.numpy()) and same_out
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+@pytest.mark.parametrize("kernel", ["precopy", "postprocess"])
+def test_copy_kernels_are_byte_identical(vllm, layout: str, kernel: str) -> None:
+    compared = 0
+    for seed in range(25):
+        case = random_case(seed, layout=layout, kernel=kernel, row_rule="req_slot")
+        same = _against_vllm(vllm, case)
+        if same is None:
+            continue
+        assert same, f"seed {seed}: {case.describe()}"
+        compared += 1
+    assert compared >= 20
+
+
+def test_aligned_indices_are_identical(vllm) -> None:
+    compared = 0
+    for seed in range(20):
+        case = random_case(seed, kernel="aligned_indices", row_rule="batch_row")
+        same = _against_vllm(vllm, case)
+        if same is None:
+            continue
+        assert same, f"seed {seed}: {case.describe()}"
+        compared += 1
+    assert compared >= 10
+
+
+def test_wrong_block_size_mismatches(vllm) -> None:
+    """Control: vLLM run with a block size one larger than the reference's must differ."""
+    case = random_case(0, kernel="postprocess", row_rule="req_slot")
+    pool = two_state_pool("SD", num_blocks=40)
+    tables = BlockTables([np.arange(1, 33, dtype=np.int32).reshape(4, 8)])
+    launch = postprocess([0, 1, 2], [3, 2, 1], [1, 2, 1], [5, 6, 0], [3, 3, 8], [2, 2, 0])
+    case = replace(case, pool=pool, tables=tables, launch=launch, has_idx_mapping=True)
+    assert _against_vllm(vllm, case) is True
+    wrong = replace(launch, block_size=launch.block_size + 1)
+    assert _against_vllm(vllm, case, run_launch=wrong) is False
+
+
+def test_pages_past_two_gib_match_vllm(vllm) -> None:
+    from mgtrace.kernels.vllm_peer import run_vllm
+
+    page = 2**31 + 56
+    specs = [
+        StateSpec(0, "conv", (5, 2), "bfloat16", "SD"),
+        StateSpec(0, "temporal", (7,), "int32"),
+    ]
+    tables = BlockTables([np.array([[1, 2, 1, 2]], dtype=np.int32)])
+    for run in ("reference", "vllm"):
+        pool = StatePool.sparse(specs, 3, page_bytes=page)
+        pool.numpy()[page : page + 48] = np.arange(1, 49, dtype=np.uint8)
+        launch = precopy([0], [1], [0], [1])  # block 1 -> block 2, shifted by one token
+        if run == "reference":
+            run_reference(launch, pool, tables)
+            expected = pool.numpy()[2 * page : 2 * page + 48].copy()
+        else:
+            run_vllm(vllm, launch, pool, tables)
+            assert pool.numpy()[2 * page : 2 * page + 48].tolist() == expected.tolist()
+            assert not pool.numpy()[112:160].any()  # where a 32-bit offset would land
+
+
+def test_check_campaign_against_vllm_is_clean(vllm) -> None:
+    report = run_check(60, 20261130, True, "cpu")
+    assert report.ok, report.mismatches
+    assert report.vllm_version == "0.33.0"
+    assert report.compared.get("vllm", 0) >= 40

@@ -1,0 +1,182 @@
+"""Validation before any launch: every index a row would use is checked; bad rows never run.
+
+Each check has its control: the same launch with the value just inside its bound passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from mgtrace.kernels import AlignLaunch, BlockTables, run_reference, validate_launch
+from mgtrace.kernels.validate import MalformedMetadata, find_hazards
+from tests.kernel_builders import distinct_tables, postprocess, precopy, two_state_pool
+
+pytestmark = pytest.mark.unit
+
+ROWS, COLS, BLOCKS = 4, 8, 64
+
+
+@pytest.fixture
+def pool():
+    return two_state_pool(num_blocks=BLOCKS)
+
+
+@pytest.fixture
+def tables() -> BlockTables:
+    return distinct_tables(ROWS, COLS, BLOCKS)
+
+
+def base_precopy(**changes) -> AlignLaunch:
+    values = {"slots": [0, 1, 2], "dst": [3, 3, 4], "src": [2, 2, 3], "bias": [0, 1, 2]}
+    values.update(changes)
+    return precopy(values["slots"], values["dst"], values["src"], values["bias"])
+
+
+def with_cell(tables: BlockTables, row: int, col: int, value: int) -> BlockTables:
+    edited = [t.copy() for t in tables.tables]
+    edited[0][row, col] = value
+    return BlockTables(edited)
+
+
+def test_well_formed_launch_has_no_problem(pool, tables) -> None:
+    v = validate_launch(base_precopy(), pool, tables)
+    assert v.ok and not v.bad.any()
+    assert v.copies.rows.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected", "control"),
+    [
+        (
+            {"slots": [0, ROWS, 2]},
+            MalformedMetadata(1, "bt_row", ROWS, ROWS, 0),
+            {"slots": [0, ROWS - 1, 2]},
+        ),
+        ({"slots": [0, 1, -7]}, None, {"slots": [0, 1, -1]}),  # any negative slot is padding
+        (
+            {"dst": [3, COLS, 4]},
+            MalformedMetadata(1, "dst_col", COLS, COLS, 0),
+            {"dst": [3, COLS - 1, 4]},
+        ),
+        (
+            {"src": [COLS, 2, 3], "bias": [0, 1, 2]},
+            MalformedMetadata(0, "src_col", COLS, COLS, 0),
+            {"src": [COLS - 1, 2, 3]},
+        ),
+        (
+            {"src": [2, 2, 6], "bias": [0, 1, 2]},
+            MalformedMetadata(2, "temporal_src_col", COLS, COLS, 0),
+            {"src": [2, 2, 5]},
+        ),
+        ({"bias": [0, -1, 2]}, MalformedMetadata(1, "token_bias", -1, None), {"bias": [0, 0, 2]}),
+    ],
+)
+def test_out_of_range_inputs_are_reported_and_never_run(
+    pool, tables, changes, expected, control
+) -> None:
+    bad = base_precopy(**changes)
+    v = validate_launch(bad, pool, tables)
+    if expected is None:
+        assert v.ok
+    else:
+        assert v.problems == [expected]
+        assert v.bad.tolist() == [i == expected.batch_row for i in range(3)]
+        assert expected.batch_row not in v.copies.rows.tolist()
+    assert validate_launch(base_precopy(**control), pool, tables).ok
+
+
+@pytest.mark.parametrize("value", [BLOCKS, -1, 10**9])
+def test_block_ids_outside_the_pool_are_reported_and_never_indexed(pool, tables, value) -> None:
+    launch = base_precopy()
+    r, c = 1, 3  # row 1's destination column
+    bad_tables = with_cell(tables, r, c, value)
+    before = pool.numpy().copy()
+    result = run_reference(launch, pool, bad_tables)
+    assert result.validation.problems == [MalformedMetadata(1, "block_id", value, BLOCKS, 0)]
+    after = pool.numpy()
+    page = pool.page_bytes
+    # -1 would have wrapped to the last block had it been used as an index.
+    assert np.array_equal(after[(BLOCKS - 1) * page :], before[(BLOCKS - 1) * page :])
+    # The good rows still ran.
+    dst0 = int(tables[0][0, 3])
+    assert not np.array_equal(
+        after[dst0 * page : (dst0 + 1) * page], before[dst0 * page : (dst0 + 1) * page]
+    )
+    # Control: the largest valid id passes.
+    assert validate_launch(launch, pool, with_cell(tables, r, c, BLOCKS - 1)).ok
+
+
+def test_null_block_zero_is_a_valid_block(pool, tables) -> None:
+    v = validate_launch(base_precopy(), pool, with_cell(tables, 0, 3, 0))
+    assert v.ok
+    assert v.copies.dst[0].tolist()[0] == 0
+
+
+def test_row_structure_problems(pool, tables) -> None:
+    launch = base_precopy()
+    shuffled = replace(launch, batch_row=np.array([0, 2, 1]), bt_row=None)
+    v = validate_launch(shuffled, pool, tables)
+    assert [(p.batch_row, p.what) for p in v.problems] == [(1, "batch_row"), (2, "batch_row")]
+    wrong_rows = replace(launch, bt_row=np.array([0, 1, 3]))
+    v = validate_launch(wrong_rows, pool, tables)
+    assert v.problems == [MalformedMetadata(2, "bt_row", 3, None)]
+    v = validate_launch(launch, pool, tables, max_slots=2)
+    assert v.problems == [MalformedMetadata(2, "req_slot", 2, 2)]
+    # Controls.
+    assert validate_launch(launch, pool, tables, max_slots=3).ok
+    assert validate_launch(replace(launch, bt_row=None), pool, tables).ok
+
+
+def test_missing_inputs_are_reported(pool, tables) -> None:
+    accepted = np.ma.MaskedArray([1, 2, 1], mask=[False, True, False])
+    launch = postprocess([0, 1, 2], accepted, [1, 1, 1], [4, 4, 4], [3, 3, 3], [2, 2, 2])
+    v = validate_launch(launch, pool, tables)
+    assert v.problems == [MalformedMetadata(1, "num_accepted", None, None)]
+    no_column = postprocess([0], [1], [1], [4], None, None)
+    v = validate_launch(no_column, pool, tables)
+    assert {p.what for p in v.problems} == {"num_scheduled", "num_draft"}
+    assert not v.copies.rows.size
+    # Control: a padded row may lack anything.
+    padded = postprocess(
+        [0, -1], np.ma.MaskedArray([1, 0], mask=[False, True]), [1, 1], [4, 4], [3, 3], [2, 2]
+    )
+    assert validate_launch(padded, pool, tables).ok
+
+
+def test_postprocess_destination_before_the_table(pool, tables) -> None:
+    # R = 0 (all scheduled tokens drafts): the boundary arithmetic lands on column -1.
+    bad = postprocess([0, 1], [1, 1], [0, 1], [0, 3], [1, 3], [1, 2])
+    v = validate_launch(bad, pool, tables)
+    assert v.problems == [MalformedMetadata(0, "dst_col", -1, COLS, 0)]
+    assert validate_launch(postprocess([1], [1], [1], [3], [3], [2]), pool, tables).ok
+
+
+def test_aligned_indices_columns(pool, tables) -> None:
+    def indices(seq):
+        return AlignLaunch(
+            "aligned_indices",
+            batch_row=np.arange(len(seq)),
+            req_slot=np.arange(len(seq)),
+            seq_len=seq,
+            block_size=4,
+            num_speculative_tokens=2,
+        )
+
+    # first = (seq - 1) // 4; columns first..first+2 must exist.
+    v = validate_launch(indices([1, 4 * (COLS - 2) + 1]), pool, tables)
+    assert v.problems == [MalformedMetadata(1, "state_col", COLS, COLS, 0)]
+    assert validate_launch(indices([1, 4 * (COLS - 3) + 1]), pool, tables).ok
+
+
+def test_hazards_name_rows_sharing_a_block(pool, tables) -> None:
+    launch = base_precopy()
+    v = validate_launch(launch, pool, tables)
+    assert find_hazards(v, pool) == []
+    # Row 1 writes the block row 0 writes.
+    shared = with_cell(tables, 1, 3, int(tables[0][0, 3]))
+    v = validate_launch(launch, pool, shared)
+    kinds = {(h.batch_row, h.other_row, h.kind) for h in find_hazards(v, pool)}
+    assert (1, 0, "write_write") in kinds
