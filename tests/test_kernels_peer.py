@@ -7,6 +7,7 @@ on the very bytes the reference backend reads.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -118,3 +119,15 @@ def test_check_campaign_against_vllm_is_clean(vllm) -> None:
     assert report.ok, report.mismatches
     assert report.vllm_version == "0.33.0"
     assert report.compared.get("vllm", 0) >= 40
+
+
+def test_check_kernels_cli_against_vllm(vllm) -> None:
+    """The command users run to learn whether replay is faithful to their vLLM."""
+    from tests.conftest import run_cli
+
+    proc = run_cli("check-kernels", "--against", "vllm", "--cases", "20", "--seed", "11",
+                   "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["mismatches"] == [] and report["against_vllm"]
+    assert report["vllm_version"] == "0.33.0" and report["compared"]
