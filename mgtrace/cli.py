@@ -54,6 +54,8 @@ PLUGIN_COMMANDS = {
     "bisect": "mgtrace.replayer.cli:bisect_cmd",
     "diff": "mgtrace.replayer.cli:diff_cmd",
     "minimize": "mgtrace.replayer.cli:minimize_cmd",
+    "record": "mgtrace.recorder.cli:record",
+    "import-probe": "mgtrace.recorder.cli:import_probe",
     "demo": "mgtrace.demo:demo",
 }
 

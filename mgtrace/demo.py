@@ -1,6 +1,6 @@
 """`mgtrace demo`: the whole pipeline on a laptop, with no GPU and no model.
 
-Simulates the seed reproducer's workload (long prompts followed closely by short ones, MTP
+Simulates the field reproducer's workload (long prompts followed closely by short ones, MTP
 with k=3) on an engine whose drafter attention lowers the batch-reorder threshold, replays
 the trace on tagged shadow state, bisects it, and prints the verdict.
 """

@@ -9,6 +9,25 @@ import pytest
 
 from mgtrace.schemas.sample import write_sample_trace
 
+
+def _cpu_only_environment() -> None:
+    """Without a GPU, every Triton kernel in this process (ours and vLLM's) is interpreted.
+
+    Triton fixes the mode when a kernel module is first imported, so it is set once here,
+    before any test imports one; otherwise test order would decide and vLLM's kernels,
+    imported compiled by one test, would fail interpreted in the next.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+_cpu_only_environment()
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -82,9 +82,9 @@ def test_no_false_positives(scenario: str, engine: dict, seed: int) -> None:
     assert result.clean, [f.detail for f in result.findings[:3]]
 
 
-def test_seed_reanalysis_first_decode_in_prefill_split() -> None:
-    """The seed's cross-tab: a request whose first decode step ran in the Mamba prefill split
-    is flagged; a request none of whose decode steps did is not."""
+def test_field_reanalysis_first_decode_in_prefill_split() -> None:
+    """The field re-analysis cross-tab: a request whose first decode step ran in the Mamba
+    prefill split is flagged; a request none of whose decode steps did is not."""
     reader = TraceReader(toggle_trace("reorder-threshold-mismatch", 0))
     con = reader.connect()
     rows = con.execute(

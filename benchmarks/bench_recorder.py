@@ -1,0 +1,467 @@
+"""Engine-thread cost of the recorder per 96-row step, against no recording and against a
+synchronous JSON logger of the same fields (the ad-hoc probe approach).
+
+The step is a stand-in with vLLM's V1 call structure and names (``execute_model``,
+``_update_states`` with a reorder that swaps rows and a condense, ``preprocess_mamba``,
+the post-process staging, the two align launchers, ``_update_states_after_model_execute``
+and the Mamba builder's split), built from plain numpy arrays and torch tensors so that it
+runs where vLLM is not installed. The recorder's real hook functions are installed on it
+through the same patch machinery as on vLLM; the capture ring, the recorder thread and the
+trace writer all run. On a CUDA machine the launch inputs live on the GPU and each
+"launch" is a small device op; the JSON logger then has to read them back (``tolist``),
+which synchronizes, exactly as a host-side logger would.
+
+Reported per configuration: wall time per step on the engine thread (median of runs) and
+the engine thread's CPU time per step. No duckdb import on this path.
+
+Usage: python benchmarks/bench_recorder.py [--steps N] [--repeats R] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from mgtrace.recorder import features, hooks_v1
+from mgtrace.recorder.patches import PatchSet
+from mgtrace.recorder.session import Session
+from mgtrace.schemas.manifest import RunMetadata
+
+ROWS = 96
+K = 3
+B = 16
+MAX_REQS = 128
+MAX_BLOCKS = 64
+
+
+class Buf:
+    """A pinned-host / device pair like vLLM's CpuGpuBuffer."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.cpu = torch.zeros(n, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.np = self.cpu.numpy()
+        self.gpu = torch.zeros(n, dtype=torch.int32, device=device)
+
+    def copy_to_gpu(self, n: int) -> None:
+        self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+
+
+class BlockTable:
+    def __init__(self) -> None:
+        self.block_table = SimpleNamespace(np=np.zeros((MAX_REQS, MAX_BLOCKS), np.int32))
+        self.num_blocks_per_row = np.zeros(MAX_REQS, np.int32)
+
+
+class InputBatch:
+    def __init__(self) -> None:
+        self._req_ids: list[str | None] = [f"cmpl-{i:08x}-0" for i in range(ROWS)]
+        self.req_id_to_index = {r: i for i, r in enumerate(self._req_ids)}
+        self.num_computed_tokens_cpu = np.arange(ROWS, dtype=np.int32) * 7 + 100
+        self.num_prompt_tokens = np.full(MAX_REQS, 90, np.int32)
+        self.num_accepted_tokens_cpu = np.ones(MAX_REQS, np.int32)
+        bt = BlockTable()
+        bt.num_blocks_per_row[:ROWS] = 12
+        bt.block_table.np[:ROWS, :12] = np.arange(ROWS * 12).reshape(ROWS, 12)
+        self.block_table = [bt]
+
+    @property
+    def req_ids(self) -> list[str | None]:
+        return self._req_ids
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def swap_states(self, i1: int, i2: int) -> None:
+        ids = self._req_ids
+        ids[i1], ids[i2] = ids[i2], ids[i1]
+        self.req_id_to_index[ids[i1]] = i1  # type: ignore[index]
+        self.req_id_to_index[ids[i2]] = i2  # type: ignore[index]
+        a = self.num_accepted_tokens_cpu
+        a[i1], a[i2] = a[i2], a[i1]
+
+    def condense(self) -> None:
+        pass
+
+    def add_request(self, request: Any) -> None:
+        pass
+
+    def remove_request(self, req_id: str) -> int | None:
+        return None
+
+
+class Ctx:
+    def __init__(self, device: torch.device) -> None:
+        self.is_initialized = True
+        for name in (
+            "mamba_state_idx_buf",
+            "num_scheduled_tokens_buf",
+            "num_computed_tokens_buf",
+            "num_draft_tokens_buf",
+            "precopy_src_col_buf",
+            "precopy_token_bias_buf",
+        ):
+            setattr(self, name, Buf(MAX_REQS, device))
+
+    def run_fused_precopy(
+        self,
+        num_reqs: int,
+        state_idx_gpu: Any,
+        src_col_gpu: Any,
+        token_bias_gpu: Any,
+        idx_mapping: Any,
+    ) -> None:
+        state_idx_gpu[:num_reqs].add_(0)  # stands in for the kernel launch
+
+    def run_fused_postprocess(
+        self,
+        num_reqs: int,
+        num_accepted_tokens_gpu: Any,
+        mamba_state_idx_gpu: Any,
+        num_scheduled_tokens_gpu: Any,
+        num_computed_tokens_gpu: Any,
+        num_draft_tokens_gpu: Any,
+    ) -> None:
+        num_accepted_tokens_gpu[:num_reqs].clamp_(max=K + 1)  # in place, like the kernel
+
+    def run_fused_postprocess_align(self, *args: Any) -> None:
+        pass
+
+
+class Builder:
+    reorder_batch_threshold = 1 + K
+
+    def _compute_common_metadata(
+        self, cm: Any, *, num_accepted_tokens: Any = None, num_decode_draft_tokens_cpu: Any = None
+    ) -> Any:
+        return SimpleNamespace(num_decodes=ROWS - 4)
+
+
+def build_module(device: torch.device) -> tuple[ModuleType, ModuleType, Any]:
+    """The stand-in "runner module" and "mamba_utils" with vLLM's names."""
+    runner_mod = ModuleType("bench_runner")
+    mu = ModuleType("bench_mamba_utils")
+    ctx = Ctx(device)
+
+    def reorder_batch_to_split_decodes_and_prefills(
+        ib: Any, so: Any, decode_threshold: int = 1
+    ) -> bool:
+        ib.swap_states(3, ROWS - 2)
+        ib.swap_states(5, ROWS - 1)
+        return True
+
+    def preprocess_mamba(
+        so: Any,
+        kv: Any,
+        cache: Any,
+        msi: dict[str, int],
+        ib: Any,
+        requests: Any,
+        fwd: Any,
+        funcs: Any,
+        bufs: Any,
+        align_ctx: Any = None,
+    ) -> None:
+        n = ib.num_reqs
+        for i, r in enumerate(ib.req_ids):
+            msi[r] = 7 + (i & 1)
+        align_ctx.mamba_state_idx_buf.np[:n] = 7
+        align_ctx.precopy_src_col_buf.np[:n] = 6
+        align_ctx.precopy_token_bias_buf.np[:n] = ib.num_accepted_tokens_cpu[:n] - 1
+        for b in (
+            align_ctx.mamba_state_idx_buf,
+            align_ctx.precopy_src_col_buf,
+            align_ctx.precopy_token_bias_buf,
+        ):
+            b.copy_to_gpu(n)
+        align_ctx.run_fused_precopy(
+            n,
+            align_ctx.mamba_state_idx_buf.gpu,
+            align_ctx.precopy_src_col_buf.gpu,
+            align_ctx.precopy_token_bias_buf.gpu,
+            None,
+        )
+        ib.num_accepted_tokens_cpu[:n] = 1
+
+    def stage_postprocess_inputs_to_gpu(
+        ctx_: Any, so: Any, req_ids: Any, n: int, requests: Any, msi: Any
+    ) -> None:
+        ctx_.num_scheduled_tokens_buf.np[:n] = 1 + K
+        ctx_.num_computed_tokens_buf.np[:n] = 100
+        ctx_.num_draft_tokens_buf.np[:n] = K
+        for b in (
+            ctx_.mamba_state_idx_buf,
+            ctx_.num_scheduled_tokens_buf,
+            ctx_.num_computed_tokens_buf,
+            ctx_.num_draft_tokens_buf,
+        ):
+            b.copy_to_gpu(n)
+
+    runner_mod.reorder_batch_to_split_decodes_and_prefills = (  # type: ignore[attr-defined]
+        reorder_batch_to_split_decodes_and_prefills
+    )
+    mu.preprocess_mamba = preprocess_mamba  # type: ignore[attr-defined]
+    mu.stage_postprocess_inputs_to_gpu = stage_postprocess_inputs_to_gpu  # type: ignore[attr-defined]
+    return runner_mod, mu, ctx
+
+
+def build_runner(device: torch.device) -> tuple[Any, dict[features.Target, Any]]:
+    runner_mod, mu, ctx = build_module(device)
+    accepted = torch.full((MAX_REQS,), 2, dtype=torch.int32, device=device)
+
+    class Runner:
+        def __init__(self) -> None:
+            self.input_batch = InputBatch()
+            self.reorder_batch_threshold = 1
+            self.mamba_state_idx: dict[str, int] = {}
+            self.num_accepted_tokens_event = SimpleNamespace(query=lambda: True)
+            self.builder = Builder()
+            self.ctx = ctx
+
+        def _update_states(self, so: Any) -> None:
+            ib = self.input_batch
+            ib.condense()
+            runner_mod.reorder_batch_to_split_decodes_and_prefills(
+                ib, so, decode_threshold=self.reorder_batch_threshold
+            )
+
+        def execute_model(self, so: Any) -> None:
+            self._update_states(so)
+            ib = self.input_batch
+            mu.preprocess_mamba(
+                so, None, None, self.mamba_state_idx, ib, None, None, None, None, align_ctx=ctx
+            )
+            mu.stage_postprocess_inputs_to_gpu(
+                ctx, so, ib.req_ids, ib.num_reqs, None, self.mamba_state_idx
+            )
+            self.builder._compute_common_metadata(None, num_accepted_tokens=accepted)
+
+        def _update_states_after_model_execute(self, out: Any, so: Any) -> None:
+            n = self.input_batch.num_reqs
+            ctx.run_fused_postprocess(
+                n,
+                accepted,
+                ctx.mamba_state_idx_buf.gpu,
+                ctx.num_scheduled_tokens_buf.gpu,
+                ctx.num_computed_tokens_buf.gpu,
+                ctx.num_draft_tokens_buf.gpu,
+            )
+
+    owner_of = {
+        ("GPUModelRunner", None): Runner,
+        (None, "reorder"): runner_mod,
+        ("InputBatch", None): InputBatch,
+        (None, "mu"): mu,
+        ("MambaSpecDecodeGPUContext", None): Ctx,
+        ("BaseMambaAttentionMetadataBuilder", None): Builder,
+    }
+    owners = {}
+    for t in features.V1_TARGETS:
+        if t.owner is not None:
+            owners[t] = owner_of[(t.owner, None)]
+        elif t.attr.startswith("reorder"):
+            owners[t] = runner_mod
+        else:
+            owners[t] = mu
+    return Runner(), owners
+
+
+def scheduler_output() -> Any:
+    ids = [f"cmpl-{i:08x}-0" for i in range(ROWS)]
+    return SimpleNamespace(
+        num_scheduled_tokens=dict.fromkeys(ids, 1 + K),
+        scheduled_spec_decode_tokens={r: [0] * K for r in ids},
+        total_num_scheduled_tokens=ROWS * (1 + K),
+        scheduled_new_reqs=[],
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=ids,
+            resumed_req_ids=set(),
+            new_block_ids=[None] * ROWS,
+            num_computed_tokens=[100] * ROWS,
+        ),
+    )
+
+
+def json_log(fh: Any, runner: Any, so: Any, step: int) -> None:
+    """A probe-style logger: the same fields, serialised synchronously every step."""
+    ib, ctx = runner.input_batch, runner.ctx
+    n = ib.num_reqs
+    rows = []
+    post = [
+        ctx.mamba_state_idx_buf.gpu[:n].tolist(),
+        ctx.num_scheduled_tokens_buf.gpu[:n].tolist(),
+        ctx.num_computed_tokens_buf.gpu[:n].tolist(),
+        ctx.num_draft_tokens_buf.gpu[:n].tolist(),
+    ]
+    acc = ib.num_accepted_tokens_cpu[:n].tolist()
+    computed = ib.num_computed_tokens_cpu[:n].tolist()
+    for i, r in enumerate(ib.req_ids):
+        rows.append(
+            {
+                "batch_row": i,
+                "req_id": r,
+                "num_scheduled": so.num_scheduled_tokens[r],
+                "num_computed": computed[i],
+                "accepted_prev": acc[i],
+                "state_col": runner.mamba_state_idx.get(r),
+                "state_idx": post[0][i],
+                "sched": post[1][i],
+                "comp": post[2][i],
+                "draft": post[3][i],
+            }
+        )
+    fh.write(json.dumps({"step": step, "t": time.time(), "rows": rows}) + "\n")
+
+
+def run(
+    mode: str, steps: int, device: torch.device, tmp: Path, device_wait_s: float = 0.0
+) -> dict[str, float]:
+    runner, owners = build_runner(device)
+    so = scheduler_output()
+    out = torch.zeros((ROWS, 1 + K), dtype=torch.int64, device=device)
+    patches = PatchSet()
+    sess = None
+    fh = None
+    if mode == "hooked":
+        sess = Session(
+            tmp / f"trace-{time.monotonic_ns()}",
+            rank=0,
+            kind="v1",
+            run=RunMetadata(),
+            mamba_block_size=B,
+        )
+        patches.install(hooks_v1.v1_patches(sess, owners, [0]))
+    elif mode == "json":
+        fh = open(tmp / f"log-{time.monotonic_ns()}.jsonl", "w")  # noqa: SIM115
+    cls = type(runner)
+    for warm in range(50):  # the ring, the writer and the caches warm up
+        cls.execute_model(runner, so)
+        runner._update_states_after_model_execute(out, so)
+        if fh is not None:
+            json_log(fh, runner, so, warm)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t_cpu = time.thread_time_ns()
+    t0 = time.perf_counter_ns()
+    for step in range(steps):
+        cls.execute_model(runner, so)
+        if device_wait_s:
+            time.sleep(device_wait_s)  # the forward on the device: the GIL is free meanwhile
+        runner._update_states_after_model_execute(out, so)
+        if fh is not None:
+            json_log(fh, runner, so, step)
+    wall = time.perf_counter_ns() - t0
+    cpu = time.thread_time_ns() - t_cpu
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    result = {"wall_us_per_step": wall / steps / 1e3, "cpu_us_per_step": cpu / steps / 1e3}
+    if sess is not None:
+        patches.remove()
+        status = sess.close()
+        result["recorded_steps"] = status["steps"]
+        result["drops"] = status["drops"]
+        result["hook_errors"] = status["hook_errors"]
+    if fh is not None:
+        fh.close()
+    return result
+
+
+def summarize(runs: dict[str, list[dict[str, float]]], wait_s: float, steps: int) -> dict[str, Any]:
+    def med(mode: str, key: str) -> float:
+        return float(np.median([r[key] for r in runs[mode]]))
+
+    base_wall, base_cpu = med("unhooked", "wall_us_per_step"), med("unhooked", "cpu_us_per_step")
+    over_wall = med("hooked", "wall_us_per_step") - base_wall
+    over_cpu = med("hooked", "cpu_us_per_step") - base_cpu
+    json_wall = med("json", "wall_us_per_step") - base_wall
+    json_cpu = med("json", "cpu_us_per_step") - base_cpu
+    ratio = over_wall / json_wall if json_wall > 0 else None
+    return {
+        "device_wait_us": wait_s * 1e6,
+        "steps_per_run": steps,
+        "median_us_per_step": {
+            m: {"wall": med(m, "wall_us_per_step"), "engine_thread_cpu": med(m, "cpu_us_per_step")}
+            for m in runs
+        },
+        "overhead_us_per_step": {
+            "recorder_wall": over_wall,
+            "recorder_engine_thread_cpu": over_cpu,
+            "json_logger_wall": json_wall,
+            "json_logger_engine_thread_cpu": json_cpu,
+        },
+        "recorder_vs_json_wall": ratio,
+        "recorder_vs_json_engine_thread_cpu": over_cpu / json_cpu if json_cpu > 0 else None,
+        "recorded_last_run": {
+            k: runs["hooked"][-1][k] for k in ("recorded_steps", "drops", "hook_errors")
+        },
+        "meets_targets": {
+            "engine_thread_cpu_le_25us": over_cpu <= 25.0,
+            "wall_le_25us": over_wall <= 25.0,
+            "wall_le_tenth_of_json": ratio is not None and ratio <= 0.1,
+        },
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--device-wait-us",
+        type=float,
+        default=1500.0,
+        help="second scenario: a GIL-free wait per step standing in for the forward",
+    )
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    scenarios = {"busy_host_loop": 0.0, "with_device_wait": a.device_wait_us / 1e6}
+    report: dict[str, Any] = {
+        "benchmark": "recorder engine-thread overhead, 96-row V1 step, hooks + capture on",
+        "command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": a.device,
+            "cpus": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        },
+        "steps_per_run": a.steps,
+        "repeats": a.repeats,
+        "rows_per_step": ROWS,
+        "targets": {"recorder_us_per_step": 25.0, "recorder_vs_json": 0.1},
+        "scenarios": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="mgtrace-bench-") as tmp:
+        for name, wait in scenarios.items():
+            steps = a.steps if not wait else max(200, a.steps // 10)
+            runs: dict[str, list[dict[str, float]]] = {"unhooked": [], "hooked": [], "json": []}
+            for _ in range(a.repeats):
+                for mode in runs:  # interleaved, so that machine noise hits all three alike
+                    runs[mode].append(run(mode, steps, device, Path(tmp), wait))
+            report["scenarios"][name] = summarize(runs, wait, steps)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""The in-engine agent: one per process, inert until asked to record.
+
+States: ``idle`` → ``armed`` (a one-shot hook waits for the runner's next step) →
+``recording`` → back to ``idle`` (or ``refused`` when the running vLLM lacks a hook target).
+Activation and the limit-triggered stop both happen on the engine thread inside
+``execute_model``, i.e. between two steps, so a trace never holds half a step. A stop from
+the control socket flips the session off at once (every hook becomes a pass-through) and
+removes the patches at the next step boundary, or itself after a short wait when the
+engine is idle.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.abc
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from mgtrace.recorder import features
+from mgtrace.recorder.patches import Patch, PatchSet
+
+log = logging.getLogger("mgtrace.recorder")
+
+WATCH_POLL_S = 0.25
+STOP_WAIT_S = 2.0
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.state = "idle"
+        self.kind: str | None = None
+        self.rank: int | None = None
+        self.refusal: str | None = None
+        self.session: Any = None
+        self.last_result: dict[str, Any] | None = None
+        self._config: dict[str, Any] = {}
+        self._arm = PatchSet()
+        self._hooks = PatchSet()
+        self._lock = threading.RLock()
+        self._watcher: threading.Thread | None = None
+        self._closer: threading.Thread | None = None
+        self._atexit = False
+
+    # ------------------------------------------------------------ commands
+    def start(
+        self, out: str, max_steps: int | None = None, duration_s: float | None = None
+    ) -> dict[str, Any]:
+        with self._lock:
+            if self.state in ("armed", "recording", "waiting"):
+                return self.status()
+            self._config = {"out": out, "max_steps": max_steps, "duration_s": duration_s}
+            self.refusal = None
+            self.last_result = None
+            if not self._arm_now():
+                self.state = "waiting"
+                self._start_watcher()
+            return self.status()
+
+    def stop(self) -> dict[str, Any]:
+        with self._lock:
+            if self.state in ("armed", "waiting"):
+                self._arm.remove()
+                self.state = "idle"
+                return self.status()
+            sess = self.session
+            if sess is None:
+                return self.status()
+            sess.stop_requested = True
+        deadline = time.monotonic() + STOP_WAIT_S
+        while sess.live and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._finish(sess, inline=True)
+        if self._closer is not None:
+            self._closer.join(30.0)
+        return self.status()
+
+    def shutdown(self) -> None:
+        """At interpreter exit: close an open recording so the trace ends complete."""
+        sess = self.session
+        if sess is not None:
+            self._finish(sess, inline=True)
+        elif self._closer is not None:
+            self._closer.join(30.0)
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "pid": os.getpid(),
+            "state": self.state,
+            "runner": self.kind,
+            "rank": self.rank,
+            "runner_modules": [m for m in features.RUNNER_MODULES if m in sys.modules],
+        }
+        if self.refusal:
+            out["refusal"] = self.refusal
+        sess = self.session
+        if sess is not None:
+            out.update(sess.status())
+        elif self.last_result is not None:
+            out.update(self.last_result)
+        return out
+
+    # ------------------------------------------------------------ arming
+    def _runner_classes(self) -> list[Any]:
+        classes = []
+        for name in features.RUNNER_MODULES:
+            mod = sys.modules.get(name)
+            cls = getattr(mod, "GPUModelRunner", None) if mod is not None else None
+            if cls is not None and callable(getattr(cls, "execute_model", None)):
+                classes.append(cls)
+        return classes
+
+    def _arm_now(self) -> bool:
+        classes = self._runner_classes()
+        if not classes:
+            return False
+        self._arm.install([Patch(cls, "execute_model", self._arming(cls)) for cls in classes])
+        self.state = "armed"
+        return True
+
+    def _start_watcher(self) -> None:
+        # arm the moment a runner module finishes importing, so that a process armed at
+        # start records from its very first step; the poll below covers a module imported
+        # in a way the finder does not see
+        if not any(isinstance(f, _ArmOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _ArmOnImport(self))
+
+        def watch() -> None:
+            while self.state == "waiting":
+                with self._lock:
+                    if self.state == "waiting" and self._arm_now():
+                        return
+                time.sleep(WATCH_POLL_S)
+
+        self._watcher = threading.Thread(target=watch, name="mgtrace-arm", daemon=True)
+        self._watcher.start()
+
+    def _arming(self, owner: Any) -> Any:
+        agent = self
+
+        def make(orig: Any) -> Any:
+            def execute_model(runner: Any, *args: Any, **kwargs: Any) -> Any:
+                agent._activate(runner)
+                return owner.execute_model(runner, *args, **kwargs)
+
+            execute_model.__wrapped__ = orig  # type: ignore[attr-defined]
+            return execute_model
+
+        return make
+
+    # ------------------------------------------------------------ engine thread
+    def _activate(self, runner: Any) -> None:
+        """Install the full hook set; runs inside execute_model, before the step."""
+        with self._lock:
+            if self.state != "armed":
+                return
+            self._arm.remove()
+            try:
+                self._install(runner)
+            except Exception as exc:
+                self.state = "refused"
+                self.refusal = (
+                    str(exc)
+                    if isinstance(exc, features.RecorderRefusal)
+                    else (f"recording could not start: {exc.__class__.__name__}: {exc}")
+                )
+                log.warning("mgtrace: %s", self.refusal)
+
+    def _install(self, runner: Any) -> None:
+        from mgtrace.recorder import runinfo
+        from mgtrace.recorder.hooks_common import binding
+        from mgtrace.recorder.hooks_v1 import v1_patches
+        from mgtrace.recorder.hooks_v2 import v2_patches
+        from mgtrace.recorder.session import Session
+
+        kind, owners = features.check_runner(runner)
+        rank, world = runinfo.rank_and_world()
+        groups = runinfo.mamba_group_ids(runner)
+        ctx_cls = features.owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy")
+        rule, _table = binding(ctx_cls, kind)
+        run = runinfo.run_metadata(runner, kind, groups, rule)
+        cfg = self._config
+        out = Path(cfg["out"])
+        if world > 1:
+            out = out / f"rank-{rank:03d}"
+        sess = Session(
+            out,
+            rank=rank,
+            kind=kind,
+            run=run,
+            source={
+                "kind": "vllm",
+                "recorder": "mgtrace agent",
+                "pid": os.getpid(),
+                "hooks": [t.label for t in owners],
+            },
+            max_steps=cfg["max_steps"],
+            duration_s=cfg["duration_s"],
+            mamba_block_size=run.mamba_block_size,
+        )
+        patches = v1_patches(sess, owners, groups) if kind == "v1" else v2_patches(sess, owners)
+        try:
+            self._hooks.install(patches)
+        except BaseException:
+            sess.close()
+            raise
+        sess.on_limit = lambda: self._finish(sess, inline=False)
+        self.session, self.kind, self.rank, self.state = sess, kind, rank, "recording"
+        if not self._atexit:
+            self._atexit = True
+            atexit.register(self.shutdown)
+
+    def _finish(self, sess: Any, *, inline: bool) -> None:
+        """Unpatch and close once; on the engine thread the close goes to another thread."""
+        with self._lock:
+            if self.session is not sess:
+                return
+            sess.live = False
+            self._hooks.remove()
+            self.session = None
+            self.state = "stopping"
+
+        def close() -> None:
+            try:
+                self.last_result = sess.close()
+            except Exception as exc:
+                self.last_result = {"error": f"{exc.__class__.__name__}: {exc}"}
+            self.state = "idle"
+
+        if inline:
+            close()
+        else:
+            self._closer = threading.Thread(target=close, name="mgtrace-close", daemon=True)
+            self._closer.start()
+
+
+class _ArmOnImport(importlib.abc.MetaPathFinder):
+    """Wraps the loader of vLLM's runner modules to arm a waiting agent right after the
+    module body ran; every other import passes through untouched."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self._busy = False
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in features.RUNNER_MODULES or self._busy:
+            return None
+        self._busy = True  # find the real spec with the rest of the finders
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy = False
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return None
+        agent, run_body = self.agent, loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run_body(module)
+            with contextlib.suppress(Exception), agent._lock:
+                if agent.state == "waiting":
+                    agent._arm_now()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_AGENT: Agent | None = None
+_AGENT_LOCK = threading.Lock()
+
+
+def get_agent() -> Agent:
+    """The process's agent (created on first use)."""
+    global _AGENT
+    with _AGENT_LOCK:
+        if _AGENT is None:
+            _AGENT = Agent()
+        return _AGENT

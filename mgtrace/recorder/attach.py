@@ -1,0 +1,215 @@
+"""``mgtrace record``: activate the agent in every process of an engine, watch, stop.
+
+For each process of the tree: talk to its control socket if the plugin opened one; else
+start the socket by ``sys.remote_exec`` (Python 3.14+) or gdb; else say how to enable
+recording. Processes that hold no model runner (the API server, an EngineCore whose workers
+are separate processes) answer ``idle`` with no runner module and are left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mgtrace.errors import MgtraceError, UsageError
+from mgtrace.recorder import control, inject, proctree
+from mgtrace.recorder.plugin import ENV_DIR, ENV_DURATION, ENV_MAX_STEPS
+
+SOCKET_WAIT_S = 30.0  # the main thread runs the queued call at its next bytecode
+POLL_S = 0.5
+ENABLE_HINT = (
+    "install mgtrace in the engine's Python environment so vLLM loads its plugin "
+    "(then restart the engine), or allow ptrace (run as the engine's user with "
+    "kernel.yama.ptrace_scope=0, or as root) so mgtrace can attach with gdb"
+)
+
+
+class AttachError(MgtraceError):
+    """No process of the engine could be made to record."""
+
+
+@dataclass
+class Target:
+    proc: proctree.Proc
+    socket: Path
+    how: str  # plugin | remote_exec | gdb
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+def _wait_socket(path: Path, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            try:
+                control.send(path, "status", timeout_s=5.0)
+                return True
+            except control.ControlError:
+                pass
+        time.sleep(0.1)
+    return False
+
+
+def connect(proc: proctree.Proc, *, allow_inject: bool = True) -> Target:
+    """A control connection to ``proc``, injecting the agent when it is not loaded."""
+    path = control.socket_path(proc.pid)
+    if path.exists():
+        try:
+            control.send(path, "status", timeout_s=5.0)
+            return Target(proc, path, "plugin")
+        except control.ControlError:
+            pass
+    if not allow_inject or not proc.is_python:
+        raise AttachError(f"process {proc.pid} has no mgtrace agent; {ENABLE_HINT}")
+    if inject.via_remote_exec(proc.pid):
+        how = "remote_exec"
+    else:
+        ok, why = inject.ptrace_permitted(proc.pid)
+        if not ok:
+            raise AttachError(
+                f"process {proc.pid} has no mgtrace agent and gdb cannot attach ({why}); "
+                f"{ENABLE_HINT}"
+            )
+        inject.via_gdb(proc.pid)
+        how = "gdb"
+    if not _wait_socket(path, SOCKET_WAIT_S):
+        raise AttachError(
+            f"the agent injected into {proc.pid} by {how} did not open its socket within "
+            f"{SOCKET_WAIT_S:.0f} s (is the process's main thread running Python?); "
+            f"{ENABLE_HINT}"
+        )
+    return Target(proc, path, how)
+
+
+def engine_tree(pid: int) -> list[proctree.Proc]:
+    procs = proctree.tree(pid)
+    if not procs:
+        raise UsageError(f"there is no process {pid}")
+    if procs[0].uid != os.geteuid() and os.geteuid() != 0:
+        raise UsageError(f"process {pid} belongs to another user; record as that user")
+    return procs
+
+
+def record_pid(
+    pid: int,
+    out: Path,
+    *,
+    duration_s: float | None,
+    max_steps: int | None,
+    on_status: Callable[[list[Target]], None] | None = None,
+    allow_inject: bool = True,
+) -> list[Target]:
+    """Activate every process of the tree, poll until the limits or Ctrl-C, stop all."""
+    procs = engine_tree(pid)
+    if not proctree.looks_like_vllm(procs) and not _has_agent(procs):
+        raise UsageError(f"process {pid} is not a vLLM engine (no vLLM process in its tree)")
+    targets: list[Target] = []
+    errors: list[str] = []
+    for p in procs:
+        if not p.is_python:
+            continue
+        try:
+            targets.append(connect(p, allow_inject=allow_inject))
+        except AttachError as exc:
+            errors.append(exc.message)
+    if not targets:
+        raise AttachError(errors[0] if errors else f"no Python process under {pid}")
+    args = {"out": str(out.resolve()), "max_steps": max_steps, "duration_s": duration_s}
+    for t in targets:
+        t.status = control.send(t.socket, "start", args)
+    recorders = [t for t in targets if t.status.get("runner_modules")]
+    if not recorders:
+        _stop_all(targets)
+        raise AttachError(f"no process under {pid} holds a vLLM model runner to record")
+    deadline = None if duration_s is None else time.monotonic() + duration_s + 5.0
+    started: set[int] = set()
+    try:
+        while True:
+            for t in recorders:
+                try:
+                    t.status = control.send(t.socket, "status", timeout_s=10.0)
+                except control.ControlError as exc:
+                    t.status = {"state": "gone", "error": exc.message}
+            if on_status is not None:
+                on_status(recorders)
+            states = {t.status.get("state") for t in recorders}
+            started |= {t.proc.pid for t in recorders if t.status.get("steps")}
+            # processes that import the runner module but never step (an EngineCore whose
+            # workers run elsewhere) stay armed; the recording ends with the ones that step
+            if states <= {"idle", "refused", "gone"} or (
+                started and not states & {"recording", "stopping"}
+            ):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        pass
+    _stop_all(recorders)
+    return recorders
+
+
+def _stop_all(targets: list[Target]) -> None:
+    for t in targets:
+        try:
+            t.status = control.send(t.socket, "stop", timeout_s=60.0)
+        except control.ControlError as exc:
+            t.status = {**t.status, "state": "gone", "error": exc.message}
+
+
+def _has_agent(procs: list[proctree.Proc]) -> bool:
+    return any(control.socket_path(p.pid).exists() for p in procs)
+
+
+def launch(
+    command: list[str],
+    out: Path,
+    *,
+    duration_s: float | None,
+    max_steps: int | None,
+    on_poll: Callable[[list[Target]], None] | None = None,
+) -> int:
+    """Run ``command`` with recording armed from its first step; returns its exit code."""
+    if not command:
+        raise UsageError("give the engine command after --, e.g. -- vllm serve MODEL")
+    env = dict(os.environ)
+    env[ENV_DIR] = str(out.resolve())
+    if max_steps is not None:
+        env[ENV_MAX_STEPS] = str(max_steps)
+    if duration_s is not None:
+        env[ENV_DURATION] = str(duration_s)
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        raise UsageError(f"cannot start {command[0]}: {exc.strerror or exc}") from None
+    try:
+        while child.poll() is None:
+            if on_poll is not None:
+                on_poll(_live_targets(child.pid))
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        targets = _live_targets(child.pid)
+        _stop_all([t for t in targets if t.status.get("state") == "recording"])
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    return child.returncode if child.returncode is not None else 0
+
+
+def _live_targets(pid: int) -> list[Target]:
+    out = []
+    for p in proctree.tree(pid):
+        path = control.socket_path(p.pid)
+        if path.exists():
+            with contextlib.suppress(control.ControlError):
+                out.append(Target(p, path, "plugin", control.send(path, "status", timeout_s=2)))
+    return [t for t in out if t.status.get("state") not in (None, "idle") or t.status.get("steps")]

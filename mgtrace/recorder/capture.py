@@ -1,0 +1,144 @@
+"""Stream-ordered capture of the small integer vectors an align kernel reads.
+
+On the engine thread, right before a launch: one ``torch.cat`` of the input vectors into a
+preallocated device staging slot, one non-blocking copy of that slot into the matching
+pinned host slot, and one event recorded on the current (launch) stream. Because all three
+are queued on the launch stream before the kernel, the host slot receives exactly the bytes
+the kernel reads, including values that later kernels overwrite in place. Nothing here waits
+for the device; ``reap`` runs on the recorder thread and only asks events whether they are
+done (``Event.query``), so a slow device delays the trace, never the engine.
+
+For CPU tensors (vLLM on the CPU, and the tests) the same slot layout is filled with one
+synchronous ``torch.cat`` into the host slot: the kernel runs synchronously there, so the
+capture is equally exact.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+DEFAULT_SLOTS = 256  # a few ms of steps while the recorder thread waits for the GIL
+DEFAULT_SLOT_ELEMS = 1 << 13  # int32 elements: 4 slot-indexed vectors of 2048 requests
+MAX_VIEWS = 64
+
+
+class CaptureRing:
+    """A fixed number of capture slots; a capture with no free slot is dropped and counted."""
+
+    def __init__(
+        self,
+        device: Any,
+        *,
+        slots: int = DEFAULT_SLOTS,
+        slot_elems: int = DEFAULT_SLOT_ELEMS,
+    ) -> None:
+        import torch
+
+        self._torch = torch
+        self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self.slot_elems = slot_elems
+        # int32: every vector the align kernels read is int32, and a cat that converts
+        # dtypes costs several times one that does not
+        self.host = torch.empty((slots, slot_elems), dtype=torch.int32, pin_memory=self.cuda)
+        self._host_np: np.ndarray | None = None  # made on the recorder thread, in reap
+        self.staging = None
+        self.events: list[Any] = []
+        if self.cuda:
+            self.staging = torch.empty((slots, slot_elems), dtype=torch.int32, device=device)
+            # torch.Event records on the current stream in C++; torch.cuda.Event.record()
+            # looks the stream up in Python first, which costs more than the copy
+            make = getattr(torch, "Event", None)
+            self.events = [
+                make(device=device) if make is not None else torch.cuda.Event()
+                for _ in range(slots)
+            ]
+        self._views: dict[int, tuple[Any, np.ndarray]] = {}
+        self._free: deque[int] = deque(range(slots))
+        self._pending: deque[tuple[int, tuple[int, ...], Any]] = deque()
+        self.captured = 0
+        self.dropped = 0
+
+    def grab(self, tensors: Sequence[Any], lengths: Sequence[int], tag: Any) -> bool:
+        """Queue the copy of ``tensors[i][:lengths[i]]`` (or more: on the device whole
+        vectors when they fit, so callers slice what they need); engine thread, never
+        blocks."""
+        if not self._free:
+            self.dropped += 1
+            return False
+        if self.staging is not None:
+            # Whole tensors when they fit: slicing costs a torch call per vector, and the
+            # recorder thread trims to the rows the launch read.
+            whole = [t.shape[0] for t in tensors]
+            if sum(whole) <= self.slot_elems:
+                lengths = whole
+                parts = tensors
+            else:
+                parts = [t[:n] for t, n in zip(tensors, lengths, strict=True)]
+            total = sum(lengths)
+            if total > self.slot_elems:
+                self.dropped += 1
+                return False
+            i = self._free.popleft()
+            dst = self.staging[i, :total]
+            self._torch.cat(parts, out=dst)
+            self.host[i, :total].copy_(dst, non_blocking=True)
+            self.events[i].record()
+        else:
+            total = sum(lengths)
+            if total > self.slot_elems:
+                self.dropped += 1
+                return False
+            i = self._free.popleft()
+            # Host tensors: numpy views of them are free and a numpy copy costs a fraction
+            # of a torch op, which matters on a busy engine thread.
+            views = [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)]
+            np.concatenate(views, out=self._host_view()[i, :total], casting="unsafe")
+        self._pending.append((i, tuple(lengths), tag))
+        self.captured += 1
+        return True
+
+    def _host_view(self) -> np.ndarray:
+        if self._host_np is None:
+            self._host_np = self.host.numpy()
+        return self._host_np
+
+    def _view(self, t: Any) -> np.ndarray:
+        """A cached numpy view of a host tensor (the cache holds the tensor, so its id
+        cannot be reused while cached); bounded for callers that pass fresh tensors."""
+        hit = self._views.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        if len(self._views) >= MAX_VIEWS:
+            self._views.clear()
+        view = t.numpy()
+        self._views[id(t)] = (t, view)
+        return view
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def oldest_pending_tag(self) -> Any:
+        return self._pending[0][2] if self._pending else None
+
+    def reap(self) -> list[tuple[list[np.ndarray], Any]]:
+        """Completed captures in launch order, as int32 arrays; recorder thread."""
+        out = []
+        host = self._host_view()  # a view of host memory: nothing to wait for
+        while self._pending:
+            i, lengths, tag = self._pending[0]
+            if self.events and not self.events[i].query():
+                break
+            self._pending.popleft()
+            flat = host[i, : sum(lengths)].copy()
+            self._free.append(i)
+            arrays, start = [], 0
+            for n in lengths:
+                arrays.append(flat[start : start + n])
+                start += n
+            out.append((arrays, tag))
+        return out

@@ -1,0 +1,170 @@
+"""The ``record`` and ``import-probe`` verbs: argument checks and display only."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import click
+
+from mgtrace.errors import MgtraceError, OutputError, UsageError
+from mgtrace.schemas.manifest import MANIFEST_NAME
+
+
+def _prepare_output(out: Path, force: bool) -> None:
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not force:
+        raise OutputError(f"{out} already exists; pass --force to overwrite it")
+    traces = (
+        [out]
+        if (out / MANIFEST_NAME).is_file()
+        else [p for p in out.iterdir() if (p / MANIFEST_NAME).is_file()]
+    )
+    if not traces:
+        raise OutputError(f"{out} is not an mgtrace trace; refusing to overwrite it")
+    shutil.rmtree(out)
+
+
+def _status_table(targets: list) -> object:
+    from rich.table import Table
+
+    table = Table(title="mgtrace record (Ctrl-C stops)", title_justify="left")
+    for name in ("pid", "process", "state", "steps", "rows", "MB", "drops", "errors"):
+        table.add_column(name, justify="right" if name not in ("process", "state") else "left")
+    for t in targets:
+        s = t.status
+        table.add_row(
+            str(t.proc.pid),
+            t.proc.role,
+            str(s.get("state", "?")),
+            str(s.get("steps", 0)),
+            str(s.get("rows", 0)),
+            f"{(s.get('bytes') or 0) / 1e6:.1f}",
+            str(s.get("drops", 0)),
+            str(s.get("hook_errors", 0)),
+        )
+    return table
+
+
+def _summary(targets: list) -> int:
+    refusals = [t.status["refusal"] for t in targets if t.status.get("refusal")]
+    written = [t for t in targets if t.status.get("out") and t.status.get("steps")]
+    for t in written:
+        s = t.status
+        click.echo(
+            f"pid {t.proc.pid}: {s.get('steps', 0)} steps, {s.get('rows', 0)} rows, "
+            f"{s.get('drops', 0)} dropped, {s.get('hook_errors', 0)} hook errors -> {s['out']}"
+            + ("" if s.get("complete", True) else " (incomplete)")
+        )
+    if not written and refusals:
+        raise MgtraceError(refusals[0])
+    if not written:
+        raise MgtraceError("no step was recorded (was the engine serving requests?)")
+    return 0
+
+
+def record_command(
+    engine_pid: int | None,
+    output: Path | None,
+    duration: float | None,
+    max_steps: int | None,
+    force: bool,
+    command: tuple[str, ...],
+) -> int:
+    """Record a running vLLM engine (--engine-pid PID), or start one with recording armed
+    (-- vllm serve ...)."""
+    from rich.live import Live
+
+    from mgtrace.recorder import attach
+
+    if (engine_pid is None) == (not command):
+        raise UsageError("give either --engine-pid PID or the engine command after --")
+    if duration is not None and duration <= 0:
+        raise UsageError("--duration must be a positive number of seconds")
+    if max_steps is not None and max_steps < 1:
+        raise UsageError("--max-steps must be at least 1")
+    if output is None:
+        if engine_pid is None:
+            raise UsageError("give the trace directory with -o DIR")
+        output = Path(f"mgtrace-{engine_pid}")
+    _prepare_output(output, force)
+    if engine_pid is not None:
+        if engine_pid <= 0 or engine_pid == os.getpid():
+            raise UsageError(f"{engine_pid} is not a vLLM engine process id")
+        with Live(refresh_per_second=2, transient=False) as live:
+            targets = attach.record_pid(
+                engine_pid,
+                output,
+                duration_s=duration,
+                max_steps=max_steps,
+                on_status=lambda ts: live.update(_status_table(ts)),
+            )
+            live.update(_status_table(targets))
+        return _summary(targets)
+    code = attach.launch(list(command), output, duration_s=duration, max_steps=max_steps)
+    click.echo(f"engine exited with status {code}; traces under {output}")
+    return code
+
+
+def import_probe_command(probe: Path, burst: Path | None, output: Path, force: bool) -> int:
+    """Convert the field probe log (and load-generator output) into a trace."""
+    from mgtrace.recorder.probe_import import import_probe
+
+    report = import_probe(probe, burst, output, force=force)
+    click.echo(
+        f"imported {report.steps} steps, {report.batch_rows} prefill-region rows, "
+        f"{report.row_moves} swaps, {report.requests} requests "
+        f"({report.matched_requests} matched to engine ids) from {report.ranks} process(es) "
+        f"into {output}"
+    )
+    if report.malformed_total:
+        detail = ", ".join(f"{k}={v}" for k, v in sorted(report.malformed.items()))
+        click.echo(
+            f"skipped {report.malformed_total} malformed entries ({detail}); "
+            "counted in the manifest's errors",
+            err=True,
+        )
+    return 0
+
+
+record = click.command(
+    "record",
+    context_settings={"ignore_unknown_options": True},
+)(
+    click.option("--engine-pid", type=int, help="Process id of a running vLLM engine.")(
+        click.option(
+            "-o",
+            "--output",
+            type=click.Path(path_type=Path),
+            help="Trace directory (per rank: DIR/rank-NNN when there are several).",
+        )(
+            click.option("--duration", type=float, help="Stop after this many seconds.")(
+                click.option("--max-steps", type=int, help="Stop after this many steps.")(
+                    click.option(
+                        "-f", "--force", is_flag=True, help="Overwrite an existing trace."
+                    )(click.argument("command", nargs=-1, type=click.UNPROCESSED)(record_command))
+                )
+            )
+        )
+    )
+)
+
+import_probe = click.command("import-probe")(
+    click.argument("probe", type=click.Path(path_type=Path))(
+        click.argument("burst", required=False, type=click.Path(path_type=Path))(
+            click.option(
+                "-o",
+                "--output",
+                required=True,
+                type=click.Path(path_type=Path),
+                help="Trace directory to write.",
+            )(
+                click.option("-f", "--force", is_flag=True, help="Overwrite an existing trace.")(
+                    import_probe_command
+                )
+            )
+        )
+    )
+)

@@ -1,0 +1,235 @@
+"""The agent's control socket: one Unix socket per process, same user only, three commands.
+
+The socket lives in a private directory (mode 0700, owned by the user) under the user's
+runtime directory, named after the process id. Each connection carries one JSON request
+line and gets one JSON reply line. The peer's uid comes from the kernel (SO_PEERCRED) and
+must equal ours. Requests name one of a fixed set of commands whose arguments are checked
+for name, type and range; nothing received is ever evaluated or imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import stat
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+from mgtrace.errors import MgtraceError
+
+log = logging.getLogger("mgtrace.recorder")
+
+MAX_REQUEST_BYTES = 8192
+MAX_PATH_CHARS = 4096
+COMMANDS = ("start", "stop", "status")
+_ARGS: dict[str, dict[str, type]] = {
+    "start": {"out": str, "max_steps": int, "duration_s": float},
+    "stop": {},
+    "status": {},
+}
+
+
+class ControlError(MgtraceError):
+    """The control socket could not be reached or answered badly."""
+
+
+def runtime_dir(uid: int | None = None) -> Path:
+    """The private directory holding the sockets, created 0700 when missing."""
+    uid = os.geteuid() if uid is None else uid
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base or not os.path.isdir(base):
+        base = f"/run/user/{uid}" if os.path.isdir(f"/run/user/{uid}") else "/tmp"
+    path = Path(base) / ("mgtrace" if base != "/tmp" else f"mgtrace-{uid}")
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ControlError(f"cannot create the control directory {path}: {exc.strerror}") from None
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) & 0o077:
+        raise ControlError(
+            f"{path} is not a private directory of this user (it must be a 0700 directory "
+            "owned by you); remove it and retry"
+        )
+    return path
+
+
+def socket_path(pid: int, uid: int | None = None) -> Path:
+    return runtime_dir(uid) / f"{pid}.sock"
+
+
+def peer_uid(conn: socket.socket) -> int:
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", raw)
+    return uid
+
+
+def peer_allowed(uid: int, own_uid: int | None = None) -> bool:
+    """Only the user the agent runs as may drive it."""
+    return uid == (os.geteuid() if own_uid is None else own_uid)
+
+
+def validate(request: Any) -> tuple[str, dict[str, Any]]:
+    """(command, arguments) of a well-formed request; ValueError with the reason otherwise."""
+    if not isinstance(request, dict):
+        raise ValueError("a request is a JSON object")
+    extra = set(request) - {"cmd", "args"}
+    if extra:
+        raise ValueError(f"unknown request field {sorted(extra)[0]!r}")
+    cmd = request.get("cmd")
+    if cmd not in COMMANDS:
+        raise ValueError(f"unknown command {cmd!r}; the commands are {', '.join(COMMANDS)}")
+    args = request.get("args", {})
+    if not isinstance(args, dict):
+        raise ValueError("args must be a JSON object")
+    allowed = _ARGS[cmd]
+    clean: dict[str, Any] = {}
+    for name, value in args.items():
+        want = allowed.get(name)
+        if want is None:
+            raise ValueError(f"{cmd} takes no argument {name!r}")
+        if value is None:
+            continue
+        if want is int and (type(value) is not int or value < 1):
+            raise ValueError(f"{name} must be a positive integer")
+        if want is float:
+            if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds")
+            value = float(value)
+        if want is str and (
+            type(value) is not str
+            or not value.startswith("/")
+            or "\x00" in value
+            or len(value) > MAX_PATH_CHARS
+        ):
+            raise ValueError(f"{name} must be an absolute path")
+        clean[name] = value
+    if cmd == "start" and "out" not in clean:
+        raise ValueError("start needs out, the trace directory")
+    return cmd, clean
+
+
+def sweep_stale(directory: Path) -> None:
+    """Remove sockets left by processes that died without closing them."""
+    for sock in directory.glob("*.sock"):
+        if sock.stem.isdigit() and not Path(f"/proc/{sock.stem}").exists():
+            with contextlib.suppress(OSError):
+                sock.unlink()
+
+
+class ControlServer:
+    """Accepts connections on a daemon thread and dispatches to the agent."""
+
+    def __init__(self, agent: Any, path: Path | None = None) -> None:
+        self.agent = agent
+        self.path = path or socket_path(os.getpid())
+        self.refused = 0
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Path:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        sweep_stale(self.path.parent)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # bind and listen under a temporary name, then rename: a client that sees the path
+        # always finds a listening socket
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        old = os.umask(0o177)  # the socket file itself: owner read/write only
+        try:
+            sock.bind(str(tmp))
+        finally:
+            os.umask(old)
+        sock.listen(8)
+        os.replace(tmp, self.path)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._serve, name="mgtrace-control", daemon=True)
+        self._thread.start()
+        return self.path
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def _serve(self) -> None:
+        while self._sock is not None:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    self._handle(conn)
+                except Exception as exc:  # a bad client never takes the agent down
+                    log.debug("mgtrace control: %s", exc)
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(5.0)
+        allowed = peer_allowed(peer_uid(conn))
+        # read the request line in any case (bounded), so that a refused client gets the
+        # refusal rather than a reset connection; its content is not looked at
+        data = b""
+        while not data.endswith(b"\n") and len(data) <= MAX_REQUEST_BYTES:
+            chunk = conn.recv(1024)
+            if not chunk:
+                break
+            data += chunk
+        if not allowed:
+            self.refused += 1
+            _reply(conn, {"ok": False, "error": "refused: the agent accepts only its own user"})
+            return
+        if len(data) > MAX_REQUEST_BYTES:
+            _reply(conn, {"ok": False, "error": "request too long"})
+            return
+        try:
+            cmd, args = validate(json.loads(data.decode("utf-8")))
+        except (ValueError, UnicodeDecodeError) as exc:
+            _reply(conn, {"ok": False, "error": str(exc)})
+            return
+        if cmd == "start":
+            result = self.agent.start(**args)
+        elif cmd == "stop":
+            result = self.agent.stop()
+        else:
+            result = self.agent.status()
+        _reply(conn, {"ok": True, "result": result})
+
+
+def _reply(conn: socket.socket, payload: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(payload, default=str).encode() + b"\n")
+
+
+def send(
+    path: Path, cmd: str, args: dict[str, Any] | None = None, timeout_s: float = 40.0
+) -> dict[str, Any]:
+    """One request to an agent socket; raises ControlError on anything but a reply."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(str(path))
+            sock.sendall(json.dumps({"cmd": cmd, "args": args or {}}).encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError as exc:
+        raise ControlError(f"cannot talk to the agent at {path}: {exc.strerror or exc}") from None
+    try:
+        reply = json.loads(data.decode())
+    except ValueError:
+        raise ControlError(f"the agent at {path} sent an unreadable reply") from None
+    if not reply.get("ok"):
+        raise ControlError(f"the agent at {path} refused: {reply.get('error')}")
+    return reply["result"]

@@ -1,0 +1,148 @@
+"""Which vLLM runner is live, and whether this vLLM has everything a hook needs.
+
+Detection looks at the running objects and classes, never at version strings: a fork or a
+patched release is recorded as long as it has the attributes below, and refused, naming
+each missing piece, when it does not.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from mgtrace.errors import MgtraceError
+
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+RUNNER_MODULES = (V1_RUNNER_MODULE, V2_RUNNER_MODULE)
+
+
+class RecorderRefusal(MgtraceError):
+    """The running vLLM lacks something a hook needs; nothing was patched."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """``module[:Class].attr``; optional targets only enrich the trace."""
+
+    module: str
+    owner: str | None
+    attr: str
+    required: bool = True
+
+    @property
+    def label(self) -> str:
+        where = f"{self.owner}.{self.attr}" if self.owner else self.attr
+        return f"{self.module}:{where}"
+
+
+_MU = "vllm.v1.worker.mamba_utils"
+_CTX = "MambaSpecDecodeGPUContext"
+_LAUNCHERS = (
+    Target(_MU, _CTX, "run_fused_precopy"),
+    Target(_MU, _CTX, "run_fused_postprocess"),
+    Target(_MU, _CTX, "run_fused_postprocess_align"),
+)
+_SPLIT = Target(
+    "vllm.v1.attention.backends.mamba_attn",
+    "BaseMambaAttentionMetadataBuilder",
+    "_compute_common_metadata",
+    required=False,
+)
+
+V1_TARGETS: tuple[Target, ...] = (
+    Target(V1_RUNNER_MODULE, "GPUModelRunner", "execute_model"),
+    Target(V1_RUNNER_MODULE, "GPUModelRunner", "_update_states"),
+    Target(V1_RUNNER_MODULE, "GPUModelRunner", "_update_states_after_model_execute"),
+    Target(V1_RUNNER_MODULE, None, "reorder_batch_to_split_decodes_and_prefills"),
+    Target("vllm.v1.worker.gpu_input_batch", "InputBatch", "add_request"),
+    Target("vllm.v1.worker.gpu_input_batch", "InputBatch", "remove_request"),
+    Target("vllm.v1.worker.gpu_input_batch", "InputBatch", "swap_states"),
+    Target("vllm.v1.worker.gpu_input_batch", "InputBatch", "condense"),
+    Target(_MU, None, "preprocess_mamba"),
+    Target(_MU, None, "stage_postprocess_inputs_to_gpu"),
+    *_LAUNCHERS,
+    _SPLIT,
+)
+
+V2_TARGETS: tuple[Target, ...] = (
+    Target(V2_RUNNER_MODULE, "GPUModelRunner", "execute_model"),
+    Target(V2_RUNNER_MODULE, "GPUModelRunner", "prepare_inputs"),
+    Target(
+        "vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState", "preprocess_state"
+    ),
+    Target(
+        "vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState", "postprocess_state"
+    ),
+    Target("vllm.v1.worker.gpu.pp_utils", "PPHandler", "receive"),
+    Target("vllm.v1.worker.gpu.pp_utils", "PPHandler", "get_prev_sampled_outputs"),
+    *_LAUNCHERS,
+    _SPLIT,
+)
+
+# Attributes a live runner instance must carry for the hooks to read what they record.
+V1_INSTANCE_ATTRS = ("input_batch", "requests", "mamba_state_idx", "reorder_batch_threshold")
+V2_INSTANCE_ATTRS = ("req_states", "model_state")
+
+
+def resolve(target: Target) -> Any | None:
+    """The object owning ``target.attr`` (module or class), or None when absent."""
+    try:
+        mod = importlib.import_module(target.module)
+    except Exception:
+        return None
+    owner: Any = mod if target.owner is None else getattr(mod, target.owner, None)
+    if owner is None or not callable(getattr(owner, target.attr, None)):
+        return None
+    return owner
+
+
+def resolve_all(targets: tuple[Target, ...]) -> tuple[dict[Target, Any], list[str]]:
+    """Owners of every present target, and labels of the missing required ones."""
+    owners: dict[Target, Any] = {}
+    missing: list[str] = []
+    for t in targets:
+        owner = resolve(t)
+        if owner is not None:
+            owners[t] = owner
+        elif t.required:
+            missing.append(t.label)
+    return owners, missing
+
+
+def owner_of(owners: dict[Target, Any], owner: str | None, attr: str) -> Any:
+    """The resolved owner (class or module) of the target named ``owner.attr``."""
+    for t, obj in owners.items():
+        if t.owner == owner and t.attr == attr:
+            return obj
+    return None
+
+
+def runner_kind(runner: Any) -> str:
+    """``v1`` or ``v2`` from the classes the runner derives from."""
+    for cls in type(runner).__mro__:
+        if cls.__name__ == "GPUModelRunner":
+            if cls.__module__ == V2_RUNNER_MODULE:
+                return "v2"
+            if cls.__module__ == V1_RUNNER_MODULE:
+                return "v1"
+    raise RecorderRefusal(
+        f"{type(runner).__module__}.{type(runner).__name__} is neither vLLM's V1 nor V2 "
+        "GPUModelRunner; mgtrace cannot record it"
+    )
+
+
+def check_runner(runner: Any) -> tuple[str, dict[Target, Any]]:
+    """Choose the hook set for a live runner, or refuse naming every missing piece."""
+    kind = runner_kind(runner)
+    targets = V1_TARGETS if kind == "v1" else V2_TARGETS
+    owners, missing = resolve_all(targets)
+    attrs = V1_INSTANCE_ATTRS if kind == "v1" else V2_INSTANCE_ATTRS
+    missing += [f"runner attribute {a}" for a in attrs if not hasattr(runner, a)]
+    if missing:
+        raise RecorderRefusal(
+            f"this vLLM's {kind.upper()} runner lacks what the recorder hooks need: "
+            + ", ".join(missing)
+        )
+    return kind, owners

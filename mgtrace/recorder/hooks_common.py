@@ -1,0 +1,252 @@
+"""Wrapper construction shared by all hooks, and the align-kernel launcher hooks.
+
+A wrapper calls the original exactly once with the original arguments, whatever its own code
+does: the recording code runs inside ``try`` and a failure is counted on the session, never
+raised. When the session is not live, a wrapper is a plain pass-through.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from mgtrace.recorder.patches import Patch
+from mgtrace.recorder.session import Session
+
+Before = Callable[[Session, tuple[Any, ...], dict[str, Any]], Any]
+After = Callable[[Session, Any, Any, tuple[Any, ...], dict[str, Any]], None]
+
+_FAILED = object()
+
+
+def hook(
+    sess: Session, name: str, before: Before | None = None, after: After | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A ``Patch.make`` that runs ``before(sess, args, kwargs)`` and/or
+    ``after(sess, token, result, args, kwargs)`` around the original."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not sess.live:
+                return orig(*args, **kwargs)
+            token = None
+            if before is not None:
+                try:
+                    token = before(sess, args, kwargs)
+                except Exception as exc:
+                    sess.hook_failed(name, exc)
+                    token = _FAILED
+            result = orig(*args, **kwargs)
+            if after is not None and token is not _FAILED and sess.live:
+                try:
+                    after(sess, token, result, args, kwargs)
+                except Exception as exc:
+                    sess.hook_failed(name, exc)
+            return result
+
+        functools.update_wrapper(wrapper, orig)
+        return wrapper
+
+    return make
+
+
+def arg(
+    args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None
+) -> Any:
+    """A call argument by position (counting self) or keyword."""
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
+def call_args(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]) -> list[Any]:
+    """Arguments after self, by name, however the caller passed them (one fast path each
+    for all-positional and all-keyword calls, which is how vLLM calls the launchers)."""
+    if not kwargs:
+        got = list(args[1:])
+        return got + [None] * (len(names) - len(got))
+    if len(args) == 1:
+        return [kwargs.get(n) for n in names]
+    return [arg(args, kwargs, i + 1, n) for i, n in enumerate(names)]
+
+
+def has_two_tables(ctx: Any) -> bool:
+    name = "aligned_index_block_table_ptrs"
+    cls = ctx if isinstance(ctx, type) else type(ctx)
+    return hasattr(ctx, name) or name in getattr(cls, "__annotations__", {})
+
+
+def binding(ctx: Any, kind: str) -> tuple[str, str]:
+    """(row rule, bound table) of an align context, from what the context carries.
+
+    A context with a separate table set for the aligned indices binds the per-slot source
+    tables for its copies and indexes them by request slot; one without it binds one table
+    list that V2 fills with the gathered, batch-ordered tables."""
+    two_tables = has_two_tables(ctx)
+    if kind == "v1":
+        return "req_slot", "v1"
+    return ("req_slot", "source") if two_tables else ("batch_row", "input")
+
+
+def _tag(
+    sess: Session,
+    ctx: Any,
+    kernel: str,
+    n: int,
+    names: list[str],
+    mode: str | None = None,
+    cpu: dict[str, Any] | None = None,
+    batch_step: int | None = None,
+) -> dict[str, Any]:
+    rule, table = binding(ctx, sess.kind)
+    return {
+        "step": sess.step,
+        "kernel": kernel,
+        "batch_step": sess.step if batch_step is None else batch_step,
+        "bt_step": sess.step,
+        "row_rule": rule,
+        "bt_table": table,
+        "mode": mode,
+        "n": n,
+        "names": names,
+        "cpu": cpu,
+    }
+
+
+def _np(buf: Any, n: int) -> Any:
+    return None if buf is None else buf.np[:n].copy()
+
+
+_PRECOPY = ("num_reqs", "state_idx_gpu", "src_col_gpu", "token_bias_gpu", "idx_mapping")
+_POST = (
+    "num_reqs",
+    "num_accepted_tokens_gpu",
+    "mamba_state_idx_gpu",
+    "num_scheduled_tokens_gpu",
+    "num_computed_tokens_gpu",
+    "num_draft_tokens_gpu",
+)
+_POST_ALIGN = (
+    "num_reqs",
+    "num_accepted_tokens_gpu",
+    "state_idx_gpu",
+    "new_num_computed_tokens_gpu",
+    "idx_mapping",
+)
+
+
+def _precopy(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    ctx = args[0]
+    n, sidx, src, bias, idx = call_args(args, kwargs, _PRECOPY)
+    if n == 0 or not ctx.is_initialized or sess.rec is None:
+        return
+    if idx is None:  # V1: staged in batch order, read as [:n]
+        cpu = {
+            "state_idx": _np(ctx.mamba_state_idx_buf, n),
+            "src_col": _np(ctx.precopy_src_col_buf, n),
+            "token_bias": _np(ctx.precopy_token_bias_buf, n),
+        }
+        sess.grab(
+            [sidx, src, bias],
+            [n, n, n],
+            _tag(
+                sess,
+                ctx,
+                "precopy",
+                n,
+                ["state_idx", "src_col", "token_bias"],
+                cpu={k: v for k, v in cpu.items() if v is not None},
+            ),
+        )
+    else:  # V2: slot-indexed vectors read through idx_mapping
+        whole = sidx.shape[0]
+        sess.grab(
+            [idx, sidx, src, bias],
+            [n, whole, whole, whole],
+            _tag(sess, ctx, "precopy", n, ["idx_mapping", "state_idx", "src_col", "token_bias"]),
+        )
+
+
+def _postprocess(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    ctx = args[0]
+    n, *tensors = call_args(args, kwargs, _POST)
+    rec = sess.rec
+    if n == 0 or not ctx.is_initialized or rec is None:
+        return
+    staged = rec.get("staged")
+    if staged is None:
+        staged = {
+            "state_idx": _np(ctx.mamba_state_idx_buf, n),
+            "num_scheduled": _np(ctx.num_scheduled_tokens_buf, n),
+            "num_computed": _np(ctx.num_computed_tokens_buf, n),
+            "num_draft": _np(ctx.num_draft_tokens_buf, n),
+        }
+    sess.grab(
+        tensors,
+        [n] * 5,
+        _tag(
+            sess,
+            ctx,
+            "postprocess",
+            n,
+            ["num_accepted", "state_idx", "num_scheduled", "num_computed", "num_draft"],
+            mode="decision",
+            cpu={k: v for k, v in staged.items() if v is not None},
+        ),
+    )
+
+
+def _postprocess_align(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    ctx = args[0]
+    n, acc, sidx, comp, idx = call_args(args, kwargs, _POST_ALIGN)
+    if n == 0 or not ctx.is_initialized or sess.rec is None:
+        return
+    batch_step = sess.deferred_batch_step
+    sess.grab(
+        [idx, acc, sidx, comp],
+        [n, acc.shape[0], sidx.shape[0], comp.shape[0]],
+        _tag(
+            sess,
+            ctx,
+            "postprocess",
+            n,
+            ["idx_mapping", "num_accepted", "state_idx", "num_computed"],
+            mode="precomputed",
+            batch_step=batch_step,
+        ),
+    )
+
+
+def _mamba_split(
+    sess: Session, _token: Any, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    rec = sess.rec
+    if rec is None or "mamba" in rec:
+        return
+    builder = args[0]
+    spec = kwargs.get("num_accepted_tokens") is not None
+    threshold = getattr(builder, "reorder_batch_threshold", None) if spec else 1
+    rec["mamba"] = (int(result.num_decodes), threshold)
+
+
+def launcher_patches(sess: Session, ctx_cls: Any) -> list[Patch]:
+    return [
+        Patch(ctx_cls, "run_fused_precopy", hook(sess, "run_fused_precopy", before=_precopy)),
+        Patch(
+            ctx_cls,
+            "run_fused_postprocess",
+            hook(sess, "run_fused_postprocess", before=_postprocess),
+        ),
+        Patch(
+            ctx_cls,
+            "run_fused_postprocess_align",
+            hook(sess, "run_fused_postprocess_align", before=_postprocess_align),
+        ),
+    ]
+
+
+def split_patch(sess: Session, builder_cls: Any) -> Patch:
+    return Patch(
+        builder_cls, "_compute_common_metadata", hook(sess, "mamba_split", after=_mamba_split)
+    )

@@ -1,0 +1,199 @@
+"""Hooks for vLLM's V1 GPU model runner, where the batch row is the persistent InputBatch row.
+
+What each hook keeps (all host-side copies; the device is never read here):
+- ``execute_model`` entry: opens the step; keeps the scheduler output by reference.
+- ``_update_states``: whether the previous step's accepted-count copy had landed (an event
+  query, which does not wait) and, on exit, the batch after condense and reorder.
+- ``swap_states`` / ``condense`` / ``add_request`` / ``remove_request``: row moves with the
+  accepted counts they carried.
+- the module-level reorder function: the threshold the runner actually passed.
+- ``preprocess_mamba``: accepted counts and computed counts as the precopy consumed them, the
+  running columns before and after.
+- ``stage_postprocess_inputs_to_gpu``: the CPU-staged post-process inputs.
+- ``_update_states_after_model_execute``: that this step ran the align post-process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mgtrace.recorder.features import Target, owner_of
+from mgtrace.recorder.hooks_common import arg, hook, launcher_patches, split_patch
+from mgtrace.recorder.patches import Patch
+from mgtrace.recorder.session import Session
+
+
+def _begin(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    sess.begin_step(arg(args, kwargs, 1, "scheduler_output"))
+
+
+def _landed(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    rec = sess.rec
+    if rec is None:
+        return
+    event = getattr(args[0], "num_accepted_tokens_event", None)
+    rec["landed"] = None if event is None else bool(event.query())
+
+
+def _batch_after_update(groups: list[int]) -> Any:
+    def after(
+        sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        rec = sess.rec
+        if rec is None:
+            return
+        runner = args[0]
+        ib = runner.input_batch
+        n = ib.num_reqs
+        rec["req_ids"] = ib._req_ids[:n]
+        rec["computed"] = ib.num_computed_tokens_cpu[:n].copy()
+        rec["prompt"] = ib.num_prompt_tokens[:n].copy()
+        rec.setdefault("threshold", runner.reorder_batch_threshold)
+        if groups and n:
+            tables = []
+            for local, gid in enumerate(groups):
+                bt = ib.block_table[gid]
+                counts = bt.num_blocks_per_row[:n].copy()
+                width = int(counts.max())
+                tables.append((local, bt.block_table.np[:n, :width].copy(), counts))
+            rec["bt"] = tables
+
+    return after
+
+
+def _reorder(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if sess.rec is not None:
+        sess.rec["threshold"] = arg(args, kwargs, 2, "decode_threshold", 1)
+
+
+def _swap(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    rec = sess.rec
+    if rec is None:
+        return
+    ib, i1, i2 = args[0], arg(args, kwargs, 1, "i1"), arg(args, kwargs, 2, "i2")
+    acc = ib.num_accepted_tokens_cpu
+    rec["moves"].append(
+        ("swap", i1, i2, ib._req_ids[i1], ib._req_ids[i2], int(acc[i1]), int(acc[i2]))
+    )
+
+
+def _condense_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    ib = args[0]
+    ids = list(ib._req_ids)
+    return ids, ib.num_accepted_tokens_cpu[: len(ids)].copy()
+
+
+def _condense_after(
+    sess: Session, token: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    if sess.rec is None:
+        return
+    before, acc = token
+    sess.rec["moves"].append(("condense", before, list(args[0]._req_ids), acc))
+
+
+def _add_after(
+    sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    if sess.rec is None:
+        return
+    ib = args[0]
+    req_id = arg(args, kwargs, 1, "request").req_id
+    row = ib.req_id_to_index.get(req_id)
+    sess.rec["moves"].append(("add", row, None, req_id, None, None, None))
+
+
+def _remove_after(
+    sess: Session, _t: Any, row: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    if sess.rec is None or row is None:
+        return
+    ib = args[0]
+    req_id = arg(args, kwargs, 1, "req_id")
+    sess.rec["moves"].append(
+        ("remove", row, None, req_id, None, int(ib.num_accepted_tokens_cpu[row]), None)
+    )
+
+
+def _pre_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    rec = sess.rec
+    if rec is None:
+        return None
+    state_idx = arg(args, kwargs, 3, "mamba_state_idx")
+    ib = arg(args, kwargs, 4, "input_batch")
+    n = len(ib.req_ids)
+    rec["acc_prev"] = ib.num_accepted_tokens_cpu[:n].copy()
+    rec["computed_pre"] = ib.num_computed_tokens_cpu[:n].copy()
+    rec["sidx_before"] = dict(state_idx)
+    return state_idx
+
+
+def _pre_after(
+    sess: Session, state_idx: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    if sess.rec is not None and state_idx is not None:
+        sess.rec["sidx_after"] = dict(state_idx)
+
+
+def _staged(sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if sess.rec is None:
+        return
+    ctx = arg(args, kwargs, 0, "ctx")
+    n = int(arg(args, kwargs, 3, "num_reqs"))
+    sess.rec["staged"] = {
+        "state_idx": ctx.mamba_state_idx_buf.np[:n].copy(),
+        "num_scheduled": ctx.num_scheduled_tokens_buf.np[:n].copy(),
+        "num_computed": ctx.num_computed_tokens_buf.np[:n].copy(),
+        "num_draft": ctx.num_draft_tokens_buf.np[:n].copy(),
+    }
+
+
+def _post_ran(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if sess.rec is not None:
+        sess.rec["post_step"] = sess.step
+
+
+def v1_patches(sess: Session, owners: dict[Target, Any], mamba_groups: list[int]) -> list[Patch]:
+    runner = owner_of(owners, "GPUModelRunner", "execute_model")
+    runner_mod = owner_of(owners, None, "reorder_batch_to_split_decodes_and_prefills")
+    ib = owner_of(owners, "InputBatch", "swap_states")
+    mu = owner_of(owners, None, "preprocess_mamba")
+    patches = [
+        Patch(runner, "execute_model", hook(sess, "execute_model", before=_begin)),
+        Patch(
+            runner,
+            "_update_states",
+            hook(sess, "_update_states", before=_landed, after=_batch_after_update(mamba_groups)),
+        ),
+        Patch(
+            runner,
+            "_update_states_after_model_execute",
+            hook(sess, "_update_states_after_model_execute", before=_post_ran),
+        ),
+        Patch(
+            runner_mod,
+            "reorder_batch_to_split_decodes_and_prefills",
+            hook(sess, "reorder", before=_reorder),
+        ),
+        Patch(ib, "swap_states", hook(sess, "swap_states", before=_swap)),
+        Patch(
+            ib, "condense", hook(sess, "condense", before=_condense_before, after=_condense_after)
+        ),
+        Patch(ib, "add_request", hook(sess, "add_request", after=_add_after)),
+        Patch(ib, "remove_request", hook(sess, "remove_request", after=_remove_after)),
+        Patch(
+            mu,
+            "preprocess_mamba",
+            hook(sess, "preprocess_mamba", before=_pre_before, after=_pre_after),
+        ),
+        Patch(
+            mu,
+            "stage_postprocess_inputs_to_gpu",
+            hook(sess, "stage_postprocess_inputs_to_gpu", after=_staged),
+        ),
+        *launcher_patches(sess, owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy")),
+    ]
+    builder = owner_of(owners, "BaseMambaAttentionMetadataBuilder", "_compute_common_metadata")
+    if builder is not None:
+        patches.append(split_patch(sess, builder))
+    return patches

@@ -1,0 +1,109 @@
+"""Start the agent's control socket in a running Python process that did not load the plugin.
+
+Two ways, tried in order: ``sys.remote_exec`` (PEP 768, Python 3.14+), then gdb. The gdb
+path does not run Python at the point where the process was stopped (which may be inside
+the allocator or the garbage collector): it only queues a pending call with
+``Py_AddPendingCall``, which the interpreter's main thread runs at its next safe point with
+the GIL held, and detaches. The queued code only imports this package and opens the socket;
+all control then goes through the socket's fixed command set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mgtrace
+from mgtrace.errors import MgtraceError
+
+GDB_TIMEOUT_S = 30.0
+
+
+class InjectError(MgtraceError):
+    """The agent could not be started in the target process."""
+
+
+def payload() -> str:
+    """Python run in the target: make this mgtrace importable there, open the socket."""
+    root = str(Path(mgtrace.__file__).resolve().parents[1])
+    if any(c in root for c in "'\"\\\n"):
+        raise InjectError(f"mgtrace's install path {root!r} cannot be passed to the target")
+    return (
+        "import sys\n"
+        f"sys.path.append('{root}') if '{root}' not in sys.path else None\n"
+        "import mgtrace.recorder.plugin as _mgtrace_plugin\n"
+        "_mgtrace_plugin.serve_control()\n"
+    )
+
+
+def ptrace_permitted(pid: int) -> tuple[bool, str]:
+    """Whether this process may attach a debugger to ``pid``, and why not."""
+    if shutil.which("gdb") is None:
+        return False, "gdb is not installed"
+    try:
+        scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip())
+    except (OSError, ValueError):
+        scope = 0
+    if os.geteuid() == 0:
+        return (scope < 3, "ptrace is disabled (kernel.yama.ptrace_scope=3)")
+    if scope >= 2:
+        return False, f"kernel.yama.ptrace_scope={scope} allows ptrace to root only"
+    if scope == 1:
+        # only descendants may be traced without CAP_SYS_PTRACE
+        ppid = pid
+        while ppid > 1:
+            try:
+                stat = Path(f"/proc/{ppid}/stat").read_text()
+            except OSError:
+                break
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            if ppid == os.getpid():
+                return True, ""
+        return False, "kernel.yama.ptrace_scope=1 allows ptrace of your own children only"
+    return True, ""
+
+
+def via_remote_exec(pid: int) -> bool:
+    """PEP 768; False where this Python has no ``sys.remote_exec``."""
+    remote_exec = getattr(sys, "remote_exec", None)
+    if remote_exec is None:
+        return False
+    fd, path = tempfile.mkstemp(prefix="mgtrace-attach-", suffix=".py")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(payload())
+    os.chmod(path, 0o644)  # the target reads it; it holds no secret
+    try:
+        remote_exec(pid, path)
+    except Exception as exc:
+        raise InjectError(f"sys.remote_exec into {pid} failed: {exc}") from None
+    return True
+
+
+def via_gdb(pid: int) -> None:
+    code = payload().replace("\n", "\\n")
+    size = len(code) + 64
+    commands = [
+        "set confirm off",
+        "set pagination off",
+        f"call (char*)malloc({size})",
+        f'call (void)strcpy($1, "{code}")',
+        "call (int)Py_AddPendingCall((int(*)(void*))PyRun_SimpleString, $1)",
+        "detach",
+    ]
+    argv = ["gdb", "-batch", "-nx", "-p", str(pid)]
+    for c in commands:
+        argv += ["-ex", c]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=GDB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise InjectError(
+            f"gdb did not finish attaching to {pid} in {GDB_TIMEOUT_S:.0f} s"
+        ) from None
+    out = proc.stdout + proc.stderr
+    if "$2 = 0" not in out:
+        last = [ln for ln in out.splitlines() if ln.strip()][-1:] or ["no output"]
+        raise InjectError(f"gdb could not queue the agent in {pid}: {last[0]}")

@@ -1,0 +1,95 @@
+"""vLLM general-plugin entry point: load the agent, inert, in every vLLM process.
+
+``register`` opens the control socket and does nothing else, unless the environment arms
+recording from the start (``mgtrace record -o DIR -- vllm serve ...`` sets it):
+``MGTRACE_RECORD_DIR`` (absolute trace directory), optional ``MGTRACE_MAX_STEPS`` and
+``MGTRACE_DURATION_S``. ``MGTRACE_AGENT=0`` keeps the plugin from doing anything at all.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from typing import Any
+
+ENV_DIR = "MGTRACE_RECORD_DIR"
+ENV_MAX_STEPS = "MGTRACE_MAX_STEPS"
+ENV_DURATION = "MGTRACE_DURATION_S"
+ENV_DISABLE = "MGTRACE_AGENT"
+
+log = logging.getLogger("mgtrace.recorder")
+_SERVER: Any = None
+_LOCK = threading.Lock()
+
+
+def serve_control() -> str | None:
+    """Start this process's control socket once; returns its path (None on failure)."""
+    global _SERVER
+    with _LOCK:
+        if _SERVER is not None and _SERVER.pid == os.getpid():
+            return str(_SERVER.path)
+        try:
+            from mgtrace.recorder.agent import get_agent
+            from mgtrace.recorder.control import ControlServer
+
+            server = ControlServer(get_agent())
+            server.start()
+            server.pid = os.getpid()
+            _SERVER = server
+            atexit.register(server.close)
+            return str(server.path)
+        except Exception as exc:  # the engine must start even when the agent cannot
+            log.warning("mgtrace: agent control socket unavailable: %s", exc)
+            return None
+
+
+def _armed_from_env() -> dict[str, Any] | None:
+    out = os.environ.get(ENV_DIR)
+    if not out:
+        return None
+    try:
+        steps = os.environ.get(ENV_MAX_STEPS)
+        duration = os.environ.get(ENV_DURATION)
+        return {
+            "out": os.path.abspath(out),
+            "max_steps": int(steps) if steps else None,
+            "duration_s": float(duration) if duration else None,
+        }
+    except ValueError:
+        log.warning("mgtrace: ignoring malformed %s / %s", ENV_MAX_STEPS, ENV_DURATION)
+        return None
+
+
+def _after_fork_in_child() -> None:
+    """A forked engine process gets its own agent and socket; the parent's threads are gone."""
+    global _SERVER
+    _SERVER = None
+    from mgtrace.recorder import agent
+
+    agent._AGENT = None
+    _activate()
+
+
+_FORK_HOOKED = False
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` hook; safe to call many times and in every process."""
+    global _FORK_HOOKED
+    if os.environ.get(ENV_DISABLE) == "0":
+        return
+    if not _FORK_HOOKED:
+        _FORK_HOOKED = True
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+    _activate()
+
+
+def _activate() -> None:
+    serve_control()
+    armed = _armed_from_env()
+    if armed is not None:
+        from mgtrace.recorder.agent import get_agent
+
+        get_agent().start(**armed)

@@ -1,0 +1,399 @@
+"""Import the field reproducer's probe log and load-generator output as a trace.
+
+The probe log is JSON lines, one event each, every event stamped with ``t`` and ``pid``:
+``start`` (async flag, cache mode, the runner's and each builder's reorder threshold),
+``reorderfix`` (the runner threshold forced from ``before`` to ``after``), ``swap`` (a step's
+InputBatch swaps ``[i1, i2, req1, req2, acc1, acc2]`` and whether the accepted-count copy had
+landed, ``early``), ``prefill`` (the Mamba2 prefill region of a step: ``[req, computed,
+scheduled]`` per row, the region being the last rows of the batch) and ``tick`` (running
+counts of steps that had an event and of early landings). Other events are counted.
+
+The load generator writes one JSON object per request: client index ``i``, the API id
+``req_id`` (the engine id minus its last ``-suffix``), token counts, ``finish``, the text and
+its own ``garbage`` flag. Corruption follows the field re-analysis: word salad (``garbage``) or
+"thousands of tokens that render to nothing" (over 200 tokens, under 2 % of them words).
+
+Probe steps count from 1; trace steps from 0 (``step = probe step - 1``). One rank per
+process id, in order of first appearance. A step's ``prefill`` rows are taken from its
+first ``prefill`` event, as the re-analysis does (several builders log the same step).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mgtrace.errors import OutputError, UsageError
+from mgtrace.schemas.manifest import RunMetadata
+from mgtrace.schemas.tables import MAMBA_SPLITS, ROW_MOVE_OPS
+from mgtrace.schemas.writer import TraceWriter
+
+PREFILL = MAMBA_SPLITS.index("prefill")
+SWAP = ROW_MOVE_OPS.index("swap")
+WORDS = re.compile(r"[A-Za-z]{2,}")
+EMPTY_MIN_TOKENS = 200
+EMPTY_WORD_RATE = 0.02
+QUEUE_HIGH = 4096
+
+# The field re-analysis cross-tab as SQL over the trace (``mgtrace sql``): a request's first
+# decode step sat in the Mamba prefill region when a prefill-region row of it had computed
+# between prompt_len and prompt_len + W tokens and W or fewer scheduled (W = 1 + k).
+CROSSTAB_SQL = """\
+WITH hits AS (
+  SELECT r.req_id,
+         bool_or(coalesce(b.num_computed BETWEEN r.prompt_len AND r.prompt_len + {window}
+                          AND b.num_scheduled <= {window}, false)) AS first_in_prefill,
+         bool_or(coalesce(b.num_computed > r.prompt_len + {window}
+                          AND b.num_scheduled <= {window}, false)) AS later_in_prefill
+  FROM requests r
+  LEFT JOIN batch_rows b ON b.req_id = r.req_id AND b.mamba_split = 'prefill'
+  WHERE r.corrupt IS NOT NULL
+  GROUP BY r.req_id
+)
+SELECT CASE WHEN h.first_in_prefill THEN 'FIRST decode step in Mamba prefill region'
+            ELSE 'first decode step clean' END
+       || CASE WHEN h.later_in_prefill THEN ' | later decode steps in prefill region'
+               ELSE '' END AS region,
+       count(*) AS n,
+       count(*) FILTER (WHERE r.corruption_marker LIKE 'salad%') AS salad,
+       count(*) FILTER (WHERE r.corruption_marker LIKE 'empty%') AS empty
+FROM hits h JOIN requests r USING (req_id)
+GROUP BY region ORDER BY region"""
+
+
+def crosstab_sql(window: int = 4) -> str:
+    return CROSSTAB_SQL.format(window=int(window))
+
+
+@dataclass
+class ImportReport:
+    probe_lines: int = 0
+    burst_lines: int = 0
+    malformed: dict[str, int] = field(default_factory=dict)
+    events: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    batch_rows: int = 0
+    row_moves: int = 0
+    requests: int = 0
+    matched_requests: int = 0
+    ranks: int = 0
+
+    @property
+    def malformed_total(self) -> int:
+        return sum(self.malformed.values())
+
+
+@dataclass
+class _Step:
+    wall_ns: int | None = None
+    num_reqs: int | None = None
+    threshold: int | None = None
+    landed: bool | None = None
+    prefill: list[list[Any]] | None = None
+    prefill_num_reqs: int | None = None
+    swaps: list[list[Any]] = field(default_factory=list)
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _int(value: Any, what: str) -> int:
+    if type(value) is not int:
+        raise _Malformed(f"{what} is not an integer")
+    return value
+
+
+def _opt_int(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+def corruption(row: dict[str, Any]) -> tuple[bool, str | None]:
+    """(corrupt, marker) by the field re-analysis: salad, or many tokens and almost no words."""
+    text = row.get("text") or ""
+    tokens = row.get("completion_tokens") or 0
+    salad = bool(row.get("garbage"))
+    empty = tokens > EMPTY_MIN_TOKENS and len(WORDS.findall(text)) < EMPTY_WORD_RATE * tokens
+    parts = ["salad"] if salad else ["empty"] if empty else []
+    foreign = row.get("foreign_markers") or []
+    if isinstance(foreign, list) and foreign:
+        parts.append("foreign:" + ",".join(str(x) for x in foreign))
+    return salad or empty, ";".join(parts) or None
+
+
+class ProbeImporter:
+    def __init__(self) -> None:
+        self.report = ImportReport()
+        self.first_error: dict[str, str] = {}
+        self.ranks: dict[Any, int] = {}
+        self.steps: dict[tuple[int, int], _Step] = {}
+        self.threshold: int | None = None
+        self.start: dict[str, Any] | None = None
+        self.mamba_threshold: int | None = None
+        self.last_tick: dict[str, Any] | None = None
+        self.engine_ids: dict[str, str] = {}  # API id -> engine id
+        self.req_steps: dict[str, list[int]] = {}
+
+    def malformed(self, kind: str, where: str, why: str) -> None:
+        self.report.malformed[kind] = self.report.malformed.get(kind, 0) + 1
+        self.first_error.setdefault(kind, f"{where}: {why}")
+
+    # ------------------------------------------------------------ probe log
+    def read_probe(self, path: Path) -> None:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for lineno, line in enumerate(fh, 1):
+                self.report.probe_lines += 1
+                if not line.strip():
+                    continue
+                try:
+                    ev = json.loads(line)
+                    if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
+                        raise _Malformed("not an event object")
+                    self._event(ev)
+                except (ValueError, TypeError, IndexError, KeyError) as exc:
+                    self.malformed("probe_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
+
+    def _rank(self, ev: dict[str, Any]) -> int:
+        pid = ev.get("pid")
+        if pid not in self.ranks:
+            self.ranks[pid] = len(self.ranks)
+        return self.ranks[pid]
+
+    def _step(self, ev: dict[str, Any]) -> _Step:
+        step = _int(ev.get("step"), "step") - 1
+        if step < 0:
+            raise _Malformed("step must be 1 or more")
+        rec = self.steps.setdefault((self._rank(ev), step), _Step())
+        t = ev.get("t")
+        if rec.wall_ns is None and isinstance(t, (int, float)):
+            rec.wall_ns = int(t * 1e9)
+        rec.threshold = self.threshold
+        return rec
+
+    def _event(self, ev: dict[str, Any]) -> None:
+        kind = ev["event"]
+        self.report.events[kind] = self.report.events.get(kind, 0) + 1
+        if kind == "start":
+            self.start = ev
+            thr = ev.get("runner_reorder_batch_threshold")
+            self.threshold = _opt_int(thr)
+            builders = ev.get("builder_thresholds") or {}
+            if isinstance(builders, dict):
+                mamba = [v for k, v in builders.items() if "Mamba" in k and type(v) is int]
+                self.mamba_threshold = max(mamba) if mamba else None
+        elif kind == "reorderfix":
+            self.threshold = _opt_int(ev.get("after"))
+        elif kind == "tick":
+            self.last_tick = {k: ev.get(k) for k in ("step", "steps_with_event", "early_steps")}
+        elif kind == "swap":
+            swaps = ev.get("swaps")
+            if not isinstance(swaps, list):
+                raise _Malformed("swap event without a swaps list")
+            checked = []
+            for s in swaps:
+                if not isinstance(s, list) or len(s) != 6:
+                    raise _Malformed("a swap is [i1, i2, req1, req2, acc1, acc2]")
+                checked.append(
+                    [_int(s[0], "i1"), _int(s[1], "i2"), s[2], s[3], _opt_int(s[4]), _opt_int(s[5])]
+                )
+            rec = self._step(ev)
+            rec.swaps.extend(checked)
+            early = ev.get("early")
+            rec.landed = early if isinstance(early, bool) else rec.landed
+            rec.num_reqs = _opt_int(ev.get("num_reqs")) or rec.num_reqs
+            step = _int(ev["step"], "step") - 1
+            for s in checked:
+                for rid in (s[2], s[3]):
+                    if isinstance(rid, str):
+                        self.req_steps.setdefault(rid, []).append(step)
+        elif kind == "prefill":
+            rows = ev.get("rows")
+            if not isinstance(rows, list):
+                raise _Malformed("prefill event without a rows list")
+            checked = []
+            for r in rows:
+                if not isinstance(r, list) or len(r) != 3:
+                    raise _Malformed("a prefill row is [req, computed, scheduled]")
+                checked.append([r[0], _int(r[1], "computed"), _int(r[2], "scheduled")])
+            num_reqs = _int(ev.get("num_reqs"), "num_reqs")
+            if len(checked) > num_reqs:
+                raise _Malformed("more prefill rows than rows in the batch")
+            rec = self._step(ev)
+            if rec.prefill is None:  # first event of the step wins, as in the re-analysis
+                rec.prefill = checked
+                rec.prefill_num_reqs = num_reqs
+                rec.num_reqs = num_reqs
+                step = _int(ev["step"], "step") - 1
+                for rid, _c, _n in checked:
+                    if isinstance(rid, str):
+                        self.req_steps.setdefault(rid, []).append(step)
+                        self.engine_ids.setdefault(rid.rsplit("-", 1)[0], rid)
+        elif kind.endswith("_failed"):
+            self.malformed("probe_reported_failure", kind, str(ev.get("error")))
+
+    # ------------------------------------------------------------ output
+    def write_steps(self, writer: TraceWriter) -> None:
+        for (rank, step), rec in sorted(self.steps.items()):
+            tables: dict[str, Any] = {
+                "steps": {
+                    "wall_ns": rec.wall_ns,
+                    "num_reqs": rec.num_reqs,
+                    "reorder_threshold": rec.threshold,
+                    "mamba_threshold": self.mamba_threshold,
+                    "num_mamba_decodes": None
+                    if rec.prefill is None
+                    else rec.prefill_num_reqs - len(rec.prefill),
+                    "accepted_landed": rec.landed,
+                }
+            }
+            if rec.prefill:
+                rows = [r for r in rec.prefill if isinstance(r[0], str)]
+                if len(rows) < len(rec.prefill):
+                    self.malformed(
+                        "prefill_row_without_request",
+                        f"step {step + 1}",
+                        "the probe logged no request id for a prefill row",
+                    )
+                first = rec.prefill_num_reqs - len(rec.prefill)
+                batch_row = [first + i for i, r in enumerate(rec.prefill) if isinstance(r[0], str)]
+                if rows:
+                    tables["batch_rows"] = {
+                        "batch_row": np.asarray(batch_row, np.int32),
+                        "req_id": [r[0] for r in rows],
+                        "num_computed": np.asarray([r[1] for r in rows], np.int32),
+                        "num_scheduled": np.asarray([r[2] for r in rows], np.int32),
+                        "mamba_split": np.full(len(rows), PREFILL, np.int32),
+                    }
+                    self.report.batch_rows += len(rows)
+            if rec.swaps:
+                n = len(rec.swaps)
+                tables["row_moves"] = {
+                    "seq": np.arange(n, dtype=np.int32),
+                    "op": np.full(n, SWAP, np.int32),
+                    "row_a": np.asarray([s[0] for s in rec.swaps], np.int32),
+                    "row_b": np.asarray([s[1] for s in rec.swaps], np.int32),
+                    "req_id": [s[2] if isinstance(s[2], str) else None for s in rec.swaps],
+                    "req_id_b": [s[3] if isinstance(s[3], str) else None for s in rec.swaps],
+                    "accepted_a": [s[4] for s in rec.swaps],
+                    "accepted_b": [s[5] for s in rec.swaps],
+                    "d2h_landed": rec.landed,
+                }
+                self.report.row_moves += n
+            while writer.stats().queue_depth > QUEUE_HIGH:
+                time.sleep(0.005)
+            writer.write_step(rank, step, tables)
+            self.report.steps += 1
+
+    def read_burst(self, path: Path) -> dict[str, list[Any]]:
+        cols: dict[str, list[Any]] = defaultdict(list)
+        rows = []
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for lineno, line in enumerate(fh, 1):
+                self.report.burst_lines += 1
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    if not isinstance(row, dict) or type(row.get("i")) is not int:
+                        raise _Malformed("not a request object with an integer i")
+                    rows.append(row)
+                except ValueError as exc:
+                    self.malformed("burst_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
+        starts = [r["t_start"] for r in rows if isinstance(r.get("t_start"), (int, float))]
+        t0 = min(starts) if starts else 0.0
+        seen: set[str] = set()
+        for row in rows:
+            api_id = row.get("req_id")
+            engine_id = self.engine_ids.get(api_id) if isinstance(api_id, str) else None
+            if engine_id is not None:
+                self.report.matched_requests += 1
+            req_id = engine_id or (api_id if isinstance(api_id, str) else f"client-{row['i']}")
+            if req_id in seen:
+                self.malformed("duplicate_request", f"{path.name} i={row['i']}", req_id)
+                continue
+            seen.add(req_id)
+            has_text = "text" in row
+            corrupt, marker = corruption(row) if has_text else (None, None)
+            steps = self.req_steps.get(engine_id or "", [])
+            t_start = row.get("t_start")
+            cols["req_id"].append(req_id)
+            cols["arrival_s"].append(t_start - t0 if isinstance(t_start, (int, float)) else None)
+            cols["first_step"].append(min(steps) if steps else None)
+            cols["last_step"].append(max(steps) if steps else None)
+            cols["prompt_len"].append(_opt_int(row.get("prompt_tokens")))
+            cols["output_len"].append(_opt_int(row.get("completion_tokens")))
+            finish = row.get("finish") if has_text else "abort"
+            cols["finish_reason"].append(finish if isinstance(finish, str) else None)
+            cols["corrupt"].append(corrupt)
+            cols["corruption_marker"].append(marker)
+            cols["client_id"].append(str(row["i"]))
+        self.report.requests = len(cols["req_id"])
+        return cols
+
+
+def import_probe(
+    probe: str | Path, burst: str | Path | None, out: str | Path, *, force: bool = False
+) -> ImportReport:
+    """Convert ``probe`` (and ``burst`` when given) into a trace directory at ``out``."""
+    probe = Path(probe)
+    burst_path = Path(burst) if burst is not None else None
+    for p in (probe, burst_path):
+        if p is not None and not p.is_file():
+            raise UsageError(f"{p} does not exist or is not a file")
+    imp = ProbeImporter()
+    try:
+        imp.read_probe(probe)
+        requests = imp.read_burst(burst_path) if burst_path is not None else None
+    except OSError as exc:
+        raise UsageError(f"cannot read the probe logs: {exc.strerror or exc}") from None
+    if not imp.steps and not requests:
+        raise UsageError(
+            f"{probe} holds no probe events mgtrace can import "
+            f"({imp.report.malformed_total} malformed lines)"
+        )
+    start = imp.start or {}
+    run = RunMetadata(
+        runner="v1",
+        mamba_cache_mode=str(start.get("mamba_cache_mode") or "align"),
+        async_scheduling=bool(start.get("async")),
+        runner_reorder_threshold=_opt_int(start.get("runner_reorder_batch_threshold")),
+        builder_reorder_thresholds={
+            str(k): _opt_int(v) for k, v in (start.get("builder_thresholds") or {}).items()
+        }
+        if isinstance(start.get("builder_thresholds"), dict)
+        else {},
+    )
+    source = {
+        "kind": "probe-import",
+        "probe": str(probe),
+        "burst": None if burst_path is None else str(burst_path),
+        "probe_mode": start.get("mode"),
+        "step_offset": -1,
+        "events": imp.report.events,
+        "last_tick": imp.last_tick,
+        "crosstab_sql": crosstab_sql(),
+    }
+    try:
+        writer = TraceWriter(out, run=run, source=source, overwrite=force)
+    except OutputError:
+        raise
+    try:
+        imp.write_steps(writer)
+        if requests:
+            writer.write_rows("requests", requests)
+        imp.report.ranks = len(imp.ranks)
+        for kind, count in imp.report.malformed.items():
+            first = imp.first_error[kind]
+            for _ in range(count):
+                writer.count_error(f"import:{kind}", first)
+        writer.update_source(malformed=dict(imp.report.malformed))
+    finally:
+        writer.close()
+    return imp.report

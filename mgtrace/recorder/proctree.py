@@ -1,0 +1,82 @@
+"""A vLLM engine's process tree, read from /proc: API server → EngineCore → workers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    uid: int
+    name: str  # comm, which vLLM sets to e.g. VLLM::EngineCore / VLLM::Worker_TP0
+    cmdline: str
+
+    @property
+    def role(self) -> str:
+        text = f"{self.name} {self.cmdline}"
+        if "EngineCore" in text:
+            return "engine-core"
+        if "Worker" in text:
+            return "worker"
+        if "vllm" in text.lower():
+            return "api-server"
+        return "other"
+
+    @property
+    def is_python(self) -> bool:
+        try:
+            exe = os.readlink(PROC / str(self.pid) / "exe")
+        except OSError:
+            return "python" in self.cmdline.split(" ", 1)[0]
+        return "python" in Path(exe).name
+
+
+def read_proc(pid: int) -> Proc | None:
+    base = PROC / str(pid)
+    try:
+        stat = (base / "stat").read_text()
+        status = (base / "status").read_text()
+        cmd = (base / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    # comm may contain spaces and parentheses: it ends at the last ')'
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+    uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
+    return Proc(pid=pid, ppid=ppid, uid=uid, name=name, cmdline=cmd.strip())
+
+
+def all_procs() -> dict[int, Proc]:
+    out = {}
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            p = read_proc(int(entry.name))
+            if p is not None:
+                out[p.pid] = p
+    return out
+
+
+def tree(root: int) -> list[Proc]:
+    """``root`` and all its descendants, parents before children."""
+    procs = all_procs()
+    if root not in procs:
+        return []
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        out.append(procs[pid])
+        todo.extend(sorted(children.get(pid, [])))
+    return out
+
+
+def looks_like_vllm(procs: list[Proc]) -> bool:
+    return any("vllm" in f"{p.name} {p.cmdline}".lower() for p in procs)

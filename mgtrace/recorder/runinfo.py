@@ -1,0 +1,79 @@
+"""Run metadata of a live vLLM runner, read once when recording starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mgtrace.schemas.manifest import RunMetadata
+
+
+def _get(obj: Any, path: str, default: Any = None) -> Any:
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return default
+    return obj
+
+
+def mamba_group_ids(runner: Any) -> list[int]:
+    """KV-cache group ids of the Mamba groups, in the order the align kernels use."""
+    try:
+        from vllm.v1.worker import mamba_utils
+
+        cfg = runner.kv_cache_config
+        return list(mamba_utils.get_mamba_group_ids(mamba_utils.get_mamba_groups(cfg)))
+    except Exception:
+        return []
+
+
+def builder_thresholds(runner: Any) -> dict[str, int | None]:
+    out: dict[str, int | None] = {}
+    try:
+        for group in runner._attn_group_iterator():
+            builder = group.get_metadata_builder()
+            out[type(builder).__name__] = getattr(builder, "reorder_batch_threshold", None)
+    except Exception:
+        pass
+    return out
+
+
+def rank_and_world() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    return 0, 1
+
+
+def run_metadata(runner: Any, kind: str, groups: list[int], row_rule: str | None) -> RunMetadata:
+    try:
+        import vllm
+
+        version = getattr(vllm, "__version__", None)
+    except Exception:
+        version = None
+    spec_k = _get(runner, "speculative_config.num_speculative_tokens", 0) or 0
+    async_sched = getattr(runner, "use_async_scheduling", None)
+    if async_sched is None:
+        async_sched = bool(_get(runner, "vllm_config.scheduler_config.async_scheduling", False))
+    return RunMetadata(
+        runner=kind,
+        vllm_version=version,
+        model=_get(runner, "model_config.model"),
+        num_speculative_tokens=int(spec_k),
+        mamba_block_size=int(_get(runner, "cache_config.mamba_block_size", 16) or 16),
+        mamba_cache_mode=str(_get(runner, "cache_config.mamba_cache_mode", "align")),
+        async_scheduling=bool(async_sched),
+        tp_size=int(_get(runner, "vllm_config.parallel_config.tensor_parallel_size", 1) or 1),
+        pp_size=int(_get(runner, "vllm_config.parallel_config.pipeline_parallel_size", 1) or 1),
+        max_num_seqs=_get(runner, "vllm_config.scheduler_config.max_num_seqs"),
+        max_num_batched_tokens=_get(runner, "vllm_config.scheduler_config.max_num_batched_tokens"),
+        num_blocks=_get(runner, "kv_cache_config.num_blocks"),
+        num_mamba_groups=max(1, len(groups)),
+        runner_reorder_threshold=getattr(runner, "reorder_batch_threshold", None),
+        builder_reorder_thresholds=builder_thresholds(runner),
+        row_rule=row_rule,
+    )

@@ -1,0 +1,243 @@
+"""Activation with real processes: a stand-in engine that loads the plugin like vLLM, the
+control socket, a client of another uid, gdb injection, and the ``record`` command."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mgtrace.recorder import attach, control, proctree
+from mgtrace.recorder.agent import Agent
+from mgtrace.schemas.reader import TraceReader
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.peer]
+pytest.importorskip("vllm")
+
+PY = sys.executable
+RECORD = (
+    "import sys\n"
+    "from mgtrace.errors import MgtraceError\n"
+    "from mgtrace.recorder.cli import record\n"
+    "try:\n"
+    "    rv = record.main(sys.argv[1:], prog_name='mgtrace record', standalone_mode=False)\n"
+    "except MgtraceError as e:\n"
+    "    print('mgtrace: error: ' + e.message, file=sys.stderr); sys.exit(e.exit_code)\n"
+    "sys.exit(rv or 0)\n"
+)
+STANDIN = [PY, "-m", "tests.recorder_standin"]
+
+
+def _wait(predicate: Any, timeout: float = 90.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[subprocess.Popen[str]]:
+    proc = _spawn([*STANDIN, "--sleep", "0.02"])
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), line
+    _wait(lambda: control.socket_path(proc.pid).exists(), what="the agent socket")
+    yield proc
+    proc.terminate()
+    proc.wait(30)
+
+
+def _record_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-c", RECORD, *args], cwd=REPO, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_activation_through_the_socket(engine: subprocess.Popen[str], tmp_path: Path) -> None:
+    sock = control.socket_path(engine.pid)
+    assert control.send(sock, "status")["state"] == "idle"  # inert until asked
+    out = tmp_path / "t"
+    control.send(sock, "start", {"out": str(out)})
+    _wait(lambda: control.send(sock, "status").get("steps", 0) >= 4, what="recorded steps")
+    result = control.send(sock, "stop")
+    assert result["state"] == "idle" and result["complete"] and result["hook_errors"] == 0
+    reader = TraceReader(out)
+    assert reader.complete and reader.manifest.run.runner == "v1"
+    con = reader.connect()
+    n_steps = con.execute("SELECT count(*) FROM steps").fetchone()[0]
+    assert n_steps == result["steps"] >= 4
+    assert con.execute("SELECT count(*) FROM launches").fetchone()[0] > 0
+    assert engine.poll() is None  # the engine kept running through start and stop
+    # failing control: a request outside the fixed command set is refused, nothing starts
+    with pytest.raises(control.ControlError, match="unknown command"):
+        control.send(sock, "exec", {"code": "print(1)"})
+    with pytest.raises(control.ControlError, match="absolute path"):
+        control.send(sock, "start", {"out": "relative/dir"})
+    assert control.send(sock, "status")["state"] == "idle"
+
+
+def test_record_command_on_a_running_engine(engine: subprocess.Popen[str], tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "3 steps" in proc.stdout
+    reader = TraceReader(out)
+    assert reader.complete and reader.rows("steps") == 3
+    # failing control: a second run into the same directory is refused in one sentence
+    again = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "3")
+    assert again.returncode == 2 and "already exists" in again.stderr
+    assert "Traceback" not in again.stderr
+
+
+def _client_as(uid: int | None, path: Path) -> subprocess.CompletedProcess[str]:
+    code = (
+        "import sys; from pathlib import Path; from mgtrace.recorder import control\n"
+        "try:\n    print(control.send(Path(sys.argv[1]), 'status')['pid'])\n"
+        "except control.ControlError as e:\n    print(e.message); sys.exit(3)\n"
+    )
+    prefix = (
+        [] if uid is None else ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    )
+    return subprocess.run(
+        [*prefix, PY, "-c", code, str(path)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to run a client as another user",
+)
+def test_another_uid_is_refused(engine: subprocess.Popen[str], tmp_path: Path) -> None:
+    # the agent's own socket sits in a 0700 directory: another user cannot even connect
+    other = _client_as(65534, control.socket_path(engine.pid))
+    assert other.returncode == 3 and "Permission denied" in other.stdout
+    # with the directory open, the kernel-reported peer uid is still refused
+    # (pytest's own temporary directories are private to root, so use one under /tmp)
+    open_dir = Path(tempfile.mkdtemp(prefix="mgtrace-open-", dir="/tmp"))
+    open_dir.chmod(0o777)
+    server = control.ControlServer(Agent(), path=open_dir / "agent.sock")
+    server.start()
+    try:
+        server.path.chmod(0o666)
+        refused = _client_as(65534, server.path)
+        assert refused.returncode == 3 and "accepts only its own user" in refused.stdout, refused
+        assert server.refused == 1
+        # failing control: the same client as the agent's own user is answered
+        same = _client_as(None, server.path)
+        assert same.returncode == 0 and same.stdout.strip() == str(os.getpid())
+    finally:
+        server.close()
+        shutil.rmtree(open_dir, ignore_errors=True)
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_gdb_injection_starts_the_agent(tmp_path: Path) -> None:
+    script = tmp_path / "target.py"
+    script.write_text("import time\nprint('up', flush=True)\nwhile True:\n    time.sleep(0.02)\n")
+    target = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "up"
+        proc = proctree.read_proc(target.pid)
+        assert proc is not None and proc.is_python
+        # failing control: without injection there is no agent, and the message says how
+        with pytest.raises(attach.AttachError, match="install mgtrace"):
+            attach.connect(proc, allow_inject=False)
+        ok, why = attach.inject.ptrace_permitted(target.pid)
+        if not ok:
+            pytest.skip(why)
+        t = attach.connect(proc)
+        assert t.how == "gdb"
+        status = control.send(t.socket, "status")
+        assert status["pid"] == target.pid and status["runner_modules"] == []
+        assert target.poll() is None
+    finally:
+        target.kill()
+        target.wait()
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_record_attaches_with_gdb_when_the_plugin_is_not_loaded(tmp_path: Path) -> None:
+    engine = _spawn([*STANDIN, "--no-plugin", "--sleep", "0.02", "--name", "vllm-standin"])
+    try:
+        assert engine.stdout is not None and engine.stdout.readline().startswith("READY")
+        assert not control.socket_path(engine.pid).exists()
+        ok, why = attach.inject.ptrace_permitted(engine.pid)
+        if not ok:
+            pytest.skip(why)
+        out = tmp_path / "gdb"
+        proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "3")
+        assert proc.returncode == 0, proc.stderr
+        reader = TraceReader(out)
+        assert reader.complete and reader.rows("steps") == 3
+        assert engine.poll() is None
+    finally:
+        engine.terminate()
+        engine.wait(30)
+
+
+def test_record_refuses_a_process_that_is_not_an_engine(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        proc = _record_cli("--engine-pid", str(sleeper.pid), "-o", str(tmp_path / "x"))
+        assert proc.returncode == 2
+        assert proc.stderr.strip() == (
+            f"mgtrace: error: process {sleeper.pid} is not a vLLM engine "
+            "(no vLLM process in its tree)"
+        )
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_launch_mode_records_from_the_first_step(tmp_path: Path) -> None:
+    out = tmp_path / "launch"
+    proc = _record_cli("-o", str(out), "--max-steps", "3", "--", *STANDIN, "--steps", "5")
+    assert proc.returncode == 0, proc.stderr
+    reader = TraceReader(out)
+    assert reader.complete
+    steps = reader.connect().execute("SELECT min(step), max(step) FROM steps").fetchone()
+    assert steps == (0, 2)
+
+
+def test_armed_plugin_arms_when_the_runner_module_is_imported(tmp_path: Path) -> None:
+    """vLLM loads plugins before a worker imports its runner: an agent armed from the
+    environment must be waiting on the hooks the moment that import completes."""
+    code = (
+        "from tests import recorder_standin as s\n"
+        "s.load_plugin_like_vllm()\n"
+        "from mgtrace.recorder.agent import get_agent\n"
+        "a = get_agent()\n"
+        "print(a.state)\n"
+        "import vllm.v1.worker.gpu_model_runner as g\n"
+        "print(a.state, g.GPUModelRunner.execute_model.__qualname__.split('.')[0])\n"
+    )
+    env = dict(os.environ, MGTRACE_RECORD_DIR=str(tmp_path / "armed"))
+    proc = subprocess.run(
+        [PY, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.stdout.split() == ["waiting", "armed", "Agent"], proc.stderr[-2000:]
+    # failing control: without the environment the plugin stays inert (and imports nothing)
+    env.pop("MGTRACE_RECORD_DIR")
+    inert = code.split("import vllm")[0] + "import sys; print('vllm' in sys.modules)\n"
+    proc = subprocess.run(
+        [PY, "-c", inert], cwd=REPO, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.stdout.split() == ["idle", "False"], proc.stderr[-2000:]

@@ -1,0 +1,452 @@
+"""The recorder on the real vLLM 0.33.0 objects, on the CPU.
+
+A stand-in V1 engine (tests/recorder_standin.py) drives the real InputBatch, reorder
+function, preprocess/staging functions, ``_update_states_after_model_execute`` and the
+``MambaSpecDecodeGPUContext`` launchers running vLLM's Triton kernels interpreted. The
+recorder is activated the way it is in production (agent.start arms ``execute_model``, the
+first step installs the hooks) and every recorded value is compared with what the real
+objects held at the same point, read independently by the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.peer
+
+vllm = pytest.importorskip("vllm")
+
+from mgtrace.recorder import agent as agent_mod  # noqa: E402
+from mgtrace.recorder import features  # noqa: E402
+from mgtrace.recorder.patches import original_of  # noqa: E402
+from tests import recorder_standin as standin  # noqa: E402
+
+STEPS = 9
+
+
+@pytest.fixture(scope="module")
+def v() -> Any:
+    return standin.vllm_modules()
+
+
+@pytest.fixture
+def agent() -> Any:
+    a = agent_mod.Agent()
+    yield a
+    if a.state != "idle":
+        a.stop()
+
+
+def _read(trace: Path, table: str) -> list[dict[str, Any]]:
+    parts = sorted((trace / table).glob("*.parquet"))
+    rows: list[dict[str, Any]] = []
+    for p in parts:
+        rows += pq.read_table(p).to_pylist()
+    return rows
+
+
+def _truth(eng: standin.StandinEngine, result: dict[str, Any]) -> dict[str, Any]:
+    """What the real objects hold at the end of a step, read without the recorder."""
+    ib = eng.runner.input_batch
+    n = ib.num_reqs
+    ctx = eng.ctx
+    bt = ib.block_table[0]
+    return {
+        "req_ids": list(ib.req_ids),
+        "num_prompt": ib.num_prompt_tokens[:n].tolist(),
+        "state_col": [eng.runner.mamba_state_idx[r] for r in ib.req_ids],
+        "accepted": result["accepted"].tolist(),
+        "post": {
+            "state_idx": ctx.mamba_state_idx_buf.gpu[:n].tolist(),
+            "num_scheduled": ctx.num_scheduled_tokens_buf.gpu[:n].tolist(),
+            "num_computed": ctx.num_computed_tokens_buf.gpu[:n].tolist(),
+            "num_draft": ctx.num_draft_tokens_buf.gpu[:n].tolist(),
+        },
+        "pre": {
+            "src_col": ctx.precopy_src_col_buf.gpu[:n].tolist(),
+            "token_bias": ctx.precopy_token_bias_buf.gpu[:n].tolist(),
+        },
+        "bt": [bt.block_table.np[i, : bt.num_blocks_per_row[i]].tolist() for i in range(n)],
+    }
+
+
+def _run(
+    v: Any, agent: Any, out: Path, steps: int = STEPS, spy: list[tuple[int, int, int]] | None = None
+) -> list[dict[str, Any]]:
+    truths = []
+    with standin.StandinRunnerMethods(v.gmr):
+        eng = standin.StandinEngine(v)
+        cls = v.gib.InputBatch
+        orig_swap = cls.swap_states
+        if spy is not None:
+
+            def swap(self: Any, i1: int, i2: int) -> None:
+                spy.append((eng.sched.step - 1, i1, i2))
+                orig_swap(self, i1, i2)
+
+            cls.swap_states = swap
+        try:
+            agent.start(str(out))
+            for _ in range(steps):
+                truths.append(_truth(eng, eng.step()))
+            agent.stop()
+        finally:
+            cls.swap_states = orig_swap
+    return truths
+
+
+def mismatches(trace: Path, truths: list[dict[str, Any]]) -> list[str]:
+    """Every difference between the trace and what the objects held (empty: all equal)."""
+    bad: list[str] = []
+    rows = _read(trace, "batch_rows")
+    launches = _read(trace, "launches")
+    tables = _read(trace, "block_tables")
+    latest: dict[int, list[int]] = {}
+    for step, truth in enumerate(truths):
+        mine = sorted((r for r in rows if r["step"] == step), key=lambda r: r["batch_row"])
+        for name in ("req_ids", "num_prompt", "state_col", "accepted"):
+            col = {"req_ids": "req_id"}.get(name, name)
+            got = [r[col] for r in mine]
+            if got != truth[name]:
+                bad.append(f"step {step} batch_rows.{col}: {got} != {truth[name]}")
+        for kernel, cols in (("postprocess", truth["post"]), ("precopy", truth["pre"])):
+            ls = sorted(
+                (r for r in launches if r["step"] == step and r["kernel"] == kernel),
+                key=lambda r: r["batch_row"],
+            )
+            for name, want in cols.items():
+                got = [r[name] for r in ls]
+                if got != want:
+                    bad.append(f"step {step} {kernel}.{name}: {got} != {want}")
+            if kernel == "postprocess":
+                got = [r["num_accepted"] for r in ls]
+                if got != truth["accepted"]:
+                    bad.append(f"step {step} postprocess.num_accepted {got}")
+        for r in tables:
+            if r["step"] == step:
+                latest[r["row"]] = r["block_ids"]
+        for i, want in enumerate(truth["bt"]):
+            if latest.get(i) != want:
+                bad.append(f"step {step} block table row {i}: {latest.get(i)} != {want}")
+    return bad
+
+
+def test_recorded_rows_equal_the_real_objects(v: Any, agent: Any, tmp_path: Path) -> None:
+    spy: list[tuple[int, int, int]] = []
+    truths = _run(v, agent, tmp_path / "t", spy=spy)
+    trace = tmp_path / "t"
+    assert mismatches(trace, truths) == []
+    # the reorder really swapped rows (threshold 1 < 1+k) and every swap is in the trace
+    swaps = [
+        (r["step"], r["row_a"], r["row_b"]) for r in _read(trace, "row_moves") if r["op"] == "swap"
+    ]
+    assert spy and sorted(swaps) == sorted(spy)
+    steps = _read(trace, "steps")
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert all(s["reorder_threshold"] == 1 and s["postprocess_step"] == s["step"] for s in steps)
+    import json
+
+    manifest = json.loads((trace / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["errors"] == {}
+    assert manifest["run"]["runner"] == "v1" and manifest["run"]["num_speculative_tokens"] == 2
+
+    # failing control: the same comparison flags a truth that differs in one value
+    truths[3]["state_col"][0] += 1
+    truths[4]["post"]["num_computed"][1] += 1
+    assert len(mismatches(trace, truths)) == 2
+
+
+def _patched_attrs(v: Any) -> dict[str, Any]:
+    ctx = v.mu.MambaSpecDecodeGPUContext
+    ib = v.gib.InputBatch
+    return {
+        "execute_model": vars(v.gmr.GPUModelRunner)["execute_model"],
+        "_update_states": vars(v.gmr.GPUModelRunner)["_update_states"],
+        "after": vars(v.gmr.GPUModelRunner)["_update_states_after_model_execute"],
+        "reorder": v.gmr.reorder_batch_to_split_decodes_and_prefills,
+        "swap": vars(ib)["swap_states"],
+        "condense": vars(ib)["condense"],
+        "add": vars(ib)["add_request"],
+        "remove": vars(ib)["remove_request"],
+        "pre": v.mu.preprocess_mamba,
+        "stage": v.mu.stage_postprocess_inputs_to_gpu,
+        "precopy": vars(ctx)["run_fused_precopy"],
+        "post": vars(ctx)["run_fused_postprocess"],
+        "post2": vars(ctx)["run_fused_postprocess_align"],
+    }
+
+
+def test_uninstall_restores_the_originals(v: Any, agent: Any, tmp_path: Path) -> None:
+    with standin.StandinRunnerMethods(v.gmr):
+        before = _patched_attrs(v)
+        eng = standin.StandinEngine(v)
+        agent.start(str(tmp_path / "t"))
+        eng.step()
+        during = _patched_attrs(v)
+        assert all(during[k] is not before[k] for k in before)
+        assert all(original_of(during[k]) is before[k] for k in before if k != "execute_model")
+        agent.stop()
+        after = _patched_attrs(v)
+    assert after == before
+    # failing control: a leftover patch is seen by the same comparison
+    v.gib.InputBatch.swap_states = during["swap"]
+    try:
+        assert _patched_attrs(v) != before
+    finally:
+        v.gib.InputBatch.swap_states = before["swap"]
+
+
+SYNC_NAMES = ("item", "cpu", "tolist", "numpy")
+
+
+class SyncCounter:
+    """Counts synchronizing calls made on one thread: device waits, reads of device tensors."""
+
+    def __init__(self, torch: Any, thread: threading.Thread) -> None:
+        self.torch, self.thread, self.count, self.saved = torch, thread, 0, []
+
+    def _wrap(self, owner: Any, name: str, device_only: bool = False) -> None:
+        orig = getattr(owner, name)
+        counter = self
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            # reading a host tensor waits for nothing; reading a device tensor does
+            on_device = not device_only or args[0].device.type != "cpu"
+            if threading.current_thread() is counter.thread and on_device:
+                counter.count += 1
+            return orig(*args, **kwargs)
+
+        self.saved.append((owner, name, orig))
+        setattr(owner, name, counted)
+
+    def __enter__(self) -> SyncCounter:
+        t = self.torch
+        for name in SYNC_NAMES:
+            self._wrap(t.Tensor, name, device_only=True)
+        self._wrap(t.cuda, "synchronize")
+        self._wrap(t.cuda.Event, "synchronize")
+        # torch.Event is a C type that cannot be patched; the hooks never receive one
+        # except the runner's accepted-count event, of which they only call query()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, orig in reversed(self.saved):
+            setattr(owner, name, orig)
+
+
+def _count_syncs(v: Any, agent: Any | None, out: Path, steps: int = 4) -> int:
+    import torch
+
+    with standin.StandinRunnerMethods(v.gmr):
+        eng = standin.StandinEngine(v)
+        if agent is not None:
+            agent.start(str(out))
+        with SyncCounter(torch, threading.current_thread()) as counter:
+            for _ in range(steps):
+                eng.step()
+        if agent is not None:
+            agent.stop()
+    return counter.count
+
+
+def test_hooks_add_no_synchronizing_call(v: Any, agent: Any, tmp_path: Path) -> None:
+    unhooked = _count_syncs(v, None, tmp_path / "a")
+    hooked = _count_syncs(v, agent, tmp_path / "b")
+    assert hooked == unhooked
+    # failing control: a hook that waits for the device is counted
+    import torch
+
+    from mgtrace.recorder import hooks_common
+
+    real = hooks_common._postprocess
+
+    def reads_item(sess: Any, args: Any, kwargs: Any) -> None:
+        torch.cuda.synchronize()  # counted, then fails on a CPU build: the guard catches it
+        real(sess, args, kwargs)
+
+    hooks_common._postprocess = reads_item
+    try:
+        bad = _count_syncs(v, agent_mod.Agent(), tmp_path / "c")
+    finally:
+        hooks_common._postprocess = real
+    assert bad > unhooked
+
+
+def test_crashing_writer_and_hooks_do_not_disturb_the_engine(
+    v: Any, agent: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def outcome(record: bool) -> list[Any]:
+        with standin.StandinRunnerMethods(v.gmr):
+            eng = standin.StandinEngine(v)
+            if record:
+                agent.start(str(tmp_path / "crash"))
+            out = []
+            for _ in range(6):
+                r = eng.step()
+                out.append(
+                    (
+                        r["req_ids"],
+                        r["accepted"].tolist(),
+                        dict(eng.runner.mamba_state_idx),
+                        eng.temporal.sum().item(),
+                    )
+                )
+            if record:
+                agent.stop()
+        return out
+
+    clean = outcome(False)
+    from mgtrace.recorder import hooks_v1
+    from mgtrace.schemas.writer import TraceWriter
+
+    def disk_full(self: Any, rel: str, table: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    def broken(sess: Any, *args: Any) -> None:
+        raise RuntimeError("hook bug")
+
+    monkeypatch.setattr(TraceWriter, "_write_part", disk_full)
+    monkeypatch.setattr(hooks_v1, "_swap", broken)
+    assert outcome(True) == clean
+    import json
+
+    manifest = json.loads((tmp_path / "crash" / "manifest.json").read_text())
+    assert not manifest["complete"]
+    assert "writer" in manifest["errors"]
+    assert agent.last_result["hook_errors"] > 0
+    # failing control: the comparison does see an engine whose results changed
+    assert outcome(False)[1:] != clean[:-1]
+
+
+def test_feature_detection_refuses_naming_what_is_missing(
+    v: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with standin.StandinRunnerMethods(v.gmr):
+        eng = standin.StandinEngine(v)
+        kind, owners = features.check_runner(eng.runner)
+        assert kind == "v1" and len(owners) == len(features.V1_TARGETS)
+        monkeypatch.delattr(v.mu.MambaSpecDecodeGPUContext, "run_fused_postprocess_align")
+        with pytest.raises(features.RecorderRefusal, match="run_fused_postprocess_align"):
+            features.check_runner(eng.runner)
+        # refused at activation: nothing patched, the engine keeps stepping, status says why
+        a = agent_mod.Agent()
+        a.start("/tmp/mgtrace-refused-never-written")
+        before = vars(v.gib.InputBatch)["swap_states"]
+        eng.step()
+        assert a.state == "refused" and "run_fused_postprocess_align" in a.status()["refusal"]
+        assert vars(v.gib.InputBatch)["swap_states"] is before
+        assert vars(v.gmr.GPUModelRunner)["execute_model"] is standin.standin_execute_model
+
+
+def test_v2_state_hooks_record_what_the_slot_indexed_kernels_read(v: Any, tmp_path: Path) -> None:
+    """The V2 align path on real objects: MambaHybridModelState's preprocess/postprocess run
+    vLLM's kernels (advance + precopy, scatter + post-process) through idx_mapping; the
+    launches must hold the slot values those kernels read, gathered per batch row, and a
+    post-process deferred by the PP handler must carry the step that pushed it."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    import torch
+    import vllm.v1.worker.gpu.model_states.mamba_hybrid as mh
+
+    from mgtrace.recorder import hooks_v2
+    from mgtrace.recorder.patches import PatchSet
+    from mgtrace.recorder.session import Session
+    from mgtrace.schemas.manifest import RunMetadata
+
+    owners, missing = features.resolve_all(features.V2_TARGETS)
+    assert missing == []
+    eng = standin.StandinEngine(v)  # owns the state and block-table memory ctx points at
+    ctx = eng.ctx
+    slots = torch.tensor([5, 1, 3], dtype=torch.int32)  # batch row -> request slot
+    n, size = 3, standin.MAX_REQS
+    state = object.__new__(mh.MambaHybridModelState)
+    state._align_mode, state.recoverssm = True, None
+    state._mamba_ctx, state._mamba_group_ids = ctx, [0]
+    state._mamba_spec = SimpleNamespace(block_size=standin.B)
+    state.num_accepted_tokens_gpu = torch.tensor([1, 2, 1, 3, 1, 2, 1, 1], dtype=torch.int32)
+    state._mamba_state_idx_gpu = torch.tensor([0, 1, 0, 2, 0, -1, 0, 0], dtype=torch.int32)
+    state._mamba_src_col_gpu = torch.full((size,), -1, dtype=torch.int32)
+    state._mamba_src_off_gpu = torch.zeros(size, dtype=torch.int32)
+    computed = torch.tensor([0, 6, 0, 9, 0, 0, 0, 0], dtype=torch.int32)
+    ib = SimpleNamespace(
+        num_reqs=n,
+        idx_mapping=slots,
+        query_start_loc=torch.tensor([0, 5, 8, 11], dtype=torch.int32),
+    )
+    acc_before = state.num_accepted_tokens_gpu.clone()
+    sidx_before = state._mamba_state_idx_gpu.clone()
+
+    sess = Session(tmp_path / "v2", rank=0, kind="v2", run=RunMetadata(runner="v2"))
+    patches = PatchSet()
+    patches.install(hooks_v2.v2_patches(sess, owners))
+    try:
+        handler = SimpleNamespace(queue=deque([None, None]))  # a PP handler, pp_size 2
+
+        def get_prev() -> None:
+            hooks_v2._prev_before(sess, (handler,), {})
+            handler.queue.popleft()
+            handler.queue.append(None)
+
+        def receive(entry: object) -> None:
+            handler.queue[-1] = entry
+            hooks_v2._receive_after(sess, None, None, (handler, ib), {})
+
+        sess.begin_step(None)  # step 0: precopy, then its samples are received
+        get_prev()
+        state.preprocess_state(ib, (), None, computed)
+        after_pre = (
+            state._mamba_state_idx_gpu.clone(),
+            state._mamba_src_col_gpu.clone(),
+            state._mamba_src_off_gpu.clone(),
+            state.num_accepted_tokens_gpu.clone(),
+        )
+        receive(object())
+        sess.begin_step(None)  # step 1
+        get_prev()
+        receive(None)
+        sess.begin_step(None)  # step 2: step 0's deferred post-process runs now
+        get_prev()
+        new_computed = computed + torch.tensor([0, 4, 0, 3, 0, 5, 0, 0], dtype=torch.int32)
+        sampled = torch.tensor([2, 4, 1], dtype=torch.int32)
+        state.postprocess_state(slots, sampled, new_computed)
+    finally:
+        patches.remove()
+    sess.rec = None
+    assert sess.close()["complete"]
+    launches = _read(tmp_path / "v2", "launches")
+    pre = sorted((r for r in launches if r["kernel"] == "precopy"), key=lambda r: r["batch_row"])
+    post = sorted(
+        (r for r in launches if r["kernel"] == "postprocess"), key=lambda r: r["batch_row"]
+    )
+    idx = slots.tolist()
+    assert [r["req_slot"] for r in pre] == idx == [r["req_slot"] for r in post]
+    assert [r["state_idx"] for r in pre] == [after_pre[0][i].item() for i in idx]
+    assert [r["src_col"] for r in pre] == [sidx_before[i].item() for i in idx]
+    assert [r["token_bias"] for r in pre] == [max(acc_before[i].item() - 1, 0) for i in idx]
+    assert [r["token_bias"] for r in pre] == [after_pre[2][i].item() for i in idx]
+    # the post-process read the scattered counts max(sampled, 1) (its snapshot), whatever
+    # it normalised them to afterwards
+    assert [r["num_accepted"] for r in post] == [max(s, 1) for s in sampled.tolist()]
+    assert [r["num_computed"] for r in post] == [new_computed[i].item() for i in idx]
+    assert all(
+        r["mode"] == "precomputed" and r["row_rule"] == "req_slot" and r["bt_table"] == "source"
+        for r in post
+    )
+    assert {(r["step"], r["batch_step"]) for r in post} == {(2, 0)}
+    assert {(r["step"], r["batch_step"]) for r in pre} == {(0, 0)}
+    # failing control: read after the launch instead of before it, the precopy's bias is
+    # gone (the advance kernel reset the counts of rows that crossed a block)
+    late = [max(after_pre[3][i].item() - 1, 0) for i in idx]
+    assert late != [r["token_bias"] for r in pre]

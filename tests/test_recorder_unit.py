@@ -1,0 +1,408 @@
+"""Recorder parts that need neither vLLM nor a device: patches, hooks' guard, the control
+protocol, the capture ring on the CPU, launch rows, and the field probe-log importer."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import stat
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from mgtrace.errors import UsageError
+from mgtrace.recorder import control
+from mgtrace.recorder.capture import CaptureRing
+from mgtrace.recorder.hooks_common import _precopy, hook
+from mgtrace.recorder.patches import Patch, PatchSet, original_of
+from mgtrace.recorder.probe_import import crosstab_sql, import_probe
+from mgtrace.recorder.session import Session
+from mgtrace.schemas.manifest import RunMetadata
+from mgtrace.schemas.reader import TraceReader
+
+pytestmark = pytest.mark.unit
+
+
+# ----------------------------------------------------------------- patches
+class Base:
+    def inherited(self) -> str:
+        return "base"
+
+
+class Target(Base):
+    def own(self) -> str:
+        return "own"
+
+
+def _suffix(tag: str) -> Any:
+    def make(orig: Any) -> Any:
+        return lambda self: orig(self) + tag
+
+    return make
+
+
+def test_patch_set_installs_all_or_nothing_and_restores_exactly() -> None:
+    own, t = Target.__dict__["own"], Target()
+    ps = PatchSet()
+    ps.install([Patch(Target, "own", _suffix("+")), Patch(Target, "inherited", _suffix("+"))])
+    assert (t.own(), t.inherited()) == ("own+", "base+")
+    assert original_of(Target.__dict__["own"]) is own
+    ps.remove()
+    assert Target.__dict__["own"] is own and "inherited" not in Target.__dict__
+    assert (t.own(), t.inherited()) == ("own", "base")
+    with pytest.raises(AttributeError, match="missing"):
+        PatchSet().install([Patch(Target, "own", _suffix("+")), Patch(Target, "nope", _suffix(""))])
+    assert Target.__dict__["own"] is own  # the present target was not touched
+    # failing control: a set left installed is visible to the same check
+    ps.install([Patch(Target, "own", _suffix("+"))])
+    assert Target.__dict__["own"] is not own
+    ps.remove()
+
+
+class FakeSession:
+    def __init__(self) -> None:
+        self.live = True
+        self.failures: list[str] = []
+
+    def hook_failed(self, name: str, exc: BaseException) -> None:
+        self.failures.append(f"{name}: {exc}")
+
+
+def test_hook_never_raises_into_the_caller_and_calls_the_original_once() -> None:
+    calls = []
+
+    def orig(x: int) -> int:
+        calls.append(x)
+        return x * 2
+
+    def bad_before(sess: Any, args: Any, kwargs: Any) -> None:
+        raise ValueError("before broke")
+
+    def bad_after(sess: Any, token: Any, result: Any, args: Any, kwargs: Any) -> None:
+        raise KeyError("after broke")
+
+    sess = FakeSession()
+    wrapped = hook(sess, "h", before=bad_before)(orig)  # type: ignore[arg-type]
+    assert wrapped(3) == 6 and calls == [3]
+    wrapped = hook(sess, "h2", after=bad_after)(orig)  # type: ignore[arg-type]
+    assert wrapped(4) == 8 and calls == [3, 4]
+    assert [f.split(":")[0] for f in sess.failures] == ["h", "h2"]
+    sess.live = False
+    assert wrapped(5) == 10 and len(sess.failures) == 2  # pass-through when not live
+    # failing control: the original's own exception still reaches the caller
+    with pytest.raises(ZeroDivisionError):
+        hook(sess, "h3", before=bad_before)(lambda: 1 / 0)()  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- control protocol
+@pytest.mark.parametrize(
+    "request_, error",
+    [
+        ({"cmd": "status"}, None),
+        ({"cmd": "start", "args": {"out": "/tmp/t", "max_steps": 5, "duration_s": 2}}, None),
+        ({"cmd": "exec", "args": {}}, "unknown command"),
+        ({"cmd": "start", "args": {"out": "relative"}}, "absolute path"),
+        ({"cmd": "start", "args": {"out": "/t", "max_steps": 0}}, "positive integer"),
+        ({"cmd": "start", "args": {"out": "/t", "max_steps": True}}, "positive integer"),
+        ({"cmd": "start", "args": {"out": "/t", "duration_s": float("nan")}}, "seconds"),
+        ({"cmd": "start", "args": {"out": "/t", "code": "import os"}}, "takes no argument"),
+        ({"cmd": "stop", "args": {"out": "/t"}}, "takes no argument"),
+        ({"cmd": "status", "extra": 1}, "unknown request field"),
+        (["status"], "JSON object"),
+    ],
+)
+def test_control_requests_are_validated(request_: Any, error: str | None) -> None:
+    if error is None:
+        cmd, _args = control.validate(request_)
+        assert cmd == request_["cmd"]
+    else:
+        with pytest.raises(ValueError, match=error):
+            control.validate(request_)
+
+
+def test_peer_check_accepts_only_the_same_uid() -> None:
+    me = os.geteuid()
+    assert control.peer_allowed(me)
+    assert not control.peer_allowed(me + 1)
+    assert not control.peer_allowed(65534, own_uid=0)
+
+
+def test_runtime_dir_must_be_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    d = control.runtime_dir()
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    d.chmod(0o755)
+    with pytest.raises(control.ControlError, match="private directory"):
+        control.runtime_dir()
+
+
+# ----------------------------------------------------------------- capture and launch rows
+def test_capture_ring_on_the_cpu_is_exact_and_counts_drops() -> None:
+    import torch
+
+    ring = CaptureRing(torch.device("cpu"), slots=2, slot_elems=16)
+    a = torch.tensor([3, -1, 7], dtype=torch.int32)
+    b = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    assert ring.grab([a, b], [3, 2], {"k": 1})
+    a[0] = 99  # what happens after the capture must not change it
+    assert ring.grab([b], [4], {"k": 2})
+    assert not ring.grab([b], [4], {"k": 3}) and ring.dropped == 1
+    (arrays1, tag1), (arrays2, tag2) = ring.reap()
+    assert arrays1[0].tolist() == [3, -1, 7] and arrays1[1].tolist() == [1, 2]
+    assert arrays2[0].tolist() == [1, 2, 3, 4] and (tag1, tag2) == ({"k": 1}, {"k": 2})
+    assert not ring.grab([a, b], [9, 9], {}) and ring.dropped == 2  # too large for a slot
+
+
+def _buf(values: list[int]) -> Any:
+    import torch
+
+    t = torch.tensor(values + [0] * 4, dtype=torch.int32)
+    return SimpleNamespace(np=t.numpy().copy(), gpu=t)
+
+
+def test_precopy_launch_rows_keep_both_values_where_they_differ(tmp_path: Path) -> None:
+    sess = Session(tmp_path / "t", rank=0, kind="v1", run=RunMetadata())
+    sess.begin_step(None)
+    state, src, bias = _buf([2, 3, 1]), _buf([1, -1, 0]), _buf([1, 0, 2])
+    bias.np[2] = 0  # the CPU staged 0, the kernel reads 2 (a racing copy)
+    ctx = SimpleNamespace(
+        is_initialized=True,
+        mamba_state_idx_buf=state,
+        precopy_src_col_buf=src,
+        precopy_token_bias_buf=bias,
+    )
+    _precopy(sess, (ctx, 3, state.gpu, src.gpu, bias.gpu, None), {})  # type: ignore[arg-type]
+    sess.rec = None
+    result = sess.close()
+    assert result["complete"]
+    reader = TraceReader(tmp_path / "t")
+    rows = (
+        reader.connect()
+        .execute(
+            "SELECT batch_row, state_idx, src_col, token_bias, num_accepted, num_accepted_cpu, "
+            "kernel, row_rule, bt_table FROM launches ORDER BY batch_row"
+        )
+        .fetchall()
+    )
+    assert rows == [
+        (0, 2, 1, 1, 2, None, "precopy", "req_slot", "v1"),
+        (1, 3, -1, 0, 1, None, "precopy", "req_slot", "v1"),
+        (2, 1, 0, 2, 3, 1, "precopy", "req_slot", "v1"),
+    ]
+    errors = reader.manifest.errors
+    assert errors["launch_cpu_mismatch"]["count"] == 1
+    assert "token_bias" in errors["launch_cpu_mismatch"]["first"]
+
+
+# ----------------------------------------------------------------- probe importer
+def _probe_logs(tmp: Path, seed: int = 7) -> tuple[Path, Path, dict[str, Any]]:
+    """Probe and burst logs in the field reproducer's formats, with a known re-analysis outcome."""
+    rnd = random.Random(seed)
+    probe, burst = [], []
+    pid = 4242
+    probe.append({"event": "patched", "module": "x"})
+    probe.append(
+        {
+            "event": "start",
+            "mode": "log,geom",
+            "async": True,
+            "mamba_cache_mode": "align",
+            "runner_reorder_batch_threshold": 1,
+            "builder_thresholds": {
+                "Mamba2AttentionMetadataBuilder": 4,
+                "FlashInferMetadataBuilder": 1,
+            },
+        }
+    )
+    step = 1
+    truth = {}
+    for i in range(40):
+        api = f"chatcmpl-{i:04d}"
+        eng = f"{api}-{rnd.randrange(16**8):08x}"
+        p = rnd.choice([30, 200, 6000])
+        kind = rnd.choice(["first", "later", "both", "clean", "clean"])
+        rows_for = []
+        # its own prefill chunk: computed 0, scheduled p (never a decode-like row)
+        rows_for.append([eng, 0, p])
+        if kind in ("first", "both"):
+            rows_for.append([eng, p + rnd.randint(0, 4), 4])
+        if kind in ("later", "both"):
+            rows_for.append([eng, p + 5 + rnd.randint(0, 50), rnd.randint(1, 4)])
+        if kind == "clean":
+            rows_for.append([eng, p + 2, 9])  # in the region, but not a decode-sized chunk
+        for r in rows_for:
+            lead = ["chatcmpl-lead-1", 100, 512]
+            probe.append(
+                {
+                    "event": "prefill",
+                    "step": step,
+                    "num_reqs": 5,
+                    "num_decode_tokens": 3,
+                    "rows": [lead, r],
+                    "t": 1000.0 + step,
+                    "pid": pid,
+                }
+            )
+            # a second builder logs the same step: the importer keeps the first only
+            probe.append(
+                {
+                    "event": "prefill",
+                    "step": step,
+                    "num_reqs": 5,
+                    "num_decode_tokens": 3,
+                    "rows": [[eng, 0, 1]],
+                    "pid": pid,
+                }
+            )
+            step += 1
+        if i % 5 == 0:
+            probe.append(
+                {
+                    "event": "swap",
+                    "step": step,
+                    "early": bool(i % 2),
+                    "num_reqs": 4,
+                    "swaps": [[0, 3, eng, "chatcmpl-lead-1", 2, 1]],
+                    "pid": pid,
+                }
+            )
+        tokens = rnd.choice([120, 900, 3000])
+        salad = rnd.random() < 0.3
+        empty = not salad and rnd.random() < 0.3 and tokens > 200
+        text = ("word " * (tokens // 2)) if not empty else ("\u200b" * tokens)
+        burst.append(
+            {
+                "i": i,
+                "req_id": api,
+                "marker": "m",
+                "kind": "long",
+                "finish": "length",
+                "completion_tokens": tokens,
+                "prompt_tokens": p,
+                "t_start": 5.0 + i,
+                "t_end": 9.0 + i,
+                "text": text,
+                "garbage": salad,
+                "foreign_markers": [3] if i == 11 else [],
+            }
+        )
+        truth[api] = (kind, "salad" if salad else "empty" if empty else "")
+    probe.append({"event": "tick", "step": 1000, "steps_with_event": 900, "early_steps": 12})
+    burst.append({"i": 99, "error": "timeout", "t_start": 3.0})
+    pp, bp = tmp / "probe.jsonl", tmp / "burst.jsonl"
+    lines = [json.dumps(e) for e in probe]
+    lines.insert(5, "{not json")
+    lines.insert(9, json.dumps({"event": "prefill", "step": "x", "rows": []}))
+    lines.insert(12, json.dumps({"event": "swap", "step": 3, "swaps": [[1, 2]]}))
+    pp.write_text("\n".join(lines) + "\n")
+    bp.write_text("\n".join(json.dumps(r) for r in burst) + "\nnot json either\n")
+    return pp, bp, truth
+
+
+def _expected_crosstab(truth: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for kind, label in truth.values():
+        key = (
+            "FIRST decode step in Mamba prefill region"
+            if kind in ("first", "both")
+            else "first decode step clean"
+        )
+        if kind in ("later", "both"):
+            key += " | later decode steps in prefill region"
+        out[key][0] += 1
+        out[key][1] += label == "salad"
+        out[key][2] += label == "empty"
+    return {k: tuple(v) for k, v in out.items()}  # type: ignore[misc]
+
+
+def test_import_probe_reproduces_the_reanalysis_crosstab(tmp_path: Path) -> None:
+    pp, bp, truth = _probe_logs(tmp_path)
+    report = import_probe(pp, bp, tmp_path / "trace")
+    assert report.malformed == {"probe_line": 3, "burst_line": 1}
+    assert report.requests == 41 and report.matched_requests == 40
+    reader = TraceReader(tmp_path / "trace")
+    assert reader.complete
+    errors = reader.manifest.errors
+    assert errors["import:probe_line"]["count"] == 3
+    con = reader.connect()
+    got = {r[0]: tuple(r[1:]) for r in con.execute(crosstab_sql(4)).fetchall()}
+    assert got == _expected_crosstab(truth)
+    # the duplicate prefill event of each step was not imported; steps count from 0
+    dup = con.execute(
+        "SELECT count(*) FROM batch_rows WHERE num_scheduled = 1 AND num_computed = 0"
+    ).fetchone()
+    assert dup == (0,)
+    assert con.execute("SELECT min(step) FROM steps").fetchone() == (0,)
+    row = con.execute(
+        "SELECT mamba_threshold, reorder_threshold, num_mamba_decodes FROM steps WHERE step = 0"
+    ).fetchone()
+    assert row == (4, 1, 3)
+    assert con.execute("SELECT count(*) FROM row_moves WHERE op = 'swap'").fetchone() == (8,)
+    marker = con.execute("SELECT corruption_marker FROM requests WHERE client_id = '11'")
+    assert "foreign:3" in (marker.fetchone()[0] or "")
+    # failing control: flip one request's label and the same query no longer matches
+    api = next(a for a, (k, lab) in truth.items() if lab == "" and k == "first")
+    truth[api] = (truth[api][0], "salad")
+    assert got != _expected_crosstab(truth)
+
+
+def test_import_probe_refuses_what_it_cannot_read(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="does not exist"):
+        import_probe(tmp_path / "nope.jsonl", None, tmp_path / "t")
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text("garbage\n{}\n")
+    with pytest.raises(UsageError, match="no probe events"):
+        import_probe(junk, None, tmp_path / "t2")
+    assert not (tmp_path / "t2").exists()
+
+
+def test_engine_id_maps_to_the_client_id_like_the_reanalysis() -> None:
+    # the re-analysis joins on the engine id minus its last "-suffix"
+    assert re.sub(r"-[^-]*$", "", "chatcmpl-abc-123-deadbeef") == "chatcmpl-abc-123"
+
+
+# ----------------------------------------------------------------- command line
+def _invoke(cmd: Any, args: list[str]) -> tuple[int, str]:
+    from mgtrace.errors import MgtraceError
+
+    try:
+        rv = cmd.main(args, prog_name="mgtrace", standalone_mode=False)
+    except MgtraceError as exc:
+        return exc.exit_code, exc.message
+    return int(rv or 0), ""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "either --engine-pid PID or the engine command"),
+        (["--engine-pid", "1", "--", "vllm", "serve"], "either --engine-pid PID or"),
+        (["--engine-pid", "1", "--duration", "-3"], "--duration must be a positive"),
+        (["--engine-pid", "1", "--max-steps", "0"], "--max-steps must be at least 1"),
+        (["--", "vllm", "serve"], "give the trace directory with -o DIR"),
+        (["--engine-pid", "999999999", "-o", "/tmp/mgtrace-never"], "there is no process"),
+    ],
+)
+def test_record_rejects_bad_arguments_in_one_sentence(args: list[str], message: str) -> None:
+    from mgtrace.recorder.cli import record
+
+    code, text = _invoke(record, args)
+    assert code == 2 and message in text and "\n" not in text
+
+
+def test_import_probe_command_reports_counts(tmp_path: Path, capsys: Any) -> None:
+    from mgtrace.recorder.cli import import_probe as command
+
+    pp, bp, _ = _probe_logs(tmp_path)
+    code, _ = _invoke(command, [str(pp), str(bp), "-o", str(tmp_path / "t")])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "40 matched to engine ids" in captured.out
+    assert "skipped 4 malformed entries" in captured.err
+    code, text = _invoke(command, [str(pp), "-o", str(tmp_path / "t")])
+    assert code == 2 and "already exists" in text
