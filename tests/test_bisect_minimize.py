@@ -114,8 +114,19 @@ def test_bisect_costs_less_than_a_full_replay() -> None:
 
 
 # ---------------------------------------------------------------- minimize
-def test_minimize_long_trace_to_a_small_repro(tmp_path: Path) -> None:
-    trace = sim_trace("reorder-threshold-mismatch", 0, 5000, scenario="pairs", runner="v1")
+@pytest.mark.parametrize(
+    ("bug", "seed", "engine"),
+    [
+        ("reorder-threshold-mismatch", 0, {"runner": "v1"}),
+        ("async-accepted-race", 1, {"runner": "v1"}),  # a long-lived request: start state used
+        ("stale-condense-row", 0, {"runner": "v1"}),
+        ("batch-row-block-table", 0, {"runner": "v2", "pp": 2}),
+    ],
+)
+def test_minimize_long_trace_to_a_small_repro(
+    tmp_path: Path, bug: str, seed: int, engine: dict
+) -> None:
+    trace = sim_trace(bug, seed, 5000, scenario="pairs", **engine)
     first = replay_trace(TraceReader(trace), RuleSet())
     pinned = sorted({f.signature for f in first.findings if f.step == first.first_step})[0]
     out = tmp_path / "repro"

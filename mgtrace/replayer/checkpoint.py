@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -76,8 +77,39 @@ def latest_before(directory: Path, rank: int, step: int) -> Path | None:
     return None if best is None else best[1]
 
 
-def restore(rep: RankReplay, path: Path) -> int:
-    """Load a checkpoint into ``rep``; return the last step it had applied."""
+@dataclass
+class StartState:
+    """A trace that begins mid-run (a minimized repro) carries the replay state before its
+    first step: one checkpoint per rank, and the request-id order its tags were written in."""
+
+    request_ids: list[str]
+    checkpoints: dict[int, Path | Checkpoint]
+
+
+START_STATE_DIR = "start-state"
+
+
+def start_state(reader: object) -> StartState | None:
+    held = getattr(reader, "start_state", None)
+    if held is not None:
+        return held
+    source = getattr(reader, "manifest", None) and reader.manifest.source  # type: ignore[attr-defined]
+    info = (source or {}).get("start_state")
+    path = getattr(reader, "path", None)
+    if not info or path is None:
+        return None
+    directory = Path(path) / info["dir"]
+    checkpoints: dict[int, Path | Checkpoint] = {}
+    for file in sorted(directory.glob("rank*-step*.npz")):
+        checkpoints[int(file.name[4:7])] = file
+    return StartState(list(info["request_ids"]), checkpoints)
+
+
+def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
+    """Load a checkpoint (a file, or one held in memory) into ``rep``; return its last step."""
+    if isinstance(path, Checkpoint):
+        rep.restore(path)
+        return path.step
     with np.load(path) as data:
         meta = json.loads(str(data["meta"]))
         tables = {

@@ -454,6 +454,9 @@ def replay_trace(
     rules = rules or RuleSet()
     run_backend = load_backend(backend, device)
     ids = RequestIds()
+    seed = ckpt.start_state(reader)
+    if seed is not None:
+        ids.preload(seed.request_ids)  # the uids the start state's tags were written with
     findings: list[Finding] = []
     repeats = 0
     steps_done = 0
@@ -463,6 +466,8 @@ def replay_trace(
         if not allow_gaps:
             _require_contiguous(trace, reader)
         rep = RankReplay(trace, rules, run_backend, layout, device)
+        if seed is not None and rank in seed.checkpoints:
+            ckpt.restore(rep, seed.checkpoints[rank])
         cache = None
         if (from_step or checkpoint_every) and hasattr(reader, "path"):
             cache = ckpt.cache_dir(reader, rules.canonical(), layout)

@@ -28,22 +28,35 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mgtrace.errors import InconclusiveError, OutputError
-from mgtrace.replayer.loop import replay_trace
+from mgtrace.kernels.reference import run_reference
+from mgtrace.replayer import checkpoint as ckpt
+from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
+from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
+from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.rules import RuleSet
+from mgtrace.replayer.steps import RankTrace, ranks_of
 from mgtrace.schemas.manifest import Manifest, save_manifest
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
 from mgtrace.schemas.writer import write_part_file
 
 STEP_COLUMNS = ("step", "batch_step", "bt_step", "postprocess_step", "first_step", "last_step")
+# Steps of history a repro keeps before its finding; older history becomes a start state.
+PREFIX_WINDOW = 16
 
 
 class MemoryTrace:
     """A trace held as Arrow tables: what the replayer reads, without touching the disk."""
 
-    def __init__(self, manifest: Manifest, tables: dict[str, pa.Table]) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        tables: dict[str, pa.Table],
+        start_state: StartState | None = None,
+    ) -> None:
         self.manifest = manifest
         self.tables_ = tables
+        self.start_state = start_state
 
     def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
         t = self.tables_[name]
@@ -78,7 +91,7 @@ def truncate(trace: MemoryTrace, last_step: int) -> MemoryTrace:
         if TABLES[name].per_step and t.num_rows:
             t = t.filter(pc.less_equal(t.column("step"), last_step))
         out[name] = t
-    return MemoryTrace(trace.manifest, out)
+    return MemoryTrace(trace.manifest, out, trace.start_state)
 
 
 def without_requests(trace: MemoryTrace, drop: set[str]) -> MemoryTrace:
@@ -132,7 +145,7 @@ def without_requests(trace: MemoryTrace, drop: set[str]) -> MemoryTrace:
         out["launches"] = launches.set_column(
             idx, launches.schema.field(idx), pa.array(slot, pa.int32())
         )
-    return MemoryTrace(trace.manifest, out)
+    return MemoryTrace(trace.manifest, out, trace.start_state)
 
 
 def without_table_updates(trace: MemoryTrace, drop: np.ndarray) -> MemoryTrace:
@@ -140,7 +153,11 @@ def without_table_updates(trace: MemoryTrace, drop: np.ndarray) -> MemoryTrace:
     t = trace.tables_["block_tables"]
     keep = np.ones(t.num_rows, dtype=bool)
     keep[drop] = False
-    return MemoryTrace(trace.manifest, {**trace.tables_, "block_tables": t.filter(pa.array(keep))})
+    return MemoryTrace(
+        trace.manifest,
+        {**trace.tables_, "block_tables": t.filter(pa.array(keep))},
+        trace.start_state,
+    )
 
 
 def _unreferenced_table_rows(trace: MemoryTrace) -> np.ndarray:
@@ -195,7 +212,7 @@ def compact_steps(trace: MemoryTrace) -> MemoryTrace:
             out[name] = _renumber(tab, mapping)
         else:
             out[name] = tab
-    return MemoryTrace(trace.manifest, out)
+    return MemoryTrace(trace.manifest, out, trace.start_state)
 
 
 def _map_steps(ranks: list[int], values: list[int | None], mapping, *, forward: bool) -> list:
@@ -235,6 +252,43 @@ def _carry_forward(tab: pa.Table, mapping: dict[int, dict[int, int]]) -> pa.Tabl
     tab = tab.set_column(idx, tab.schema.field(idx), pa.array(new, pa.int64()))
     # the sort in the replayer is stable within a step, so a later change of a row still wins
     return tab.filter(pa.array(keep))
+
+
+def trim_prefix(trace: MemoryTrace, first: int, rules: RuleSet) -> MemoryTrace | None:
+    """The trace from step ``first`` on, renumbered from 0, starting from the replay state
+    the earlier steps left (a checkpoint per rank). None when a kept launch still needs a
+    batch from before ``first`` (a pipeline-deferred post-process)."""
+    launches = trace.tables_["launches"]
+    if launches.num_rows:
+        late = launches.filter(pc.greater_equal(launches.column("step"), first))
+        batch_steps = pc.drop_null(late.column("batch_step"))
+        if len(batch_steps) and pc.min(batch_steps).as_py() < first:
+            return None
+    ids = RequestIds()
+    seed = ckpt.start_state(trace)
+    if seed is not None:
+        ids.preload(seed.request_ids)
+    states: dict[int, Path | Checkpoint] = {}
+    for rank in ranks_of(trace):  # type: ignore[arg-type]
+        rep = RankReplay(RankTrace(trace, rank, ids), rules, run_reference)  # type: ignore[arg-type]
+        if seed is not None and rank in seed.checkpoints:
+            ckpt.restore(rep, seed.checkpoints[rank])
+        rep.run(until=first - 1)
+        cp = rep.checkpoint(-1)
+        cp.views, cp.findings = {}, 0
+        states[rank] = cp
+    out = {}
+    for name, tab in trace.tables_.items():
+        if TABLES[name].per_step and tab.num_rows:
+            tab = tab.filter(pc.greater_equal(tab.column("step"), first))
+            for col in ("step", "batch_step", "bt_step", "postprocess_step"):
+                if col in tab.column_names:
+                    idx = tab.column_names.index(col)
+                    tab = tab.set_column(
+                        idx, tab.schema.field(idx), pc.subtract(tab.column(col), first)
+                    )
+        out[name] = tab
+    return MemoryTrace(trace.manifest, out, StartState(ids.names, states))
 
 
 def ddmin(
@@ -341,6 +395,13 @@ def minimize(
         if bad(trimmed):
             current = trimmed
     history.append({"pass": "rows", "table_updates": current.tables_["block_tables"].num_rows})
+    # Start shortly before the finding, from the replay state the earlier steps leave.
+    first = outcome(current, rules).first_step
+    if first is not None and first > PREFIX_WINDOW:
+        trimmed = trim_prefix(current, first - PREFIX_WINDOW, rules)
+        if trimmed is not None and bad(trimmed):
+            current = trimmed
+            history.append({"pass": "prefix", "starts_after_step": first - PREFIX_WINDOW - 1})
     final = outcome(current, rules)
     test_file = write_minimized(
         current, output, full.manifest, trace_path, pin, final.first_step, rules, force=force
@@ -373,7 +434,12 @@ first, at step {step}. Run with: python -m pytest {name}
 
 from pathlib import Path
 
-from mgtrace.replayer.loop import replay_trace
+from mgtrace.kernels.reference import run_reference
+from mgtrace.replayer import checkpoint as ckpt
+from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
+from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
+from mgtrace.replayer.requests import RequestIds
+from mgtrace.replayer.steps import RankTrace, ranks_of
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.schemas.reader import TraceReader
 
@@ -399,6 +465,17 @@ def write_trace(trace: MemoryTrace, output: Path, manifest: Manifest) -> None:
         if tab.num_rows:
             rel = f"{name}/all-000000.parquet"
             m.parts.append(write_part_file(tmp, rel, tab.cast(TABLES[name].schema)))
+    if trace.start_state is not None:
+        for rank, cp in trace.start_state.checkpoints.items():
+            if isinstance(cp, Checkpoint):
+                ckpt.save(tmp / START_STATE_DIR, rank, cp)
+        m.source = {
+            **m.source,
+            "start_state": {
+                "dir": START_STATE_DIR,
+                "request_ids": trace.start_state.request_ids,
+            },
+        }
     save_manifest(tmp, m)
     if output.exists():
         shutil.rmtree(output)

@@ -26,6 +26,15 @@ class RequestIds:
             self._names.append(req_id)
         return uid
 
+    def preload(self, names: Iterable[str]) -> None:
+        """Assign uids 1, 2, ... to ``names`` in this order (a saved state uses them)."""
+        for name in names:
+            self.uid(name)
+
+    @property
+    def names(self) -> list[str]:
+        return self._names[1:]
+
     def uids(self, req_ids: Iterable[str]) -> np.ndarray:
         return np.fromiter((self.uid(r) for r in req_ids), dtype=np.int32)
 
