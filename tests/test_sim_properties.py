@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mgtrace.schemas.tables import MAMBA_SPLITS
 from mgtrace.sim.block_pool import NULL_BLOCK, cdiv
 from mgtrace.sim.config import SimConfig
 from mgtrace.sim.engine import StepView, run_engine
@@ -22,6 +23,13 @@ from mgtrace.sim.reorder import REORDER_REGIONS
 
 pytestmark = pytest.mark.unit
 REGION_CODE = {name: i for i, name in enumerate(REORDER_REGIONS)}
+
+
+def names(column: object, categories: tuple[str, ...]) -> list[str]:
+    """A categorical column as strings: the runners record integer codes into its categories."""
+    if isinstance(column, np.ndarray) and column.dtype.kind in "iu":
+        return [categories[c] for c in column.tolist()]
+    return list(column)  # type: ignore[call-overload]
 
 
 # --------------------------------------------------------------------------- the checks
@@ -78,14 +86,15 @@ def check_regions(view: StepView, runner: str) -> list[str]:
     bad = []
     for res in view.results:
         br = res.tables["batch_rows"]
-        split = list(br["mamba_split"])
+        split = names(br["mamba_split"], MAMBA_SPLITS)
         n_dec = res.tables["steps"]["num_mamba_decodes"]
         if split != ["decode"] * n_dec + ["prefill"] * (len(split) - n_dec):
             bad.append(f"mamba split not a prefix of decodes: {split}")
         if runner == "v1":
-            codes = [REGION_CODE[r] for r in br["reorder_region"]]
+            region = names(br["reorder_region"], REORDER_REGIONS)
+            codes = [REGION_CODE[r] for r in region]
             if codes != sorted(codes):
-                bad.append(f"reorder regions out of order: {br['reorder_region']}")
+                bad.append(f"reorder regions out of order: {region}")
     return bad
 
 
@@ -244,7 +253,7 @@ def test_control_region_check_fires() -> None:
     br["reorder_region"] = ["prefill", *["decode"] * (n - 1)]
     assert check_regions(view, "v1")
     br["reorder_region"] = ["decode"] * n
-    br["mamba_split"] = ["prefill", "decode", *br["mamba_split"][2:]]
+    br["mamba_split"] = ["prefill", "decode", *names(br["mamba_split"], MAMBA_SPLITS)[2:]]
     assert check_regions(view, "v1")
 
 

@@ -222,3 +222,41 @@ def test_bulk_steps_equal_single_steps(tmp_path: Path) -> None:
         assert single.table(name).to_pylist() == bulk.table(name).to_pylist()
     assert bulk.manifest.drops.malformed_steps == 1
     assert bulk.manifest.drops.step_ranges == [[0, 6, 6]]
+
+
+def test_masked_arrays_keep_their_nulls(tmp_path: Path) -> None:
+    """A masked array is null where masked, alone or next to plain arrays and scalars (the
+    plain-number fast path must not concatenate it: that drops the mask)."""
+    masked = np.ma.MaskedArray(np.array([1, 2, 3], np.int32), mask=[False, True, False])
+    with TraceWriter(tmp_path / "t") as w:
+        w.write_steps(
+            0,
+            0,
+            1,
+            {
+                "batch_rows": {
+                    "step": np.array([0, 0, 0]),
+                    "batch_row": np.arange(3, dtype=np.int32),
+                    "req_id": ["a", "b", "c"],
+                    "accepted": masked,
+                },
+                "steps": {
+                    "step": np.array([0, 1]),
+                    "accepted_landed": np.ma.MaskedArray(np.array([True, False]), [True, False]),
+                },
+            },
+        )
+        w.write_step(
+            0,
+            2,
+            {
+                "batch_rows": {
+                    "batch_row": np.arange(2, dtype=np.int32),
+                    "req_id": ["a", "b"],
+                    "accepted": np.array([4, 5], np.int32),
+                }
+            },
+        )
+    r = TraceReader(tmp_path / "t")
+    assert r.table("batch_rows").column("accepted").to_pylist() == [1, None, 3, 4, 5]
+    assert r.table("steps").column("accepted_landed").to_pylist() == [None, False]

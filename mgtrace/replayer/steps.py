@@ -229,9 +229,21 @@ class RankTrace:
             name: np.maximum.reduceat(has.astype(np.int8), starts).astype(bool)
             for name, has in self._launch_has.items()
         }
+        # A precopy whose rows all keep their column copies nothing and reads no index (the
+        # kernel returns before touching a table), whatever the rules: skip building it.
+        moves = (
+            (self._launch_kernel == KERNELS.index("precopy"))
+            & (c["req_slot"] >= 0)
+            & (c["src_col"] >= 0)
+            & (c["src_col"] != c["state_idx"])
+        )
+        idle_precopy = (np.asarray(self._group_kernel) == KERNELS.index("precopy")) & ~(
+            np.maximum.reduceat(moves.astype(np.int8), starts).astype(bool)
+        )
         self._launch_groups = {}
         for g, st in enumerate(c["step"][starts].tolist()):
-            self._launch_groups.setdefault(st, []).append(g)
+            if not idle_precopy[g]:
+                self._launch_groups.setdefault(st, []).append(g)
 
     def _make_launch(self, g: int) -> AlignLaunch:
         c = self._launch_cols

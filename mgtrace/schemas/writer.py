@@ -130,6 +130,8 @@ def _is_codes(value: Any) -> bool:
 def _numeric_chunks(values: list[Any], counts: list[int], type_: pa.DataType) -> pa.Array | None:
     """Fast path for null-free numbers: all scalars, or arrays / flat lists; else None."""
     np_type = type_.to_pandas_dtype()
+    if any(type(v) is np.ma.MaskedArray for v in values):
+        return None  # np.concatenate would drop the masks: the masked path keeps them
     try:
         if _column_length(values[0]) is None:
             if any(v is None for v in values):  # numpy would turn None into False or raise
@@ -192,10 +194,11 @@ def _scalar_string_chunks(values: list[Any], counts: list[int]) -> pa.Array | No
 
 def _category_chunks(values: list[Any], categories: tuple[str, ...]) -> pa.Array:
     """Integer codes into a categorical column's values, decoded by Arrow, not Python."""
-    codes = pa.array(np.concatenate(values).astype(np.int32, copy=False))
-    valid = pc.and_(pc.greater_equal(codes, 0), pc.less(codes, len(categories)))
-    codes = pc.if_else(valid, codes, pa.scalar(None, pa.int32()))  # bad code -> null
-    return pc.take(pa.array(categories, pa.string()), codes)
+    codes = np.concatenate(values).astype(np.int32, copy=False)
+    # a bad code becomes null (checked in numpy: cheaper than three Arrow kernels)
+    bad = (codes < 0) | (codes >= len(categories))
+    indices = pa.array(codes, mask=bad) if bad.any() else pa.array(codes)
+    return pc.take(pa.array(categories, pa.string()), indices)
 
 
 def _chunks_to_arrow(values: list[Any], counts: list[int], field: pa.Field) -> pa.Array:

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,14 +22,17 @@ from mgtrace.schemas.manifest import Manifest
 from mgtrace.schemas.writer import TraceWriter
 from mgtrace.sim.bugs import GroundTruth
 from mgtrace.sim.config import SimConfig
+from mgtrace.sim.runner_common import Nullable
 from mgtrace.sim.runner_v1 import RunnerV1
 from mgtrace.sim.runner_v2 import RunnerV2
 from mgtrace.sim.scheduler import Request, SchedOut, Scheduler
 from mgtrace.sim.to_trace import request_rows, run_metadata, sched_rows, source_info
+from mgtrace.sim.trace_buffer import StepBuffer
 from mgtrace.sim.workload import Client, step_seconds
 
 ProgressFn = Callable[[int], None]
 QUEUE_HIGH_WATER = 2048  # steps queued in the writer before the loop waits for it
+STEPS_PER_WRITE = 64  # steps buffered per rank and table before one bulk hand-over
 
 
 @dataclass
@@ -75,9 +79,9 @@ class Engine:
             return acc
         k = max(self.cfg.k, 1)
         ok = self.rng_accept.random((len(rows), k)) < self.cfg.acceptance_rate
-        run = np.cumprod(ok, axis=1)
-        run[np.arange(k)[None, :] >= so.num_draft[rows][:, None]] = 0
-        acc[rows] = 1 + run.sum(axis=1)
+        # the run of accepted drafts from the first, cut at the row's draft count
+        run = np.where(ok.all(axis=1), k, ok.argmin(axis=1))
+        acc[rows] = 1 + np.minimum(run, so.num_draft[rows])
         return acc
 
     def _owners(self) -> dict[int, str]:
@@ -115,19 +119,40 @@ class Engine:
         )
 
 
+def _for_writer(columns: dict[str, Any]) -> dict[str, Any]:
+    """A chunk in the writer's forms: a Nullable column as a masked array."""
+    return {k: v.masked() if type(v) is Nullable else v for k, v in columns.items()}
+
+
 def _write_step(writer: TraceWriter, step: int, view: StepView) -> None:
+    """Hand one step to the writer as it is (the reference for the bulk path)."""
     sched = sched_rows(view.so)
     for rank, res in enumerate(view.results):
-        tables = dict(res.tables)
-        if sched is not None:
-            tables["sched"] = sched
+        tables = {name: _for_writer(cols) for name, cols in res.tables.items()}
+        if sched:
+            tables["sched"] = _for_writer(sched[0])
         writer.write_step(rank, step, tables)
+        for chunk in sched[1:]:
+            writer.write_step(rank, step, {"sched": _for_writer(chunk)})
         for chunk in res.launches:
-            writer.write_step(rank, step, {"launches": chunk})
+            writer.write_step(rank, step, {"launches": _for_writer(chunk)})
 
 
-def _wait_for_writer(writer: TraceWriter) -> None:
-    while writer.stats().queue_depth > QUEUE_HIGH_WATER:
+def _buffer_step(buf: StepBuffer, step: int, view: StepView) -> None:
+    """The chunks ``_write_step`` would write, in the same order, into the bulk buffer."""
+    sched = sched_rows(view.so)
+    for rank, res in enumerate(view.results):
+        for name, columns in res.tables.items():
+            buf.add(rank, step, name, columns)
+        for chunk in sched:
+            buf.add(rank, step, "sched", chunk)
+        for chunk in res.launches:
+            buf.add(rank, step, "launches", chunk)
+    buf.end_step()
+
+
+def _wait_for_writer(writer: TraceWriter, high_water: int) -> None:
+    while writer.stats().queue_depth > high_water:
         time.sleep(0.002)
 
 
@@ -137,8 +162,13 @@ def simulate(
     progress: ProgressFn | None = None,
     observe: Callable[[int, StepView], None] | None = None,
     argv: list[str] | None = None,
+    steps_per_write: int = STEPS_PER_WRITE,
 ) -> Manifest:
-    """Run the simulator for ``cfg.steps`` steps and write the trace to ``cfg.output``."""
+    """Run the simulator for ``cfg.steps`` steps and write the trace to ``cfg.output``.
+
+    Steps go to the writer in bulk, ``steps_per_write`` at a time per rank; 0 hands them over
+    one by one (``write_step``), the reference the bulk path is tested against.
+    """
     cfg.validate()
     if cfg.output is None:
         raise UsageError("the simulator needs an output trace path (-o TRACE)")
@@ -147,19 +177,27 @@ def simulate(
     writer = TraceWriter(
         Path(cfg.output), run=run, source=source_info(cfg, argv), overwrite=cfg.overwrite
     )
+    buf = StepBuffer(writer, steps_per_write) if steps_per_write > 0 else None
+    # a bulk queue item holds steps_per_write steps: bound the steps queued, not the items
+    high_water = max(1, QUEUE_HIGH_WATER // steps_per_write) if buf else QUEUE_HIGH_WATER
     step = 0
     try:
         for step in range(cfg.steps):
             view = engine.step(step)
-            _write_step(writer, step, view)
+            if buf is not None:
+                _buffer_step(buf, step, view)
+            else:
+                _write_step(writer, step, view)
             if observe is not None:
                 observe(step, view)
             if step % 64 == 63:
-                _wait_for_writer(writer)
+                _wait_for_writer(writer, high_water)
                 if progress is not None:
                     progress(64)
         if progress is not None and cfg.steps % 64:
             progress(cfg.steps % 64)
+        if buf is not None:
+            buf.flush()
         writer.write_rows("requests", request_rows(engine.requests))
         writer.set_ground_truth(engine.truth.to_dict())
         writer.update_source(
@@ -168,6 +206,8 @@ def simulate(
         )
     except BaseException:
         # an interrupted run keeps the steps it wrote and says where it stopped
+        if buf is not None:
+            buf.flush()
         writer.update_source(interrupted_at_step=step, num_requests=len(engine.requests))
         writer.count_error("interrupted", f"the simulation stopped at step {step} of {cfg.steps}")
         writer.set_ground_truth(engine.truth.to_dict())

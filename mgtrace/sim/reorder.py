@@ -25,12 +25,11 @@ def regions(
     threshold: int,
 ) -> np.ndarray:
     """Region id per row (0 decode, 1 short_extend, 2 long_extend, 3 prefill)."""
-    has_context = num_computed > 0
-    below = num_scheduled <= threshold
-    prefilling = num_computed < num_prompt
-    out = np.where(below, np.where(prefilling, REGION_SHORT, REGION_DECODE), REGION_LONG)
-    out[~has_context] = REGION_PREFILL
-    return out.astype(np.int8)
+    # below the threshold: decode (0), or short_extend (1) while still in the prompt
+    prefilling = (num_computed < num_prompt).view(np.int8)
+    out = np.where(num_scheduled <= threshold, prefilling, np.int8(REGION_LONG))
+    out[num_computed <= 0] = REGION_PREFILL  # no context yet
+    return out.astype(np.int8, copy=False)
 
 
 def reorder_swaps(region: np.ndarray) -> list[tuple[int, int]]:
@@ -41,8 +40,8 @@ def reorder_swaps(region: np.ndarray) -> list[tuple[int, int]]:
     its first source, swapping the held row into its destination until the cycle closes.
     """
     n = len(region)
-    if n == 0:
-        return []
+    if n < 2 or bool((region[1:] >= region[:-1]).all()):
+        return []  # already in region order
     counts = np.bincount(region, minlength=4)
     target = np.repeat(np.arange(4, dtype=np.int8), counts)
     wrong = np.flatnonzero(region != target)

@@ -12,7 +12,7 @@ them (then it is consistent): that is the race of ``async-accepted-race``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,10 +26,21 @@ from mgtrace.sim.runner_common import (
     copy_boundary,
     running_cols,
     sparse,
+    where_valid,
 )
 from mgtrace.sim.scheduler import KIND_CACHED, KIND_RESUMED, SchedOut
 
-SPLIT_NAMES = np.array(["decode", "prefill"], dtype=object)
+
+class _Cols(NamedTuple):
+    """A step's recorded int32 columns, shared by the tables and launches that record them."""
+
+    rows: np.ndarray
+    sched_n: np.ndarray
+    nc: np.ndarray
+    draft: np.ndarray
+    prev_col: np.ndarray
+    curr: np.ndarray
+    differs: np.ndarray | None  # correct accepted counts where they differ from the consumed
 
 
 class RunnerV1:
@@ -136,11 +147,11 @@ class RunnerV1:
         if T_run is not None and n:
             run_region = regions(sched_n, ib.nc[:n], ib.prompt[:n], T_run)
             swaps = reorder_swaps(run_region)
-            # the swaps sort the regions, stably: the reordered batch's regions are sorted
-            run_region = np.sort(run_region)
             for a, b in swaps:
                 ib.swap(a, b)
             if swaps:
+                # the swaps sort the regions, stably: the reordered batch's regions are sorted
+                run_region = np.sort(run_region)
                 perm = pr.pos[ib.key[:n]]
                 sched_n = so.num_scheduled[perm]
         pr.row[ib.key[:n]] = np.arange(n)
@@ -174,7 +185,11 @@ class RunnerV1:
         ib.acc[:n][precopy] = 1
 
         # the Mamba builder's split, on the reordered batch
-        region = regions(sched_n, nc_sched, prompt, self.cfg.mamba_threshold)
+        if n and T_run == self.cfg.mamba_threshold:
+            # the same rule on the same rows, now reordered: the sorted runner regions
+            region = run_region
+        else:
+            region = regions(sched_n, nc_sched, prompt, self.cfg.mamba_threshold)
         if T_run is None:
             run_region = region
         split = mamba_split(sched_n, nc, prompt, self.cfg.mamba_threshold)
@@ -251,20 +266,26 @@ class RunnerV1:
                         }
                     )
 
+        # the recorded int32 columns, built once and shared by the tables and launches that
+        # record them (never mutated afterwards)
+        cols = _Cols(
+            rows=np.arange(n, dtype=np.int32),
+            sched_n=sched_n.astype(np.int32),
+            nc=nc.astype(np.int32),
+            draft=draft.astype(np.int32),
+            prev_col=prev_col.astype(np.int32),
+            curr=curr.astype(np.int32),
+            differs=sparse(correct, consumed != correct),
+        )
         tables = self._tables(
             step,
             n,
             req_ids,
-            sched_n,
-            nc,
+            cols,
             prompt,
-            draft,
             consumed,
-            correct,
             acc_now,
             samples,
-            prev_col,
-            curr,
             prefilling,
             run_region,
             is_decode_split,
@@ -273,9 +294,7 @@ class RunnerV1:
             has_pending,
             so.total_tokens,
         )
-        launches = self._launches(
-            step, n, sched_n, nc, draft, consumed, correct, prev_col, curr, acc_now, pad_rows
-        )
+        launches = self._launches(step, n, cols, consumed, acc_now, pad_rows)
         return StepResult(tables=tables, launches=launches, events=events)
 
     # ------------------------------------------------------------------ recording
@@ -284,16 +303,11 @@ class RunnerV1:
         step: int,
         n: int,
         req_ids: list[str],
-        sched_n: np.ndarray,
-        nc: np.ndarray,
+        cols: _Cols,
         prompt: np.ndarray,
-        draft: np.ndarray,
         consumed: np.ndarray,
-        correct: np.ndarray,
         acc_now: np.ndarray,
         samples: np.ndarray,
-        prev_col: np.ndarray,
-        curr: np.ndarray,
         prefilling: np.ndarray,
         run_region: np.ndarray,
         is_decode_split: np.ndarray,
@@ -303,31 +317,26 @@ class RunnerV1:
         total_tokens: int,
     ) -> dict[str, Any]:
         moves = self.rows.moves
-        rows = np.arange(n, dtype=np.int32)
+        rows = cols.rows
         batch_rows: dict[str, Any] = {
             "batch_row": rows,
             "req_id": req_ids,
             "req_slot": rows,
-            "num_scheduled": sched_n.astype(np.int32),
-            "num_computed": nc.astype(np.int32),
+            "num_scheduled": cols.sched_n,
+            "num_computed": cols.nc,
             "num_prompt": prompt.astype(np.int32),
-            "num_draft": draft.astype(np.int32),
+            "num_draft": cols.draft,
             "accepted_prev": consumed,
-            "accepted": acc_now.astype(np.int32)
-            if samples.all()
-            else [
-                int(a) if s else None
-                for a, s in zip(acc_now.tolist(), samples.tolist(), strict=True)
-            ],
-            "prev_state_col": prev_col.astype(np.int32),
-            "state_col": curr.astype(np.int32),
+            "accepted": where_valid(acc_now, samples),
+            "prev_state_col": cols.prev_col,
+            "state_col": cols.curr,
             "is_prefilling": prefilling,
-            "reorder_region": REGION_NAMES[run_region].tolist(),
-            "mamba_split": SPLIT_NAMES[(~is_decode_split).astype(np.int8)].tolist(),
+            # categorical columns as int8 codes into their categories: the writer's cheap form
+            "reorder_region": run_region,
+            "mamba_split": (~is_decode_split).view(np.int8),
         }
-        differs = sparse(correct, consumed != correct)
-        if differs is not None:
-            batch_rows["accepted_prev_cpu"] = differs
+        if cols.differs is not None:
+            batch_rows["accepted_prev_cpu"] = cols.differs
         tables: dict[str, Any] = {
             "steps": {
                 "num_reqs": n,
@@ -367,19 +376,14 @@ class RunnerV1:
         self,
         step: int,
         n: int,
-        sched_n: np.ndarray,
-        nc: np.ndarray,
-        draft: np.ndarray,
+        cols: _Cols,
         consumed: np.ndarray,
-        correct: np.ndarray,
-        prev_col: np.ndarray,
-        curr: np.ndarray,
         acc_now: np.ndarray,
         pad_rows: list[int],
     ) -> list[dict[str, Any]]:
         if n == 0:
             return []
-        rows = np.arange(n, dtype=np.int32)
+        rows = cols.rows
         common = {
             "batch_row": rows,
             "batch_step": step,
@@ -393,22 +397,21 @@ class RunnerV1:
             common,
             kernel="precopy",
             num_accepted=consumed,
-            state_idx=curr.astype(np.int32),
-            src_col=prev_col.astype(np.int32),
+            state_idx=cols.curr,
+            src_col=cols.prev_col,
             token_bias=(consumed - 1).astype(np.int32),
         )
-        differs = sparse(correct, consumed != correct)
-        if differs is not None:
-            pre["num_accepted_cpu"] = differs
+        if cols.differs is not None:
+            pre["num_accepted_cpu"] = cols.differs
         post = dict(
             common,
             kernel="postprocess",
             mode="decision",
             num_accepted=acc_now.astype(np.int32),
-            state_idx=curr.astype(np.int32),
-            num_scheduled=sched_n.astype(np.int32),
-            num_computed=nc.astype(np.int32),
-            num_draft=draft.astype(np.int32),
+            state_idx=cols.curr,
+            num_scheduled=cols.sched_n,
+            num_computed=cols.nc,
+            num_draft=cols.draft,
         )
         out = [pre, post]
         if pad_rows:

@@ -22,11 +22,9 @@ from typing import Any
 import numpy as np
 
 from mgtrace.sim.config import BUG_BATCH_ROW, SimConfig
-from mgtrace.sim.reorder import REGION_NAMES, mamba_split, regions, v2_order
-from mgtrace.sim.runner_common import StepResult, copy_boundary, running_cols
+from mgtrace.sim.reorder import mamba_split, regions, v2_order
+from mgtrace.sim.runner_common import StepResult, copy_boundary, running_cols, where_valid
 from mgtrace.sim.scheduler import KIND_RESUMED, SchedOut
-
-SPLIT_NAMES = np.array(["decode", "prefill"], dtype=object)
 
 
 @dataclass
@@ -382,17 +380,14 @@ class RunnerV2:
                 "num_prompt": prompt.astype(np.int32),
                 "num_draft": draft.astype(np.int32),
                 "accepted_prev": acc_prev.astype(np.int32),
-                "accepted": num_sampled.astype(np.int32)
-                if samples.all()
-                else [
-                    int(a) if s else None
-                    for a, s in zip(num_sampled.tolist(), samples.tolist(), strict=True)
-                ],
+                "accepted": where_valid(num_sampled, samples),
                 "prev_state_col": src_col.astype(np.int32),
                 "state_col": new_col.astype(np.int32),
                 "is_prefilling": nc < prompt,
-                "reorder_region": REGION_NAMES[region].tolist(),
-                "mamba_split": SPLIT_NAMES[(~is_dec).astype(np.int8)].tolist(),
+                # categorical columns as int8 codes into their categories: the writer's
+                # cheap form
+                "reorder_region": region,
+                "mamba_split": (~is_dec).view(np.int8),
             },
         }
         if moves:

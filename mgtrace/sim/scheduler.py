@@ -204,17 +204,25 @@ class SchedOut:
         ]
 
 
+# columns of a step's scheduled rows while they are collected (one int64 matrix at build)
+_KEY, _IDX, _KIND, _N, _D, _NC, _SAMPLES, _EPOCH = range(8)
+
+
 class _Builder:
     """Collects a step's scheduled rows; ``build`` puts them in running-list order."""
 
     WAITING_KEY = 1 << 40  # admissions from the waiting queue come after every running row
 
-    def __init__(self) -> None:
-        self.reqs: list[Request] = []
-        self.new_ids: list[list[int]] = []
-        self.cols: dict[str, list] = {
-            k: [] for k in ("idx", "kind", "n", "d", "nc", "samples", "epoch", "key")
-        }
+    def __init__(self, run: list[Request]) -> None:
+        self.run = run  # the running list this step walks: a running row's key indexes it
+        self.reqs: list[Request] = []  # add order (what ``new_ids`` and ``many`` refer to)
+        self.req_of_key: dict[int, Request] = {}  # the scalar-path rows' requests
+        self.new_ids: dict[int, list[int]] = {}  # add order -> ids, only where non-empty
+        self.rows: list[tuple[int, ...]] = []  # scalar-path rows, in the _KEY.. column order
+        # decode rows committed in one go, kept as arrays: (add order of the first, idx, n,
+        # nc, epoch, keys)
+        self.many: tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
+        self.many = None
 
     def add(
         self,
@@ -228,57 +236,71 @@ class _Builder:
         new_ids: list[int],
         key: int,
     ) -> None:
+        if new_ids:
+            self.new_ids[len(self.reqs)] = new_ids
         self.reqs.append(req)
-        self.new_ids.append(new_ids)
-        c = self.cols
-        c["idx"].append(req.idx)
-        c["kind"].append(kind)
-        c["n"].append(n)
-        c["d"].append(d)
-        c["nc"].append(nc)
-        c["samples"].append(samples)
-        c["epoch"].append(epoch)
-        c["key"].append(key)
+        self.req_of_key[key] = req
+        self.rows.append((key, req.idx, kind, n, d, nc, samples, epoch))
 
     def add_many(
         self,
-        reqs: list[Request],
         idx: np.ndarray,
         n: np.ndarray,
         nc: np.ndarray,
         epoch: np.ndarray,
         keys: np.ndarray,
     ) -> None:
-        """Decode rows with no new blocks: cached, sampling, drafts = n - 1."""
-        m = len(reqs)
-        self.reqs.extend(reqs)
-        self.new_ids.extend([[]] * m)
-        c = self.cols
-        c["idx"].extend(idx.tolist())
-        c["kind"].extend([KIND_CACHED] * m)
-        c["n"].extend(n.tolist())
-        c["d"].extend((n - 1).tolist())
-        c["nc"].extend(nc.tolist())
-        c["samples"].extend([True] * m)
-        c["epoch"].extend(epoch.tolist())
-        c["key"].extend(keys.tolist())
+        """Decode rows of the running list (``keys`` index it) with no new blocks: cached,
+        sampling, drafts = n - 1 (at most one batch per step, kept as arrays: no per-row
+        Python values; their requests are looked up by key at build)."""
+        assert self.many is None
+        self.many = (len(self.reqs), idx, n, nc, epoch, keys)
+        self.reqs.extend([None] * len(idx))  # type: ignore[list-item]  # placeholders
 
     def build(self, out: SchedOut, store: ReqStore) -> None:
-        c = self.cols
-        keys = np.asarray(c["key"], np.int64)
-        order = np.argsort(keys, kind="stable")
-        ordered = bool((order == np.arange(len(order))).all())
-        out.reqs = self.reqs if ordered else [self.reqs[i] for i in order.tolist()]
-        out.idx = np.asarray(c["idx"], np.int64)[order]
-        out.kind = np.asarray(c["kind"], np.int8)[order]
-        out.num_scheduled = np.asarray(c["n"], np.int64)[order]
-        out.num_draft = np.asarray(c["d"], np.int64)[order]
-        out.num_computed = np.asarray(c["nc"], np.int64)[order]
-        out.samples = np.asarray(c["samples"], bool)[order]
-        out.epoch = np.asarray(c["epoch"], np.int64)[order]
-        out.new_block_ids = {
-            p: self.new_ids[i] for p, i in enumerate(order.tolist()) if self.new_ids[i]
-        }
+        mat = np.array(self.rows, np.int64).reshape(-1, 8)
+        if self.many is not None:
+            # the one-go rows sit at add orders at..at+m, between the scalar ones
+            at, idx, n, nc, epoch, keys = self.many
+            block = np.empty((len(idx), 8), np.int64)
+            block[:, _KEY] = keys
+            block[:, _IDX] = idx
+            block[:, _KIND] = KIND_CACHED
+            block[:, _N] = n
+            block[:, _D] = n - 1
+            block[:, _NC] = nc
+            block[:, _SAMPLES] = 1
+            block[:, _EPOCH] = epoch
+            mat = np.concatenate((mat[:at], block, mat[at:]))
+        keys = mat[:, _KEY]
+        if len(keys) < 2 or bool((keys[1:] >= keys[:-1]).all()):
+            # already in running-list order (a stable sort would keep it as is)
+            out.new_block_ids = dict(self.new_ids)
+        else:
+            order = np.argsort(keys, kind="stable")
+            mat = mat[order]
+            out.new_block_ids = {}
+            if self.new_ids:
+                pos = np.empty(len(order), np.int64)
+                pos[order] = np.arange(len(order))
+                out.new_block_ids = dict(
+                    sorted((int(pos[i]), ids) for i, ids in self.new_ids.items())
+                )
+        # requests by key: a running row's key indexes the running list; admissions from the
+        # waiting queue (keys from WAITING_KEY, last after the sort) have their own
+        keys = mat[:, _KEY]
+        klist = keys.tolist()
+        n_run = int(np.searchsorted(keys, self.WAITING_KEY))
+        out.reqs = list(map(self.run.__getitem__, klist[:n_run]))
+        if n_run < len(klist):
+            out.reqs.extend(map(self.req_of_key.__getitem__, klist[n_run:]))
+        out.idx = mat[:, _IDX].copy()
+        out.kind = mat[:, _KIND].astype(np.int8)
+        out.num_scheduled = mat[:, _N].copy()
+        out.num_draft = mat[:, _D].copy()
+        out.num_computed = mat[:, _NC].copy()
+        out.samples = mat[:, _SAMPLES].astype(bool)
+        out.epoch = mat[:, _EPOCH].copy()
         out.req_ids = store.req_ids[out.idx].tolist()
         out.total_tokens = int(out.num_scheduled.sum())
 
@@ -313,7 +335,7 @@ class Scheduler:
             out.finished.append(req)
         self.to_finish = []
         self.preempted_now = []
-        build = _Builder()
+        build = _Builder(list(self.running))
         budget = self._schedule_running(step, build)
         st = self.store
         while (
@@ -338,7 +360,8 @@ class Scheduler:
             kind = KIND_RESUMED if req.resumed else KIND_NEW
             st.status[req.idx] = RUNNING
             self.running.append(req)
-            self._run_idx = None
+            if self._run_idx is not None:  # kept in step with ``running`` (no rebuild)
+                self._run_idx = np.append(self._run_idx, req.idx)
             # a new or resumed request's row is the whole row: hit columns + fresh tail
             self._commit(
                 req,
@@ -364,7 +387,7 @@ class Scheduler:
         """
         st = self.store
         budget = self.cfg.max_num_batched_tokens
-        run = list(self.running)
+        run = build.run
         if not run:
             return budget
         if self._run_idx is None:
@@ -402,9 +425,7 @@ class Scheduler:
                 break
         sel = np.flatnonzero(want[:scalar_from])
         if len(sel):
-            self._commit_simple(
-                [run[i] for i in sel.tolist()], idx[sel], want[sel], sel, step, build
-            )
+            self._commit_simple(idx[sel], want[sel], sel, step, build)
         left = budget - (int(cs[scalar_from - 1]) if scalar_from else 0) - taken
         for pos in range(scalar_from, len(run)):
             if left <= 0:
@@ -417,7 +438,6 @@ class Scheduler:
 
     def _commit_simple(
         self,
-        reqs: list[Request],
         ids: np.ndarray,
         n: np.ndarray,
         keys: np.ndarray,
@@ -427,7 +447,7 @@ class Scheduler:
         """Commit decode rows that need no block change, in one go."""
         st = self.store
         nc = st.nc[ids].copy()
-        build.add_many(reqs, ids, n, nc, st.epoch[ids], keys)
+        build.add_many(ids, n, nc, st.epoch[ids], keys)
         first = st.first_step[ids]
         st.first_step[ids] = np.where(first < 0, step, first)
         st.last_step[ids] = step
@@ -535,8 +555,7 @@ class Scheduler:
         self.alloc.free(req.req_id)
         st.rowlen[i] = 0
         st.last_pending[i] = False
-        self.running.remove(req)
-        self._run_idx = None
+        self._drop_running(self.running.index(req))
         st.status[i] = WAITING
         st.nc[i] = 0
         st.ntok[i] = req.prompt_len + st.nout[i]
@@ -591,10 +610,12 @@ class Scheduler:
             idx = idx[keep]
             n, d, samples = so.num_scheduled[keep], so.num_draft[keep], so.samples[keep]
             acc, nc_before = accepted[keep], so.num_computed[keep]
-            reqs = [so.reqs[p] for p in keep.tolist()]
+            pos = keep.tolist()  # kept position -> position in the step
         else:
             n, d, samples = so.num_scheduled, so.num_draft, so.samples
-            acc, nc_before, reqs = accepted, so.num_computed, so.reqs
+            acc, nc_before = accepted, so.num_computed
+            pos = None
+        reqs = so.reqs
         st.inflight[idx] -= 1
         st.inflight_tok[idx] -= n
         rejected = np.where(samples, d + 1 - acc, 0)
@@ -603,7 +624,7 @@ class Scheduler:
         st.nout[idx] += np.where(samples, acc, 0)
         seeds = np.flatnonzero(st.boundary[idx] == nc_before + n)
         for p in seeds.tolist():
-            req = reqs[p]
+            req = reqs[p if pos is None else pos[p]]
             boundary = int(st.boundary[req.idx])
             if boundary > 0 and self.cache.lookup(req.family) is None:
                 col = boundary // self.B - 1
@@ -613,18 +634,26 @@ class Scheduler:
         done = np.flatnonzero(st.nout[idx] >= st.output_len[idx])
         finished = []
         for p in done.tolist():
-            req = reqs[p]
+            req = reqs[p if pos is None else pos[p]]
             req.finish_reason = "length" if req.output_len >= req.arrival.max_tokens else "stop"
             st.status[req.idx] = FINISHING
             self.to_finish.append(req)
             finished.append(req)
         return finished
 
+    def _drop_running(self, pos: int) -> None:
+        del self.running[pos]
+        if self._run_idx is not None:  # a new array: a step's snapshot of it stays as it was
+            self._run_idx = np.delete(self._run_idx, pos)
+
     def _release(self, req: Request) -> None:
         self.alloc.free(req.req_id)
         self.store.rowlen[req.idx] = 0
         self.store.last_pending[req.idx] = False
-        if req in self.running:
-            self.running.remove(req)
-            self._run_idx = None
+        try:
+            pos = self.running.index(req)
+        except ValueError:
+            pass
+        else:
+            self._drop_running(pos)
         self.store.status[req.idx] = FINISHED

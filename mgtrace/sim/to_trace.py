@@ -8,7 +8,9 @@ import numpy as np
 
 from mgtrace import __version__
 from mgtrace.schemas.manifest import RunMetadata, StateLayout
+from mgtrace.schemas.tables import SCHED_KINDS
 from mgtrace.sim.config import BUG_BATCH_ROW, SimConfig
+from mgtrace.sim.runner_common import Nullable
 from mgtrace.sim.scheduler import KIND_CACHED, KIND_NAMES, Request, SchedOut
 
 SIM_MODEL = "sim/hybrid-mamba2-mtp"
@@ -87,45 +89,50 @@ def source_info(cfg: SimConfig, argv: list[str] | None) -> dict[str, Any]:
 
 
 _NO_NEW_IDS: list[list[int]] = [[]]
+# the scheduler's kind numbers as codes into the sched table's categories (the writer's cheap
+# form for a categorical column), and the codes of the rows of requests that left
+_KIND_CODES = np.array([SCHED_KINDS.index(k) for k in KIND_NAMES], np.int8)
+_FINISHED, _PREEMPTED = SCHED_KINDS.index("finished"), SCHED_KINDS.index("preempted")
 
 
-def sched_rows(so: SchedOut) -> dict[str, Any] | None:
-    """The step's SchedulerOutput as rows of the ``sched`` table."""
-    ended = [(r, "finished") for r in so.finished] + [(r, "preempted") for r in so.preempted]
+def sched_rows(so: SchedOut) -> list[dict[str, Any]]:
+    """The step's SchedulerOutput as chunks of ``sched`` rows: the scheduled requests, then
+    the finished and preempted ones (whose count columns are null, as the writer records a
+    column a chunk does not give)."""
+    chunks: list[dict[str, Any]] = []
     m = len(so)
-    if not m and not ended:
-        return None
-    kinds = KIND_NAMES[so.kind].tolist()
-    # one shared, never-mutated [[]] for rows that got no blocks: no per-row containers
-    new_ids = [_NO_NEW_IDS] * m
-    for p, ids in so.new_block_ids.items():
-        new_ids[p] = [ids]
-    if not ended:
-        prompts = [r.prompt_len for r in so.reqs] if (so.kind != KIND_CACHED).any() else None
-        return {
+    if m:
+        # one shared, never-mutated [[]] for rows that got no blocks: no per-row containers
+        new_ids = [_NO_NEW_IDS] * m
+        for p, ids in so.new_block_ids.items():
+            new_ids[p] = [ids]
+        rows: dict[str, Any] = {
             "req_id": so.req_ids,
-            "kind": kinds,
+            "kind": _KIND_CODES[so.kind],
             "num_scheduled": so.num_scheduled.astype(np.int32),
             "num_computed": so.num_computed.astype(np.int32),
             "num_spec": so.num_draft.astype(np.int32),
-            "num_prompt": None
-            if prompts is None
-            else [p if k != "cached" else None for p, k in zip(prompts, kinds, strict=True)],
             "new_block_ids": new_ids,
         }
-    pad: list[None] = [None] * len(ended)
-    return {
-        "req_id": so.req_ids + [r.req_id for r, _ in ended],
-        "kind": kinds + [k for _, k in ended],
-        "num_scheduled": so.num_scheduled.tolist() + pad,
-        "num_computed": so.num_computed.tolist() + pad,
-        "num_spec": so.num_draft.tolist() + pad,
-        "num_prompt": [
-            r.prompt_len if k != "cached" else None for r, k in zip(so.reqs, kinds, strict=True)
-        ]
-        + pad,
-        "new_block_ids": new_ids + pad,
-    }
+        # the prompt length of new and resumed rows, null for cached ones
+        fresh = so.kind != KIND_CACHED
+        if fresh.any():
+            data = np.zeros(m, np.int32)
+            data[fresh] = [so.reqs[p].prompt_len for p in np.flatnonzero(fresh).tolist()]
+            rows["num_prompt"] = Nullable(data, ~fresh)
+        chunks.append(rows)
+    n_fin, n_pre = len(so.finished), len(so.preempted)
+    if n_fin or n_pre:
+        kinds = np.empty(n_fin + n_pre, np.int8)
+        kinds[:n_fin] = _FINISHED
+        kinds[n_fin:] = _PREEMPTED
+        chunks.append(
+            {
+                "req_id": [r.req_id for r in so.finished] + [r.req_id for r in so.preempted],
+                "kind": kinds,
+            }
+        )
+    return chunks
 
 
 def request_rows(reqs: list[Request]) -> dict[str, Any]:

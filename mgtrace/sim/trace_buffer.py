@@ -1,0 +1,275 @@
+"""Steps buffered per rank and table, handed to the trace writer many at a time.
+
+Per step the simulator records ~400 rows in a few chunks of a dozen columns. Handed over one
+step at a time, the writer pays per (chunk, column) Python overhead and converts Python lists
+value by value. Here chunks are only collected; every ``steps_per_write`` steps each table of
+each rank becomes one chunk with a ``step`` column (``TraceWriter.write_steps``), in the
+writer's cheap column forms: numeric columns as numpy arrays, nullable ones as masked arrays,
+categorical strings as integer codes, a string repeated over the whole chunk as one ``str``.
+The rows, their order within a step and their values are those ``write_step`` would record.
+
+Ownership: chunks are kept by reference until the flush, as the writer itself does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from mgtrace.schemas.tables import TABLES, categories_of
+from mgtrace.schemas.writer import TraceWriter
+from mgtrace.sim.runner_common import Nullable
+
+Columns = Mapping[str, Any]
+
+NUM, CAT, STR, OTHER = range(4)
+
+
+def _field_kinds() -> dict[str, dict[str, tuple[int, Any]]]:
+    """Per table and column: how its chunks are joined, and the numpy dtype or categories."""
+    out: dict[str, dict[str, tuple[int, Any]]] = {}
+    for name, spec in TABLES.items():
+        if not spec.per_step:
+            continue
+        kinds: dict[str, tuple[int, Any]] = {}
+        for f in spec.schema:
+            if f.name in ("rank", "step"):
+                continue
+            t = f.type
+            if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+                kinds[f.name] = (NUM, np.dtype(t.to_pandas_dtype()))
+            elif categories_of(f):
+                cats = categories_of(f)
+                kinds[f.name] = (CAT, {c: i for i, c in enumerate(cats)})
+            elif pa.types.is_string(t):
+                kinds[f.name] = (STR, None)
+            else:
+                kinds[f.name] = (OTHER, None)
+        out[name] = kinds
+    return out
+
+
+_KINDS = _field_kinds()
+
+
+def _rows(columns: Columns) -> int:
+    """Rows of a chunk, as the writer counts them: scalars broadcast, all-scalar is one row."""
+    for v in columns.values():
+        t = type(v)
+        if t is np.ndarray and v.ndim:
+            return v.shape[0]
+        if t in _SEQUENCES:
+            return len(v)
+    return 1
+
+
+_NONE = type(None)
+_SEQUENCES = frozenset((list, tuple, np.ndarray, np.ma.MaskedArray, Nullable))
+_ARRAY_ONLY = frozenset((np.ndarray,))
+_ARRAY_OR_NONE = frozenset((np.ndarray, _NONE))
+_NONE_ONLY = frozenset((_NONE,))
+
+
+def _is_scalar(v: Any) -> bool:
+    return type(v) not in _SEQUENCES
+
+
+def _join_numeric(values: list[Any], counts: np.ndarray, dtype: np.dtype, types: set[type]) -> Any:
+    """One array (masked where a value is null) from per-chunk arrays, lists and scalars.
+
+    ``types`` is the set of the values' types (one pass over them picks the path).
+    """
+    if types == _ARRAY_ONLY:  # the common case: one concatenation
+        joined = np.concatenate(values)
+        if joined.dtype != object:
+            return joined.astype(dtype, copy=False)
+    given = [v for v in values if v is not None]
+    if types <= _ARRAY_OR_NONE and all(v.dtype != object for v in given):
+        # arrays, and chunks without the column (a launch kind that does not record it):
+        # null rows where a chunk gave nothing, without a per-chunk loop
+        mask = np.repeat(np.array([v is None for v in values]), counts)
+        data = np.zeros(len(mask), dtype)
+        data[~mask] = np.concatenate(given)
+        return np.ma.MaskedArray(data, mask)
+    if types.isdisjoint(_SEQUENCES):
+        if _NONE in types:
+            mask = np.array([v is None for v in values])
+            data = np.array([0 if v is None else v for v in values], dtype)
+            return np.ma.MaskedArray(np.repeat(data, counts), np.repeat(mask, counts))
+        return np.repeat(np.array(values, dtype), counts)
+    data: list[np.ndarray] = []
+    masks: list[np.ndarray | None] = []
+    for v, n in zip(values, counts.tolist(), strict=True):
+        t = type(v)
+        if t is np.ndarray and v.dtype != object:
+            data.append(v)
+            masks.append(None)
+        elif t is Nullable:
+            data.append(v.data)
+            masks.append(v.mask)
+        elif t is np.ma.MaskedArray:
+            data.append(np.ma.getdata(v))
+            masks.append(np.ma.getmaskarray(v))
+        elif v is None:
+            data.append(np.zeros(n, dtype))
+            masks.append(np.ones(n, bool))
+        elif _is_scalar(v):
+            data.append(np.full(n, v, dtype))
+            masks.append(None)
+        else:
+            items = v.tolist() if t is np.ndarray else list(v)
+            if any(x is None for x in items):
+                data.append(np.array([0 if x is None else x for x in items], dtype))
+                masks.append(np.array([x is None for x in items]))
+            else:
+                data.append(np.array(items, dtype))
+                masks.append(None)
+    joined = np.concatenate(data).astype(dtype, copy=False)
+    if all(m is None for m in masks):
+        return joined
+    mask = np.concatenate(
+        [np.zeros(len(d), bool) if m is None else m for d, m in zip(data, masks, strict=True)]
+    )
+    return np.ma.MaskedArray(joined, mask)
+
+
+class _NotACategory(Exception):
+    """A string outside the column's categories: the column goes over as strings."""
+
+
+def _code(index: dict[str, int], v: Any) -> int:
+    if v is None:
+        return -1  # the writer decodes an out-of-range code to null
+    try:
+        return index[v]
+    except KeyError:
+        raise _NotACategory(v) from None
+
+
+def _join_categorical(values: list[Any], counts: np.ndarray, index: dict[str, int]) -> Any:
+    """Integer codes into the categories from codes, strings, string lists and None."""
+    try:
+        if all(_is_scalar(v) for v in values):
+            codes = np.array([_code(index, v) for v in values], np.int32)
+            return np.repeat(codes, counts)
+        parts: list[np.ndarray] = []
+        for v, n in zip(values, counts.tolist(), strict=True):
+            t = type(v)
+            if t is np.ndarray and v.dtype.kind in "iu":
+                parts.append(v)
+            elif _is_scalar(v):
+                parts.append(np.full(n, _code(index, v), np.int32))
+            else:
+                items = v.tolist() if t is np.ndarray else v
+                parts.append(np.array([_code(index, x) for x in items], np.int32))
+        return np.concatenate(parts).astype(np.int32, copy=False)
+    except _NotACategory:
+        cats = list(index)
+        return _join_list(
+            [
+                [cats[c] if 0 <= c < len(cats) else None for c in v.tolist()]
+                if type(v) is np.ndarray and v.dtype.kind in "iu"
+                else v
+                for v in values
+            ],
+            counts,
+        )
+
+
+def _join_list(values: list[Any], counts: np.ndarray) -> list[Any]:
+    out: list[Any] = []
+    for v, n in zip(values, counts.tolist(), strict=True):
+        if _is_scalar(v):
+            out.extend([v] * n)
+        elif type(v) is np.ndarray:
+            out.extend(v.tolist())
+        else:
+            out.extend(v)
+    return out
+
+
+def _join_string(values: list[Any], counts: np.ndarray) -> Any:
+    """A string repeated over every row stays one ``str``; else a list."""
+    first = values[0]
+    if type(first) is str and all(v == first and type(v) is str for v in values):
+        return first
+    return _join_list(values, counts)
+
+
+class _TableBuffer:
+    __slots__ = ("chunks", "counts", "steps")
+
+    def __init__(self) -> None:
+        self.chunks: list[Columns] = []
+        self.counts: list[int] = []
+        self.steps: list[int] = []
+
+    def to_columns(self, kinds: dict[str, tuple[int, Any]]) -> dict[str, Any]:
+        counts = np.asarray(self.counts, np.int64)
+        out: dict[str, Any] = {"step": np.repeat(np.asarray(self.steps, np.int64), counts)}
+        for name, (kind, info) in kinds.items():
+            values = [c.get(name) for c in self.chunks]
+            types = set(map(type, values))
+            if types == _NONE_ONLY:
+                continue  # the writer records nulls for a column nobody gave
+            if kind == NUM:
+                out[name] = _join_numeric(values, counts, info, types)
+            elif kind == CAT:
+                out[name] = _join_categorical(values, counts, info)
+            elif kind == STR:
+                out[name] = _join_string(values, counts)
+            else:
+                out[name] = _join_list(values, counts)
+        return out
+
+
+class StepBuffer:
+    """Collect steps per rank; hand them to ``writer`` every ``steps_per_write`` steps."""
+
+    def __init__(self, writer: TraceWriter, steps_per_write: int = 64) -> None:
+        self.writer = writer
+        self.steps_per_write = max(1, steps_per_write)
+        self._tables: dict[int, dict[str, _TableBuffer]] = {}
+        self._span: dict[int, list[int]] = {}  # rank -> [first, last] buffered step
+        self._steps = 0
+
+    def add(self, rank: int, step: int, table: str, columns: Columns) -> None:
+        """One chunk of a step's table (several chunks of one table keep their order)."""
+        tables = self._tables.get(rank)
+        if tables is None:
+            tables = self._tables[rank] = {}
+        buf = tables.get(table)
+        if buf is None:
+            buf = tables[table] = _TableBuffer()
+        buf.chunks.append(columns)
+        buf.counts.append(_rows(columns))
+        buf.steps.append(step)
+        span = self._span.get(rank)
+        if span is None:
+            self._span[rank] = [step, step]
+        else:
+            span[1] = step
+
+    def end_step(self) -> None:
+        """Call once per step after its chunks: flushes every ``steps_per_write`` steps."""
+        self._steps += 1
+        if self._steps >= self.steps_per_write:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand everything buffered to the writer (also at the end and on interruption)."""
+        tables_by_rank, spans = self._tables, self._span
+        self._tables, self._span, self._steps = {}, {}, 0
+        for rank in sorted(spans):
+            first, last = spans[rank]
+            bulk = {
+                name: buf.to_columns(_KINDS[name])
+                for name, buf in tables_by_rank.get(rank, {}).items()
+            }
+            self.writer.write_steps(rank, first, last, bulk)
+
+
+__all__ = ["StepBuffer"]
