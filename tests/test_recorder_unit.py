@@ -406,3 +406,34 @@ def test_import_probe_command_reports_counts(tmp_path: Path, capsys: Any) -> Non
     assert "skipped 4 malformed entries" in captured.err
     code, text = _invoke(command, [str(pp), "-o", str(tmp_path / "t")])
     assert code == 2 and "already exists" in text
+
+
+def test_run_metadata_carries_the_state_layout() -> None:
+    """A recorded trace names its state tensors, so a replay can size its pool from it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mgtrace.recorder.runinfo import state_layout
+    from mgtrace.replayer.tags import TagPool
+    from mgtrace.schemas.manifest import RunMetadata
+
+    mamba = SimpleNamespace(
+        kv_cache_spec=SimpleNamespace(
+            shapes=((6, 1024), (8, 64, 128)), dtypes=(torch.bfloat16, torch.float32),
+            mamba_type=SimpleNamespace(name="MAMBA2"),
+        ),
+        layer_names=["model.layers.0.mixer", "model.layers.2.mixer"],
+    )
+    attention = SimpleNamespace(kv_cache_spec=SimpleNamespace(), layer_names=["attn"])
+    runner = SimpleNamespace(kv_cache_config=SimpleNamespace(kv_cache_groups=[attention, mamba]))
+    states = state_layout(runner, [1])
+    assert [(s.group, s.layer, s.kind, s.shape, s.dtype) for s in states] == [
+        (0, 0, "conv", [6, 1024], "bfloat16"),
+        (0, 0, "temporal", [8, 64, 128], "float32"),
+        (0, 1, "conv", [6, 1024], "bfloat16"),
+        (0, 1, "temporal", [8, 64, 128], "float32"),
+    ]
+    pool = TagPool(RunMetadata(num_speculative_tokens=3, num_blocks=8, states=states))
+    assert pool.groups[0].width == 6  # the conv window the replay shifts by
+    assert state_layout(SimpleNamespace(), [0]) == []  # control: nothing to read, nothing made

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from mgtrace.schemas.manifest import RunMetadata
+from mgtrace.schemas.manifest import RunMetadata, StateLayout
+
+# State kinds in the order a Mamba spec lists its shapes, per backend family (vLLM's
+# MambaStateCopyFuncCalculator: mamba/GDN/KDA keep (conv, temporal), linear attention only
+# the temporal state, short conv only the conv state).
+_KINDS_BY_TYPE = {"LINEAR": ("temporal",), "SHORT_CONV": ("conv",)}
 
 
 def _get(obj: Any, path: str, default: Any = None) -> Any:
@@ -34,6 +39,48 @@ def builder_thresholds(runner: Any) -> dict[str, int | None]:
             out[type(builder).__name__] = getattr(builder, "reorder_batch_threshold", None)
     except Exception:
         pass
+    return out
+
+
+def _conv_layout() -> str:
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        return str(get_conv_state_layout())
+    except Exception:
+        return "SD"
+
+
+def state_layout(runner: Any, groups: list[int]) -> list[StateLayout]:
+    """Per Mamba group (local order) and layer, the state tensors a block holds."""
+    out: list[StateLayout] = []
+    try:
+        cfg_groups = runner.kv_cache_config.kv_cache_groups
+    except Exception:
+        return out
+    layout = _conv_layout()
+    for local, gid in enumerate(groups):
+        try:
+            group = cfg_groups[gid]
+            spec = group.kv_cache_spec
+            shapes, dtypes = tuple(spec.shapes), tuple(spec.dtypes)
+        except Exception:
+            continue
+        mamba_type = getattr(getattr(spec, "mamba_type", None), "name", "MAMBA2")
+        kinds = _KINDS_BY_TYPE.get(mamba_type, ("conv", "temporal", "temporal", "temporal"))
+        for layer, _name in enumerate(getattr(group, "layer_names", ["layer"])):
+            for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=False)):
+                kind = kinds[i] if i < len(kinds) else "temporal"
+                out.append(
+                    StateLayout(
+                        group=local,
+                        layer=layer,
+                        kind=kind,
+                        shape=[int(d) for d in shape],
+                        dtype=str(dtype).removeprefix("torch."),
+                        conv_layout=layout if kind == "conv" else None,
+                    )
+                )
     return out
 
 
@@ -76,4 +123,5 @@ def run_metadata(runner: Any, kind: str, groups: list[int], row_rule: str | None
         runner_reorder_threshold=getattr(runner, "reorder_batch_threshold", None),
         builder_reorder_thresholds=builder_thresholds(runner),
         row_rule=row_rule,
+        states=state_layout(runner, groups),
     )
