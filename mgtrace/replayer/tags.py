@@ -54,10 +54,10 @@ class _IntView:
         import torch
 
         words = self.pool.buffer.view(torch.int32)
-        idx = np.asarray(idx, dtype=np.int64)
-        vals = np.broadcast_to(np.asarray(values, dtype=np.int32), idx.shape)
+        idx = np.array(idx, dtype=np.int64)  # a private, writable copy for torch
+        vals = np.array(np.broadcast_to(np.asarray(values, dtype=np.int32), idx.shape))
         words[torch.from_numpy(idx.ravel()).to(words.device)] = torch.from_numpy(
-            np.ascontiguousarray(vals).ravel()
+            vals.ravel()
         ).to(words.device)
 
 
