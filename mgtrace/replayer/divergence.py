@@ -26,23 +26,23 @@ def _first(steps: np.ndarray, mask: np.ndarray) -> int | None:
 def first_divergence(trace: RankTrace, rules: RuleSet, *, until: int | None = None) -> int | None:
     """The earliest step whose executed inputs differ under ``rules``; None if none does."""
     candidates: list[int] = []
-    lc = trace._launch_cols
+    lc = trace.launch_columns
     steps = lc["step"]
-    kernel = trace._launch_kernel
+    kernel = trace.launch_kernel_codes
     bt_rule = rules["bt_row_is_req"]
     if bt_rule != AS_RECORDED and len(steps):
         copies = kernel != _GATHER
         want = lc["req_slot"] if bt_rule == "true" else lc["batch_row"]
         differs = copies & (lc["bt_row"] != want)
         if trace.run.runner == "v2":
-            table = trace._launch_table
+            table = trace.launch_table_codes
             differs |= copies & (table != (_SOURCE if bt_rule == "true" else _INPUT))
         if (step := _first(steps, differs)) is not None:
             candidates.append(step)
     if rules["accepted_source"] == "cpu":
         for step in (
-            _first(steps, trace._launch_has["num_accepted_cpu"]),
-            _first(trace._batch.steps, trace._batch_cols["accepted_prev_cpu"] >= 0),
+            _first(steps, trace.launch_has["num_accepted_cpu"]),
+            _first(trace.batch_steps, trace.batch_columns["accepted_prev_cpu"] >= 0),
         ):
             if step is not None:
                 candidates.append(step)

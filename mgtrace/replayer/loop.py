@@ -50,24 +50,6 @@ def load_backend(name: str, device: str) -> Backend:
     raise UsageError(f"unknown backend {name!r}; choose reference or triton")
 
 
-def _table_dims(trace: RankTrace, k: int) -> tuple[int, int]:
-    """Rows and columns the replayed block tables need to hold every recorded index."""
-    t = trace._tables.table
-    rows = [trace.run.max_num_seqs or 0, 1]
-    width = [k + 2]
-    if t.num_rows:
-        rows.append(int(np.max(t.column("row").to_numpy())) + 1)
-        lengths = [len(x) for x in t.column("block_ids").to_pylist()]
-        width.append(max(lengths))
-    lc = trace._launch_cols
-    if len(lc["bt_row"]):
-        rows.append(int(np.max(lc["bt_row"])) + 1)
-    cols = trace._batch_cols["state_col"]
-    if len(cols):
-        width.append(int(np.max(cols)) + k + 2)
-    return max(rows), max(width)
-
-
 @dataclass
 class Checkpoint:
     step: int  # the last step applied
@@ -98,7 +80,7 @@ class RankReplay:
         groups = len(self.pool.groups)
         kinds = ("v1",) if self.runner == "v1" else ("source", "input")
         self.own_kind = kinds[0]
-        rows, width = _table_dims(self.trace, self.k)
+        rows, width = self.trace.table_dims(self.k)
         self.tables = TableStore(kinds, groups, rows, width)
         self.ownership = BlockOwnership(groups, run.num_blocks or 1)
         width0 = self.pool.groups[0].width if self.pool.groups else 0

@@ -171,6 +171,46 @@ class RankTrace:
     def __len__(self) -> int:
         return len(self.step_numbers)
 
+    # Read-only views for analyses over the whole rank (divergence of rules, table sizes).
+    @property
+    def launch_columns(self) -> dict[str, np.ndarray]:
+        return self._launch_cols
+
+    @property
+    def launch_has(self) -> dict[str, np.ndarray]:
+        """Per launch row and column: whether the value was recorded (not null)."""
+        return self._launch_has
+
+    @property
+    def launch_kernel_codes(self) -> np.ndarray:
+        return self._launch_kernel
+
+    @property
+    def launch_table_codes(self) -> np.ndarray:
+        return self._launch_table
+
+    @property
+    def batch_steps(self) -> np.ndarray:
+        return self._batch.steps
+
+    @property
+    def batch_columns(self) -> dict[str, np.ndarray]:
+        return self._batch_cols
+
+    def table_dims(self, k: int) -> tuple[int, int]:
+        """Rows and columns the replayed block tables need to hold every recorded index."""
+        rows = [self.run.max_num_seqs or 0, 1]
+        width = [k + 2]
+        if self._table_rows:
+            rows.append(max(r for _, _, r, _ in self._table_rows) + 1)
+            width.append(max(len(ids) for *_, ids in self._table_rows))
+        if len(self._launch_cols["bt_row"]):
+            rows.append(int(np.max(self._launch_cols["bt_row"])) + 1)
+        cols = self._batch_cols["state_col"]
+        if len(cols):
+            width.append(int(np.max(cols)) + k + 2)
+        return max(rows), max(width)
+
     def steps_from(self, start: int) -> list[int]:
         return self.step_numbers[np.searchsorted(self.step_numbers, start) :].tolist()
 
