@@ -108,3 +108,22 @@ class PerRequest:
             arr[: len(old)] = old
             setattr(self, name, arr)
         self.cap = new_cap
+
+
+def row_moves_table(moves: list[tuple[Any, ...]], d2h_landed: bool | None = None) -> dict[str, Any]:
+    """The ``row_moves`` rows of a step from (op, row_a, row_b, req_a, req_b, acc_a, acc_b, ...)
+    tuples, in the order the moves happened."""
+    op, a, b, ra, rb, xa, xb = (list(c) for c in list(zip(*moves, strict=True))[:7])
+    table: dict[str, Any] = {
+        "seq": np.arange(len(moves), dtype=np.int32),
+        "op": op,
+        "row_a": a,
+        "row_b": b,
+        "req_id": ra,
+        "req_id_b": rb,
+        "accepted_a": xa,
+        "accepted_b": xb,
+    }
+    if d2h_landed is not None:
+        table["d2h_landed"] = d2h_landed
+    return table

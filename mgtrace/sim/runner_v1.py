@@ -24,6 +24,7 @@ from mgtrace.sim.runner_common import (
     StepResult,
     capture_size,
     copy_boundary,
+    row_moves_table,
     running_cols,
     sparse,
     where_valid,
@@ -350,18 +351,7 @@ class RunnerV1:
             "batch_rows": batch_rows,
         }
         if moves:
-            op, a, b, ra, rb, xa, xb = zip(*moves, strict=True)
-            tables["row_moves"] = {
-                "seq": np.arange(len(moves), dtype=np.int32),
-                "op": list(op),
-                "row_a": list(a),
-                "row_b": list(b),
-                "req_id": list(ra),
-                "req_id_b": list(rb),
-                "accepted_a": list(xa),
-                "accepted_b": list(xb),
-                "d2h_landed": landed if has_pending else None,
-            }
+            tables["row_moves"] = row_moves_table(moves, landed if has_pending else None)
         if self.rows.dirty:
             dirty = sorted(self.rows.dirty)
             tables["block_tables"] = {

@@ -23,7 +23,13 @@ import numpy as np
 
 from mgtrace.sim.config import BUG_BATCH_ROW, SimConfig
 from mgtrace.sim.reorder import mamba_split, regions, v2_order
-from mgtrace.sim.runner_common import StepResult, copy_boundary, running_cols, where_valid
+from mgtrace.sim.runner_common import (
+    StepResult,
+    copy_boundary,
+    row_moves_table,
+    running_cols,
+    where_valid,
+)
 from mgtrace.sim.scheduler import KIND_RESUMED, SchedOut
 
 
@@ -391,17 +397,7 @@ class RunnerV2:
             },
         }
         if moves:
-            op, a, b, ra, rb, xa, xb, _ = zip(*moves, strict=True)
-            tables["row_moves"] = {
-                "seq": np.arange(len(moves), dtype=np.int32),
-                "op": list(op),
-                "row_a": list(a),
-                "row_b": list(b),
-                "req_id": list(ra),
-                "req_id_b": list(rb),
-                "accepted_a": list(xa),
-                "accepted_b": list(xb),
-            }
+            tables["row_moves"] = row_moves_table(moves)
         if dirty_source or dirty_input:
             src = sorted(dirty_source)
             inp = sorted(dirty_input)
