@@ -48,7 +48,11 @@ def render_info(info: dict[str, Any], console: Console) -> None:
         "[green]complete[/]" if info["complete"] else "[red]incomplete[/] (writer did not close)"
     )
     t.add_row("status", status)
-    t.add_row("source", str(info["source"].get("kind", "unknown")))
+    source = info["source"]
+    kind = str(source.get("kind", "unknown"))
+    if "ranks" in source and isinstance(source["ranks"], dict):
+        kind += f" ({', '.join(sorted(source['ranks']))})"  # one trace per worker, read as one
+    t.add_row("source", kind)
     run = info["run"]
     for key, label in _RUN_FIELDS:
         if run.get(key) is not None:

@@ -160,13 +160,33 @@ def save_manifest(trace_dir: Path, manifest: Manifest) -> None:
     write_json_atomic(trace_dir / MANIFEST_NAME, manifest.to_dict())
 
 
-def load_manifest(trace_dir: Path) -> Manifest:
-    path = trace_dir / MANIFEST_NAME
-    where = str(path)
-    if not path.is_file():
-        raise ManifestError(f"{trace_dir} has no {MANIFEST_NAME}; it is not an mgtrace trace")
+def read_manifest_file(path: Path) -> Manifest:
+    """One ``manifest.json``, parsed and checked."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{where} cannot be parsed ({exc.__class__.__name__}: {exc})") from None
-    return Manifest.from_dict(data, where=where)
+        raise ManifestError(f"{path} cannot be parsed ({exc.__class__.__name__}: {exc})") from None
+    return Manifest.from_dict(data, where=str(path))
+
+
+def load_manifest(trace_dir: Path) -> Manifest:
+    """The manifest of a trace directory; for a multi-rank recording (``rank-NNN``
+    subdirectories) the union of its ranks' manifests."""
+    from mgtrace.schemas import ranks
+
+    path = trace_dir / MANIFEST_NAME
+    if path.is_file():
+        own = read_manifest_file(path)
+        if ranks.is_merged(own):
+            return ranks.merge_ranks(
+                trace_dir, ranks.rank_directories(trace_dir), _read_rank, own=own
+            )
+        return own
+    found = ranks.rank_directories(trace_dir)
+    if found:
+        return ranks.merge_ranks(trace_dir, found, _read_rank)
+    raise ManifestError(f"{trace_dir} has no {MANIFEST_NAME}; it is not an mgtrace trace")
+
+
+def _read_rank(rank_dir: Path) -> Manifest:
+    return read_manifest_file(rank_dir / MANIFEST_NAME)

@@ -60,7 +60,8 @@ def _part_problem(trace_dir: Path, part: PartInfo) -> str | None:
 
 
 class TraceReader:
-    """A validated, read-only view of one trace directory."""
+    """A validated, read-only view of one trace directory (or of the ``rank-NNN`` traces of a
+    multi-worker recording under it, read as one)."""
 
     def __init__(self, path: str | Path, *, skip_bad_parts: bool = False) -> None:
         self.path = Path(path)
@@ -94,7 +95,9 @@ class TraceReader:
 
     def open_parts_left(self) -> list[str]:
         """Temporary part files an interrupted writer left behind (never read)."""
-        return sorted(str(p.relative_to(self.path)) for p in self.path.glob(f"*/*{TMP_SUFFIX}"))
+        # table/part.tmp, or rank-NNN/table/part.tmp in a multi-rank recording
+        left = [*self.path.glob(f"*/*{TMP_SUFFIX}"), *self.path.glob(f"rank-*/*/*{TMP_SUFFIX}")]
+        return sorted(str(p.relative_to(self.path)) for p in left)
 
     def size_on_disk(self) -> int:
         return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())

@@ -1,0 +1,148 @@
+"""A multi-worker recording (``DIR/rank-NNN``, one trace per rank) reads as one trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from mgtrace.errors import ManifestError, PartError
+from mgtrace.replayer.loop import replay_trace
+from mgtrace.schemas.manifest import MANIFEST_NAME
+from mgtrace.schemas.reader import TraceReader
+from mgtrace.schemas.tables import TABLES
+from mgtrace.schemas.writer import TraceWriter
+from mgtrace.sim.config import SimConfig
+from mgtrace.sim.engine import simulate
+from tests.conftest import assert_one_sentence_error, run_cli
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-rank (V2, PP 2) simulated trace with the batch-row bug, written as one trace."""
+    path = tmp_path_factory.mktemp("ranks") / "whole.trace"
+    cfg = SimConfig(
+        scenario="pairs",
+        steps=160,
+        runner="v2",
+        pp=2,
+        seed=1,
+        bugs=("batch-row-block-table",),
+        output=path,
+        overwrite=True,
+    )
+    simulate(cfg.validate())
+    return path
+
+
+def split_by_rank(whole: Path, out: Path) -> dict[int, Path]:
+    """Write each rank's rows of ``whole`` as its own trace under ``out/rank-NNN``, the way
+    one worker process per rank records."""
+    reader = TraceReader(whole)
+    dirs = {}
+    for rank in (0, 1):
+        path = out / f"rank-{rank:03d}"
+        with TraceWriter(path, run=reader.run, source={"kind": "test", "rank": rank}) as w:
+            for name, spec in TABLES.items():
+                table = reader.table(name)
+                if spec.per_step:
+                    table = table.filter(pa.compute.equal(table["rank"], rank)).drop(["rank"])
+                    steps = table["step"].to_pylist()
+                    if steps:
+                        w.write_steps(rank, min(steps), max(steps), {name: _columns(table)})
+                elif rank == 0 and name != "findings" and table.num_rows:
+                    w.write_rows(name, _columns(table))  # per-run tables: written once
+        dirs[rank] = path
+    return dirs
+
+
+def _columns(table: pa.Table) -> dict[str, list]:
+    return {c: table[c].to_pylist() for c in table.column_names}
+
+
+def _sorted(table: pa.Table) -> list[dict]:
+    return sorted(table.to_pylist(), key=lambda r: json.dumps(r, sort_keys=True, default=str))
+
+
+def test_rank_directories_read_as_one_trace(whole: Path, tmp_path: Path) -> None:
+    split_by_rank(whole, tmp_path / "rec")
+    merged, original = TraceReader(tmp_path / "rec"), TraceReader(whole)
+    assert merged.manifest.complete
+    assert sorted(merged.manifest.source["ranks"]) == ["rank-000", "rank-001"]
+    for name in ("steps", "batch_rows", "launches", "block_tables", "sched", "requests"):
+        assert _sorted(merged.table(name)) == _sorted(original.table(name)), name
+    assert {p.rank for p in merged.parts if p.table == "batch_rows"} == {0, 1}
+
+
+def test_replay_of_rank_directories_finds_what_the_whole_trace_shows(
+    whole: Path, tmp_path: Path
+) -> None:
+    split_by_rank(whole, tmp_path / "rec")
+
+    def summary(path: Path) -> list[tuple]:
+        result = replay_trace(TraceReader(path))
+        return [(f.rank, f.step, f.req_id, f.signature) for f in result.findings]
+
+    expected = summary(whole)
+    assert expected, "the control: the whole trace has findings"
+    assert summary(tmp_path / "rec") == expected
+
+
+def test_findings_are_added_beside_the_ranks_and_the_union_stays_fresh(
+    whole: Path, tmp_path: Path
+) -> None:
+    rec = tmp_path / "rec"
+    split_by_rank(whole, rec)
+    proc = run_cli("replay", str(rec))
+    assert proc.returncode == 1, proc.stderr
+    assert (rec / MANIFEST_NAME).is_file()  # the merged directory's own parts
+    reader = TraceReader(rec)
+    assert reader.rows("findings") > 0
+    assert reader.rows("batch_rows") == TraceReader(whole).rows("batch_rows")  # not doubled
+    # A rank trace that changes later is seen on the next open, not a stale copy of it.
+    manifest = json.loads((rec / "rank-001" / MANIFEST_NAME).read_text())
+    manifest["errors"] = {"hook:late": {"count": 1, "first": "late"}}
+    (rec / "rank-001" / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert "rank-001: hook:late" in TraceReader(rec).manifest.errors
+    sql = run_cli("sql", str(rec), "SELECT count(DISTINCT rank) AS ranks FROM batch_rows")
+    assert sql.returncode == 0 and "2" in sql.stdout, sql.stdout
+
+
+def test_ranks_of_different_runs_are_refused(whole: Path, tmp_path: Path) -> None:
+    dirs = split_by_rank(whole, tmp_path / "rec")
+    manifest = json.loads((dirs[1] / MANIFEST_NAME).read_text())
+    manifest["run"]["num_speculative_tokens"] += 1
+    (dirs[1] / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="disagree on num_speculative_tokens"):
+        TraceReader(tmp_path / "rec")
+    err = assert_one_sentence_error(run_cli("info", str(tmp_path / "rec")), 3)
+    assert "rank-001" in err
+
+
+def test_a_damaged_rank_part_is_named_with_its_rank(whole: Path, tmp_path: Path) -> None:
+    split_by_rank(whole, tmp_path / "rec")
+    part = sorted((tmp_path / "rec" / "rank-001" / "batch_rows").glob("*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:-10])
+    with pytest.raises(PartError, match="rank-001/batch_rows/"):
+        TraceReader(tmp_path / "rec")
+    reader = TraceReader(tmp_path / "rec", skip_bad_parts=True)
+    assert [s.path for s in reader.skipped] == [str(part.relative_to(tmp_path / "rec"))]
+
+
+def test_an_open_part_inside_a_rank_is_reported(whole: Path, tmp_path: Path) -> None:
+    split_by_rank(whole, tmp_path / "rec")
+    left = tmp_path / "rec" / "rank-000" / "batch_rows" / "part-9.parquet.tmp"
+    left.write_bytes(b"partial")
+    assert TraceReader(tmp_path / "rec").open_parts_left() == [
+        "rank-000/batch_rows/part-9.parquet.tmp"
+    ]
+
+
+def test_a_directory_without_any_trace_is_still_refused(tmp_path: Path) -> None:
+    (tmp_path / "rank-000").mkdir()  # no manifest inside: not a rank trace
+    with pytest.raises(ManifestError, match="not an mgtrace trace"):
+        TraceReader(tmp_path)
