@@ -73,16 +73,23 @@ class Engine:
     def _accept(self, so: SchedOut) -> np.ndarray:
         """Accepted tokens per scheduled position: 1 + the run of accepted drafts for rows
         that sample, 1 for the rest (what the kernels read for a non-final chunk)."""
-        acc = np.ones(len(so), np.int64)
-        rows = np.flatnonzero(so.samples)
-        if not len(rows):
-            return acc
-        k = max(self.cfg.k, 1)
-        ok = self.rng_accept.random((len(rows), k)) < self.cfg.acceptance_rate
-        # the run of accepted drafts from the first, cut at the row's draft count
-        run = np.where(ok.all(axis=1), k, ok.argmin(axis=1))
-        acc[rows] = 1 + np.minimum(run, so.num_draft[rows])
+        m = len(so)
+        if m and np.count_nonzero(so.samples) == m:  # the common step: every row samples
+            return np.minimum(self._accepted_run(m), so.num_draft) + 1
+        acc = np.ones(m, np.int64)
+        rows = so.samples.nonzero()[0]
+        if len(rows):
+            acc[rows] = 1 + np.minimum(self._accepted_run(len(rows)), so.num_draft[rows])
         return acc
+
+    def _accepted_run(self, rows: int) -> np.ndarray:
+        """Per sampling row, the run of accepted drafts from the first (before the cut at the
+        row's draft count): the first rejected draft, found as the first False of the
+        acceptance draws with a False column appended (k when all k are accepted)."""
+        k = max(self.cfg.k, 1)
+        ok = np.zeros((rows, k + 1), bool)
+        np.less(self.rng_accept.random((rows, k)), self.cfg.acceptance_rate, out=ok[:, :k])
+        return ok.argmin(axis=1)
 
     def _owners(self) -> dict[int, str]:
         owners: dict[int, str] = {}

@@ -26,10 +26,10 @@ def regions(
 ) -> np.ndarray:
     """Region id per row (0 decode, 1 short_extend, 2 long_extend, 3 prefill)."""
     # below the threshold: decode (0), or short_extend (1) while still in the prompt
-    prefilling = (num_computed < num_prompt).view(np.int8)
-    out = np.where(num_scheduled <= threshold, prefilling, np.int8(REGION_LONG))
+    out = (num_computed < num_prompt).view(np.int8)  # a fresh array: set in place
+    out[num_scheduled > threshold] = REGION_LONG
     out[num_computed <= 0] = REGION_PREFILL  # no context yet
-    return out.astype(np.int8, copy=False)
+    return out
 
 
 def reorder_swaps(region: np.ndarray) -> list[tuple[int, int]]:
@@ -40,14 +40,14 @@ def reorder_swaps(region: np.ndarray) -> list[tuple[int, int]]:
     its first source, swapping the held row into its destination until the cycle closes.
     """
     n = len(region)
-    if n < 2 or bool((region[1:] >= region[:-1]).all()):
+    if n < 2 or np.count_nonzero(region[1:] >= region[:-1]) == n - 1:
         return []  # already in region order
     counts = np.bincount(region, minlength=4)
     target = np.repeat(np.arange(4, dtype=np.int8), counts)
-    wrong = np.flatnonzero(region != target)
+    wrong = (region != target).nonzero()[0]
     if len(wrong) == 0:
         return []
-    sources = wrong[np.argsort(region[wrong], kind="stable")]
+    sources = wrong[region[wrong].argsort(kind="stable")]
     dest = dict(zip(sources.tolist(), wrong.tolist(), strict=True))
     swaps: list[tuple[int, int]] = []
     for start in sources.tolist():
@@ -87,9 +87,9 @@ def decode_count(num_scheduled: np.ndarray, is_prefilling: np.ndarray, threshold
     if n == 0 or num_scheduled[0] > threshold:
         return 0
     is_prefill = (num_scheduled > threshold) | is_prefilling
-    if not is_prefill.any():
+    if not np.count_nonzero(is_prefill):
         return n
-    return int(np.argmax(is_prefill))
+    return int(is_prefill.argmax())
 
 
 def v2_sort(

@@ -9,8 +9,9 @@ import numpy as np
 
 
 def running_cols(num_computed: np.ndarray, num_scheduled: np.ndarray, B: int) -> np.ndarray:
-    """Running-state column after the step's tokens: cdiv(computed + scheduled, B) - 1."""
-    return -(-(num_computed + num_scheduled) // B) - 1
+    """Running-state column after the step's tokens: cdiv(computed + scheduled, B) - 1
+    (computed as (computed + scheduled - 1) // B, the same for every integer)."""
+    return (num_computed + num_scheduled - 1) // B
 
 
 def seed_cols(num_computed: np.ndarray, B: int) -> np.ndarray:
@@ -75,7 +76,7 @@ class Nullable:
 
 def sparse(values: np.ndarray, differs: np.ndarray) -> Nullable | None:
     """An int32 column that holds a value only where ``differs``; None when it never does."""
-    if not differs.any():
+    if not np.count_nonzero(differs):
         return None
     return Nullable(values.astype(np.int32), ~differs)
 
@@ -83,7 +84,7 @@ def sparse(values: np.ndarray, differs: np.ndarray) -> Nullable | None:
 def where_valid(values: np.ndarray, valid: np.ndarray) -> np.ndarray | Nullable:
     """An int32 column that is null where not ``valid`` (a plain array when all are)."""
     out = values.astype(np.int32)
-    if valid.all():
+    if np.count_nonzero(valid) == len(valid):
         return out
     return Nullable(out, ~valid)
 

@@ -23,7 +23,6 @@ from mgtrace.sim.runner_common import (
     PerRequest,
     StepResult,
     capture_size,
-    copy_boundary,
     row_moves_table,
     running_cols,
     sparse,
@@ -109,8 +108,9 @@ class RunnerV1:
         kinds = so.kind
         live_pos = pr.pos[ib.key[:n_prev]]
         leave = live_pos < 0
-        leave[~leave] = kinds[live_pos[~leave]] == KIND_RESUMED
-        for row in np.flatnonzero(leave).tolist():
+        if np.count_nonzero(kinds == KIND_RESUMED):
+            leave[~leave] = kinds[live_pos[~leave]] == KIND_RESUMED
+        for row in leave.nonzero()[0].tolist():
             req = ib.row_req[row]
             self._kept[req] = ib.bt[row]
             pr.row[ib.key[row]] = -1
@@ -118,7 +118,7 @@ class RunnerV1:
         for r in (*so.finished, *so.preempted):
             self._kept.pop(r.req_id, None)
             pr.has_state[r.idx] = False
-        fresh = np.flatnonzero(kinds != KIND_CACHED)
+        fresh = (kinds != KIND_CACHED).nonzero()[0]
         if len(fresh):
             fi = so.idx[fresh]
             pr.has_state[fi] = False
@@ -130,7 +130,7 @@ class RunnerV1:
         for p, new_ids in so.new_block_ids.items():
             if inb[p]:
                 ib.append_blocks(ids[p], new_ids)
-        for p in np.flatnonzero(~inb).tolist():
+        for p in (~inb).nonzero()[0].tolist():
             rid = ids[p]
             kept = self._kept.pop(rid, [])
             new_ids = so.ids_at(p)
@@ -169,9 +169,9 @@ class RunnerV1:
 
         # _prepare_inputs: accepted counts through the previous step's row positions
         seen = pr.last_seen[ridx] == step - 1
-        prev_pos = np.where(seen, pr.prev_row[ridx], -1)
-        correct = np.where(seen, pr.true_acc[ridx], 1).astype(np.int32)
+        correct = np.where(seen, pr.true_acc[ridx], 1).astype(np.int32, copy=False)
         if race and has_pending:
+            prev_pos = np.where(seen, pr.prev_row[ridx], -1)
             consumed = np.where(seen, ib.acc[np.maximum(prev_pos, 0)], 1).astype(np.int32)
         else:
             consumed = correct
@@ -201,18 +201,24 @@ class RunnerV1:
         acc_now = accepted[perm]
         R = nc + sched_n - draft
         N = R + acc_now - 1
-        need, _bias, dst = copy_boundary(R, N, B)
+        # copy_boundary's need and destination column, without the unused bias
+        done_cols = N // B
+        need = done_cols * B >= R
+        dst = done_cols - 1
         normalised = np.where(need & (dst == curr), 1, acc_now).astype(np.int32)
         self.pending = normalised
         pr.true_acc[ridx] = normalised
-        pr.true_nc[ridx] = nc + sched_n - np.where(samples, draft + 1 - acc_now, 0)
+        if np.count_nonzero(samples) == n:  # every row sampled: all rejected drafts count
+            pr.true_nc[ridx] = nc + sched_n - (draft + 1 - acc_now)
+        else:
+            pr.true_nc[ridx] = nc + sched_n - np.where(samples, draft + 1 - acc_now, 0)
         pr.prev_row[ridx] = np.arange(n)
         pr.last_seen[ridx] = step
 
         events: list[dict[str, Any]] = []
         if cfg.has(BUG_REORDER):
             bad = (region == REGION_DECODE) & ~is_decode_split
-            for i in np.flatnonzero(bad).tolist():
+            for i in bad.nonzero()[0].tolist():
                 events.append(
                     {
                         "bug": BUG_REORDER,
@@ -228,7 +234,7 @@ class RunnerV1:
                 )
         if race and has_pending:
             matters = (consumed != correct) & (precopy | is_decode_split)
-            for i in np.flatnonzero(matters).tolist():
+            for i in matters.nonzero()[0].tolist():
                 events.append(
                     {
                         "bug": BUG_ASYNC_RACE,
@@ -243,7 +249,12 @@ class RunnerV1:
 
         # padded rows of a uniform decode batch gather state indices from rows past the batch
         pad_rows: list[int] = []
-        if cfg.cudagraph_padding and n and split == n and bool((sched_n == 1 + self.k).all()):
+        if (
+            cfg.cudagraph_padding
+            and n
+            and split == n
+            and np.count_nonzero(sched_n == 1 + self.k) == n
+        ):
             pad_rows = list(range(n, capture_size(n, self.max_rows)))
         owners: dict[int, str] | None = None
         for row in pad_rows:

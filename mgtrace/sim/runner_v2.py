@@ -101,7 +101,7 @@ class RunnerV2:
         gone = [r.req_id for r in so.finished] + [r.req_id for r in so.preempted]
         gone += [
             ids[p]
-            for p in np.flatnonzero(so.kind == KIND_RESUMED).tolist()
+            for p in (so.kind == KIND_RESUMED).nonzero()[0].tolist()
             if ids[p] in self.slot_of
         ]
         for rid in gone:
@@ -112,7 +112,7 @@ class RunnerV2:
             self.free.append(slot)
             self.gen[slot] += 1
         pos_slots = np.fromiter((self.slot_of.get(r, -1) for r in ids), np.int64, len(ids))
-        for p in np.flatnonzero(pos_slots < 0).tolist():
+        for p in (pos_slots < 0).nonzero()[0].tolist():
             rid = ids[p]
             slot = self.free.pop()
             pos_slots[p] = slot
@@ -313,7 +313,7 @@ class RunnerV2:
         need, bias, dst = copy_boundary(R, d.new_computed, self.B)
         copies = valid & need & ~((dst == d.state_idx) & (bias == 0))
         owners: dict[int, str] | None = None
-        for b in np.flatnonzero(copies).tolist():
+        for b in copies.nonzero()[0].tolist():
             slot = int(d.slots[b])
             cols = {
                 "dst": int(dst[b]),

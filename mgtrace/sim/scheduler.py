@@ -41,6 +41,7 @@ _INT_FIELDS = (
     "boundary",
     "first_step",
     "last_step",
+    "last_col",  # the previous state block's column while ``last_pending``
 )
 
 
@@ -204,6 +205,8 @@ class SchedOut:
         ]
 
 
+_UNSET = np.zeros(0, np.int64)  # never read: every SchedOut array is replaced by build
+
 # columns of a step's scheduled rows while they are collected (one int64 matrix at build)
 _KEY, _IDX, _KIND, _N, _D, _NC, _SAMPLES, _EPOCH = range(8)
 
@@ -258,49 +261,59 @@ class _Builder:
         self.reqs.extend([None] * len(idx))  # type: ignore[list-item]  # placeholders
 
     def build(self, out: SchedOut, store: ReqStore) -> None:
-        mat = np.array(self.rows, np.int64).reshape(-1, 8)
+        # one matrix row per column, so that the SchedOut arrays are contiguous views of it
+        rows = self.rows
+        mat = (
+            np.array(list(zip(*rows, strict=True)), np.int64)
+            if rows
+            else np.zeros((8, 0), np.int64)
+        )
+        at = m = 0
         if self.many is not None:
-            # the one-go rows sit at add orders at..at+m, between the scalar ones
+            # the one-go rows (add orders at..at+m) go first, then the scalar-path rows
             at, idx, n, nc, epoch, keys = self.many
-            block = np.empty((len(idx), 8), np.int64)
-            block[:, _KEY] = keys
-            block[:, _IDX] = idx
-            block[:, _KIND] = KIND_CACHED
-            block[:, _N] = n
-            block[:, _D] = n - 1
-            block[:, _NC] = nc
-            block[:, _SAMPLES] = 1
-            block[:, _EPOCH] = epoch
-            mat = np.concatenate((mat[:at], block, mat[at:]))
-        keys = mat[:, _KEY]
-        if len(keys) < 2 or bool((keys[1:] >= keys[:-1]).all()):
+            m = len(idx)
+            block = np.empty((8, m), np.int64)
+            block[_KEY] = keys
+            block[_IDX] = idx
+            block[_KIND] = KIND_CACHED
+            block[_N] = n
+            np.subtract(n, 1, out=block[_D])
+            block[_NC] = nc
+            block[_SAMPLES] = 1
+            block[_EPOCH] = epoch
+            mat = np.concatenate((block, mat), axis=1) if rows else block
+        # position in ``mat`` of the scalar row of add order a (only those carry block ids)
+        at_of = {a: (a + m if a < at else a) for a in self.new_ids}
+        keys = mat[_KEY]
+        if len(keys) < 2 or np.count_nonzero(keys[1:] >= keys[:-1]) == len(keys) - 1:
             # already in running-list order (a stable sort would keep it as is)
-            out.new_block_ids = dict(self.new_ids)
+            out.new_block_ids = {at_of[a]: ids for a, ids in self.new_ids.items()}
         else:
-            order = np.argsort(keys, kind="stable")
-            mat = mat[order]
+            order = keys.argsort(kind="stable")
+            mat = mat[:, order]
             out.new_block_ids = {}
             if self.new_ids:
                 pos = np.empty(len(order), np.int64)
                 pos[order] = np.arange(len(order))
                 out.new_block_ids = dict(
-                    sorted((int(pos[i]), ids) for i, ids in self.new_ids.items())
+                    sorted((int(pos[at_of[a]]), ids) for a, ids in self.new_ids.items())
                 )
         # requests by key: a running row's key indexes the running list; admissions from the
         # waiting queue (keys from WAITING_KEY, last after the sort) have their own
-        keys = mat[:, _KEY]
+        keys = mat[_KEY]
         klist = keys.tolist()
-        n_run = int(np.searchsorted(keys, self.WAITING_KEY))
+        n_run = int(keys.searchsorted(self.WAITING_KEY))
         out.reqs = list(map(self.run.__getitem__, klist[:n_run]))
         if n_run < len(klist):
             out.reqs.extend(map(self.req_of_key.__getitem__, klist[n_run:]))
-        out.idx = mat[:, _IDX].copy()
-        out.kind = mat[:, _KIND].astype(np.int8)
-        out.num_scheduled = mat[:, _N].copy()
-        out.num_draft = mat[:, _D].copy()
-        out.num_computed = mat[:, _NC].copy()
-        out.samples = mat[:, _SAMPLES].astype(bool)
-        out.epoch = mat[:, _EPOCH].copy()
+        out.idx = mat[_IDX]
+        out.kind = mat[_KIND].astype(np.int8)
+        out.num_scheduled = mat[_N]
+        out.num_draft = mat[_D]
+        out.num_computed = mat[_NC]
+        out.samples = mat[_SAMPLES].astype(bool)
+        out.epoch = mat[_EPOCH]
         out.req_ids = store.req_ids[out.idx].tolist()
         out.total_tokens = int(out.num_scheduled.sum())
 
@@ -329,7 +342,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self, step: int) -> SchedOut:
-        out = SchedOut(step=step)
+        # the array fields are set by ``build``: placeholders spare the default factories
+        out = SchedOut(
+            step=step,
+            idx=_UNSET,
+            kind=_UNSET,
+            num_scheduled=_UNSET,
+            num_draft=_UNSET,
+            num_computed=_UNSET,
+            samples=_UNSET,
+            epoch=_UNSET,
+        )
         for req in self.to_finish:
             self._release(req)
             out.finished.append(req)
@@ -361,7 +384,7 @@ class Scheduler:
             st.status[req.idx] = RUNNING
             self.running.append(req)
             if self._run_idx is not None:  # kept in step with ``running`` (no rebuild)
-                self._run_idx = np.append(self._run_idx, req.idx)
+                self._run_idx = np.concatenate((self._run_idx, np.array([req.idx], np.int64)))
             # a new or resumed request's row is the whole row: hit columns + fresh tail
             self._commit(
                 req,
@@ -398,18 +421,21 @@ class Scheduler:
             eligible &= st.inflight[idx] == 0
         nc = st.nc[idx]
         n_dec = 1 + self.k * st.has_drafts[idx]
-        simple = eligible & (st.ntok[idx] - nc == 1) & ~st.last_pending[idx]
+        # a row still holding its previous state block is simple too while the block stays
+        # (the retire check of the scalar path would change nothing): processed tokens
+        # (in-flight drafts excluded) not yet past the block after it
+        processed = np.maximum(nc - st.inflight_tok[idx], 0)
+        stays = st.last_col[idx] >= -(-processed // self.B) - 1
+        simple = eligible & (st.ntok[idx] - nc == 1) & (~st.last_pending[idx] | stays)
         simple &= -(-(nc + n_dec) // self.B) + self.S <= st.rowlen[idx]
         want = np.where(simple, n_dec, 0)
-        cs = np.cumsum(want)
+        cs = want.cumsum()
         taken = 0  # tokens of the rows that went through the scalar path
         start = 0
         scalar_from = len(run)
-        for c in [*np.flatnonzero(eligible & ~simple).tolist(), len(run)]:
+        for c in [*(eligible & ~simple).nonzero()[0].tolist(), len(run)]:
             if c > start and int(cs[c - 1]) + taken > budget:
-                scalar_from = start + int(
-                    np.searchsorted(cs[start:c], budget - taken, side="right")
-                )
+                scalar_from = start + int(cs[start:c].searchsorted(budget - taken, side="right"))
                 break
             left = budget - (int(cs[c - 1]) if c else 0) - taken
             if c == len(run) or left <= 0:
@@ -423,7 +449,7 @@ class Scheduler:
             if self.preempted_now and t is not None:
                 scalar_from = c + 1  # a later row may be the victim: go row by row
                 break
-        sel = np.flatnonzero(want[:scalar_from])
+        sel = want[:scalar_from].nonzero()[0]
         if len(sel):
             self._commit_simple(idx[sel], want[sel], sel, step, build)
         left = budget - (int(cs[scalar_from - 1]) if scalar_from else 0) - taken
@@ -446,10 +472,11 @@ class Scheduler:
     ) -> None:
         """Commit decode rows that need no block change, in one go."""
         st = self.store
-        nc = st.nc[ids].copy()
+        nc = st.nc[ids]  # a fancy-indexed copy
         build.add_many(ids, n, nc, st.epoch[ids], keys)
-        first = st.first_step[ids]
-        st.first_step[ids] = np.where(first < 0, step, first)
+        unseen = st.first_step[ids] < 0
+        if np.count_nonzero(unseen):
+            st.first_step[ids[unseen]] = step
         st.last_step[ids] = step
         st.nc[ids] = nc + n
         st.ntok[ids] += n  # optimistic: every draft accepted, plus the bonus token
@@ -522,8 +549,15 @@ class Scheduler:
     def _allocate(self, req: Request, num_tokens: int) -> list[int]:
         ids = self.alloc.allocate(req.req_id, num_tokens)
         self.store.rowlen[req.idx] = len(self.alloc.rows[req.req_id])
-        self.store.last_pending[req.idx] = req.req_id in self.alloc.last_state_idx
+        self._note_last(req)
         return ids
+
+    def _note_last(self, req: Request) -> None:
+        """Mirror the allocator's previous-state record of ``req`` into the store."""
+        col = self.alloc.last_state_idx.get(req.req_id)
+        self.store.last_pending[req.idx] = col is not None
+        if col is not None:
+            self.store.last_col[req.idx] = col
 
     def _allocate_or_preempt(self, req: Request, n: int) -> list[int] | None:
         st = self.store
@@ -531,8 +565,14 @@ class Scheduler:
         # free on the processed basis: in-flight drafts may still be rejected
         processed = int(st.nc[req.idx] - st.inflight_tok[req.idx])
         self.alloc.retire(rid, max(processed, 0))
-        st.last_pending[req.idx] = rid in self.alloc.last_state_idx
+        self._note_last(req)
         end = int(st.nc[req.idx]) + n
+        row = self.alloc.rows.get(rid)
+        if row is not None and -(-end // self.B) + self.S <= len(row):
+            # the row already covers ``end``: what ``_allocate`` does when nothing is taken
+            self.alloc.allocated.add(rid)
+            st.rowlen[req.idx] = len(row)
+            return []
         while True:
             try:
                 self._make_room(self.alloc.blocks_needed(rid, end))
@@ -605,8 +645,8 @@ class Scheduler:
         st = self.store
         idx = so.idx
         valid = (so.epoch == st.epoch[idx]) & (st.status[idx] == RUNNING)
-        if not valid.all():
-            keep = np.flatnonzero(valid)
+        if np.count_nonzero(valid) < len(valid):
+            keep = valid.nonzero()[0]
             idx = idx[keep]
             n, d, samples = so.num_scheduled[keep], so.num_draft[keep], so.samples[keep]
             acc, nc_before = accepted[keep], so.num_computed[keep]
@@ -618,11 +658,16 @@ class Scheduler:
         reqs = so.reqs
         st.inflight[idx] -= 1
         st.inflight_tok[idx] -= n
-        rejected = np.where(samples, d + 1 - acc, 0)
+        if np.count_nonzero(samples) == len(samples):  # the common step: every row sampled
+            rejected = d + 1 - acc
+            sampled = acc
+        else:
+            rejected = np.where(samples, d + 1 - acc, 0)
+            sampled = np.where(samples, acc, 0)
         st.nc[idx] -= rejected
         st.ntok[idx] -= rejected
-        st.nout[idx] += np.where(samples, acc, 0)
-        seeds = np.flatnonzero(st.boundary[idx] == nc_before + n)
+        st.nout[idx] += sampled
+        seeds = (st.boundary[idx] == nc_before + n).nonzero()[0]
         for p in seeds.tolist():
             req = reqs[p if pos is None else pos[p]]
             boundary = int(st.boundary[req.idx])
@@ -631,7 +676,7 @@ class Scheduler:
                 row = self.alloc.rows.get(req.req_id)
                 if row is not None and col < len(row):
                     self.cache.insert(req.family, boundary, row[col])
-        done = np.flatnonzero(st.nout[idx] >= st.output_len[idx])
+        done = (st.nout[idx] >= st.output_len[idx]).nonzero()[0]
         finished = []
         for p in done.tolist():
             req = reqs[p if pos is None else pos[p]]
@@ -644,7 +689,8 @@ class Scheduler:
     def _drop_running(self, pos: int) -> None:
         del self.running[pos]
         if self._run_idx is not None:  # a new array: a step's snapshot of it stays as it was
-            self._run_idx = np.delete(self._run_idx, pos)
+            run_idx = self._run_idx
+            self._run_idx = np.concatenate((run_idx[:pos], run_idx[pos + 1 :]))
 
     def _release(self, req: Request) -> None:
         self.alloc.free(req.req_id)

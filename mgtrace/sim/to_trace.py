@@ -116,9 +116,9 @@ def sched_rows(so: SchedOut) -> list[dict[str, Any]]:
         }
         # the prompt length of new and resumed rows, null for cached ones
         fresh = so.kind != KIND_CACHED
-        if fresh.any():
+        if np.count_nonzero(fresh):
             data = np.zeros(m, np.int32)
-            data[fresh] = [so.reqs[p].prompt_len for p in np.flatnonzero(fresh).tolist()]
+            data[fresh] = [so.reqs[p].prompt_len for p in fresh.nonzero()[0].tolist()]
             rows["num_prompt"] = Nullable(data, ~fresh)
         chunks.append(rows)
     n_fin, n_pre = len(so.finished), len(so.preempted)

@@ -108,7 +108,8 @@ class Client:
             else:
                 filler, fam = 0, -1
             return [self._arrival(now, filler + q, self._output_len(1800), fam, filler, g)]
-        filler = int(self.rng.choice([0, 512, 1024]) * self.scale)
+        # Generator.choice over 3 values draws integers(0, 3): the same stream, 5x cheaper
+        filler = int((0, 512, 1024)[int(self.rng.integers(0, 3))] * self.scale)
         fam = 3 + int(self.rng.integers(0, 4)) if filler else -1
         return [
             self._arrival(
