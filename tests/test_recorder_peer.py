@@ -283,9 +283,36 @@ def test_hooks_add_no_synchronizing_call(v: Any, agent: Any, tmp_path: Path) -> 
     assert bad > unhooked
 
 
+def _outcome(v: Any, agent: Any, out: Path | None, on_step: Any = None) -> list[Any]:
+    """What the engine computed over six steps, recording into ``out`` (None: not)."""
+    with standin.StandinRunnerMethods(v.gmr):
+        eng = standin.StandinEngine(v)
+        if out is not None:
+            agent.start(str(out))
+        results = []
+        for i in range(6):
+            r = eng.step()
+            if on_step is not None:
+                on_step(i)
+            results.append(
+                (
+                    r["req_ids"],
+                    r["accepted"].tolist(),
+                    dict(eng.runner.mamba_state_idx),
+                    eng.temporal.sum().item(),
+                )
+            )
+        if out is not None:
+            agent.stop()
+    return results
+
+
 def test_crashing_writer_and_hooks_do_not_disturb_the_engine(
     v: Any, agent: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the writer runs in this process only with the in-thread fallback, chosen explicitly
+    monkeypatch.setenv("MGTRACE_RECORDER_ASSEMBLER", "thread")
+
     def outcome(record: bool) -> list[Any]:
         with standin.StandinRunnerMethods(v.gmr):
             eng = standin.StandinEngine(v)
@@ -327,6 +354,36 @@ def test_crashing_writer_and_hooks_do_not_disturb_the_engine(
     assert agent.last_result["hook_errors"] > 0
     # failing control: the comparison does see an engine whose results changed
     assert outcome(False)[1:] != clean[:-1]
+
+
+def test_dying_assembler_process_does_not_disturb_the_engine(
+    v: Any, agent: Any, tmp_path: Path
+) -> None:
+    import json
+    import signal
+
+    clean = _outcome(v, agent_mod.Agent(), None)
+    killed: list[int] = []
+
+    def kill_child(i: int) -> None:
+        if i == 2:
+            proc = agent.session.sink.proc
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed.append(proc.returncode)
+
+    assert _outcome(v, agent, tmp_path / "dead", kill_child) == clean
+    assert killed and killed[0] != 0
+    manifest = json.loads((tmp_path / "dead" / "manifest.json").read_text())
+    assert manifest["source"]["assembler"] == "process"
+    assert not manifest["complete"]
+    assert "assembler process" in manifest["errors"]["writer"]["first"]
+    assert agent.last_result["writer_failed"] and not agent.last_result["complete"]
+    # failing control: with the child left alone the same run is complete
+    assert _outcome(v, agent, tmp_path / "alive") == clean
+    manifest = json.loads((tmp_path / "alive" / "manifest.json").read_text())
+    assert manifest["complete"] and "writer" not in manifest["errors"]
+    assert agent.last_result["rows"] > 0 and agent.last_result["writer_failed"] is None
 
 
 def test_feature_detection_refuses_naming_what_is_missing(

@@ -1,8 +1,9 @@
 """Turn the raw snapshots hooks took on the engine thread into trace table columns.
 
-Runs on the recorder thread only: everything that costs a Python loop per row (request ids,
-scheduler output, region and split classification, block-table diffs) happens here, so the
-engine thread only ever pays for a few array copies per step.
+Runs in the assembler process (or, with the in-process fallback, on the recorder thread):
+everything that costs a Python loop per row (request ids, scheduler output, region and split
+classification, block-table diffs) happens here, so the engine thread only ever pays for a
+few array copies per step.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_SLOTS = 256  # a few ms of steps while the recorder thread waits for the GIL
+DEFAULT_SLOTS = 512  # two captures per step for the ~10 ms the recorder thread may wait for
+# the GIL on a busy engine (a sleep, then a switch interval)
 DEFAULT_SLOT_ELEMS = 1 << 13  # int32 elements: 4 slot-indexed vectors of 2048 requests
 MAX_VIEWS = 64
 
@@ -57,6 +58,7 @@ class CaptureRing:
                 for _ in range(slots)
             ]
         self._views: dict[int, tuple[Any, np.ndarray]] = {}
+        self._slots: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._free: deque[int] = deque(range(slots))
         self._pending: deque[tuple[int, tuple[int, ...], Any]] = deque()
         self.captured = 0
@@ -71,7 +73,7 @@ class CaptureRing:
             return False
         if self.staging is not None:
             # Whole tensors when they fit: slicing costs a torch call per vector, and the
-            # recorder thread trims to the rows the launch read.
+            # assembler trims to the rows the launch read.
             whole = [t.shape[0] for t in tensors]
             if sum(whole) <= self.slot_elems:
                 lengths = whole
@@ -83,9 +85,9 @@ class CaptureRing:
                 self.dropped += 1
                 return False
             i = self._free.popleft()
-            dst = self.staging[i, :total]
+            dst, host = self._slot(i, total)
             self._torch.cat(parts, out=dst)
-            self.host[i, :total].copy_(dst, non_blocking=True)
+            host.copy_(dst, non_blocking=True)
             self.events[i].record()
         else:
             total = sum(lengths)
@@ -100,6 +102,17 @@ class CaptureRing:
         self._pending.append((i, tuple(lengths), tag))
         self.captured += 1
         return True
+
+    def _slot(self, i: int, total: int) -> tuple[Any, Any]:
+        """Device staging and pinned host views of slot ``i``'s first ``total`` elements,
+        cached: indexing a tensor costs more in Python than the copy it feeds."""
+        key = (i, total)
+        hit = self._slots.get(key)
+        if hit is None:
+            if len(self._slots) >= 8 * len(self.events):
+                self._slots.clear()
+            hit = self._slots[key] = (self.staging[i, :total], self.host[i, :total])
+        return hit
 
     def _host_view(self) -> np.ndarray:
         if self._host_np is None:
@@ -125,8 +138,9 @@ class CaptureRing:
     def oldest_pending_tag(self) -> Any:
         return self._pending[0][2] if self._pending else None
 
-    def reap(self) -> list[tuple[list[np.ndarray], Any]]:
-        """Completed captures in launch order, as int32 arrays; recorder thread."""
+    def reap_raw(self) -> list[tuple[bytes, tuple[int, ...], Any]]:
+        """Completed captures in launch order, each the int32 bytes of its slot and the
+        vector lengths in it; recorder thread."""
         out = []
         host = self._host_view()  # a view of host memory: nothing to wait for
         while self._pending:
@@ -134,8 +148,16 @@ class CaptureRing:
             if self.events and not self.events[i].query():
                 break
             self._pending.popleft()
-            flat = host[i, : sum(lengths)].copy()
+            raw = host[i, : sum(lengths)].tobytes()
             self._free.append(i)
+            out.append((raw, lengths, tag))
+        return out
+
+    def reap(self) -> list[tuple[list[np.ndarray], Any]]:
+        """Completed captures in launch order, as int32 arrays; recorder thread."""
+        out = []
+        for raw, lengths, tag in self.reap_raw():
+            flat = np.frombuffer(bytearray(raw), dtype=np.int32)
             arrays, start = [], 0
             for n in lengths:
                 arrays.append(flat[start : start + n])

@@ -27,23 +27,47 @@ def hook(
     ``after(sess, token, result, args, kwargs)`` around the original."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not sess.live:
+        # one wrapper shape per hook kind: the fewest checks on the engine's hot path
+        if after is None and before is not None:
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if sess.live:
+                    try:
+                        before(sess, args, kwargs)
+                    except Exception as exc:
+                        sess.hook_failed(name, exc)
                 return orig(*args, **kwargs)
-            token = None
-            if before is not None:
-                try:
-                    token = before(sess, args, kwargs)
-                except Exception as exc:
-                    sess.hook_failed(name, exc)
-                    token = _FAILED
-            result = orig(*args, **kwargs)
-            if after is not None and token is not _FAILED and sess.live:
-                try:
-                    after(sess, token, result, args, kwargs)
-                except Exception as exc:
-                    sess.hook_failed(name, exc)
-            return result
+
+        elif before is None and after is not None:
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                result = orig(*args, **kwargs)
+                if sess.live:
+                    try:
+                        after(sess, None, result, args, kwargs)
+                    except Exception as exc:
+                        sess.hook_failed(name, exc)
+                return result
+
+        else:
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if not sess.live:
+                    return orig(*args, **kwargs)
+                token = None
+                if before is not None:
+                    try:
+                        token = before(sess, args, kwargs)
+                    except Exception as exc:
+                        sess.hook_failed(name, exc)
+                        token = _FAILED
+                result = orig(*args, **kwargs)
+                if after is not None and token is not _FAILED and sess.live:
+                    try:
+                        after(sess, token, result, args, kwargs)
+                    except Exception as exc:
+                        sess.hook_failed(name, exc)
+                return result
 
         functools.update_wrapper(wrapper, orig)
         return wrapper
@@ -89,6 +113,23 @@ def binding(ctx: Any, kind: str) -> tuple[str, str]:
     return ("req_slot", "source") if two_tables else ("batch_row", "input")
 
 
+_BINDINGS: dict[tuple[int, str], tuple[Any, tuple[str, str]]] = {}
+
+
+def _binding_of(ctx: Any, kind: str) -> tuple[str, str]:
+    """``binding`` once per (initialized) context object: it reads class annotations. The
+    cache holds the context, so its id is not reused while cached."""
+    key = (id(ctx), kind)
+    hit = _BINDINGS.get(key)
+    if hit is not None and hit[0] is ctx:
+        return hit[1]
+    if len(_BINDINGS) >= 16:
+        _BINDINGS.clear()
+    found = binding(ctx, kind)
+    _BINDINGS[key] = (ctx, found)
+    return found
+
+
 def _tag(
     sess: Session,
     ctx: Any,
@@ -99,7 +140,7 @@ def _tag(
     cpu: dict[str, Any] | None = None,
     batch_step: int | None = None,
 ) -> dict[str, Any]:
-    rule, table = binding(ctx, sess.kind)
+    rule, table = _binding_of(ctx, sess.kind)
     return {
         "step": sess.step,
         "kernel": kernel,

@@ -89,7 +89,9 @@ def _condense_after(
     if sess.rec is None:
         return
     before, acc = token
-    sess.rec["moves"].append(("condense", before, list(args[0]._req_ids), acc))
+    after = list(args[0]._req_ids)
+    if after != before:  # a condense that moved nothing adds no row_moves rows
+        sess.rec["moves"].append(("condense", before, after, acc))
 
 
 def _add_after(

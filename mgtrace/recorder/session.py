@@ -1,9 +1,11 @@
-"""One recording in one process: the trace writer, the capture ring and the recorder thread.
+"""One recording in one engine process: the capture ring, the recorder thread and a sink.
 
 The engine thread only touches ``begin_step``, ``rec`` (a dict the hooks fill with array
-copies and object references) and ``grab``. Everything else, assembling rows, waiting for
-captures to land and handing steps to the writer, happens on the ``mgtrace-recorder``
-thread, which never holds up the engine: it polls events, it never waits on them.
+copies and object references) and ``grab``. The ``mgtrace-recorder`` thread polls capture
+events (it never waits on them), and forwards, in order, the landed captures and the
+closed step records to the sink (``outproc``): by default the assembler process, which does
+all row assembly, Arrow conversion and Parquet writing under its own GIL. This thread's
+share of the engine's GIL is one pickle per few steps and a pipe write that releases it.
 """
 
 from __future__ import annotations
@@ -16,21 +18,18 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from mgtrace.recorder import assemble as asm
+from mgtrace.recorder import outproc, wire
 from mgtrace.recorder.capture import CaptureRing
-from mgtrace.recorder.step_tables import StepTables
 from mgtrace.schemas.manifest import RunMetadata
 from mgtrace.schemas.writer import TraceWriter
 
 log = logging.getLogger("mgtrace.recorder")
 
-YIELD_EVERY_S = 0.0005
-BATCH_STEPS = 64  # steps per hand-over to the writer
-BATCH_S = 0.5  # or this old, whichever comes first
-IDLE_POLL_S = 0.01  # few wake-ups: each one takes the GIL from the engine
-I32 = np.int32
+MAX_FRAME_STEPS = 256  # steps per frame: bounds one GIL hold of the recorder thread
+IDLE_POLL_S = 0.01  # few wake-ups: each one takes the GIL from the engine; the ring
+# holds 256 steps of captures, so this (plus a switch interval) loses none
+TICK_S = 0.05  # how often the sink's counters are read and the child is checked
+MAX_PENDING_STEPS = 4096  # step records waiting for the recorder thread; more are dropped
 
 
 class Session:
@@ -48,12 +47,32 @@ class Session:
         duration_s: float | None = None,
         mamba_block_size: int = 16,
         writer: TraceWriter | None = None,
+        assembler: str | None = None,
     ) -> None:
         self.out = Path(out)
         self.rank = rank
         self.kind = kind
         self.block_size = mamba_block_size
-        self.writer = writer or TraceWriter(self.out, run=run, source=source)
+        # an in-process writer object can only be fed in-process
+        mode = "thread" if writer is not None else outproc.chosen_mode(assembler)
+        source = {**(source or {}), "assembler": mode}
+        self.sink: outproc.ThreadSink | outproc.ProcessSink
+        if mode == "thread":
+            self.sink = outproc.ThreadSink(
+                writer or TraceWriter(self.out, run=run, source=source),
+                rank=rank,
+                kind=kind,
+                block_size=mamba_block_size,
+            )
+        else:
+            self.sink = outproc.ProcessSink(
+                self.out,
+                run=run,
+                source=source,
+                rank=rank,
+                kind=kind,
+                block_size=mamba_block_size,
+            )
         self.max_steps = max_steps
         self.deadline = None if duration_s is None else time.monotonic() + duration_s
         self.ring: CaptureRing | None = None
@@ -65,28 +84,34 @@ class Session:
         self.deferred_batch_step: int | None = None  # V2 PP: batch step of a deferred postprocess
         self.pp_origin: dict[int, int] = {}  # id(PendingRecv) -> step that pushed it
         self.on_limit: Any = None  # called once, on the engine thread, when a limit stops it
-        self.rows = 0
         self.hook_errors = 0
         self._logged: set[str] = set()
         self._records: deque[dict[str, Any]] = deque()
-        self._by_step: dict[int, dict[str, dict[str, np.ndarray]]] = {}
-        self._launches: dict[int, list[dict[str, Any]]] = {}  # launch rows wait for their step
-        self._batch: list[tuple[int, dict[str, Any]]] = []  # assembled steps not yet handed over
-        self._batch_started = time.monotonic()
-        self._tables = StepTables(kind, mamba_block_size)
+        self._errors: deque[tuple[str, str]] = deque()  # counted here, forwarded in order
+        self._lost_sent = 0  # how many of _lost_steps the assembler has been told of
+        self._error_totals: dict[str, dict[str, Any]] = {}  # for a manifest the child missed
+        self._lost_steps: list[int] = []  # dropped here: queue full or sink gone
+        self._packer = wire.Packer()  # recorder thread only
         self._closing = threading.Event()
-        self._last_yield = 0.0
         self._force = False  # set on close when the device never finished: stop waiting
         self._thread = threading.Thread(target=self._loop, name="mgtrace-recorder", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ engine thread
+    def _close_rec(self) -> None:
+        rec, self.rec = self.rec, None
+        if rec is None:
+            return
+        if len(self._records) >= MAX_PENDING_STEPS:
+            self._lost_steps.append(rec["step"])  # never wait: counted, in the manifest
+            return
+        self._records.append(rec)
+        self.steps_recorded += 1
+
     def begin_step(self, scheduler_output: Any) -> bool:
         """Close the previous step and open the next; False once a limit says stop."""
         if self.rec is not None:
-            self._records.append(self.rec)
-            self.steps_recorded += 1
-            self.rec = None
+            self._close_rec()
         if (
             self.stop_requested
             or (self.max_steps is not None and self.steps_recorded >= self.max_steps)
@@ -111,10 +136,7 @@ class Session:
 
     def end_step(self) -> None:
         """Close the open step without opening another (a batch that is not a step)."""
-        if self.rec is not None:
-            self._records.append(self.rec)
-            self.steps_recorded += 1
-            self.rec = None
+        self._close_rec()
 
     def grab(self, tensors: list[Any], lengths: list[int], tag: dict[str, Any]) -> None:
         ring = self.ring
@@ -141,30 +163,39 @@ class Session:
             pass
 
     def count_error(self, kind: str, message: str) -> None:
+        """Any thread; the recorder thread forwards it to the manifest."""
         with contextlib.suppress(Exception):
-            self.writer.count_error(kind, message)
+            entry = self._error_totals.setdefault(kind, {"count": 0, "first": message})
+            entry["count"] += 1
+            self._errors.append((kind, message))
 
     # ------------------------------------------------------------ any thread
     def status(self) -> dict[str, Any]:
-        st = self.writer.stats()
+        st = self.sink.stats()
         ring = self.ring
         return {
             "steps": self.steps_recorded,
-            "rows": self.rows,
-            "bytes": st.bytes_written,
-            "drops": st.steps_dropped + (ring.dropped if ring else 0),
-            "hook_errors": self.hook_errors,
-            "writer_failed": st.failed,
+            "rows": st["rows"],
+            "bytes": st["bytes"],
+            "drops": st["steps_dropped"]
+            + (ring.dropped if ring else 0)
+            + len(self._lost_steps)
+            - self._lost_sent,  # those the assembler counts already
+            "hook_errors": self.hook_errors + st["assemble_errors"],
+            "writer_failed": st["failed"],
+            "assembler": self.sink.mode,
             "out": str(self.out),
         }
 
+    def wait_ready(self, timeout_s: float = 30.0) -> bool:
+        """Block (not the engine thread) until the sink runs: the assembler process starts
+        in about a second, during which steps queue up in the pipe."""
+        return self.sink.wait_ready(timeout_s)
+
     def close(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Flush: the open step, captures still in flight, the writer. Not the engine thread."""
+        """Flush: the open step, captures still in flight, the sink. Not the engine thread."""
         self.live = False
-        if self.rec is not None:
-            self._records.append(self.rec)
-            self.steps_recorded += 1
-            self.rec = None
+        self._close_rec()
         self._closing.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -172,144 +203,97 @@ class Session:
             self._thread.join(2.0)
         if self.ring is not None and self.ring.pending:
             self.count_error("capture_unfinished", f"{self.ring.pending} captures never landed")
-        manifest = self.writer.close()
-        return {"complete": manifest.complete, **self.status()}
+        notices, lost = self._notices()
+        if self._send(notices, essential=True):
+            self._lost_sent = max(self._lost_sent, lost)
+        complete = self.sink.close(timeout_s)
+        failed = self.sink.failed
+        if failed is not None and isinstance(self.sink, outproc.ProcessSink):
+            self._log_once("sink", "mgtrace: %s; the trace is incomplete", failed)
+            outproc.mark_failed(self.out, failed, self._error_totals, self._lost_steps, self.rank)
+            complete = False
+        return {"complete": complete, **self.status()}
 
     # ------------------------------------------------------------ recorder thread
     def _loop(self) -> None:
+        last_tick = 0.0
         while True:
-            busy = self._drain()
+            try:
+                busy = self._drain()
+                now = time.monotonic()
+                if now - last_tick >= TICK_S or self._closing.is_set():
+                    last_tick = now
+                    self.sink.tick()
+            except Exception as exc:  # never let the thread die silently
+                self.hook_failed("recorder", exc)
+                busy = False
+            if self.sink.failed is not None:
+                self._log_once("sink", "mgtrace: %s; further steps are dropped", self.sink.failed)
             if (
                 self._closing.is_set()
                 and not self._records
                 and not (self.ring and self.ring.pending and not self._force)
             ):
-                self._guard("orphans", self._flush_orphans)
-                self._guard("flush", self._flush_batch)
                 return
-            if self._batch and time.monotonic() - self._batch_started > BATCH_S:
-                self._guard("flush", self._flush_batch)
             if not busy:
                 time.sleep(IDLE_POLL_S)
 
-    def _flush_orphans(self) -> None:
-        """Launch rows of a step whose bookkeeping never closed (stopped mid-step)."""
-        for step, parts in sorted(self._launches.items()):
-            self.writer.write_step(self.rank, step, {"launches": asm.merge_columns(parts)})
-        self._launches.clear()
+    def _log_once(self, key: str, fmt: str, *args: Any) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(fmt, *args)
+
+    def _notices(self) -> tuple[list[tuple[Any, ...]], int]:
+        """Errors and dropped steps the assembler has not been told of yet."""
+        out: list[tuple[Any, ...]] = []
+        while self._errors:  # an error in a frame that is dropped is lost with it
+            kind, message = self._errors.popleft()
+            out.append(("err", kind, message))
+        lost = len(self._lost_steps)
+        out += [("drop", step) for step in self._lost_steps[self._lost_sent : lost]]
+        return out, lost
 
     def _drain(self) -> bool:
-        busy = False
+        """Forward what is ready, in the order the assembler needs (a step goes after every
+        capture of its own or an earlier step), as one frame: the pipe write releases the
+        GIL, and while the engine runs Python, getting it back costs a switch interval."""
+        notices, lost = self._notices()
+        if notices and self._send(notices, essential=True):
+            self._lost_sent = max(self._lost_sent, lost)
+        messages: list[tuple[Any, ...]] = []
+        steps = 0
         if self.ring is not None:
-            for arrays, tag in self.ring.reap():
-                busy = True
-                self._guard("launch", self._on_capture, arrays, tag)
-        while self._records:
+            for raw, lengths, tag in self.ring.reap_raw():
+                try:
+                    messages.append(("cap", raw, lengths, self._packer.tag(tag)))
+                except Exception as exc:
+                    self.hook_failed("forward", exc)
+        while self._records and steps < MAX_FRAME_STEPS:
             rec = self._records[0]
             oldest = self.ring.oldest_pending_tag() if self.ring is not None else None
             if oldest is not None and oldest["step"] <= rec["step"] and not self._force:
                 break
             self._records.popleft()
-            busy = True
-            self._guard("step", self._on_step, rec)
-            now = time.perf_counter()
-            if now - self._last_yield > YIELD_EVERY_S:
-                # hand the GIL back well before the interpreter's 5 ms switch interval
-                time.sleep(0)
-                self._last_yield = time.perf_counter()
-        return busy
+            steps += 1
+            try:
+                messages.append(("step", self._packer.record(rec)))
+            except Exception as exc:  # counted, and the step is counted as dropped
+                self.hook_failed("forward", exc)
+                self._lost_steps.append(rec["step"])
+        self._send(messages)
+        return bool(messages or notices)
 
-    def _guard(self, what: str, fn: Any, *args: Any) -> None:
+    def _send(self, messages: list[tuple[Any, ...]], *, essential: bool = False) -> bool:
+        """Hand a frame to the sink; ``essential`` frames (errors, drop notices: small)
+        are queued however far behind the assembler is."""
+        if not messages:
+            return True
         try:
-            fn(*args)
-        except Exception as exc:
-            self.hook_failed(f"assemble_{what}", exc)
-
-    def _on_capture(self, arrays: list[np.ndarray], tag: dict[str, Any]) -> None:
-        got = dict(zip(tag["names"], arrays, strict=True))
-        kernel = tag["kernel"]
-        n = tag["n"]
-        slots = got.get("idx_mapping")
-        batch_row = np.arange(n, dtype=I32)
-        if slots is not None:
-            slots = slots[:n].astype(np.int64)
-            cols = {k: asm.gather_slots(v, slots) for k, v in got.items() if k != "idx_mapping"}
-            req_slot = slots.astype(I32)
-        else:
-            cols = {k: v[:n] for k, v in got.items()}
-            req_slot = batch_row
-        per_step = self._by_step.setdefault(tag["batch_step"], {})
-        per_step[kernel] = cols
-        if kernel not in asm.KERNEL_CODE:
-            return  # a snapshot that feeds batch_rows only
-        self._write_launch(tag, cols, batch_row, req_slot)
-
-    def _write_launch(
-        self,
-        tag: dict[str, Any],
-        cols: dict[str, np.ndarray],
-        batch_row: np.ndarray,
-        req_slot: np.ndarray,
-    ) -> None:
-        n = len(batch_row)
-        rule = tag["row_rule"]
-        out: dict[str, Any] = {
-            "kernel": np.full(n, asm.KERNEL_CODE[tag["kernel"]], I32),
-            "batch_row": batch_row,
-            "batch_step": tag["batch_step"],
-            "req_slot": req_slot,
-            "row_rule": np.full(n, asm.RULE_CODE[rule], I32),
-            "bt_row": req_slot if rule == "req_slot" else batch_row,
-            "bt_table": np.full(n, asm.TABLE_CODE[tag["bt_table"]], I32),
-            "bt_step": tag["bt_step"],
-            "mode": np.full(n, asm.MODE_CODE[tag["mode"]] if tag.get("mode") else -1, I32),
-        }
-        for name, values in cols.items():
-            out[name] = values.astype(I32)
-        if tag["kernel"] == "precopy" and "token_bias" in cols:
-            out["num_accepted"] = (cols["token_bias"] + 1).astype(I32)
-        cpu = dict(tag.get("cpu") or {})
-        if tag["kernel"] == "precopy" and "token_bias" in cpu:
-            cpu["num_accepted"] = cpu["token_bias"] + 1  # the CPU's view of what it read
-        for name, held in cpu.items():
-            kernel_values = out.get(name)
-            if kernel_values is None or len(held) != n:
-                continue
-            if name == "num_accepted":
-                diff = asm.masked_where_equal(held.astype(I32), kernel_values)
-                if diff is not None:
-                    out["num_accepted_cpu"] = diff
-            elif (held != kernel_values).any():
-                rows = np.nonzero(held != kernel_values)[0][:4].tolist()
-                self.count_error(
-                    "launch_cpu_mismatch",
-                    f"step {tag['step']} {tag['kernel']}: {name} the kernel read differs from "
-                    f"the CPU-staged value at batch rows {rows}",
-                )
-        self._launches.setdefault(tag["step"], []).append(out)
-
-    def _on_step(self, rec: dict[str, Any]) -> None:
-        captured = self._by_step.pop(rec["step"], {})
-        for stale in [s for s in self._by_step if s < rec["step"] - 64]:
-            del self._by_step[stale]  # deferred (PP) captures that no step will claim
-        tables = self._tables.build(rec, captured)
-        launches = self._launches.pop(rec["step"], None) or []
-        rows = tables.get("batch_rows")
-        if rows is not None:
-            self.rows += len(rows["req_id"])
-        if self._batch and self._batch[-1][0] + 1 != rec["step"]:
-            self._flush_batch()
-        self._batch.append((rec["step"], tables))
-        # each launch stays its own chunk: merged here, its partly-null columns would turn
-        # into Python lists; kept apart, every chunk is plain arrays
-        self._batch += [(rec["step"], {"launches": part}) for part in launches]
-        if len(self._batch) >= BATCH_STEPS:
-            self._flush_batch()
-
-    def _flush_batch(self) -> None:
-        """Hand the buffered steps to the writer as one chunk per table: far less work per
-        step for the writer thread, which shares the engine's GIL."""
-        batch, self._batch = self._batch, []
-        self._batch_started = time.monotonic()
-        if batch:
-            self.writer.write_steps(self.rank, batch[0][0], batch[-1][0], asm.merge_steps(batch))
+            sent = self.sink.send(messages, essential=essential)
+        except Exception as exc:  # e.g. an unpicklable value in a record
+            self.hook_failed("forward", exc)
+            sent = False
+        if not sent:
+            self._lost_steps += [m[1]["step"] for m in messages if m[0] == "step"]
+            self._packer.reset()  # the assembler never saw these values: resend in full
+        return sent

@@ -1,6 +1,7 @@
 """Turn one step's raw record (what the hooks copied) and its landed captures into the
-columns of the trace tables. Runs on the recorder thread; everything per row is numpy or a
-C-level ``map``, because this thread shares the engine's GIL."""
+columns of the trace tables. Runs in the assembler process (or on the recorder thread with
+the in-process fallback, sharing the engine's GIL): everything per row is numpy or a C-level
+``map``."""
 
 from __future__ import annotations
 

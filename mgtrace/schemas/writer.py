@@ -376,6 +376,11 @@ class TraceWriter:
         self._steps_queued += 1
         return True
 
+    def count_dropped_step(self, rank: int, step: int, rows: int = 0) -> None:
+        """Count a step that was lost before it reached this writer (a producer upstream
+        could not hand it on); it goes into the manifest's drops like the writer's own."""
+        self._dropped.append((rank, step, rows))
+
     def write_steps(self, rank: int, first: int, last: int, tables: StepTables) -> bool:
         """Queue steps ``first..last`` at once: every per-step table carries a ``step`` column.
 

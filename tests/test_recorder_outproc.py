@@ -1,0 +1,228 @@
+"""The recorder's way out of the engine process: the wire form of step records, the
+assembler process, and what happens when it falls behind or dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mgtrace.recorder import outproc, wire
+from mgtrace.recorder.session import Session
+from mgtrace.schemas.manifest import RunMetadata
+
+pytestmark = pytest.mark.unit
+
+
+def _so(ids: list[str], computed: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        total_num_scheduled_tokens=4 * len(ids),
+        num_scheduled_tokens=dict.fromkeys(ids, 4),
+        scheduled_spec_decode_tokens={r: [7, 8, 9] for r in ids},
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=list(ids),
+            resumed_req_ids=set(),
+            new_block_ids=[None] * len(ids),
+            num_computed_tokens=[computed] * len(ids),
+        ),
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+    )
+
+
+def _records(steps: int) -> list[dict[str, Any]]:
+    """Step records shaped like the V1 hooks' (arrays, id lists, state-column dicts, a
+    scheduler output), some values repeating from step to step and some not."""
+    recs = []
+    for step in range(steps):
+        ids = [f"{'r' if step < 4 else 'q'}{i}" for i in range(6)]
+        if step % 3 == 2:
+            ids[1], ids[4] = ids[4], ids[1]  # a reorder: the order differs
+        cols = {r: 2 + (i + step // 4) % 3 for i, r in enumerate(ids)}
+        recs.append(
+            {
+                "step": step,
+                "wall_ns": 1000 + step,
+                "so": _so(ids, 10 + step),
+                "moves": [("swap", 1, 4, ids[1], ids[4], 1, 2)],
+                "req_ids": ids,
+                "computed": np.arange(6, dtype=np.int32) + step,
+                "prefilling": np.arange(6) % 2 == 0,
+                "bt": [(0, np.arange(12, dtype=np.int32).reshape(6, 2), np.full(6, 2, np.int32))],
+                "sidx_before": dict(cols),
+                "sidx_after": {r: c + (step % 2) for r, c in cols.items()},
+                "staged": {"state_idx": np.arange(6, dtype=np.int32) * step},
+            }
+        )
+    return recs
+
+
+def _same_record(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    bad = []
+    for key, value in want.items():
+        mine = got.get(key)
+        if key == "so":
+            drafts = {r: len(v) for r, v in value.scheduled_spec_decode_tokens.items()}
+            if {r: len(v) for r, v in mine.scheduled_spec_decode_tokens.items()} != drafts:
+                bad.append("so.drafts")
+            for name in ("num_scheduled_tokens", "total_num_scheduled_tokens"):
+                if getattr(mine, name) != getattr(value, name):
+                    bad.append(f"so.{name}")
+            for name in ("req_ids", "num_computed_tokens", "new_block_ids"):
+                a = getattr(mine.scheduled_cached_reqs, name)
+                if a != getattr(value.scheduled_cached_reqs, name):
+                    bad.append(f"so.cached.{name}")
+        elif key == "bt":
+            for (g1, r1, c1), (g2, r2, c2) in zip(mine, value, strict=True):
+                if g1 != g2 or not np.array_equal(r1, r2) or not np.array_equal(c1, c2):
+                    bad.append("bt")
+        elif key == "staged":
+            if mine.keys() != value.keys() or any(
+                not np.array_equal(mine[k], v) for k, v in value.items()
+            ):
+                bad.append("staged")
+        elif isinstance(value, np.ndarray):
+            if mine.dtype != value.dtype or not np.array_equal(mine, value):
+                bad.append(key)
+        elif mine != value:
+            bad.append(key)
+    return bad
+
+
+def _through(frames: list[bytes]) -> list[dict[str, Any]]:
+    unpacker = wire.Unpacker()
+    return [
+        unpacker.record(m[1])
+        for f in frames
+        for m in wire.decode(f[wire.HEADER.size :])
+        if m[0] == "step"
+    ]
+
+
+def test_records_cross_the_wire_unchanged() -> None:
+    recs = _records(12)
+    packer = wire.Packer()
+    frames = [wire.encode([("step", packer.record(r)) for r in recs[i : i + 4]]) for i in (0, 4, 8)]
+    got = _through(frames)
+    assert [_same_record(g, w) for g, w in zip(got, _records(12), strict=True)] == [[]] * 12
+    # the repeats did travel as references to the last value: an assembler that missed a
+    # frame resolves them to stale values (failing control)
+    stale = _through(frames[:1] + frames[2:])
+    want = _records(12)[:4] + _records(12)[8:]
+    assert any(_same_record(g, w) for g, w in zip(stale, want, strict=True))
+
+
+def test_a_dropped_frame_resets_the_repeats() -> None:
+    recs = _records(9)
+
+    def run(reset: bool) -> list[list[str]]:
+        packer = wire.Packer()
+        kept = [wire.encode([("step", packer.record(r)) for r in recs[0:3]])]
+        wire.encode([("step", packer.record(r)) for r in recs[3:6]])  # never delivered
+        if reset:
+            packer.reset()
+        kept.append(wire.encode([("step", packer.record(r)) for r in recs[6:9]]))
+        want = _records(9)[0:3] + _records(9)[6:9]
+        return [_same_record(g, w) for g, w in zip(_through(kept), want, strict=True)]
+
+    assert run(reset=True) == [[]] * 6
+    assert run(reset=False) != [[]] * 6  # failing control: without the reset it goes stale
+
+
+def _record_steps(sess: Session, steps: int) -> None:
+    for rec in _records(steps):
+        sess.begin_step(rec["so"])
+        assert sess.rec is not None
+        sess.rec.update({k: v for k, v in rec.items() if k not in ("step", "so", "moves")})
+        sess.rec["moves"] += rec["moves"]
+        sess.rec["prompt"] = np.full(6, 5, np.int32)
+    sess.end_step()
+
+
+def _tables(path: Path) -> dict[str, list[dict[str, Any]]]:
+    import pyarrow.parquet as pq
+
+    out = {}
+    for table in sorted(p.name for p in path.iterdir() if p.is_dir()):
+        rows = []
+        for part in sorted((path / table).glob("*.parquet")):
+            rows += pq.read_table(part).to_pylist()
+        out[table] = [{k: v for k, v in r.items() if k != "wall_ns"} for r in rows]
+    return out
+
+
+def test_process_and_thread_assembly_write_the_same_trace(tmp_path: Path) -> None:
+    traces = {}
+    for mode in ("process", "thread"):
+        sess = Session(tmp_path / mode, rank=0, kind="v1", run=RunMetadata(), assembler=mode)
+        _record_steps(sess, 20)
+        result = sess.close()
+        assert result["complete"] and result["assembler"] == mode and result["rows"] == 120
+        manifest = json.loads((tmp_path / mode / "manifest.json").read_text())
+        assert manifest["source"]["assembler"] == mode
+        traces[mode] = _tables(tmp_path / mode)
+    assert traces["process"]["batch_rows"] and traces["process"]["row_moves"]
+    assert traces["process"] == traces["thread"]
+
+
+def test_an_assembler_that_falls_behind_costs_counted_steps_never_a_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(outproc, "MAX_BACKLOG", 1 << 16)
+    monkeypatch.setattr(outproc, "PIPE_BYTES", 1 << 12)
+
+    def record(stall: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        out = tmp_path / ("stalled" if stall else "running")
+        sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="process")
+        assert sess.wait_ready(60.0)
+        proc = sess.sink.proc  # type: ignore[union-attr]
+        if stall:
+            os.kill(proc.pid, signal.SIGSTOP)  # reads nothing: the pipe fills up
+        try:
+            for _ in range(48):  # ~110 kB of frames in all, ~2 kB at a time
+                _record_steps(sess, 5)
+                _drain_until_idle(sess, written=not stall)
+        finally:
+            if stall:
+                os.kill(proc.pid, signal.SIGCONT)
+        result = sess.close(30.0)
+        return result, json.loads((out / "manifest.json").read_text())
+
+    result, manifest = record(stall=True)
+    assert result["complete"] and result["drops"] > 0
+    assert manifest["drops"]["steps"] == result["drops"] and manifest["drops"]["step_ranges"]
+    # failing control: an assembler that keeps up drops nothing
+    result, manifest = record(stall=False)
+    assert result["complete"] and result["drops"] == 0 and not manifest["drops"]["step_ranges"]
+
+
+def _drain_until_idle(sess: Session, *, written: bool) -> None:
+    """Until the recorder thread has forwarded every step (and, if ``written``, the pipe
+    has taken every frame)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+        sess._records or (written and sess.sink._backlog)  # type: ignore[union-attr]
+    ):
+        time.sleep(0.005)
+
+
+def test_status_is_readable_before_the_assembler_reports(tmp_path: Path) -> None:
+    sess = Session(tmp_path / "t", rank=0, kind="v1", run=RunMetadata(), assembler="process")
+    proc = sess.sink.proc  # type: ignore[union-attr]
+    os.kill(proc.pid, signal.SIGSTOP)  # it cannot have reported anything yet
+    try:
+        status = sess.status()
+        assert status["rows"] == 0 and status["writer_failed"] is None
+        assert status["assembler"] == "process"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert sess.close()["complete"]
