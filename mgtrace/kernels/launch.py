@@ -106,36 +106,37 @@ class AlignLaunch:
             raise UsageError(f"a {self.kernel} launch has no post-process mode")
         if self.block_size <= 0:
             raise UsageError(f"mamba block size must be positive, got {self.block_size}")
-        for name in ROW_COLUMNS:
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, _as_rows(value))
-        if len(self.req_slot) != len(self.batch_row):
+        fields_ = self.__dict__  # one dict walk: a replay builds thousands of launches
+        batch_row = fields_["batch_row"] = _as_rows(self.batch_row)
+        req_slot = fields_["req_slot"] = _as_rows(self.req_slot)
+        n = len(batch_row)
+        if len(req_slot) != n:
             raise UsageError("req_slot and batch_row must have one entry per row")
         if self.bt_row is None:
             self.bt_row = self.expected_bt_row()
-        for name in ROW_COLUMNS:
-            value = getattr(self, name)
-            if value is not None and len(value) != self.num_rows:
-                raise UsageError(f"column {name} has {len(value)} rows, the launch {self.num_rows}")
         # Plain int32 views of every column, and whether any row is null: the hot path of a
         # replay reads these instead of unwrapping masked arrays on every launch.
-        self._plain = {
-            name: np.ma.getdata(getattr(self, name))
-            for name in ROW_COLUMNS
-            if getattr(self, name) is not None
-        }
-        self.has_nulls = any(
-            isinstance(getattr(self, name), np.ma.MaskedArray) for name in self._plain
-        )
-        # Structural facts the validator needs on every launch, computed once: the record
-        # is frozen (arrays are private read-only copies), so they cannot go stale.
-        n = self.num_rows
+        self._plain = plain = {}
+        self.has_nulls = False
+        for name in ROW_COLUMNS:
+            value = fields_[name]
+            if value is None:
+                continue
+            if name != "batch_row" and name != "req_slot":  # those two are converted above
+                value = fields_[name] = _as_rows(value)
+            if len(value) != n:
+                raise UsageError(f"column {name} has {len(value)} rows, the launch {n}")
+            if isinstance(value, np.ma.MaskedArray):
+                plain[name] = value.data
+                self.has_nulls = True
+            else:
+                plain[name] = value
         self.block32 = np.int32(self.block_size)
         self.lacks_required = any(self._plain.get(c) is None for c in self.required_columns)
         self.all_live = not self.has_nulls and bool((self._plain["req_slot"] >= 0).all())
-        self.rows_in_order = bool(np.array_equal(self._plain["batch_row"], np.arange(n)))
-        self.bt_row_consistent = bool(np.array_equal(self._plain["bt_row"], self.expected_bt_row()))
+        self.rows_in_order = bool((self._plain["batch_row"] == _row_numbers(n)).all())
+        by = "req_slot" if self.row_rule == "req_slot" else "batch_row"
+        self.bt_row_consistent = bool((self._plain["bt_row"] == self._plain[by]).all())
         # Nothing for the row-level checks to find: no nulls, rows in order, bt_row agrees.
         self.well_formed = (
             not self.has_nulls
@@ -177,8 +178,29 @@ def column_names() -> tuple[str, ...]:
     return tuple(f.name for f in fields(AlignLaunch) if f.metadata.get("column", True))
 
 
+_ROW_NUMBERS = np.arange(0, dtype=np.int32)
+
+
+def _row_numbers(n: int) -> np.ndarray:
+    """0..n-1, sliced from one growing read-only array."""
+    global _ROW_NUMBERS
+    if len(_ROW_NUMBERS) < n:
+        _ROW_NUMBERS = np.arange(max(n, 2 * len(_ROW_NUMBERS), 1024), dtype=np.int32)
+        _ROW_NUMBERS.setflags(write=False)
+    return _ROW_NUMBERS[:n]
+
+
 def _as_rows(value: Any) -> np.ndarray:
-    """A private, read-only int32 copy: a launch record never changes once built."""
+    """A private, read-only int32 copy: a launch record never changes once built. An int32
+    array that nothing can write (a read-only array, or a read-only view of one) is kept as
+    it is: sharing it is as safe as a copy, and a replay builds thousands of launches from
+    such views."""
+    if type(value) is np.ndarray and value.dtype == np.int32 and not value.flags.writeable:
+        base = value.base
+        if base is None or (
+            type(base) is np.ndarray and not base.flags.writeable and base.base is None
+        ):
+            return value
     if isinstance(value, np.ma.MaskedArray):
         out = np.ma.MaskedArray(
             np.array(np.ma.getdata(value), dtype=np.int32),

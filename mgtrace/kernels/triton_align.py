@@ -305,8 +305,13 @@ class DeviceLayout:
 
     @classmethod
     def build(cls, pool: StatePool, tables: BlockTables) -> DeviceLayout:
+        return cls.over(pool, tables.to_torch(pool.device))
+
+    @classmethod
+    def over(cls, pool: StatePool, dev_tables: list[torch.Tensor]) -> DeviceLayout:
+        """The layout over block tables already on the device (kept by address: refill
+        them in place and the layout stays valid)."""
         device = pool.device
-        dev_tables = tables.to_torch(device)
         meta = pool.metadata
         base = pool.buffer.data_ptr()
         addrs = np.array([_as_i64(base + int(o)) for o in meta["offset"]], dtype=np.int64)

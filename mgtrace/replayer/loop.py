@@ -24,7 +24,7 @@ from mgtrace.errors import InconclusiveError, UsageError
 from mgtrace.kernels.launch import AlignLaunch
 from mgtrace.kernels.reference import LaunchResult, run_reference
 from mgtrace.replayer.findings import MALFORMED, Finding
-from mgtrace.replayer.oracle import Oracle, StateRead
+from mgtrace.replayer.oracle import READ_KINDS, Oracle, StateRead
 from mgtrace.replayer.ownership import BlockOwnership
 from mgtrace.replayer.requests import DUMMY_REQUEST, RequestIds
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
@@ -35,6 +35,9 @@ from mgtrace.replayer.view import RowView, launch_under_rules, row_view
 from mgtrace.schemas.reader import TraceReader
 
 Backend = Callable[..., LaunchResult]
+DECODE_READ, PREFILL_READ, NEXT_STATE = (
+    READ_KINDS.index(k) for k in ("decode-read", "prefill-read", "next-state")
+)
 BACKENDS = ("reference", "triton")
 
 
@@ -46,7 +49,10 @@ def load_backend(name: str, device: str) -> Backend:
     if name == "triton":
         from mgtrace.kernels.runtime import load_triton_kernels
 
-        return load_triton_kernels(device).run_triton
+        load_triton_kernels(device)  # compiled or interpreted, before the module is used
+        from mgtrace.kernels.streamed import StreamedTriton
+
+        return StreamedTriton()
     raise UsageError(f"unknown backend {name!r}; choose reference or triton")
 
 
@@ -69,6 +75,10 @@ class RankReplay:
     backend: Backend
     layout: str = "compact"
     device: str = "cpu"
+    # Check reads in bulk every ``flush_every`` steps instead of at once; the default defers
+    # on a GPU, where an immediate check waits for the device on every read.
+    defer_reads: bool | None = None
+    flush_every: int = 64
     oracle: Oracle = field(init=False)
 
     def __post_init__(self) -> None:
@@ -91,14 +101,17 @@ class RankReplay:
             pool=self.pool,
             ownership=self.ownership,
             conv_keep=conv_keep,
+            defer_reads=self.device != "cpu" if self.defer_reads is None else self.defer_reads,
         )
         self.views: dict[int, RowView] = {}
         self.keep_views = max(run.pp_size, 1) + 2
         self._touched_after_forward: list[np.ndarray] = []
+        self._window = np.arange(self.k + 1)[None, :]  # a decode's window columns
 
     # ----------------------------------------------------------------- checkpoints
     def checkpoint(self, step: int) -> Checkpoint:
         """Everything the replay carries from one step to the next, after ``step``."""
+        self.flush()
         o = self.oracle
         return Checkpoint(
             step=step,
@@ -113,6 +126,7 @@ class RankReplay:
 
     def restore(self, cp: Checkpoint) -> None:
         o = self.oracle
+        o.discard_pending()
         self.pool.restore(cp.pool)
         self.tables.restore(cp.tables)
         self.ownership.restore(cp.ownership)
@@ -149,16 +163,31 @@ class RankReplay:
             elif checkpoints is not None and step == 0:
                 checkpoints[0] = self.checkpoint(-1)
             before = len(self.oracle.findings)
-            self.step(step)
+            self._step(step)
             last = step
             if progress is not None:
                 progress(1)
+            if stop_on_finding or step % self.flush_every == 0:
+                self.flush()
             if stop_on_finding and len(self.oracle.findings) > before:
                 break
+        self.flush()
         return last
+
+    def flush(self) -> None:
+        """Check what was left for later: deferred reads, the kernels' own results."""
+        self.oracle.flush()
+        verify = getattr(self.backend, "verify", None)
+        if verify is not None:
+            verify()
 
     # ----------------------------------------------------------------- the step
     def step(self, step: int) -> None:
+        """Replay one step; its findings are in ``oracle.findings`` on return."""
+        self._step(step)
+        self.flush()
+
+    def _step(self, step: int) -> None:
         trace = self.trace
         view = row_view(
             trace.batch(step),
@@ -196,6 +225,7 @@ class RankReplay:
         kind = launch.bt_table or self.own_kind
         if kind not in self.tables.tables:
             kind = self.own_kind
+        self.pool.settle()  # the kernels read the tags written so far
         result = self.backend(launch, self.pool.pool, self.tables.block_tables(kind))
         view = self.views.get(launch.batch_step if launch.batch_step is not None else step)
         for p in result.validation.problems:
@@ -215,10 +245,8 @@ class RankReplay:
             )
         copies = result.validation.copies
         if copies.rows.size and view is not None:
-            recorded = np.asarray(np.ma.getdata(launch.batch_row), dtype=np.int64)
-            rows = recorded[copies.rows.astype(np.int64)]
-            pos = view.positions(rows)
-            uid = np.where(pos >= 0, view.uid[np.maximum(pos, 0)], DUMMY_REQUEST).astype(np.int64)
+            rows = launch.column("batch_row")[copies.rows]
+            uid = view.uid_at(view.positions(rows))
             for g in range(len(self.pool.groups)):
                 self.oracle.check_writes(step, f"{launch.kernel}-copy", g, copies.dst[g], uid, rows)
         if launch.kernel == "postprocess" and view is not None:
@@ -237,16 +265,20 @@ class RankReplay:
         self, step: int, launch: AlignLaunch, result: LaunchResult, view: RowView
     ) -> None:
         """After the post-process: the state each row will read next must be its own, whole."""
-        b = view.positions(np.asarray(np.ma.getdata(launch.batch_row), dtype=np.int64))
-        slot_live = np.asarray(np.ma.getdata(launch.req_slot)) >= 0
-        keep = slot_live & (b >= 0) & ~result.validation.bad
-        if not keep.any():
-            return
-        b = b[keep]
-        acc_out = result.accepted_out[keep].astype(np.int64)
-        acc = view.accepted[b].astype(np.int64)
-        c, n, d = view.computed[b], view.scheduled[b], view.draft[b]
-        expected = np.where(acc >= 1, c + n - d + acc - 1, c + n)
+        b = view.positions(launch.column("batch_row"))
+        keep = (launch.column("req_slot") >= 0) & (b >= 0)
+        if result.validation.problems:
+            keep &= ~result.validation.bad
+        if not keep.all():
+            if not keep.any():
+                return
+            b = b[keep]
+            acc_out = result.accepted_out[keep].astype(np.int64)
+        else:
+            acc_out = result.accepted_out.astype(np.int64)
+        acc = view.accepted64[b]
+        c, n = view.computed64[b], view.scheduled64[b]
+        expected = np.where(acc >= 1, c + n - view.draft64[b] + acc - 1, c + n)
         offset = np.maximum(acc_out - 1, 0)
         if view.step == step:
             # A decode-split row's next state is the column the forward model just wrote for
@@ -258,22 +290,21 @@ class RankReplay:
                 mark = np.zeros(self.ownership.num_blocks + 1, dtype=bool)
                 hit = np.concatenate(touched)
                 mark[hit[(hit >= 0) & (hit < len(mark))]] = True
-                slot, col = view.slot[b], view.state_col[b]
-                for g in range(len(self.pool.groups)):
-                    for blocks in (
-                        self.tables.gather(self.own_kind, g, slot, col + offset),
-                        self.tables.gather(self.own_kind, g, slot, col),
-                    ):
-                        inside = (blocks >= 0) & (blocks < len(mark))
-                        must |= inside & mark[np.where(inside, blocks, 0)]
-            b, expected, offset = b[must], expected[must], offset[must]
-        self._read(step, ["next-state"] * len(b), view, b, expected, offset, offset)
+                slot, col = view.slot64[b], view.state_col64[b]
+                blocks = self.tables.gather_groups(
+                    self.own_kind, np.concatenate([slot, slot]), np.concatenate([col + offset, col])
+                ).reshape(-1, 2, len(b))
+                inside = (blocks >= 0) & (blocks < len(mark))
+                must |= (inside & mark[np.where(inside, blocks, 0)]).any(axis=(0, 1))
+            if not must.all():
+                b, expected, offset = b[must], expected[must], offset[must]
+        self._read(step, np.full(len(b), NEXT_STATE), view, b, expected, offset, offset)
 
     # ----------------------------------------------------------------- forward model
     def _read(
         self,
         step: int,
-        what: list[str],
+        what: np.ndarray,
         view: RowView,
         rows: np.ndarray,
         expected: np.ndarray,
@@ -282,18 +313,10 @@ class RankReplay:
     ) -> None:
         if not len(rows):
             return
-        slot, col = view.slot[rows], view.state_col[rows]
+        slot, col = view.slot64[rows], view.state_col64[rows]
         n = len(rows)
-        both = np.stack(
-            [
-                self.tables.gather(
-                    self.own_kind,
-                    g,
-                    np.concatenate([slot, slot]),
-                    np.concatenate([col + temporal_col, col]),
-                )
-                for g in range(len(self.pool.groups))
-            ]
+        both = self.tables.gather_groups(
+            self.own_kind, np.concatenate([slot, slot]), np.concatenate([col + temporal_col, col])
         )
         temporal, conv = both[:, :n], both[:, n:]
         self.oracle.check_reads(
@@ -314,57 +337,62 @@ class RankReplay:
         if not view.num_rows:
             return
         live = view.slot >= 0
+        all_live = bool(live.all())
         prefill = view.prefill_split
-        accepted = np.where(view.moved, 1, np.maximum(view.accepted_prev, 1)).astype(np.int64)
-        c = view.computed.astype(np.int64)
-        n = view.scheduled.astype(np.int64)
-        d = view.draft.astype(np.int64)
+        c, n, d = view.computed64, view.scheduled64, view.draft64
         # Reads: decodes from window column accepted-1, prefills from column 0 (with context).
-        rows = np.flatnonzero(live & (~prefill | (c > 0)))
-        col = np.where(prefill[rows], 0, accepted[rows] - 1)
-        what = ["prefill-read" if p else "decode-read" for p in prefill[rows].tolist()]
-        self._read(step, what, view, rows, c[rows], col, col)
-        # Writes: decodes write 1+d states (one per token), prefills fold all and write one.
-        dec = np.flatnonzero(live & ~prefill)
-        pre = np.flatnonzero(live & prefill)
-        j = np.arange(self.k + 1)
-        in_window = j[None, :] < n[dec][:, None]  # [decodes, 1+k]
-        rows_a = np.concatenate([np.broadcast_to(dec[:, None], in_window.shape)[in_window], pre])
-        cols_a = np.concatenate(
-            [(view.state_col[dec][:, None] + j[None, :])[in_window], view.state_col[pre]]
+        rows = (live & (~prefill | (c > 0))).nonzero()[0]
+        pre_r = prefill[rows]
+        col = np.where(pre_r | view.moved[rows], 0, view.accepted_prev64[rows] - 1)
+        self._read(step, np.where(pre_r, PREFILL_READ, DECODE_READ), view, rows, c[rows], col, col)
+        # Writes: decodes write 1+d states (one per token), prefills fold all and write one;
+        # decodes first, row by row, then prefills (a later write to one block wins).
+        order = (
+            view.decodes_first
+            if all_live
+            else np.flatnonzero(live)[np.argsort(prefill[live], kind="stable")]
         )
-        tokens = np.concatenate([(c[dec][:, None] + j[None, :] + 1)[in_window], c[pre] + n[pre]])
-        flags = np.concatenate(
-            [
-                np.broadcast_to(np.where(j > 0, SPECULATIVE, 0)[None, :], in_window.shape)[
-                    in_window
-                ],
-                np.where(d[pre] > 0, DRAFTS_FOLDED, 0),
-            ]
+        pre_o = prefill[order]
+        rows_o, j = (self._window < np.where(pre_o, 1, n[order])[:, None]).nonzero()
+        rows_a = order[rows_o]
+        pre_a = pre_o[rows_o]
+        cols_a = view.state_col64[rows_a] + j
+        c_a = c[rows_a]
+        tokens = c_a + np.where(pre_a, n[rows_a], j + 1)
+        flags = np.where(
+            pre_a, np.where(d[rows_a] > 0, DRAFTS_FOLDED, 0), np.where(j > 0, SPECULATIVE, 0)
         )
-        uids_a = view.uid[rows_a].astype(np.int64)
+        uids_a = view.uid64[rows_a]
         # Conv: one window per request, in its running column; row i holds position R-K+1+i
         # where R is what the running state covers (a prefill folds its drafts in as well).
-        rows_c = np.flatnonzero(live)
-        covered = np.where(
-            prefill[rows_c], c[rows_c] + n[rows_c], c[rows_c] + n[rows_c] - d[rows_c]
-        )
+        rows_c = slice(None) if all_live else live.nonzero()[0]
         keep = self.oracle.conv_keep
         width = self.pool.groups[0].width if self.pool.groups else 0
-        last = covered - keep + width - 1
+        last = (c + n - np.where(prefill, 0, d) + (width - 1 - keep))[rows_c]
+        blocks_a = self.tables.gather_groups(self.own_kind, view.slot64[rows_a], cols_a)
+        blocks_c = self.tables.gather_groups(
+            self.own_kind, view.slot64[rows_c], view.state_col64[rows_c]
+        )
+        uid_c = view.uid64[rows_c]
+        brow_a = view.batch_row[rows_a]
         for g in range(len(self.pool.groups)):
-            blocks = self.tables.gather(self.own_kind, g, view.slot[rows_a], cols_a)
+            blocks = blocks_a[g]
             ok = blocks >= 0
-            self.oracle.check_writes(
-                step, "forward-write", g, blocks[ok], uids_a[ok], view.batch_row[rows_a[ok]]
-            )
-            self.pool.write_temporal(g, blocks[ok], uids_a[ok], tokens[ok], step, flags[ok])
-            cblocks = self.tables.gather(
-                self.own_kind, g, view.slot[rows_c], view.state_col[rows_c]
-            )
+            if ok.all():
+                self.oracle.check_writes(step, "forward-write", g, blocks, uids_a, brow_a)
+                self.pool.write_temporal(g, blocks, uids_a, tokens, step, flags)
+            else:
+                self.oracle.check_writes(
+                    step, "forward-write", g, blocks[ok], uids_a[ok], brow_a[ok]
+                )
+                self.pool.write_temporal(g, blocks[ok], uids_a[ok], tokens[ok], step, flags[ok])
+            cblocks = blocks_c[g]
             okc = cblocks >= 0
-            self.pool.write_conv(g, cblocks[okc], view.uid[rows_c][okc], last[okc])
-        self.oracle.mark_written(view.uid[live].astype(np.int64))
+            if okc.all():
+                self.pool.write_conv(g, cblocks, uid_c, last)
+            else:
+                self.pool.write_conv(g, cblocks[okc], uid_c[okc], last[okc])
+        self.oracle.mark_written(uid_c)
 
     def _padded_rows(self, step: int, launch: AlignLaunch, view: RowView) -> None:
         """Padded rows of a CUDA-graph batch run the decode kernel on the state indices their
@@ -425,6 +453,7 @@ def replay_trace(
     progress: Callable[[int], None] | None = None,
     allow_gaps: bool = False,
     checkpoint_every: int | None = None,
+    defer_reads: bool | None = None,
 ) -> ReplayResult:
     """Replay every rank of a trace under ``rules``; findings before ``from_step`` are dropped.
 
@@ -447,7 +476,7 @@ def replay_trace(
         trace = RankTrace(reader, rank, ids)
         if not allow_gaps:
             _require_contiguous(trace, reader)
-        rep = RankReplay(trace, rules, run_backend, layout, device)
+        rep = RankReplay(trace, rules, run_backend, layout, device, defer_reads=defer_reads)
         if seed is not None and rank in seed.checkpoints:
             ckpt.restore(rep, seed.checkpoints[rank])
         cache = None

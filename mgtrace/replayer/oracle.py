@@ -25,7 +25,9 @@ from mgtrace.replayer.findings import (
 )
 from mgtrace.replayer.ownership import NULL_BLOCK, BlockOwnership
 from mgtrace.replayer.requests import DUMMY_REQUEST, NO_REQUEST, RequestIds
-from mgtrace.replayer.tags import TagPool
+from mgtrace.replayer.tags import TEMPORAL_TAG_INTS, TagPool
+
+READ_KINDS = ("decode-read", "prefill-read", "next-state")  # StateRead.what codes
 
 
 def _verb(what: str) -> str:
@@ -36,24 +38,42 @@ def _verb(what: str) -> str:
 class StateRead:
     """Rows about to read state: where, and what they should find there."""
 
-    what: list[str]  # per row, mechanism prefix: decode-read, prefill-read, next-state
+    what: np.ndarray  # per row, mechanism prefix as a code into READ_KINDS
     rows: np.ndarray  # batch rows
     uid: np.ndarray
     expected_tokens: np.ndarray  # E per row
     temporal_blocks: np.ndarray  # [groups, rows]
     conv_blocks: np.ndarray  # [groups, rows]
     conv_offset: np.ndarray  # first conv row read, per row
+    # Per row: the request has no state of its own yet, so a prefix share is legal. Taken
+    # when the read happens (a deferred check runs after later steps have written).
+    may_share: np.ndarray | None = None
+
+    def kind(self, i: int) -> str:
+        return READ_KINDS[int(self.what[i])]
 
     def subset(self, sel: np.ndarray) -> StateRead:
         return StateRead(
-            what=[self.what[i] for i in sel.tolist()],
+            what=self.what[sel],
             rows=self.rows[sel],
             uid=self.uid[sel],
             expected_tokens=self.expected_tokens[sel],
             temporal_blocks=self.temporal_blocks[:, sel],
             conv_blocks=self.conv_blocks[:, sel],
             conv_offset=self.conv_offset[sel],
+            may_share=None if self.may_share is None else self.may_share[sel],
         )
+
+
+@dataclass
+class _PendingRead:
+    """A read whose tags were gathered on the device and are checked at the next flush."""
+
+    clock: int  # the report order it takes among the immediate checks
+    step: int
+    read: StateRead
+    inside: np.ndarray
+    shape: tuple[int, ...]
 
 
 @dataclass
@@ -63,9 +83,19 @@ class Oracle:
     pool: TagPool
     ownership: BlockOwnership
     conv_keep: int  # conv rows a read relies on (K-1)
+    # Check reads in bulk at ``flush`` (the tags are gathered at read time on the device):
+    # the replay then waits for the device once per flush instead of once per read.
+    defer_reads: bool = False
     findings: list[Finding] = field(default_factory=list)
     repeats: dict[tuple[int, str], int] = field(default_factory=dict)
     wrote: np.ndarray = field(default_factory=lambda: np.zeros(1024, dtype=bool))
+
+    def __post_init__(self) -> None:
+        self._keep_range = np.arange(self.conv_keep)
+        self._clock = 0  # advances with every immediate report and every deferred read
+        self._report_clock: int | None = None  # set while a deferred read reports
+        self._keys: list[tuple[int, int]] = []  # per finding: (clock, order within it)
+        self._pending: list[_PendingRead] = []
 
     def mark_written(self, uids: np.ndarray) -> None:
         """These requests now have a state of their own (a prefix share is no longer legal)."""
@@ -84,6 +114,12 @@ class Oracle:
         seen = self.repeats.get(key, 0)
         self.repeats[key] = seen + 1
         if not seen:  # a corrupted request stays corrupted: report its first occurrence only
+            del self._keys[len(self.findings) :]  # callers may truncate findings (restore)
+            if self._report_clock is None:
+                self._clock += 1
+                self._keys.append((self._clock, 0))
+            else:
+                self._keys.append((self._report_clock, len(self._keys)))
             self.findings.append(f)
 
     # ----------------------------------------------------------------- reads
@@ -92,43 +128,114 @@ class Oracle:
         go through the detailed checks, which tell prefix hits from foreign reads."""
         if not len(read.rows):
             return
+        at, inside = self._read_index(read)
+        if self.defer_reads:
+            self._clock += 1
+            read.may_share = ~self.has_written(read.uid)
+            self.pool.gather_later(at)
+            self._pending.append(_PendingRead(self._clock, step, read, inside, at.shape))
+            return
+        self._check_tags(step, read, self.pool.gather(at), inside)
+
+    def flush(self) -> None:
+        """Check the deferred reads (one transfer back from the device), in read order."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        before = len(self.findings)
+        tags = self.pool.collect([p.shape for p in pending])
+        for p, t in zip(pending, tags, strict=True):
+            self._report_clock = p.clock
+            try:
+                self._check_tags(p.step, p.read, t, p.inside)
+            finally:
+                self._report_clock = None
+        if len(self.findings) > before:  # put them where an immediate check would have
+            del self._keys[len(self.findings) :]
+            order = sorted(range(len(self.findings)), key=self._keys.__getitem__)
+            self.findings[:] = [self.findings[i] for i in order]
+            self._keys[:] = [self._keys[i] for i in order]
+
+    def discard_pending(self) -> None:
+        """Drop deferred reads not yet checked (a restore rewinds past them)."""
+        self._pending = []
+        self.pool.discard_gathered()
+
+    def _read_index(self, read: StateRead) -> tuple[np.ndarray, np.ndarray]:
+        """Word indices [groups, rows, fields] of every tag the read checks, and which conv
+        rows lie inside the window [groups, rows, keep]."""
+        if len(self.pool.groups) == 1:  # the common case: no stacking of groups
+            gs = self.pool.groups[0]
+            at, inside = self.pool.read_index(
+                0,
+                read.temporal_blocks[0],
+                read.conv_blocks[0],
+                read.conv_offset,
+                self.conv_keep if gs.conv is not None else 0,
+            )
+            return at[None], inside[None]
+        parts = [
+            self.pool.read_index(
+                g,
+                read.temporal_blocks[g],
+                read.conv_blocks[g],
+                read.conv_offset,
+                self.conv_keep if gs.conv is not None else 0,
+            )
+            for g, gs in enumerate(self.pool.groups)
+        ]
+        if len(parts) == 1:
+            return parts[0][0][None], parts[0][1][None]
+        width = max(p[0].shape[1] for p in parts)
+        at = np.zeros((len(parts), len(read.rows), width), dtype=np.int64)
+        inside = np.zeros((len(parts), len(read.rows), self.conv_keep), dtype=bool)
+        for g, (a, ins) in enumerate(parts):
+            at[g, :, : a.shape[1]] = a
+            inside[g, :, : ins.shape[1]] = ins
+        return at, inside
+
+    def _check_tags(self, step: int, read: StateRead, tags: np.ndarray, inside: np.ndarray) -> None:
+        """``tags`` [groups, rows, fields]: the words ``_read_index`` addresses."""
+        keep = self.conv_keep
         suspect = np.zeros(len(read.rows), dtype=bool)
         for g, gs in enumerate(self.pool.groups):
+            t = tags[g]
             if gs.temporal is not None:
-                blocks = read.temporal_blocks[g]
-                ok = blocks >= 0
-                uid, tokens = self.pool.read_temporal_head(g, np.where(ok, blocks, 0))
-                suspect |= ok & ((uid != read.uid) | (tokens != read.expected_tokens))
-            if gs.conv is not None and self.conv_keep > 0:
-                blocks = read.conv_blocks[g]
-                ok = blocks >= 0
-                uids, pos, inside = self.pool.read_conv_rows(
-                    g, np.where(ok, blocks, 0), read.conv_offset, self.conv_keep
-                )
-                want = read.expected_tokens[:, None] - self.conv_keep + self._keep_range
-                good = ((uids == read.uid[:, None]) & (pos == want)) | ~inside
+                ok = read.temporal_blocks[g] >= 0
+                suspect |= ok & ((t[:, 0] != read.uid) | (t[:, 1] != read.expected_tokens))
+            if gs.conv is not None and keep > 0:
+                ok = read.conv_blocks[g] >= 0
+                uids, pos = t[:, TEMPORAL_TAG_INTS : TEMPORAL_TAG_INTS + keep], t[:, -keep:]
+                want = read.expected_tokens[:, None] - keep + self._keep_range
+                good = ((uids == read.uid[:, None]) & (pos == want)) | ~inside[g]
                 suspect |= ok & ~good.all(axis=1)
         if not suspect.any():
             return
-        detail = read.subset(np.flatnonzero(suspect))
+        sel = np.flatnonzero(suspect)
+        detail = read.subset(sel)
+        if detail.may_share is None:
+            detail.may_share = ~self.has_written(detail.uid)
         for g, gs in enumerate(self.pool.groups):
+            t = tags[g][sel]
             if gs.temporal is not None:
-                self._check_temporal(step, detail, g)
-            if gs.conv is not None and self.conv_keep > 0:
-                self._check_conv(step, detail, g)
+                self._check_temporal(step, detail, g, t[:, :TEMPORAL_TAG_INTS])
+            if gs.conv is not None and keep > 0:
+                self._check_conv(
+                    step,
+                    detail,
+                    g,
+                    t[:, TEMPORAL_TAG_INTS : TEMPORAL_TAG_INTS + keep],
+                    t[:, -keep:],
+                    inside[g][sel],
+                )
 
-    @property
-    def _keep_range(self) -> np.ndarray:
-        return np.arange(self.conv_keep)
-
-    def _check_temporal(self, step: int, read: StateRead, g: int) -> None:
+    def _check_temporal(self, step: int, read: StateRead, g: int, got: np.ndarray) -> None:
         blocks = read.temporal_blocks[g]
         ok = blocks >= 0
-        tags = np.zeros((len(blocks), 4), dtype=np.int64)
-        tags[ok] = self.pool.read_temporal(g, blocks[ok])
+        tags = np.where(ok[:, None], got, 0).astype(np.int64)
         uid_t, tok_t, step_t = tags[:, 0], tags[:, 1], tags[:, 2]
         mine = uid_t == read.uid
-        prefix = ~mine & ~self.has_written(read.uid) & (tok_t == read.expected_tokens)
+        prefix = ~mine & read.may_share & (tok_t == read.expected_tokens)
         prefix &= uid_t > 0
         unwritten = ok & (uid_t == NO_REQUEST)
         foreign = ok & ~mine & ~prefix & ~unwritten
@@ -136,27 +243,28 @@ class Oracle:
         for i in np.flatnonzero(foreign | wrong | unwritten).tolist():
             uid, e, t = int(read.uid[i]), int(read.expected_tokens[i]), int(tok_t[i])
             name = self.ids.name(uid)
+            what = read.kind(i)
             if unwritten[i]:
-                kind, mech = WRONG_TOKENS, f"{read.what[i]}:temporal:unwritten"
+                kind, mech = WRONG_TOKENS, f"{what}:temporal:unwritten"
                 detail = (
-                    f"request {name} {_verb(read.what[i])} a temporal state no request has written "
+                    f"request {name} {_verb(what)} a temporal state no request has written "
                     f"(block {int(blocks[i])}); it has {e} tokens"
                 )
                 writer_id, writer_step = None, None
             elif foreign[i]:
                 writer = self.ids.name(int(uid_t[i]))
                 who = "a padded row" if uid_t[i] == DUMMY_REQUEST else f"request {writer}"
-                kind, mech = FOREIGN_STATE, f"{read.what[i]}:temporal"
+                kind, mech = FOREIGN_STATE, f"{what}:temporal"
                 detail = (
-                    f"request {name} {_verb(read.what[i])} a temporal state written by {who} "
+                    f"request {name} {_verb(what)} a temporal state written by {who} "
                     f"at step {int(step_t[i])} ({t} tokens folded in; it has {e})"
                 )
                 writer_id, writer_step = writer, int(step_t[i])
             else:
                 rel = "ahead" if t > e else "behind"
-                kind, mech = WRONG_TOKENS, f"{read.what[i]}:temporal:{rel}"
+                kind, mech = WRONG_TOKENS, f"{what}:temporal:{rel}"
                 detail = (
-                    f"request {name} {_verb(read.what[i])} its own temporal state with {t} "
+                    f"request {name} {_verb(what)} its own temporal state with {t} "
                     f"tokens folded in where it has {e} (written at step {int(step_t[i])})"
                 )
                 writer_id, writer_step = name, int(step_t[i])
@@ -193,16 +301,21 @@ class Oracle:
             ),
         )
 
-    def _check_conv(self, step: int, read: StateRead, g: int) -> None:
+    def _check_conv(
+        self,
+        step: int,
+        read: StateRead,
+        g: int,
+        got_uid: np.ndarray,
+        got_pos: np.ndarray,
+        inside: np.ndarray,
+    ) -> None:
         blocks = read.conv_blocks[g]
         ok = blocks >= 0
         if not ok.any():
             return
-        got_uid, got_pos, inside = self.pool.read_conv_rows(
-            g, np.where(ok, blocks, 0), read.conv_offset, self.conv_keep
-        )
         want_pos = read.expected_tokens[:, None] - self.conv_keep + np.arange(self.conv_keep)
-        may_share = ~self.has_written(read.uid)
+        may_share = read.may_share
         uid_ok = (got_uid == read.uid[:, None]) | (may_share[:, None] & (got_uid > 0))
         pos_ok = got_pos == want_pos
         never = ok & ((got_uid == NO_REQUEST) & inside).any(axis=1)
@@ -211,22 +324,23 @@ class Oracle:
         for i in np.flatnonzero(bad_uid | bad_pos).tolist():
             uid = int(read.uid[i])
             name = self.ids.name(uid)
+            what = read.kind(i)
             if never[i]:
-                kind, mech = WRONG_TOKENS, f"{read.what[i]}:conv:unwritten"
-                detail = f"request {name} {_verb(read.what[i])} conv rows no request has written"
+                kind, mech = WRONG_TOKENS, f"{what}:conv:unwritten"
+                detail = f"request {name} {_verb(what)} conv rows no request has written"
                 writer_id = None
             elif bad_uid[i]:
                 j = int(np.argmax(~uid_ok[i] & inside[i]))
                 writer = self.ids.name(int(got_uid[i, j]))
-                kind, mech = FOREIGN_STATE, f"{read.what[i]}:conv"
-                detail = f"request {name} {_verb(read.what[i])} conv rows of {writer}"
+                kind, mech = FOREIGN_STATE, f"{what}:conv"
+                detail = f"request {name} {_verb(what)} conv rows of {writer}"
                 writer_id = writer
             else:
                 j = int(np.argmax(~pos_ok[i] & inside[i]))
                 rel = "ahead" if got_pos[i, j] > want_pos[i, j] else "behind"
-                kind, mech = WRONG_TOKENS, f"{read.what[i]}:conv:{rel}"
+                kind, mech = WRONG_TOKENS, f"{what}:conv:{rel}"
                 detail = (
-                    f"request {name} {_verb(read.what[i])} conv positions {int(got_pos[i, 0])}.."
+                    f"request {name} {_verb(what)} conv positions {int(got_pos[i, 0])}.."
                     f"{int(got_pos[i, -1])} where it needs {int(want_pos[i, 0])}.."
                     f"{int(want_pos[i, -1])}"
                 )
@@ -247,11 +361,13 @@ class Oracle:
         if not len(blocks):
             return
         blocks = np.asarray(blocks, dtype=np.int64)
-        real = (blocks > NULL_BLOCK) & (blocks < self.ownership.num_blocks)
-        owner = np.zeros(len(blocks), dtype=np.int64)
-        owner[real] = self.ownership.owner[group, blocks[real]]
-        bad = real & (owner != 0) & (owner != uid)
-        for i in np.flatnonzero(bad).tolist():
+        num_blocks = self.ownership.num_blocks
+        # Ids outside the pool (negative ones too, as unsigned) map to num_blocks, which like
+        # the null block nobody owns.
+        clamped = np.minimum(blocks.view(np.uint64), num_blocks).view(np.int64)
+        owner = self.ownership.owner_or_free(group, clamped)
+        bad = (owner != 0) & (owner != uid)
+        for i in np.flatnonzero(bad).tolist() if bad.any() else ():
             writer = self.ids.name(int(uid[i]))
             victim = self.ids.name(int(owner[i]))
             self._report(
@@ -274,8 +390,10 @@ class Oracle:
                     writer_step=step,
                 ),
             )
-        live = blocks[real]
-        if len(live) != len(np.unique(live)):
+        ordered = np.sort(clamped)
+        same = ordered[1:] == ordered[:-1]  # a sort and a compare: cheaper than np.unique
+        if (same & (ordered[1:] > NULL_BLOCK) & (ordered[1:] < num_blocks)).any():
+            live = blocks[(blocks > NULL_BLOCK) & (blocks < num_blocks)]
             vals, counts = np.unique(live, return_counts=True)
             for b in vals[counts > 1].tolist():
                 hit = np.flatnonzero(blocks == b)

@@ -28,7 +28,8 @@ class Assignment:
 class BlockOwnership:
     def __init__(self, num_groups: int, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.owner = np.zeros((num_groups, num_blocks), dtype=np.int32)  # uid, 0 = free
+        # uid, 0 = free; one column past the pool, never owned, for ids outside it.
+        self.owner = np.zeros((num_groups, num_blocks + 1), dtype=np.int32)
         self.since = np.full((num_groups, num_blocks), -1, dtype=np.int64)  # step assigned
         self._held: dict[int, list[list[int]]] = {}  # uid -> per group block ids
 
@@ -68,6 +69,11 @@ class BlockOwnership:
             elif blocks and any(blocks):
                 self._acquire(uid, step, blocks)
 
+    def owner_or_free(self, group: int, blocks: np.ndarray) -> np.ndarray:
+        """Owner uid of each block id in ``0..num_blocks`` (num_blocks stands for any id
+        outside the pool: free, like the null block)."""
+        return self.owner[group][blocks]
+
     def owner_of(self, group: int, block: int) -> Assignment | None:
         if not NULL_BLOCK < block < self.num_blocks:
             return None
@@ -76,13 +82,14 @@ class BlockOwnership:
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray, dict[int, list[list[int]]]]:
         return (
-            self.owner.copy(),
+            self.owner[:, : self.num_blocks].copy(),
             self.since.copy(),
             {u: [list(g) for g in groups] for u, groups in self._held.items()},
         )
 
     def restore(self, snap: tuple[np.ndarray, np.ndarray, dict[int, list[list[int]]]]) -> None:
         owner, since, held = snap
-        self.owner = owner.copy()
+        self.owner = np.zeros((owner.shape[0], self.num_blocks + 1), dtype=np.int32)
+        self.owner[:, : self.num_blocks] = owner
         self.since = since.copy()
         self._held = {u: [list(g) for g in groups] for u, groups in held.items()}

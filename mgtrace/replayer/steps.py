@@ -114,6 +114,7 @@ class RankTrace:
         self._launch_table = _codes(lt.column("bt_table"), BLOCK_TABLE_KINDS)
         for name in ROW_COLUMNS:  # int32 once here, so launches are views, not copies
             self._launch_cols[name] = self._launch_cols[name].astype(np.int32)
+            self._launch_cols[name].setflags(write=False)  # launches share these views
         self._index_launch_groups()
         self._tables = _Sliced(load("block_tables"), ["group", "table", "row"])
         tt = self._tables.table
@@ -280,6 +281,27 @@ class RankTrace:
         idle_precopy = (np.asarray(self._group_kernel) == KERNELS.index("precopy")) & ~(
             np.maximum.reduceat(moves.astype(np.int8), starts).astype(bool)
         )
+        # Per launch, as Python values: building a launch then reads no numpy scalars.
+        self._group_rows = list(zip(starts.tolist(), ends.tolist(), strict=True))
+        self._group_columns = [
+            [
+                name
+                for name in ROW_COLUMNS
+                if name != "num_accepted_cpu" and self._group_has[name][g]
+            ]
+            for g in range(len(starts))
+        ]
+        self._group_cpu_counts = self._group_has["num_accepted_cpu"].tolist()
+        self._group_scalars = list(
+            zip(
+                c["step"][starts].tolist(),
+                c["bt_step"][starts].tolist(),
+                self._launch_mode[starts].tolist(),
+                self._launch_table[starts].tolist(),
+                self._launch_rule[starts].tolist(),
+                strict=True,
+            )
+        )
         self._launch_groups = {}
         for g, st in enumerate(c["step"][starts].tolist()):
             if not idle_precopy[g]:
@@ -287,30 +309,25 @@ class RankTrace:
 
     def _make_launch(self, g: int) -> AlignLaunch:
         c = self._launch_cols
-        lo, hi = (int(x) for x in self._group_bounds[g])
-        values: dict[str, Any] = {}
-        for name in ROW_COLUMNS:
-            if name == "num_accepted_cpu":
-                continue
-            values[name] = c[name][lo:hi] if self._group_has[name][g] else None
-        if self._group_has["num_accepted_cpu"][g]:
+        lo, hi = self._group_rows[g]
+        values: dict[str, Any] = dict.fromkeys(ROW_COLUMNS)
+        for name in self._group_columns[g]:
+            values[name] = c[name][lo:hi]
+        if self._group_cpu_counts[g]:
             has = self._launch_has["num_accepted_cpu"][lo:hi]
             values["num_accepted_cpu"] = np.ma.MaskedArray(
                 np.where(has, c["num_accepted_cpu"][lo:hi], 0).astype(np.int32), mask=~has
             )
-        else:
-            values["num_accepted_cpu"] = None
-        mode = self._launch_mode[lo]
-        table = self._launch_table[lo]
+        step, bt_step, mode, table, rule = self._group_scalars[g]
         return AlignLaunch(
             kernel=KERNELS[self._group_kernel[g]],
-            row_rule=ROW_RULES[self._launch_rule[lo]],
+            row_rule=ROW_RULES[rule],
             mode=None if mode < 0 else POSTPROCESS_MODES[mode],
             bt_table=None if table < 0 else BLOCK_TABLE_KINDS[table],
             rank=self.rank,
-            step=int(c["step"][lo]),
+            step=step,
             batch_step=self._group_batch_step[g],
-            bt_step=int(c["bt_step"][lo]),
+            bt_step=bt_step,
             block_size=self.run.mamba_block_size,
             num_speculative_tokens=self.run.num_speculative_tokens,
             **values,

@@ -58,15 +58,26 @@ class TableStore:
             snap = self._snapshots[kind] = BlockTables(self.tables[kind])
         return snap
 
-    def gather(self, kind: str, group: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """table[rows, cols] with -1 where the index is out of range (never an exception)."""
-        flat = self._flat[kind][group]
+    def _index(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
         cols = np.asarray(cols, dtype=np.int64)
-        bad = (rows < 0) | (rows >= self.rows) | (cols < 0) | (cols >= self.width)
         index = rows * self.width + cols
-        index[bad] = len(flat) - 1  # the sentinel slot past the table, which holds -1
-        return flat[index]
+        # As unsigned, a negative index is out of range too: one compare per operand.
+        bad = (rows.view(np.uint64) >= self.rows) | (cols.view(np.uint64) >= self.width)
+        index[bad] = self.rows * self.width  # the sentinel slot past the table, holding -1
+        return index
+
+    def gather(self, kind: str, group: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """table[rows, cols] with -1 where the index is out of range (never an exception)."""
+        return self._flat[kind][group][self._index(rows, cols)]
+
+    def gather_groups(self, kind: str, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """``gather`` for every group at once: [groups, *shape]."""
+        index = self._index(rows, cols)
+        flats = self._flat[kind]
+        if len(flats) == 1:
+            return flats[0][index][None]
+        return np.stack([flat[index] for flat in flats])
 
     def snapshot(self) -> dict[str, list[np.ndarray]]:
         return {k: [t.copy() for t in ts] for k, ts in self.tables.items()}

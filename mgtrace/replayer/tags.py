@@ -31,34 +31,112 @@ DUMMY = 4  # written by a padded row of a CUDA-graph batch
 
 
 class _IntView:
-    """The pool as int32 words: a numpy view on the CPU; on a GPU, indexed through torch
-    (each access a small copy, so a replay on a GPU pays for its tag checks)."""
+    """The pool as int32 words: a numpy view on the CPU; on a GPU, indexed through torch.
+
+    On a GPU every device operation costs a launch, so writes wait in a host list and go out
+    together (one upload, one scatter) right before anything that reads the pool: a gather,
+    a kernel launch (``settle``). A read either copies back at once (``[]``) or, with
+    ``gather_later``, gathers into a device log that ``collect`` copies back in one transfer,
+    so a replay waits for the device once per batch of reads, not once per read.
+    """
 
     def __init__(self, host: np.ndarray | None, pool: StatePool) -> None:
         self.host = host
         self.pool = pool
+        self._words = None
+        self._log: list = []  # device tensors gathered by gather_later, in order
+        self._writes: list[tuple[np.ndarray, np.ndarray]] = []  # not yet on the device
+        self._last: np.ndarray | None = None  # scratch: the last write of each word
+        if host is None:
+            import torch
+
+            from mgtrace.kernels.staging import Uploads
+
+            self._words = pool.buffer.view(torch.int32)
+            self._uploads = Uploads(self._words.device)
+
+    def _upload(self, arr: np.ndarray):
+        return self._uploads.upload(arr)
+
+    def _synced(self) -> None:
+        """The device has caught up (a copy back just waited for it)."""
+        self._uploads.reset()
 
     def __getitem__(self, idx: np.ndarray) -> np.ndarray:
         if self.host is not None:
             return self.host[idx]
-        import torch
-
-        words = self.pool.buffer.view(torch.int32)
-        flat = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64).ravel())
-        return words[flat.to(words.device)].cpu().numpy().reshape(np.shape(idx))
+        self.settle()
+        flat = self._upload(np.ascontiguousarray(idx, dtype=np.int64).ravel())
+        out = self._words[flat].cpu().numpy().reshape(np.shape(idx))
+        self._synced()
+        return out
 
     def __setitem__(self, idx: np.ndarray, values: np.ndarray) -> None:
         if self.host is not None:
             self.host[idx] = values
             return
+        idx = np.asarray(idx, dtype=np.int64)
+        self._writes.append((idx.ravel(), np.broadcast_to(values, idx.shape).ravel()))
+
+    def settle(self) -> None:
+        """Send the waiting writes to the device: one upload, one scatter. Where several
+        write one word the last one wins, as with numpy (a scatter alone leaves it open)."""
+        if not self._writes:
+            return
+        writes, self._writes = self._writes, []
+        idx = np.concatenate([w[0] for w in writes])
+        values = np.concatenate([w[1] for w in writes])
+        keep = self._last_writes(idx)
+        packed = np.empty((2, len(keep)), dtype=np.int64)
+        packed[0] = idx[keep]
+        packed[1] = values[keep]
+        dev = self._upload(packed)
+        self._words.index_put_((dev[0],), dev[1].to(self._words.dtype))
+
+    def _last_writes(self, idx: np.ndarray) -> np.ndarray:
+        """Positions in ``idx`` of the last write to each word."""
+        n = len(idx)
+        words = self._words.numel()
+        if words <= 1 << 24:  # a scratch array over the pool's words: linear time
+            if self._last is None:
+                self._last = np.empty(words, dtype=np.int64)
+            order = np.arange(n)
+            self._last[idx] = -1
+            np.maximum.at(self._last, idx, order)  # unbuffered: the latest position wins
+            return order[self._last[idx] == order]
+        order = np.argsort(idx, kind="stable")
+        ordered = idx[order]
+        last = np.ones(n, dtype=bool)
+        last[:-1] = ordered[1:] != ordered[:-1]  # the last of each run of equal indices
+        return order[last]
+
+    def gather_later(self, idx: np.ndarray) -> int:
+        """Gather ``idx`` now (on the stream), copy back at the next ``collect``."""
+        if self.host is not None:
+            self._log.append(self.host[idx])
+        else:
+            self.settle()
+            flat = self._upload(np.ascontiguousarray(idx, dtype=np.int64).ravel())
+            self._log.append(self._words[flat])
+        return len(self._log) - 1
+
+    def collect(self, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+        """Everything gathered since the last collect, one array per gather (one transfer)."""
+        log, self._log = self._log, []
+        if not log:
+            return []
+        if self.host is not None:
+            return log
         import torch
 
-        words = self.pool.buffer.view(torch.int32)
-        idx = np.array(idx, dtype=np.int64)  # a private, writable copy for torch
-        vals = np.array(np.broadcast_to(np.asarray(values, dtype=np.int32), idx.shape))
-        words[torch.from_numpy(idx.ravel()).to(words.device)] = torch.from_numpy(
-            vals.ravel()
-        ).to(words.device)
+        flat = torch.cat(log).cpu().numpy()
+        self._synced()
+        sizes = [int(np.prod(s)) for s in shapes]
+        parts = np.split(flat, np.cumsum(sizes)[:-1])
+        return [p.reshape(s) for p, s in zip(parts, shapes, strict=True)]
+
+    def discard(self) -> None:
+        self._log = []
 
 
 @dataclass(frozen=True)
@@ -132,14 +210,29 @@ class TagPool:
         self.pool = StatePool(specs, run.num_blocks, device=device)
         on_cpu = self.pool.device.type == "cpu"
         self._ints = _IntView(self.pool.numpy().view(np.int32) if on_cpu else None, self.pool)
+        self._temporal_fields = np.arange(TEMPORAL_TAG_INTS, dtype=np.int64)[None, :]
+        # int32 words from a conv row's uid to its position (next word, or next SD row).
+        self._conv_field_step = [
+            (1 if spec.layout == "SD" else spec.row_bytes // 4) if spec.kind == "conv" else 0
+            for spec in self.pool.specs
+        ]
+        self._word_offsets = np.array(self.pool.offsets, dtype=np.int64) // 4
+        self._page_words = np.int64(self.pool.page_bytes // 4)
+        self._conv_tables: dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._offsets: dict[int, np.ndarray] = {}
+        self._word_aligned = self.pool.page_bytes % 4 == 0 and all(
+            o % 4 == 0 for o in self.pool.offsets
+        )
 
     # ----------------------------------------------------------------- addressing
     def _ints_view(self) -> _IntView:
         return self._ints
 
     def _base(self, state: int, blocks: np.ndarray) -> np.ndarray:
+        if self._word_aligned:  # one multiply-add in int64 words
+            return np.asarray(blocks, dtype=np.int64) * self._page_words + self._word_offsets[state]
         pool = self.pool
-        return (blocks.astype(np.int64) * pool.page_bytes + pool.offsets[state]) // 4
+        return (np.asarray(blocks, dtype=np.int64) * pool.page_bytes + pool.offsets[state]) // 4
 
     def _conv_index(self, state: int, blocks: np.ndarray, field: int) -> np.ndarray:
         """int32 indices of one tag field of every window row: shape [len(blocks), W]."""
@@ -158,31 +251,14 @@ class TagPool:
         state = self.groups[group].conv
         if state is None or not len(blocks):
             return
-        ints = self._ints_view()
         width = self.groups[group].width
-        pos = last_pos[:, None] - (width - 1) + np.arange(width)[None, :]
-        ints[self._conv_index(state, blocks, 0)] = uid[:, None]
-        ints[self._conv_index(state, blocks, 1)] = pos
-
-    def read_conv_rows(
-        self, group: int, blocks: np.ndarray, first: np.ndarray, count: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Tags of window rows ``first .. first+count-1`` per block: uids, positions, and
-        whether each row lies inside the window (rows past it read as row W-1, masked)."""
-        state = self.groups[group].conv
-        spec = self.pool.specs[state]
-        rows = first[:, None] + np.arange(count)[None, :]
-        inside = rows < spec.width
-        rows = np.minimum(rows, spec.width - 1)
-        base = self._base(state, blocks)[:, None]
-        if spec.layout == "SD":
-            at = base + rows * (spec.unit_bytes // 4)
-            step = 1
-        else:
-            at = base + rows * (spec.elem_size // 4)
-            step = spec.row_bytes // 4
-        ints = self._ints_view()
-        return ints[at], ints[at + step], inside
+        # The first table row: words of every window row's uid, then of its position.
+        words = self._conv_rows_table(state, width, relative=True)[0][0]
+        at = self._base(state, blocks)[:, None] + words
+        values = np.empty(at.shape, dtype=np.int64)
+        values[:, :width] = uid[:, None]
+        values[:, width:] = last_pos[:, None] + self._window_offsets(width)
+        self._ints[at] = values
 
     def read_conv(self, group: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         state = self.groups[group].conv
@@ -190,6 +266,112 @@ class TagPool:
             return None
         ints = self._ints_view()
         return ints[self._conv_index(state, blocks, 0)], ints[self._conv_index(state, blocks, 1)]
+
+    # ----------------------------------------------------------------- reads
+    def read_index(
+        self,
+        group: int,
+        temporal_blocks: np.ndarray,
+        conv_blocks: np.ndarray,
+        conv_offset: np.ndarray,
+        keep: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """int32-word indices of everything a read checks, [rows, 4 + 2*keep]: the temporal
+        tag, then uid and position of conv window rows ``offset .. offset+keep-1``; and
+        whether each of those conv rows lies inside the window ([rows, keep]; rows past it
+        read row W-1). Negative blocks read block 0 (callers mask them out)."""
+        gs = self.groups[group]
+        if not self._word_aligned:
+            return self._read_index_bytes(gs, temporal_blocks, conv_blocks, conv_offset, keep)
+        n = len(temporal_blocks)
+        at = np.zeros((n, TEMPORAL_TAG_INTS + 2 * keep), dtype=np.int64)
+        conv = gs.conv is not None and keep > 0
+        if gs.temporal is not None:
+            page = np.maximum(temporal_blocks, 0) * self._page_words
+            at[:, :TEMPORAL_TAG_INTS] = page[:, None] + self._temporal_words(gs.temporal)
+        if not conv:
+            return at, np.zeros((n, keep), dtype=bool)
+        words, inside = self._conv_rows_table(gs.conv, keep)
+        # A window offset past the window reads its last row only: one table row for all.
+        first = np.minimum(conv_offset, len(words) - 1)  # offsets are never negative
+        page = np.maximum(conv_blocks, 0) * self._page_words
+        at[:, TEMPORAL_TAG_INTS:] = page[:, None] + words[first]
+        return at, inside[first]
+
+    def _read_index_bytes(
+        self,
+        gs: GroupStates,
+        temporal_blocks: np.ndarray,
+        conv_blocks: np.ndarray,
+        conv_offset: np.ndarray,
+        keep: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``read_index`` for pools whose pages or offsets are not whole int32 words."""
+        n = len(temporal_blocks)
+        at = np.zeros((n, TEMPORAL_TAG_INTS + 2 * keep), dtype=np.int64)
+        if gs.temporal is not None:
+            base = self._base(gs.temporal, np.maximum(temporal_blocks, 0))
+            at[:, :TEMPORAL_TAG_INTS] = base[:, None] + self._temporal_fields
+        if gs.conv is None or keep <= 0:
+            return at, np.zeros((n, keep), dtype=bool)
+        words, inside = self._conv_rows_table(gs.conv, keep, relative=True)
+        first = np.minimum(conv_offset, len(words) - 1)
+        base = self._base(gs.conv, np.maximum(conv_blocks, 0))
+        at[:, TEMPORAL_TAG_INTS:] = base[:, None] + words[first]
+        return at, inside[first]
+
+    def _temporal_words(self, state: int) -> np.ndarray:
+        """[1, 4]: words of the temporal tag fields from the start of a page."""
+        return self._word_offsets[state] + self._temporal_fields
+
+    def _window_offsets(self, width: int) -> np.ndarray:
+        """Positions of window rows 0..W-1 relative to the last: -(W-1) .. 0."""
+        offsets = self._offsets.get(width)
+        if offsets is None:
+            offsets = np.arange(width, dtype=np.int64)[None, :] - (width - 1)
+            self._offsets[width] = offsets
+        return offsets
+
+    def _conv_rows_table(
+        self, state: int, keep: int, *, relative: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per first window row 0..W: words of ``keep`` rows' uids then positions
+        ([W+1, 2*keep]) from the start of a page (from the state's start with
+        ``relative``), and whether each row lies inside the window ([W+1, keep])."""
+        cached = self._conv_tables.get((state, keep, relative))
+        if cached is None:
+            spec = self.pool.specs[state]
+            rows = np.arange(spec.width + 1)[:, None] + np.arange(keep)[None, :]
+            inside = rows < spec.width
+            unit = spec.unit_bytes // 4 if spec.layout == "SD" else spec.elem_size // 4
+            uid_at = np.minimum(rows, spec.width - 1) * unit
+            words = np.concatenate([uid_at, uid_at + self._conv_field_step[state]], axis=1)
+            if not relative:
+                words = words + self._word_offsets[state]
+            cached = (words.astype(np.int64), inside)
+            self._conv_tables[(state, keep, relative)] = cached
+        return cached
+
+    def settle(self) -> None:
+        """Make every tag write so far visible to the device (before a kernel launch)."""
+        self._ints.settle()
+
+    def through_torch(self) -> None:
+        """Address the pool through torch even on the CPU, as on a GPU (for tests)."""
+        self._ints = _IntView(None, self.pool)
+
+    def gather(self, at: np.ndarray) -> np.ndarray:
+        return self._ints[at]
+
+    def gather_later(self, at: np.ndarray) -> int:
+        """Gather now, hand the values back at the next ``collect`` (one transfer on a GPU)."""
+        return self._ints.gather_later(at)
+
+    def collect(self, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+        return self._ints.collect(shapes)
+
+    def discard_gathered(self) -> None:
+        self._ints.discard()
 
     # ----------------------------------------------------------------- temporal
     def write_temporal(
@@ -204,18 +386,13 @@ class TagPool:
         state = self.groups[group].temporal
         if state is None or not len(blocks):
             return
-        ints = self._ints_view()
-        base = self._base(state, blocks)
-        ints[base] = uid
-        ints[base + 1] = tokens
-        ints[base + 2] = np.full(len(base), step)
-        ints[base + 3] = flags
-
-    def read_temporal_head(self, group: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """uid and tokens folded in, the two fields every read checks."""
-        base = self._base(self.groups[group].temporal, blocks)
-        ints = self._ints_view()
-        return ints[base], ints[base + 1]
+        at = self._base(state, blocks)[:, None] + self._temporal_fields
+        values = np.empty(at.shape, dtype=np.int64)
+        values[:, 0] = uid
+        values[:, 1] = tokens
+        values[:, 2] = step
+        values[:, 3] = flags
+        self._ints[at] = values
 
     def read_temporal(self, group: int, blocks: np.ndarray) -> np.ndarray | None:
         """[len(blocks), 4]: uid, tokens, step, flags."""
@@ -228,9 +405,11 @@ class TagPool:
 
     # ----------------------------------------------------------------- checkpoints
     def snapshot(self) -> np.ndarray:
+        self.settle()
         return self.pool.buffer.detach().cpu().numpy().copy()
 
     def restore(self, data: np.ndarray) -> None:
         import torch
 
+        self.settle()
         self.pool.buffer.copy_(torch.from_numpy(data).to(self.pool.device))

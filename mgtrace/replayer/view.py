@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from mgtrace.kernels.launch import AlignLaunch
+from mgtrace.replayer.requests import DUMMY_REQUEST
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet, resolve_threshold
 from mgtrace.replayer.steps import StepBatch
 from mgtrace.sim.reorder import apply_swaps, mamba_split, regions, reorder_swaps
@@ -43,11 +44,36 @@ class RowView:
 
     def positions(self, batch_rows: np.ndarray) -> np.ndarray:
         """Positions in this view of recorded batch rows; -1 for rows it does not hold."""
+        index = self._row_index
         rows = np.asarray(batch_rows, dtype=np.int64)
+        # Out-of-range rows (negative ones included, as unsigned) read the trailing -1.
+        return index[np.minimum(rows.view(np.uint64), len(index) - 1).view(np.int64)]
+
+    def __post_init__(self) -> None:
+        # int64 copies of the columns the forward model does arithmetic on, and the position
+        # of each recorded batch row (-1 where none; the last entry stays -1): made once per
+        # view, used several times per step.
+        self.computed64 = self.computed.astype(np.int64)
+        self.scheduled64 = self.scheduled.astype(np.int64)
+        self.draft64 = self.draft.astype(np.int64)
+        self.accepted64 = self.accepted.astype(np.int64)
+        self.uid64 = self.uid.astype(np.int64)
+        self.slot64 = self.slot.astype(np.int64)  # block-table indices: int64 for gathers
+        self.state_col64 = self.state_col.astype(np.int64)
+        # Accepted count a decode reads its window column by (column accepted-1).
+        self.accepted_prev64 = np.maximum(self.accepted_prev, 1).astype(np.int64)
+        # Positions, decode-split rows first (the order the forward model writes in).
+        self.decodes_first = np.argsort(self.prefill_split, kind="stable")
         index = np.full(int(self.batch_row.max()) + 2 if self.num_rows else 1, -1, np.int64)
         index[self.batch_row] = np.arange(self.num_rows)
-        ok = (rows >= 0) & (rows < len(index))
-        return np.where(ok, index[np.where(ok, rows, 0)], -1)
+        self._row_index = index
+
+    def uid_at(self, positions: np.ndarray) -> np.ndarray:
+        """uids at view positions; the padded-row uid where a position is -1."""
+        uid = self.uid64
+        if not self.num_rows:
+            return np.full(len(positions), DUMMY_REQUEST, dtype=np.int64)
+        return np.where(positions >= 0, uid[positions], DUMMY_REQUEST)
 
     @property
     def moved(self) -> np.ndarray:

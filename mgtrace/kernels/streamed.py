@@ -1,0 +1,167 @@
+"""Triton launches queued on the device stream, for replays of many launches in a row.
+
+``run_triton`` runs one launch and waits for it: it builds the device layout, uploads every
+column separately and copies the accepted counts back, a handful of transfers and a device
+synchronisation per launch. A replay runs thousands of launches whose inputs and decisions
+the trace already fixes, so :class:`StreamedTriton` runs the same kernels (the same
+validation on the host, the same sanitised rows) without ever waiting:
+
+- block tables live in persistent device buffers, refreshed by one upload when the host
+  snapshot changes, so the device layout (table addresses) is built once;
+- a launch's columns travel in one upload;
+- the accepted counts the launch returns are the host decision (``Validation.accepted_out``,
+  the same arithmetic as the kernel's); the kernel's own counts stay on the device, and
+  ``verify`` compares them all with the host's in one transfer, raising on any difference.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from mgtrace.kernels.launch import AlignLaunch
+from mgtrace.kernels.pool import BlockTables, StatePool
+from mgtrace.kernels.reference import LaunchResult
+from mgtrace.kernels.staging import Uploads
+from mgtrace.kernels.triton_align import (
+    DeviceLayout,
+    launch_postprocess,
+    launch_precopy,
+    run_triton,
+)
+from mgtrace.kernels.validate import validate_launch
+
+# Column order of a launch's single upload (postprocess: "num_accepted" twice, the second
+# row pre-fills the separate output buffer the kernel writes its resets into).
+_POSTPROCESS = ("req_slot", "state_idx", "num_scheduled", "num_computed", "num_draft")
+_PRECOPY = ("req_slot", "state_idx", "src_col", "token_bias")
+TILE_BYTES = 64 << 10
+
+
+class KernelDisagreement(RuntimeError):
+    """A kernel computed something other than the host decision it must match: a bug in
+    the kernels (or the device), never in the trace."""
+
+
+class StreamedTriton:
+    """A backend (``launch, pool, tables -> LaunchResult``) that never waits for the device."""
+
+    def __init__(self, *, tiles: int | None = None) -> None:
+        self.tiles = tiles  # None: from the state sizes (see ``_tiles``)
+        self._layouts: dict[tuple, tuple[weakref.ref, DeviceLayout, torch.Tensor]] = {}
+        self._loaded: dict[tuple, BlockTables] = {}  # host snapshot each buffer holds now
+        self._uploads: dict[torch.device, Uploads] = {}
+        self._device_counts: list[torch.Tensor] = []
+        self._host_counts: list[np.ndarray] = []
+        self.launches = 0  # kernels enqueued
+
+    def _layout(self, pool: StatePool, tables: BlockTables) -> DeviceLayout:
+        """The layout over persistent device tables, holding ``tables`` (uploaded if new)."""
+        shape = tables.common_shape
+        if shape is None:  # tables of different shapes: no shared buffer, build anew
+            return DeviceLayout.build(pool, tables)
+        key = (id(pool), len(tables), shape)
+        entry = self._layouts.get(key)
+        if entry is None or entry[0]() is not pool:  # new, or a dead pool's id reused
+            buffer = torch.empty((len(tables), *shape), dtype=torch.int32, device=pool.device)
+            layout = DeviceLayout.over(pool, list(buffer))
+            entry = self._layouts[key] = (weakref.ref(pool), layout, buffer)
+            self._loaded.pop(key, None)
+        _, layout, buffer = entry
+        if self._loaded.get(key) is not tables:
+            # Stream-ordered: launches queued earlier still see the tables they were given.
+            staged = self._staging(pool.device).stage(np.stack(tables.tables))
+            buffer.copy_(staged, non_blocking=True)
+            self._loaded[key] = tables  # held, so its id cannot be reused while cached
+        return layout
+
+    def __call__(self, launch: AlignLaunch, pool: StatePool, tables: BlockTables) -> LaunchResult:
+        if launch.kernel == "aligned_indices":  # returns a gather: it has to wait anyway
+            return run_triton(launch, pool, tables, tiles=self._tiles(pool))
+        validation = validate_launch(launch, pool, tables)
+        result = LaunchResult(validation=validation)
+        if launch.kernel == "postprocess":
+            result.accepted_out = validation.accepted_out(launch)
+        safe = validation.sanitized(launch)
+        n = safe.num_rows
+        if n == 0 or not (safe.column("req_slot") >= 0).any():
+            return result  # nothing survives validation: launch nothing
+        layout = self._layout(pool, tables)
+        row_is_slot = safe.row_rule == "req_slot"
+        if safe.kernel == "postprocess":
+            decision = safe.mode == "decision"
+            # Precomputed mode reads no scheduled or draft counts: computed stands in for them.
+            names = _POSTPROCESS if decision else (*_POSTPROCESS[:2], "num_computed")
+            row = {name: i for i, name in enumerate(names)}
+            packed = np.empty((len(names) + 2, n), dtype=np.int32)
+            for name, i in row.items():
+                packed[i] = safe.column(name)
+            packed[-2] = packed[-1] = safe.column("num_accepted")
+            dev = self._staging(pool.device).upload(packed).unbind(0)
+            computed = dev[row["num_computed"]]
+            launch_postprocess(
+                layout,
+                len(pool.specs),
+                dev[row["req_slot"]],
+                dev[-2],
+                dev[row["state_idx"]],
+                dev[row.get("num_scheduled", row["num_computed"])],
+                computed,
+                dev[row.get("num_draft", row["num_computed"])],
+                dev[-1],
+                block_size=safe.block_size,
+                precomputed=not decision,
+                row_is_slot=row_is_slot,
+                tiles=self._tiles(pool),
+            )
+            self._device_counts.append(dev[-1])
+            self._host_counts.append(result.accepted_out)
+        else:
+            packed = np.stack([safe.column(name) for name in _PRECOPY])
+            dev = self._staging(pool.device).upload(packed).unbind(0)
+            launch_precopy(
+                layout,
+                len(pool.specs),
+                dev[0],
+                dev[1],
+                dev[2],
+                dev[3],
+                row_is_slot=row_is_slot,
+                tiles=self._tiles(pool),
+            )
+        self.launches += 1
+        return result
+
+    def _staging(self, device: torch.device) -> Uploads:
+        uploads = self._uploads.get(device)
+        if uploads is None:
+            uploads = self._uploads[device] = Uploads(device)
+        return uploads
+
+    def _tiles(self, pool: StatePool) -> int:
+        """Programs per temporal state: a replay's launch copies a row or two, so large
+        states are split across the GPU (one program per ~64 KiB, up to 64)."""
+        if self.tiles is not None:
+            return self.tiles
+        largest = max((s.nbytes for s in pool.specs if s.kind == "temporal"), default=0)
+        return int(min(64, max(1, largest // TILE_BYTES)))
+
+    def verify(self) -> None:
+        """Compare the kernels' accepted counts since the last call with the host decisions
+        (one transfer); raise if any differs."""
+        device, host = self._device_counts, self._host_counts
+        self._device_counts, self._host_counts = [], []
+        if not device:
+            return
+        got = torch.cat(device).cpu().numpy()
+        for uploads in self._uploads.values():
+            uploads.reset()  # the copy back waited for every launch so far
+        want = np.concatenate(host)
+        if not np.array_equal(got, want):
+            at = int(np.flatnonzero(got != want)[0])
+            raise KernelDisagreement(
+                f"the post-process kernel's accepted counts differ from the host decision "
+                f"(entry {at}: kernel {int(got[at])}, host {int(want[at])})"
+            )
