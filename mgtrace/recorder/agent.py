@@ -204,7 +204,9 @@ class Agent:
             duration_s=cfg["duration_s"],
             mamba_block_size=run.mamba_block_size,
         )
-        patches = v1_patches(sess, owners, groups) if kind == "v1" else v2_patches(sess, owners)
+        patches = (
+            v1_patches(sess, owners, groups) if kind == "v1" else v2_patches(sess, owners, groups)
+        )
         try:
             self._hooks.install(patches)
         except BaseException:

@@ -32,6 +32,7 @@ MODE_CODE = {k: i for i, k in enumerate(POSTPROCESS_MODES)}
 TABLE_CODE = {k: i for i, k in enumerate(BLOCK_TABLE_KINDS)}
 OP_CODE = {k: i for i, k in enumerate(ROW_MOVE_OPS)}
 SPLIT_DECODE, SPLIT_PREFILL = MAMBA_SPLITS.index("decode"), MAMBA_SPLITS.index("prefill")
+BOUND_PTRS = "bound_table_ptrs"  # capture kind of an align context's block-table pointers
 
 I32 = np.int32
 

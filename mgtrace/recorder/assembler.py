@@ -55,6 +55,7 @@ class Assembler:
         self._batch_started = time.monotonic()
         self._tables = StepTables(kind, block_size)
         self._wire = wire.Unpacker()
+        self._bound_table: str | None = None  # V2: the table the copy kernels were bound to
 
     # ------------------------------------------------------------ input
     def apply(self, message: tuple[Any, ...]) -> None:
@@ -113,6 +114,9 @@ class Assembler:
         self._on_capture(split_flat(flat, lengths), self._wire.tag(tag))
 
     def _on_capture(self, arrays: list[np.ndarray], tag: dict[str, Any]) -> None:
+        if tag["kernel"] == asm.BOUND_PTRS:
+            self._name_bound_table(arrays[0], tag["tables"], tag["step"])
+            return
         got = dict(zip(tag["names"], arrays, strict=True))
         kernel = tag["kernel"]
         n = tag["n"]
@@ -131,6 +135,20 @@ class Assembler:
             return  # a snapshot that feeds batch_rows only
         self._write_launch(tag, cols, batch_row, req_slot)
 
+    def _name_bound_table(self, words: np.ndarray, tables: dict[str, list[int]], step: int) -> None:
+        """Which table set the align context's pointers point at; launches then name it
+        instead of the one the context's class implies."""
+        ptrs = np.ascontiguousarray(words, dtype=I32).view(np.int64).tolist()
+        for name, known in tables.items():
+            if known and ptrs[: len(known)] == known:
+                self._bound_table = name
+                return
+        self.writer.count_error(
+            "bound_table_unmatched",
+            f"step {step}: the align context's block-table pointers match neither the source "
+            "nor the input tables; launches name the table its class implies",
+        )
+
     def _write_launch(
         self,
         tag: dict[str, Any],
@@ -147,7 +165,7 @@ class Assembler:
             "req_slot": req_slot,
             "row_rule": np.full(n, asm.RULE_CODE[rule], I32),
             "bt_row": req_slot if rule == "req_slot" else batch_row,
-            "bt_table": np.full(n, asm.TABLE_CODE[tag["bt_table"]], I32),
+            "bt_table": np.full(n, asm.TABLE_CODE[self._bound_table or tag["bt_table"]], I32),
             "bt_step": tag["bt_step"],
             "mode": np.full(n, asm.MODE_CODE[tag["mode"]] if tag.get("mode") else -1, I32),
         }
@@ -180,6 +198,12 @@ class Assembler:
         for stale in [s for s in self._by_step if s < rec["step"] - 64]:
             del self._by_step[stale]  # deferred (PP) captures that no step will claim
         tables = self._tables.build(rec, captured)
+        for group, slot in self._tables.v2_bt.take_unseen():
+            self.writer.count_error(
+                "block_table_unseen_columns",
+                f"step {rec['step']}: Mamba group {group} slot {slot} holds block ids "
+                "written before recording began; those columns read as -1",
+            )
         launches = self._launches.pop(rec["step"], None) or []
         rows = tables.get("batch_rows")
         if rows is not None:

@@ -77,6 +77,11 @@ V2_TARGETS: tuple[Target, ...] = (
     ),
     Target("vllm.v1.worker.gpu.pp_utils", "PPHandler", "receive"),
     Target("vllm.v1.worker.gpu.pp_utils", "PPHandler", "get_prev_sampled_outputs"),
+    Target("vllm.v1.worker.gpu.block_table", "BlockTables", "append_block_ids"),
+    Target("vllm.v1.worker.gpu.block_table", "BlockTables", "gather_block_tables", required=False),
+    Target(
+        "vllm.v1.worker.gpu.block_table", "BlockTables", "get_dummy_block_tables", required=False
+    ),
     *_LAUNCHERS,
     _SPLIT,
 )

@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from mgtrace.recorder.assemble import BOUND_PTRS
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
 
@@ -130,6 +131,30 @@ def _binding_of(ctx: Any, kind: str) -> tuple[str, str]:
     return found
 
 
+def _grab_bound_ptrs(sess: Session, ctx: Any) -> None:
+    """Once per align context of a V2 recording: capture the table pointers its copy
+    kernels were bound to (a device vector, copied on the stream like the launch inputs),
+    for the assembler to name the bound table by the tables' data_ptrs."""
+    if sess.table_ptrs is None or id(ctx) in sess.ptrs_grabbed:
+        return
+    ptrs = getattr(ctx, "block_table_ptrs", None)
+    if ptrs is None:
+        return
+    import torch
+
+    sess.ptrs_grabbed.add(id(ctx))
+    words = ptrs.view(torch.int32)  # int64 pointers as int32 pairs: the ring's element type
+    tag = {
+        "step": sess.step,
+        "kernel": BOUND_PTRS,
+        "batch_step": sess.step,
+        "n": 0,
+        "names": ["ptrs"],
+        "tables": sess.table_ptrs,
+    }
+    sess.grab([words], [words.shape[0]], tag)
+
+
 def _tag(
     sess: Session,
     ctx: Any,
@@ -141,6 +166,8 @@ def _tag(
     batch_step: int | None = None,
 ) -> dict[str, Any]:
     rule, table = _binding_of(ctx, sess.kind)
+    if sess.kind == "v2":
+        _grab_bound_ptrs(sess, ctx)
     return {
         "step": sess.step,
         "kernel": kernel,

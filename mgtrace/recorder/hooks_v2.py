@@ -6,16 +6,24 @@ the slot vectors at ``preprocess_state`` (accepted counts and running columns as
 consumed them). Under pipeline parallelism a non-last rank runs step T's post-process
 ``pp_size`` steps later; the PPHandler hooks remember which step pushed each pending
 receive, so that launch is recorded with ``batch_step`` T.
+
+Block tables: ``BlockTables.append_block_ids`` keeps each write's slot, the Mamba groups'
+new block ids and the column it starts at; ``gather_block_tables`` and
+``get_dummy_block_tables`` keep how many input rows the gather runs over and how many a
+dummy run zeroed. All of it is CPU values; the assembler rebuilds both table sets
+(``v2_tables``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from mgtrace.recorder.features import Target, owner_of
 from mgtrace.recorder.hooks_common import arg, hook, launcher_patches, split_patch
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
+from mgtrace.recorder.v2_tables import Gather
 
 
 def _begin(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -93,7 +101,103 @@ def _prev_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     sess.deferred_batch_step = None if slot is None else sess.pp_origin.pop(id(slot), None)
 
 
-def v2_patches(sess: Session, owners: dict[Target, Any]) -> list[Patch]:
+def _append_blocks(groups: Sequence[int] | None) -> Any:
+    """Before ``append_block_ids``: the Mamba groups' writes, with the column each starts at
+    (``num_blocks`` is read before the call advances it)."""
+
+    def before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        rec = sess.rec
+        if rec is None:
+            return
+        tables = args[0]
+        slot = int(arg(args, kwargs, 1, "req_index"))
+        new_ids = arg(args, kwargs, 2, "new_block_ids")
+        overwrite = bool(arg(args, kwargs, 3, "overwrite"))
+        to_null = bool(getattr(tables, "redirect_writes_to_null_block", False))
+        num_blocks = tables.num_blocks.np
+        writes = []
+        for local, gid in enumerate(range(len(new_ids)) if groups is None else groups):
+            ids = new_ids[gid]
+            start = 0 if overwrite else int(num_blocks[gid, slot])
+            writes.append((local, start, [0] * len(ids) if to_null else list(ids)))
+        rec.setdefault("bt_writes", []).append((slot, overwrite, writes))
+
+    return before
+
+
+class _GatherHooks:
+    """What decides a gather beyond the batch: the rows it zeroes, the rows a dummy run
+    zeroed before it (dummy runs are not steps: no record is open, so the count waits here),
+    and, at the first gather of a recording, every slot's ``num_blocks`` of the Mamba groups
+    (a CPU array), which tells the assembler which rows were filled before recording."""
+
+    def __init__(self, groups: Sequence[int] | None) -> None:
+        self.groups = None if groups is None else list(groups)
+        self.rows = 0
+        self.counts_sent = False
+
+    def dummy(self, sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        num_reqs = int(arg(args, kwargs, 1, "num_reqs"))
+        dirty = int(getattr(args[0], "_num_dirty_rows", 0))
+        self.rows = max(self.rows, num_reqs, dirty)
+
+    def gather(self, sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        rec = sess.rec
+        if rec is None or arg(args, kwargs, 3, "out") is not None:
+            return  # a caller's own buffers are not the input tables
+        num_reqs = int(arg(args, kwargs, 1, "idx_mapping").shape[0])  # metadata: no sync
+        padded = int(arg(args, kwargs, 2, "num_reqs_padded"))
+        dirty = int(getattr(args[0], "_num_dirty_rows", 0))
+        rec["gather"] = Gather(num_reqs, max(padded, dirty), self.rows)
+        self.rows = 0
+        if sess.table_ptrs is None:
+            sess.table_ptrs = self.table_ptrs(args[0])
+        if not self.counts_sent:
+            counts = args[0].num_blocks.np
+            rec["bt_counts"] = (counts if self.groups is None else counts[self.groups]).copy()
+            self.counts_sent = True
+
+    def table_ptrs(self, tables: Any) -> dict[str, list[int]]:
+        """Where the Mamba groups' source and input tables live (tensor metadata, no
+        device access)."""
+        gids = range(len(tables.block_tables)) if self.groups is None else self.groups
+        return {
+            "source": [tables.block_tables[g].gpu.data_ptr() for g in gids],
+            "input": [tables.input_block_tables[g].data_ptr() for g in gids],
+        }
+
+
+def _table_patches(sess: Session, owner: Any, groups: Sequence[int] | None) -> list[Patch]:
+    clears = _GatherHooks(groups)
+    patches = [
+        Patch(
+            owner, "append_block_ids", hook(sess, "append_block_ids", before=_append_blocks(groups))
+        )
+    ]
+    if callable(getattr(owner, "gather_block_tables", None)):
+        patches.append(
+            Patch(
+                owner,
+                "gather_block_tables",
+                hook(sess, "gather_block_tables", before=clears.gather),
+            )
+        )
+    if callable(getattr(owner, "get_dummy_block_tables", None)):
+        patches.append(
+            Patch(
+                owner,
+                "get_dummy_block_tables",
+                hook(sess, "get_dummy_block_tables", before=clears.dummy),
+            )
+        )
+    return patches
+
+
+def v2_patches(
+    sess: Session, owners: dict[Target, Any], mamba_groups: Sequence[int] | None = None
+) -> list[Patch]:
+    """The V2 hook set; ``mamba_groups`` are the KV-cache group ids whose block tables are
+    recorded (None: every group, in order)."""
     runner = owner_of(owners, "GPUModelRunner", "execute_model")
     state = owner_of(owners, "MambaHybridModelState", "preprocess_state")
     pp = owner_of(owners, "PPHandler", "receive")
@@ -109,6 +213,7 @@ def v2_patches(sess: Session, owners: dict[Target, Any]) -> list[Patch]:
         Patch(pp, "receive", hook(sess, "pp_receive", after=_receive_after)),
         Patch(pp, "get_prev_sampled_outputs", hook(sess, "pp_get_prev", before=_prev_before)),
         *launcher_patches(sess, owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy")),
+        *_table_patches(sess, owner_of(owners, "BlockTables", "append_block_ids"), mamba_groups),
     ]
     builder = owner_of(owners, "BaseMambaAttentionMetadataBuilder", "_compute_common_metadata")
     if builder is not None:

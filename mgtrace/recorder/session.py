@@ -83,6 +83,10 @@ class Session:
         self.rec: dict[str, Any] | None = None
         self.deferred_batch_step: int | None = None  # V2 PP: batch step of a deferred postprocess
         self.pp_origin: dict[int, int] = {}  # id(PendingRecv) -> step that pushed it
+        # V2: data_ptrs of the Mamba groups' source and input tables, and the align contexts
+        # whose bound table pointers were captured (once each) to compare with them
+        self.table_ptrs: dict[str, list[int]] | None = None
+        self.ptrs_grabbed: set[int] = set()
         self.on_limit: Any = None  # called once, on the engine thread, when a limit stops it
         self.hook_errors = 0
         self._logged: set[str] = set()

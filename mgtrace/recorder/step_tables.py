@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from mgtrace.recorder import assemble as asm
+from mgtrace.recorder.v2_tables import V2BlockTables
 
 I32 = np.int32
 
@@ -22,6 +23,7 @@ class StepTables:
         self.kind = kind
         self.block_size = block_size
         self._bt = asm.BlockTableDiff()
+        self.v2_bt = V2BlockTables()
 
     def build(self, rec: dict[str, Any], captured: dict[str, Any]) -> dict[str, Any]:
         tables = (self._v1_tables if self.kind == "v1" else self._v2_tables)(rec, captured)
@@ -179,6 +181,9 @@ class StepTables:
             "postprocess_step": rec.get("post_step"),
         }
         tables: dict[str, Any] = {"steps": steps}
+        bt = self._v2_block_tables(rec)
+        if bt:
+            tables["block_tables"] = bt
         if n == 0:
             return tables
         computed = rec["computed"][:n]
@@ -210,3 +215,17 @@ class StepTables:
             rows["mamba_split"] = split
         tables["batch_rows"] = rows
         return tables
+
+    def _v2_block_tables(self, rec: dict[str, Any]) -> dict[str, Any] | None:
+        """The step's writes into the source tables, then its gather into the input tables
+        (the runner's order: both precede every launch of the step)."""
+        model = self.v2_bt
+        model.apply_writes(rec.get("bt_writes") or [])
+        counts = rec.get("bt_counts")
+        if counts is not None:
+            model.seed_counts(counts)
+        gather = rec.get("gather")
+        idx = rec.get("idx")
+        if gather is not None and idx is not None:
+            model.apply_gather(idx, gather)
+        return model.changed_rows()
