@@ -119,6 +119,55 @@ def test_table_store_gather_never_raises() -> None:
     assert got.tolist() == [7, 9, -1, -1]
 
 
+def test_table_store_keeps_block_ids_past_the_pool_out_and_says_where() -> None:
+    store = TableStore(["v1"], 1, rows=2, width=4, num_blocks=10)
+    outside = store.apply([(0, "v1", 0, [3, 12, 4]), (0, "v1", 1, [9, 8])])
+    assert [(o.row, o.block_id) for o in outside] == [(0, 12)]
+    assert store.tables["v1"][0][0].tolist() == [3, -1, 4, 0]  # read as no block
+    assert store.tables["v1"][0][1].tolist() == [9, 8, 0, 0]  # the control: in range, kept
+    unbounded = TableStore(["v1"], 1, rows=1, width=2)  # pool size unknown: ids as given
+    assert unbounded.apply([(0, "v1", 0, [12])]) == []
+
+
+def test_a_block_id_past_the_pool_is_a_finding_not_a_crash(tmp_path) -> None:
+    """A block-table row naming a block the pool does not have is reported as malformed at
+    the step that wrote it; the same trace without it replays clean."""
+    import pyarrow as pa
+
+    from mgtrace.replayer.findings import MALFORMED
+    from mgtrace.replayer.loop import replay_trace
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.schemas.tables import TABLES
+    from mgtrace.schemas.writer import TraceWriter
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    src = tmp_path / "src"
+    simulate(SimConfig(scenario="steady", steps=100, seed=2, output=src).validate())
+    reader = TraceReader(src)
+
+    def copy(out, poison: bool):
+        with TraceWriter(out, run=reader.run, source={"kind": "test"}) as w:
+            for name, spec in TABLES.items():
+                table = reader.table(name)
+                if not table.num_rows or not spec.per_step:
+                    continue
+                rows = table.to_pylist()
+                if poison and name == "block_tables":
+                    first = next(r for r in rows if r["step"] >= 50 and r["block_ids"])
+                    first["block_ids"] = [reader.run.num_blocks + 7] * len(first["block_ids"])
+                table = pa.Table.from_pylist(rows, schema=table.schema).drop(["rank"])
+                cols = {c: table[c].to_pylist() for c in table.column_names}
+                w.write_steps(0, min(cols["step"]), max(cols["step"]), {name: cols})
+        return TraceReader(out)
+
+    assert replay_trace(copy(tmp_path / "same", poison=False)).clean
+    findings = replay_trace(copy(tmp_path / "poisoned", poison=True)).findings
+    first = findings[0]
+    assert (first.kind, first.mechanism) == (MALFORMED, "block-table:block-id-out-of-pool")
+    assert first.step >= 50 and first.block_id == reader.run.num_blocks + 7
+
+
 def test_checkpoints_let_a_replay_start_mid_trace(tmp_path) -> None:
     """A replay resumed from a cached checkpoint reports what the full replay reports."""
     from mgtrace.replayer.checkpoint import cache_dir

@@ -29,7 +29,7 @@ from mgtrace.replayer.ownership import BlockOwnership
 from mgtrace.replayer.requests import DUMMY_REQUEST, RequestIds
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.replayer.steps import RankTrace, ranks_of
-from mgtrace.replayer.tables import TableStore
+from mgtrace.replayer.tables import OutOfPool, TableStore
 from mgtrace.replayer.tags import DRAFTS_FOLDED, DUMMY, SPECULATIVE, TagPool
 from mgtrace.replayer.view import RowView, launch_under_rules, row_view
 from mgtrace.schemas.reader import TraceReader
@@ -91,7 +91,7 @@ class RankReplay:
         kinds = ("v1",) if self.runner == "v1" else ("source", "input")
         self.own_kind = kinds[0]
         rows, width = self.trace.table_dims(self.k)
-        self.tables = TableStore(kinds, groups, rows, width)
+        self.tables = TableStore(kinds, groups, rows, width, run.num_blocks)
         self.ownership = BlockOwnership(groups, run.num_blocks or 1)
         width0 = self.pool.groups[0].width if self.pool.groups else 0
         conv_keep = width0 - self.k if width0 > self.k else width0
@@ -207,7 +207,8 @@ class RankReplay:
         for launch in launches:
             if launch.batch_step is not None and launch.batch_step < step:
                 self._run_copy(step, launch)
-        self.tables.apply(trace.table_updates(step))
+        for entry in self.tables.apply(trace.table_updates(step)):
+            self._report_out_of_pool(step, entry, view)
         current = [x for x in launches if x.batch_step is None or x.batch_step >= step]
         for launch in current:
             if launch.kernel == "precopy":
@@ -253,6 +254,38 @@ class RankReplay:
             if copies.rows.size:
                 self._touched_after_forward.append(copies.dst.ravel())
             self._check_next_state(step, launch, result, view)
+
+    def _report_out_of_pool(self, step: int, entry: OutOfPool, view: RowView) -> None:
+        """A block-table row names a block past the pool: the replay reads it as no block."""
+        if entry.kind == "source":  # V2 source tables are indexed by request slot
+            pos = np.flatnonzero(view.slot == entry.row)
+            uid, name = (
+                (int(view.uid[pos[0]]), self.trace.ids.name(int(view.uid[pos[0]])))
+                if len(pos)
+                else (DUMMY_REQUEST, f"<slot {entry.row}>")
+            )
+            batch_row = int(view.batch_row[pos[0]]) if len(pos) else None
+        else:
+            uid, name = self._row_owner(view, entry.row)
+            batch_row = entry.row
+        self.oracle._report(
+            uid,
+            Finding(
+                kind=MALFORMED,
+                mechanism="block-table:block-id-out-of-pool",
+                rank=self.trace.rank,
+                step=step,
+                req_id=name,
+                batch_row=batch_row,
+                detail=(
+                    f"row {entry.row} of the {entry.kind} block table (group {entry.group}) "
+                    f"holds block id {entry.block_id}, past the pool of "
+                    f"{self.tables.num_blocks} blocks; it is replayed as no block"
+                ),
+                group=entry.group,
+                block_id=entry.block_id,
+            ),
+        )
 
     def _row_owner(self, view: RowView | None, batch_row: int) -> tuple[int, str]:
         pos = -1 if view is None else int(view.positions(np.array([batch_row]))[0])

@@ -4,11 +4,16 @@ The trace records a block-table row only when it changes (its full new content),
 and per table kind: ``v1`` (InputBatch rows), ``source`` (V2 per request slot) and ``input``
 (V2, gathered in batch order each step). Rows never written hold zeros: vLLM's tables start
 zeroed, and 0 is the null block.
+
+A block id outside the state pool cannot be replayed (the engine would index past its pool):
+it is stored as -1, which every reader treats as "no block" (kernel validation reports the
+launches that use it), and ``apply`` returns where it was so the step can report it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,10 +22,28 @@ from mgtrace.kernels.pool import BlockTables
 Update = tuple[int, str, int, list[int]]
 
 
+@dataclass(frozen=True)
+class OutOfPool:
+    """A block-table entry naming a block the pool does not have."""
+
+    group: int
+    kind: str
+    row: int
+    block_id: int
+
+
 class TableStore:
-    def __init__(self, kinds: Iterable[str], num_groups: int, rows: int, width: int) -> None:
+    def __init__(
+        self,
+        kinds: Iterable[str],
+        num_groups: int,
+        rows: int,
+        width: int,
+        num_blocks: int | None = None,
+    ) -> None:
         self.rows = rows
         self.width = width
+        self.num_blocks = num_blocks  # pool size; None: unknown, every id is taken as is
         self._flat: dict[str, list[np.ndarray]] = {}
         self.tables: dict[str, list[np.ndarray]] = {}
         self._snapshots: dict[str, BlockTables] = {}
@@ -41,7 +64,9 @@ class TableStore:
         self.tables[kind] = views
         self._snapshots.pop(kind, None)
 
-    def apply(self, updates: Iterable[Update]) -> None:
+    def apply(self, updates: Iterable[Update]) -> list[OutOfPool]:
+        """Write the rows; return the entries that name a block outside the pool."""
+        outside: list[OutOfPool] = []
         for group, kind, row, block_ids in updates:
             self._snapshots.pop(kind, None)
             table = self.tables[kind][group]
@@ -50,6 +75,12 @@ class TableStore:
             n = min(len(block_ids), self.width)
             table[row, :n] = block_ids[:n]
             table[row, n:] = 0
+            if self.num_blocks is not None and n and table[row, :n].max() >= self.num_blocks:
+                entries = table[row, :n]
+                bad = entries >= self.num_blocks
+                outside.append(OutOfPool(group, kind, row, int(entries[bad][0])))
+                entries[bad] = -1
+        return outside
 
     def block_tables(self, kind: str) -> BlockTables:
         """The kernels' read-only snapshot of one table kind, rebuilt only after a change."""
