@@ -14,7 +14,6 @@ record, ``("err", kind, message)`` an error counted in the engine process,
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -22,10 +21,9 @@ import numpy as np
 
 from mgtrace.recorder import assemble as asm
 from mgtrace.recorder import wire
+from mgtrace.recorder.failures import count_failure
 from mgtrace.recorder.step_tables import StepTables
 from mgtrace.schemas.writer import TraceWriter
-
-log = logging.getLogger("mgtrace.recorder")
 
 BATCH_STEPS = 64  # steps per hand-over to the writer
 BATCH_S = 0.5  # or this old, whichever comes first
@@ -88,20 +86,7 @@ class Assembler:
             fn(*args)
         except Exception as exc:
             self.errors += 1
-            name = f"assemble_{what}"
-            try:
-                self.writer.count_error(f"hook:{name}", f"{exc.__class__.__name__}: {exc}")
-                if name not in self._logged:
-                    self._logged.add(name)
-                    log.warning(
-                        "mgtrace: %s failed (%s: %s); recording continues, the failure is "
-                        "counted in the manifest",
-                        name,
-                        exc.__class__.__name__,
-                        exc,
-                    )
-            except Exception:
-                pass
+            count_failure(self.writer.count_error, self._logged, f"assemble_{what}", exc)
 
     def _flush_orphans(self) -> None:
         """Launch rows of a step whose bookkeeping never closed (stopped mid-step)."""

@@ -174,22 +174,10 @@ def _table_patches(sess: Session, owner: Any, groups: Sequence[int] | None) -> l
             owner, "append_block_ids", hook(sess, "append_block_ids", before=_append_blocks(groups))
         )
     ]
-    if callable(getattr(owner, "gather_block_tables", None)):
-        patches.append(
-            Patch(
-                owner,
-                "gather_block_tables",
-                hook(sess, "gather_block_tables", before=clears.gather),
-            )
-        )
-    if callable(getattr(owner, "get_dummy_block_tables", None)):
-        patches.append(
-            Patch(
-                owner,
-                "get_dummy_block_tables",
-                hook(sess, "get_dummy_block_tables", before=clears.dummy),
-            )
-        )
+    optional = {"gather_block_tables": clears.gather, "get_dummy_block_tables": clears.dummy}
+    for name, before in optional.items():
+        if callable(getattr(owner, name, None)):
+            patches.append(Patch(owner, name, hook(sess, name, before=before)))
     return patches
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from mgtrace.recorder import outproc, wire
 from mgtrace.recorder.capture import CaptureRing
+from mgtrace.recorder.failures import count_failure
 from mgtrace.schemas.manifest import RunMetadata
 from mgtrace.schemas.writer import TraceWriter
 
@@ -152,19 +153,7 @@ class Session:
     def hook_failed(self, name: str, exc: BaseException) -> None:
         """Count a hook's exception; log the first of each hook. Never raises."""
         self.hook_errors += 1
-        try:
-            self.count_error(f"hook:{name}", f"{exc.__class__.__name__}: {exc}")
-            if name not in self._logged:
-                self._logged.add(name)
-                log.warning(
-                    "mgtrace: hook %s failed (%s: %s); recording continues, the "
-                    "failure is counted in the manifest",
-                    name,
-                    exc.__class__.__name__,
-                    exc,
-                )
-        except Exception:
-            pass
+        count_failure(self.count_error, self._logged, name, exc)
 
     def count_error(self, kind: str, message: str) -> None:
         """Any thread; the recorder thread forwards it to the manifest."""

@@ -16,6 +16,7 @@ import copyreg
 import io
 import pickle
 import struct
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -193,18 +194,7 @@ class Packer:
     def _sched(self, view: SimpleNamespace | None) -> SimpleNamespace | None:
         if view is None:
             return None
-        drafts = view.scheduled_spec_decode_tokens
-        if drafts:
-            view.scheduled_spec_decode_tokens = (
-                self._same("so.drafts.ids", drafts[0]),
-                self._same("so.drafts.counts", drafts[1]),
-            )
-        for name in _REPEATING_SO:
-            setattr(view, name, self._same("so." + name, getattr(view, name)))
-        cached = view.scheduled_cached_reqs
-        for name in _REPEATING_CACHED:
-            setattr(cached, name, self._same("so.cached." + name, getattr(cached, name)))
-        return view
+        return _map_sched(view, self._same, lambda ids, counts: (ids, counts))
 
     @staticmethod
     def tag(tag: dict[str, Any]) -> dict[str, Any]:
@@ -212,6 +202,25 @@ class Packer:
         if cpu:
             tag = {**tag, "cpu": _raw_values(cpu)}
         return tag
+
+
+def _map_sched(
+    view: SimpleNamespace, same: Callable[[str, Any], Any], drafts: Callable[[Any, Any], Any]
+) -> SimpleNamespace:
+    """Pass the repeating parts of a scheduler-output view through ``same`` (the back-reference
+    of one side of the wire), the draft tokens as ``drafts(ids, counts)``; both sides walk the
+    fields in this one order."""
+    pair = view.scheduled_spec_decode_tokens
+    if pair:
+        view.scheduled_spec_decode_tokens = drafts(
+            same("so.drafts.ids", pair[0]), same("so.drafts.counts", pair[1])
+        )
+    for name in _REPEATING_SO:
+        setattr(view, name, same("so." + name, getattr(view, name)))
+    cached = view.scheduled_cached_reqs
+    for name in _REPEATING_CACHED:
+        setattr(cached, name, same("so.cached." + name, getattr(cached, name)))
+    return view
 
 
 class Unpacker:
@@ -243,17 +252,7 @@ class Unpacker:
             ]
         view = rec.get("so")
         if view is not None:
-            drafts = view.scheduled_spec_decode_tokens
-            if drafts:
-                view.scheduled_spec_decode_tokens = drafts_of(
-                    self._same("so.drafts.ids", drafts[0]),
-                    self._same("so.drafts.counts", drafts[1]),
-                )
-            for name in _REPEATING_SO:
-                setattr(view, name, self._same("so." + name, getattr(view, name)))
-            cached = view.scheduled_cached_reqs
-            for name in _REPEATING_CACHED:
-                setattr(cached, name, self._same("so.cached." + name, getattr(cached, name)))
+            _map_sched(view, self._same, drafts_of)
         return rec
 
     @staticmethod
