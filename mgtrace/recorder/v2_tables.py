@@ -17,8 +17,10 @@ on a CPU model of the memory, exactly as the device holds it:
 A trace row carries the row's memory with its trailing zeros left out (the replayer refills
 the rest of a row with zeros). Rows filled before recording began (recording attached to a
 running engine) are found from the engine's ``num_blocks`` at the first gather and from
-writes that start past column 0; the columns written unseen hold -1, so that a replayed
-read of them is reported instead of silently reading the null block.
+writes that start past column 0; the columns written unseen hold -1, never taken for the
+null block: a replayed kernel launch that uses one is reported as malformed, the forward
+model leaves a read of one unchecked, and the manifest counts such rows
+(``block_table_unseen_columns``).
 """
 
 from __future__ import annotations
