@@ -38,17 +38,9 @@ class StepTables:
         req_ids: list[str] = rec.get("req_ids") or []
         n = len(req_ids)
         so = rec["so"]
-        mamba = rec.get("mamba")
-        steps = {
-            "wall_ns": rec["wall_ns"],
-            "num_reqs": n,
-            "num_scheduled_tokens": getattr(so, "total_num_scheduled_tokens", None),
-            "reorder_threshold": rec.get("threshold"),
-            "mamba_threshold": mamba[1] if mamba else None,
-            "num_mamba_decodes": mamba[0] if mamba else None,
-            "postprocess_step": rec.get("post_step"),
-            "accepted_landed": rec.get("landed"),
-        }
+        steps = _step_columns(rec, n)
+        steps["reorder_threshold"] = rec.get("threshold")
+        steps["accepted_landed"] = rec.get("landed")
         tables: dict[str, Any] = {"steps": steps}
         moves = self._moves(rec)
         if moves:
@@ -86,7 +78,7 @@ class StepTables:
         regions = asm.reorder_regions(scheduled, computed_reorder, prompt, rec.get("threshold"))
         if regions is not None:
             rows["reorder_region"] = regions
-        split = asm.mamba_split(n, mamba[0] if mamba else None)
+        split = asm.mamba_split(n, tables["steps"]["num_mamba_decodes"])
         if split is not None:
             rows["mamba_split"] = split
         tables["batch_rows"] = rows
@@ -170,17 +162,7 @@ class StepTables:
     def _v2_tables(self, rec: dict[str, Any], captured: dict[str, Any]) -> dict[str, Any]:
         req_ids: list[str] = rec.get("req_ids") or []
         n = len(req_ids)
-        so = rec["so"]
-        mamba = rec.get("mamba")
-        steps = {
-            "wall_ns": rec["wall_ns"],
-            "num_reqs": n,
-            "num_scheduled_tokens": getattr(so, "total_num_scheduled_tokens", None),
-            "mamba_threshold": mamba[1] if mamba else None,
-            "num_mamba_decodes": mamba[0] if mamba else None,
-            "postprocess_step": rec.get("post_step"),
-        }
-        tables: dict[str, Any] = {"steps": steps}
+        tables: dict[str, Any] = {"steps": _step_columns(rec, n)}
         bt = self._v2_block_tables(rec)
         if bt:
             tables["block_tables"] = bt
@@ -210,7 +192,7 @@ class StepTables:
         if post is not None and len(post.get("num_accepted", ())) == n:
             acc = post["num_accepted"]
             rows["accepted"] = asm.positive_or_null(acc)
-        split = asm.mamba_split(n, mamba[0] if mamba else None)
+        split = asm.mamba_split(n, tables["steps"]["num_mamba_decodes"])
         if split is not None:
             rows["mamba_split"] = split
         tables["batch_rows"] = rows
@@ -229,3 +211,16 @@ class StepTables:
         if gather is not None and idx is not None:
             model.apply_gather(idx, gather)
         return model.changed_rows()
+
+
+def _step_columns(rec: dict[str, Any], n: int) -> dict[str, Any]:
+    """The ``steps`` columns both runners record the same way."""
+    mamba = rec.get("mamba")  # (decodes, threshold) from the Mamba builder's split
+    return {
+        "wall_ns": rec["wall_ns"],
+        "num_reqs": n,
+        "num_scheduled_tokens": getattr(rec["so"], "total_num_scheduled_tokens", None),
+        "mamba_threshold": mamba[1] if mamba else None,
+        "num_mamba_decodes": mamba[0] if mamba else None,
+        "postprocess_step": rec.get("post_step"),
+    }
