@@ -257,17 +257,15 @@ class RankReplay:
 
     def _report_out_of_pool(self, step: int, entry: OutOfPool, view: RowView) -> None:
         """A block-table row names a block past the pool: the replay reads it as no block."""
+        batch_row: int | None = entry.row
         if entry.kind == "source":  # V2 source tables are indexed by request slot
-            pos = np.flatnonzero(view.slot == entry.row)
-            uid, name = (
-                (int(view.uid[pos[0]]), self.trace.ids.name(int(view.uid[pos[0]])))
-                if len(pos)
-                else (DUMMY_REQUEST, f"<slot {entry.row}>")
-            )
-            batch_row = int(view.batch_row[pos[0]]) if len(pos) else None
-        else:
-            uid, name = self._row_owner(view, entry.row)
-            batch_row = entry.row
+            hit = np.flatnonzero(view.slot == entry.row)
+            batch_row = int(view.batch_row[hit[0]]) if len(hit) else None
+        uid, name = (
+            self._row_owner(view, batch_row)
+            if batch_row is not None
+            else (DUMMY_REQUEST, f"<slot {entry.row}>")
+        )
         self.oracle._report(
             uid,
             Finding(
