@@ -13,12 +13,13 @@ On a CUDA machine the launch inputs live on the GPU and each
 "launch" is a small device op; the JSON logger then has to read them back (``tolist``),
 which synchronizes, exactly as a host-side logger would.
 
-Reported per configuration: wall time per step on the engine thread (median of runs) and
-the engine thread's CPU time per step; for the recorder, apart, the CPU time of its thread in
+Reported per configuration: wall time per step on the engine thread (median of runs), the
+50th and 99th percentiles and the maximum of single steps' wall time, and the engine
+thread's CPU time per step; for the recorder, apart, the CPU time of its thread in
 the engine process (it shares the engine's GIL) and of the assembler process (it does not),
 and any dropped step or capture. No duckdb import on this path.
 
-Usage: python benchmarks/bench_recorder.py [--steps N] [--repeats R] [--out FILE]
+Usage: python benchmarks/bench_recorder.py [--steps N] [--repeats R] [--pin-core C] [--out FILE]
 """
 
 from __future__ import annotations
@@ -386,8 +387,10 @@ def run(
         torch.cuda.synchronize()
     rec_thread = _thread_clock(sess._thread) if sess is not None else None
     rec_cpu0 = _clock_ns(rec_thread)
+    step_ns = np.zeros(steps, dtype=np.int64)
+    clock = time.perf_counter_ns
     t_cpu = time.thread_time_ns()
-    t0 = time.perf_counter_ns()
+    t0 = last = clock()
     for step in range(steps):
         cls.execute_model(runner, so)
         if device_wait_s:
@@ -395,12 +398,23 @@ def run(
         runner._update_states_after_model_execute(out, so)
         if fh is not None:
             json_log(fh, runner, so, step)
+        now = clock()
+        step_ns[step] = now - last
+        last = now
     wall = time.perf_counter_ns() - t0
     cpu = time.thread_time_ns() - t_cpu
     rec_cpu = _clock_ns(rec_thread) - rec_cpu0
     if device.type == "cuda":
         torch.cuda.synchronize()
-    result = {"wall_us_per_step": wall / steps / 1e3, "cpu_us_per_step": cpu / steps / 1e3}
+    result = {
+        "wall_us_per_step": wall / steps / 1e3,
+        "cpu_us_per_step": cpu / steps / 1e3,
+        # the tail: a recorder thread holding the GIL, or a child process on the engine's
+        # core, shows here first
+        "p50_us": float(np.percentile(step_ns, 50)) / 1e3,
+        "p99_us": float(np.percentile(step_ns, 99)) / 1e3,
+        "max_us": float(step_ns.max()) / 1e3,
+    }
     if sess is not None:
         patches.remove()
         children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -448,6 +462,10 @@ def summarize(runs: dict[str, list[dict[str, float]]], wait_s: float, steps: int
             m: {"wall": med(m, "wall_us_per_step"), "engine_thread_cpu": med(m, "cpu_us_per_step")}
             for m in runs
         },
+        "step_wall_percentiles_us": {
+            m: {q: med(m, f"{q}_us") for q in ("p50", "p99", "max")} for m in runs
+        },
+        "p99_overhead_us": med("hooked", "p99_us") - med("unhooked", "p99_us"),
         "overhead_us_per_step": {
             "recorder_wall": over_wall,
             "recorder_engine_thread_cpu": over_cpu,
@@ -499,7 +517,15 @@ def main() -> int:
         default=1500.0,
         help="second scenario: a GIL-free wait per step standing in for the forward",
     )
+    ap.add_argument(
+        "--pin-core",
+        type=int,
+        default=None,
+        help="run on this one core (the assembler process inherits it), as a pinned engine does",
+    )
     a = ap.parse_args()
+    if a.pin_core is not None:
+        os.sched_setaffinity(0, {a.pin_core})
     device = torch.device(a.device)
     scenarios = {"busy_host_loop": 0.0, "with_device_wait": a.device_wait_us / 1e6}
     report: dict[str, Any] = {
@@ -510,6 +536,7 @@ def main() -> int:
             "torch": torch.__version__,
             "device": a.device,
             "cpus": os.cpu_count(),
+            "pinned_to_core": a.pin_core,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
         },
         "steps_per_run": a.steps,

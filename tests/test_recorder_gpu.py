@@ -115,6 +115,46 @@ def test_capture_around_a_triton_launch_is_exact_and_sync_free() -> None:
     assert not all((acc[:n].cpu().numpy() == got[-1][0][0][:n]).tolist())
 
 
+def _small_ring_round_trip(steps: int = 40) -> tuple[list[list[int]], list[list[int]]]:
+    """Captures through a 5-slot ring, reaped every third step: slots are reused many times
+    over and reaps span the wrap. Returns (reaped, expected) vectors in launch order."""
+    from mgtrace.recorder.capture import CaptureRing
+
+    dev = torch.device("cuda")
+    ring = CaptureRing(dev, slots=5, slot_elems=64)
+    src = torch.zeros(16, dtype=torch.int32, device=dev)
+    got, want = [], []
+    for step in range(steps):
+        src.copy_(torch.arange(16, dtype=torch.int32, device=dev) * (step + 1))
+        want.append([i * (step + 1) for i in range(16)])
+        while not ring.grab([src], [16], {"step": step}):
+            got += ring.reap()  # a full ring: reap until a slot is free
+        if step % 3 == 0:
+            got += ring.reap()
+    deadline = time.monotonic() + 30
+    while len(got) < steps and time.monotonic() < deadline:
+        got += ring.reap()
+    assert [tag["step"] for _, tag in got] == list(range(steps))
+    return [arrays[0][:16].tolist() for arrays, _ in got], want
+
+
+def test_a_small_ring_wraps_and_stays_exact() -> None:
+    got, want = _small_ring_round_trip()
+    assert got == want
+
+
+def test_the_ring_check_sees_a_slot_whose_host_copy_was_skipped(monkeypatch: Any) -> None:
+    """Control: copies that leave out the last slot of each run read stale host bytes."""
+    from mgtrace.recorder import capture
+
+    real = capture.consecutive_runs
+    monkeypatch.setattr(
+        capture, "consecutive_runs", lambda slots: [(a, b - 1) for a, b in real(slots) if b - a > 1]
+    )
+    got, want = _small_ring_round_trip()
+    assert got != want
+
+
 def test_the_counter_sees_a_synchronizing_call() -> None:
     x = torch.ones(4, device="cuda")
     with Counter() as counter:

@@ -158,6 +158,16 @@ def test_capture_ring_on_the_cpu_is_exact_and_counts_drops() -> None:
     assert not ring.grab([a, b], [9, 9], {}) and ring.dropped == 2  # too large for a slot
 
 
+def test_ring_slots_are_copied_in_runs_of_consecutive_slots() -> None:
+    from mgtrace.recorder.capture import consecutive_runs
+
+    assert consecutive_runs([5, 6, 7]) == [(5, 8)]
+    assert consecutive_runs([510, 511, 0, 1]) == [(510, 512), (0, 2)]  # the ring's wrap
+    assert consecutive_runs([3]) == [(3, 4)] and consecutive_runs([]) == []
+    # control: a gap is never bridged (that copy would carry a slot still being staged)
+    assert consecutive_runs([1, 3]) == [(1, 2), (3, 4)]
+
+
 def _buf(values: list[int]) -> Any:
     import torch
 

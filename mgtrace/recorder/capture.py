@@ -1,12 +1,14 @@
 """Stream-ordered capture of the small integer vectors an align kernel reads.
 
 On the engine thread, right before a launch: one ``torch.cat`` of the input vectors into a
-preallocated device staging slot, one non-blocking copy of that slot into the matching
-pinned host slot, and one event recorded on the current (launch) stream. Because all three
-are queued on the launch stream before the kernel, the host slot receives exactly the bytes
-the kernel reads, including values that later kernels overwrite in place. Nothing here waits
-for the device; ``reap`` runs on the recorder thread and only asks events whether they are
-done (``Event.query``), so a slow device delays the trace, never the engine.
+preallocated device staging slot and one event recorded on the current (launch) stream.
+Both are queued on the launch stream before the kernel, so the staging slot holds exactly
+the bytes the kernel reads, including values that later kernels overwrite in place. The
+device-to-host copy is the recorder thread's: once a slot's event has completed it copies
+each run of consecutive completed slots into the pinned host ring with one non-blocking copy
+on a side stream, and reads a slot when that copy's event has completed. Nothing here waits
+for the device (only ``Event.query``), so a slow device delays the trace, never the engine;
+and the engine thread pays two CUDA calls per launch, not three.
 
 For CPU tensors (vLLM on the CPU, and the tests) the same slot layout is filled with one
 synchronous ``torch.cat`` into the host slot: the kernel runs synchronously there, so the
@@ -15,6 +17,7 @@ capture is equally exact.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +28,18 @@ DEFAULT_SLOTS = 512  # two captures per step for the ~10 ms the recorder thread 
 # the GIL on a busy engine (a sleep, then a switch interval)
 DEFAULT_SLOT_ELEMS = 1 << 13  # int32 elements: 4 slot-indexed vectors of 2048 requests
 MAX_VIEWS = 64
+
+
+def consecutive_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges covering ``slots`` in order, one per run of consecutive
+    numbers: the fewest copies for a batch of ring slots."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], slot + 1)
+        else:
+            runs.append((slot, slot + 1))
+    return runs
 
 
 class CaptureRing:
@@ -52,15 +67,15 @@ class CaptureRing:
             self.staging = torch.empty((slots, slot_elems), dtype=torch.int32, device=device)
             # torch.Event records on the current stream in C++; torch.cuda.Event.record()
             # looks the stream up in Python first, which costs more than the copy
-            make = getattr(torch, "Event", None)
-            self.events = [
-                make(device=device) if make is not None else torch.cuda.Event()
-                for _ in range(slots)
-            ]
+            self._make_event = getattr(torch, "Event", None) or (lambda device: torch.cuda.Event())
+            self.events = [self._make_event(device=device) for _ in range(slots)]
+            self._copy_stream = torch.cuda.Stream(device=device)
         self._views: dict[int, tuple[Any, np.ndarray]] = {}
         self._slots: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._free: deque[int] = deque(range(slots))
-        self._pending: deque[tuple[int, tuple[int, ...], Any]] = deque()
+        # [slot, lengths, tag, event of the copy to the host (None until it is issued)]
+        self._pending: deque[list[Any]] = deque()
+        self._issued = 0  # pending entries, from the left, whose host copy is issued
         self.captured = 0
         self.dropped = 0
 
@@ -85,9 +100,7 @@ class CaptureRing:
                 self.dropped += 1
                 return False
             i = self._free.popleft()
-            dst, host = self._slot(i, total)
-            self._torch.cat(parts, out=dst)
-            host.copy_(dst, non_blocking=True)
+            self._torch.cat(parts, out=self._slot(i, total))
             self.events[i].record()
         else:
             total = sum(lengths)
@@ -99,19 +112,19 @@ class CaptureRing:
             # of a torch op, which matters on a busy engine thread.
             views = [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)]
             np.concatenate(views, out=self._host_view()[i, :total], casting="unsafe")
-        self._pending.append((i, tuple(lengths), tag))
+        self._pending.append([i, tuple(lengths), tag, None])
         self.captured += 1
         return True
 
-    def _slot(self, i: int, total: int) -> tuple[Any, Any]:
-        """Device staging and pinned host views of slot ``i``'s first ``total`` elements,
-        cached: indexing a tensor costs more in Python than the copy it feeds."""
+    def _slot(self, i: int, total: int) -> Any:
+        """The device staging view of slot ``i``'s first ``total`` elements, cached:
+        indexing a tensor costs more in Python than the copy it feeds."""
         key = (i, total)
         hit = self._slots.get(key)
         if hit is None:
             if len(self._slots) >= 8 * len(self.events):
                 self._slots.clear()
-            hit = self._slots[key] = (self.staging[i, :total], self.host[i, :total])
+            hit = self._slots[key] = self.staging[i, :total]
         return hit
 
     def _host_view(self) -> np.ndarray:
@@ -138,15 +151,40 @@ class CaptureRing:
     def oldest_pending_tag(self) -> Any:
         return self._pending[0][2] if self._pending else None
 
+    def _issue_host_copies(self) -> None:
+        """Recorder thread: copy the staged slots whose launch-stream event has completed to
+        the host, one non-blocking copy per run of consecutive slots (slots are taken and
+        returned in ring order, so pending slots are consecutive but for the wrap)."""
+        ready = []
+        # one C-level snapshot: the engine thread appends to the deque meanwhile
+        for entry in list(itertools.islice(self._pending, self._issued, None)):
+            if not self.events[entry[0]].query():
+                break
+            ready.append(entry)
+        if not ready:
+            return
+        with self._torch.cuda.stream(self._copy_stream):
+            for start, stop in consecutive_runs([entry[0] for entry in ready]):
+                self.host[start:stop].copy_(self.staging[start:stop], non_blocking=True)
+            done = self._make_event(device=self.staging.device)
+            done.record()
+        for entry in ready:
+            entry[3] = done
+        self._issued += len(ready)
+
     def reap_raw(self) -> list[tuple[bytes, tuple[int, ...], Any]]:
         """Completed captures in launch order, each the int32 bytes of its slot and the
         vector lengths in it; recorder thread."""
+        if self.cuda:
+            self._issue_host_copies()
         out = []
         host = self._host_view()  # a view of host memory: nothing to wait for
         while self._pending:
-            i, lengths, tag = self._pending[0]
-            if self.events and not self.events[i].query():
-                break
+            i, lengths, tag, copied = self._pending[0]
+            if self.cuda:
+                if copied is None or not copied.query():
+                    break
+                self._issued -= 1
             self._pending.popleft()
             raw = host[i, : sum(lengths)].tobytes()
             self._free.append(i)

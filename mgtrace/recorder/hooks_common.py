@@ -14,6 +14,7 @@ from typing import Any
 from mgtrace.recorder.assemble import BOUND_PTRS
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
+from mgtrace.recorder.wire import raw
 
 Before = Callable[[Session, tuple[Any, ...], dict[str, Any]], Any]
 After = Callable[[Session, Any, Any, tuple[Any, ...], dict[str, Any]], None]
@@ -183,7 +184,7 @@ def _tag(
 
 
 def _np(buf: Any, n: int) -> Any:
-    return None if buf is None else buf.np[:n].copy()
+    return None if buf is None else raw(buf.np[:n])
 
 
 _PRECOPY = ("num_reqs", "state_idx_gpu", "src_col_gpu", "token_bias_gpu", "idx_mapping")

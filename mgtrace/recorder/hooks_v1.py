@@ -21,6 +21,7 @@ from mgtrace.recorder.features import Target, owner_of
 from mgtrace.recorder.hooks_common import arg, hook, launcher_patches, split_patch
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
+from mgtrace.recorder.wire import raw
 
 
 def _begin(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -46,16 +47,16 @@ def _batch_after_update(groups: list[int]) -> Any:
         ib = runner.input_batch
         n = ib.num_reqs
         rec["req_ids"] = ib._req_ids[:n]
-        rec["computed"] = ib.num_computed_tokens_cpu[:n].copy()
-        rec["prompt"] = ib.num_prompt_tokens[:n].copy()
+        rec["computed"] = raw(ib.num_computed_tokens_cpu[:n])
+        rec["prompt"] = raw(ib.num_prompt_tokens[:n])
         rec.setdefault("threshold", runner.reorder_batch_threshold)
         if groups and n:
             tables = []
             for local, gid in enumerate(groups):
                 bt = ib.block_table[gid]
-                counts = bt.num_blocks_per_row[:n].copy()
+                counts = bt.num_blocks_per_row[:n]
                 width = int(counts.max())
-                tables.append((local, bt.block_table.np[:n, :width].copy(), counts))
+                tables.append((local, raw(bt.block_table.np[:n, :width]), raw(counts)))
             rec["bt"] = tables
 
     return after
@@ -80,7 +81,7 @@ def _swap(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 def _condense_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ib = args[0]
     ids = list(ib._req_ids)
-    return ids, ib.num_accepted_tokens_cpu[: len(ids)].copy()
+    return ids, raw(ib.num_accepted_tokens_cpu[: len(ids)])
 
 
 def _condense_after(
@@ -124,8 +125,8 @@ def _pre_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     state_idx = arg(args, kwargs, 3, "mamba_state_idx")
     ib = arg(args, kwargs, 4, "input_batch")
     n = len(ib.req_ids)
-    rec["acc_prev"] = ib.num_accepted_tokens_cpu[:n].copy()
-    rec["computed_pre"] = ib.num_computed_tokens_cpu[:n].copy()
+    rec["acc_prev"] = raw(ib.num_accepted_tokens_cpu[:n])
+    rec["computed_pre"] = raw(ib.num_computed_tokens_cpu[:n])
     rec["sidx_before"] = dict(state_idx)
     return state_idx
 
@@ -143,10 +144,10 @@ def _staged(sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict
     ctx = arg(args, kwargs, 0, "ctx")
     n = int(arg(args, kwargs, 3, "num_reqs"))
     sess.rec["staged"] = {
-        "state_idx": ctx.mamba_state_idx_buf.np[:n].copy(),
-        "num_scheduled": ctx.num_scheduled_tokens_buf.np[:n].copy(),
-        "num_computed": ctx.num_computed_tokens_buf.np[:n].copy(),
-        "num_draft": ctx.num_draft_tokens_buf.np[:n].copy(),
+        "state_idx": raw(ctx.mamba_state_idx_buf.np[:n]),
+        "num_scheduled": raw(ctx.num_scheduled_tokens_buf.np[:n]),
+        "num_computed": raw(ctx.num_computed_tokens_buf.np[:n]),
+        "num_draft": raw(ctx.num_draft_tokens_buf.np[:n]),
     }
 
 

@@ -24,6 +24,7 @@ from mgtrace.recorder.hooks_common import arg, hook, launcher_patches, split_pat
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
 from mgtrace.recorder.v2_tables import Gather
+from mgtrace.recorder.wire import raw
 
 
 def _begin(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -36,7 +37,7 @@ def _begin(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None
 
 
 def _copy(value: Any, n: int) -> Any:
-    return None if value is None else value[:n].copy()
+    return None if value is None else raw(value[:n])
 
 
 def _inputs_after(
@@ -47,12 +48,12 @@ def _inputs_after(
         return
     n = ib.num_reqs
     rec["req_ids"] = list(ib.req_ids[:n])
-    rec["idx"] = ib.idx_mapping_np[:n].copy()
-    rec["computed"] = ib.num_computed_tokens_np[:n].copy()
-    rec["scheduled"] = ib.num_scheduled_tokens[:n].copy()
+    rec["idx"] = raw(ib.idx_mapping_np[:n])
+    rec["computed"] = raw(ib.num_computed_tokens_np[:n])
+    rec["scheduled"] = raw(ib.num_scheduled_tokens[:n])
     rec["draft"] = _copy(ib.num_draft_tokens_per_req, n)
-    rec["prefilling"] = ib.is_prefilling_np[:n].copy()
-    rec["prompt"] = ib.prefill_len_np[:n].copy()
+    rec["prefilling"] = raw(ib.is_prefilling_np[:n])
+    rec["prompt"] = raw(ib.prefill_len_np[:n])
 
 
 def _pre_state(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -154,7 +155,7 @@ class _GatherHooks:
             sess.table_ptrs = self.table_ptrs(args[0])
         if not self.counts_sent:
             counts = args[0].num_blocks.np
-            rec["bt_counts"] = (counts if self.groups is None else counts[self.groups]).copy()
+            rec["bt_counts"] = raw(counts if self.groups is None else counts[self.groups])
             self.counts_sent = True
 
     def table_ptrs(self, tables: Any) -> dict[str, list[int]]:

@@ -123,8 +123,23 @@ _REPEATING_SO = ("num_scheduled_tokens",)
 _REPEATING_CACHED = ("req_ids", "resumed_req_ids", "new_block_ids")
 
 
-def _raw(a: np.ndarray) -> tuple[bytes, str, tuple[int, ...]]:
+Raw = tuple[bytes, str, tuple[int, ...]]
+
+# Step-record keys whose values are arrays (the hooks may store them raw already)
+_V1_ARRAYS = ("computed", "prompt", "acc_prev", "computed_pre")
+_V2_ARRAYS = ("idx", "scheduled", "draft", "prefilling", "bt_counts")
+ARRAY_KEYS = frozenset((*_V1_ARRAYS, *_V2_ARRAYS))
+
+
+def raw(a: np.ndarray) -> Raw:
+    """A host array as the wire carries it. Taken on the engine thread in place of a copy:
+    ``tobytes`` costs less than ``copy`` (no array object), and the recorder thread, which
+    shares the GIL, has nothing left to convert."""
     return a.tobytes(), a.dtype.char, a.shape
+
+
+def _raw(a: np.ndarray | Raw) -> Raw:
+    return a if type(a) is tuple else (a.tobytes(), a.dtype.char, a.shape)
 
 
 def _array(raw: tuple[bytes, str, tuple[int, ...]]) -> np.ndarray:
@@ -168,7 +183,7 @@ class Packer:
         out: dict[str, Any] = {}
         arrays: dict[str, Any] = {}
         for key, value in rec.items():
-            if type(value) is np.ndarray:
+            if type(value) is np.ndarray or (key in ARRAY_KEYS and type(value) is tuple):
                 arrays[key] = _raw(value)
             elif key in _REPEATING:
                 continue
