@@ -26,10 +26,7 @@ from mgtrace.schemas.writer import TraceWriter
 
 log = logging.getLogger("mgtrace.recorder")
 
-MIN_FRAME_STEPS = 8  # steps per frame while the recorder keeps up: the frame's pipe write
-# releases the GIL, so an engine thread back from a device wait waits for one small frame
-MAX_FRAME_STEPS = 256  # and at most this many when it has fallen behind (a busy engine
-# thread lets it run once per switch interval, so it must then take all that queued up)
+MAX_FRAME_STEPS = 256  # steps per frame: bounds one GIL hold of the recorder thread
 IDLE_POLL_S = 0.01  # few wake-ups: each one takes the GIL from the engine; the ring
 # holds 256 steps of captures, so this (plus a switch interval) loses none
 TICK_S = 0.05  # how often the sink's counters are read and the child is checked
@@ -264,8 +261,7 @@ class Session:
                     messages.append(("cap", raw, lengths, self._packer.tag(tag)))
                 except Exception as exc:
                     self.hook_failed("forward", exc)
-        limit = min(MAX_FRAME_STEPS, max(MIN_FRAME_STEPS, len(self._records) // 4))
-        while self._records and steps < limit:
+        while self._records and steps < MAX_FRAME_STEPS:
             rec = self._records[0]
             oldest = self.ring.oldest_pending_tag() if self.ring is not None else None
             if oldest is not None and oldest["step"] <= rec["step"] and not self._force:
