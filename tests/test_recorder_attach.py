@@ -173,6 +173,90 @@ def test_gdb_injection_starts_the_agent(tmp_path: Path) -> None:
         target.wait()
 
 
+@pytest.fixture
+def bare_python(tmp_path: Path) -> Any:
+    """A Python process without the plugin that this test may ptrace, as a ``Proc``."""
+    script = tmp_path / "target.py"
+    script.write_text("import time\nprint('up', flush=True)\nwhile True:\n    time.sleep(0.02)\n")
+    target = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "up"
+        ok, why = attach.inject.ptrace_permitted(target.pid)
+        if not ok:
+            pytest.skip(why)
+        proc = proctree.read_proc(target.pid)
+        assert proc is not None
+        yield proc
+    finally:
+        target.kill()
+        target.wait()
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_remote_exec_runs_the_payload_file_and_removes_it(
+    bare_python: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PEP 768 needs Python 3.14 on both sides. Its contract (run this file in that process
+    at a safe point) is stood in for by gdb running the file's text, so that what mgtrace
+    does around the call is exercised on any Python."""
+    calls: list[tuple[int, str, str]] = []
+
+    def remote_exec(pid: int, path: str) -> None:
+        text = Path(path).read_text()
+        calls.append((pid, path, text))
+        assert text == attach.inject.payload()
+        attach.inject.via_gdb(pid)  # runs payload(): the same text as the file
+
+    monkeypatch.setattr(sys, "remote_exec", remote_exec, raising=False)
+    t = attach.connect(bare_python)
+    assert t.how == "remote_exec" and [c[0] for c in calls] == [bare_python.pid]
+    assert control.send(t.socket, "status")["pid"] == bare_python.pid
+    assert not Path(calls[0][1]).exists()  # the agent answered: its script is gone
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_a_refused_remote_exec_falls_back_to_gdb(
+    bare_python: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 3.14 mgtrace attaching to an engine on another Python version: the target
+    refuses the remote execution, and gdb starts the agent instead."""
+    files: list[str] = []
+
+    def remote_exec(pid: int, path: str) -> None:
+        files.append(path)
+        raise RuntimeError("the target is not running a compatible Python version")
+
+    monkeypatch.setattr(sys, "remote_exec", remote_exec, raising=False)
+    t = attach.connect(bare_python)
+    assert t.how == "gdb" and len(files) == 1 and not Path(files[0]).exists()
+    assert control.send(t.socket, "status")["pid"] == bare_python.pid
+
+
+def test_both_refusals_are_named_in_one_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control for the fallback: when gdb may not attach either, the error says why for
+    both ways, and nothing is left behind."""
+    files: list[str] = []
+
+    def remote_exec(pid: int, path: str) -> None:
+        files.append(path)
+        raise RuntimeError("the target is not running a compatible Python version")
+
+    monkeypatch.setattr(sys, "remote_exec", remote_exec, raising=False)
+    monkeypatch.setattr(attach.inject, "ptrace_permitted", lambda pid: (False, "no ptrace here"))
+    target = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
+    try:
+        proc = proctree.read_proc(target.pid)
+        assert proc is not None
+        with pytest.raises(attach.AttachError) as err:
+            attach.connect(proc)
+    finally:
+        target.kill()
+        target.wait()
+    message = str(err.value)
+    assert "compatible Python version" in message and "no ptrace here" in message
+    assert "\n" not in message and not Path(files[0]).exists()
+
+
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
 def test_record_attaches_with_gdb_when_the_plugin_is_not_loaded(tmp_path: Path) -> None:
     engine = _spawn([*STANDIN, "--no-plugin", "--sleep", "0.02", "--name", "vllm-standin"])

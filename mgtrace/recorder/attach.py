@@ -67,24 +67,36 @@ def connect(proc: proctree.Proc, *, allow_inject: bool = True) -> Target:
             pass
     if not allow_inject or not proc.is_python:
         raise AttachError(f"process {proc.pid} has no mgtrace agent; {ENABLE_HINT}")
-    if inject.via_remote_exec(proc.pid):
-        how = "remote_exec"
-    else:
-        ok, why = inject.ptrace_permitted(proc.pid)
-        if not ok:
-            raise AttachError(
-                f"process {proc.pid} has no mgtrace agent and gdb cannot attach ({why}); "
-                f"{ENABLE_HINT}"
-            )
-        inject.via_gdb(proc.pid)
-        how = "gdb"
+    how, script = _inject(proc.pid)
     if not _wait_socket(path, SOCKET_WAIT_S):
         raise AttachError(
             f"the agent injected into {proc.pid} by {how} did not open its socket within "
             f"{SOCKET_WAIT_S:.0f} s (is the process's main thread running Python?); "
             f"{ENABLE_HINT}"
         )
+    if script is not None:  # the target has run it: the agent answers
+        script.unlink(missing_ok=True)
     return Target(proc, path, how)
+
+
+def _inject(pid: int) -> tuple[str, Path | None]:
+    """Queue the agent in ``pid``: ``sys.remote_exec`` where this Python has it, else (or
+    when the target refuses it, e.g. another Python version) gdb."""
+    remote_failed = ""
+    try:
+        script = inject.via_remote_exec(pid)
+        if script is not None:
+            return "remote_exec", script
+    except inject.InjectError as exc:
+        remote_failed = f"{exc}, and "
+    ok, why = inject.ptrace_permitted(pid)
+    if not ok:
+        raise AttachError(
+            f"process {pid} has no mgtrace agent; {remote_failed}gdb cannot attach ({why}); "
+            f"{ENABLE_HINT}"
+        )
+    inject.via_gdb(pid)
+    return "gdb", None
 
 
 def engine_tree(pid: int) -> list[proctree.Proc]:

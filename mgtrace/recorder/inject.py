@@ -67,20 +67,24 @@ def ptrace_permitted(pid: int) -> tuple[bool, str]:
     return True, ""
 
 
-def via_remote_exec(pid: int) -> bool:
-    """PEP 768; False where this Python has no ``sys.remote_exec``."""
+def via_remote_exec(pid: int) -> Path | None:
+    """PEP 768: the payload file the target will run at its next safe point (the caller
+    removes it once the agent answers), or None where this Python has no
+    ``sys.remote_exec``. It also needs the target to run the same Python version, which
+    only the call itself tells: a refusal raises ``InjectError``, and the caller tries gdb."""
     remote_exec = getattr(sys, "remote_exec", None)
     if remote_exec is None:
-        return False
-    fd, path = tempfile.mkstemp(prefix="mgtrace-attach-", suffix=".py")
+        return None
+    fd, name = tempfile.mkstemp(prefix="mgtrace-attach-", suffix=".py")
     with os.fdopen(fd, "w") as fh:
         fh.write(payload())
-    os.chmod(path, 0o644)  # the target reads it; it holds no secret
+    os.chmod(name, 0o644)  # the target reads it; it holds no secret
     try:
-        remote_exec(pid, path)
+        remote_exec(pid, name)
     except Exception as exc:
-        raise InjectError(f"sys.remote_exec into {pid} failed: {exc}") from None
-    return True
+        os.unlink(name)
+        raise InjectError(f"sys.remote_exec into {pid} failed ({exc})") from None
+    return Path(name)
 
 
 def via_gdb(pid: int) -> None:
