@@ -58,10 +58,12 @@ def tag_specs(groups: int = 2) -> list[StateSpec]:
 def tables_for(rows: int, cols: int, groups: int, num_blocks: int, seed: int) -> BlockTables:
     """Distinct block ids per group: no two rows touch the same block."""
     rng = np.random.default_rng(seed)
-    return BlockTables([
-        rng.permutation(np.arange(1, num_blocks))[: rows * cols].reshape(rows, cols)
-        for _ in range(groups)
-    ])
+    return BlockTables(
+        [
+            rng.permutation(np.arange(1, num_blocks))[: rows * cols].reshape(rows, cols)
+            for _ in range(groups)
+        ]
+    )
 
 
 def postprocess_launch(rows: int, cols: int, *, cross: float, seed: int) -> AlignLaunch:
@@ -150,9 +152,7 @@ def bench_cpu(args: argparse.Namespace) -> dict:
             v = validate_launch(launch, pool, tables)
             assert v.ok, v.problems
             entry = _rate(
-                lambda launch=launch, pool=pool, tables=tables: run_reference(
-                    launch, pool, tables
-                ),
+                lambda launch=launch, pool=pool, tables=tables: run_reference(launch, pool, tables),
                 args.launches,
                 args.repeat,
             )
@@ -207,8 +207,17 @@ def _device_args(kernels, pool: StatePool, tables: BlockTables, launch: AlignLau
         values = launch.column("num_computed") if values is None else values
         return torch.from_numpy(np.array(values)).cuda()
 
-    args = [dev(c) for c in ("req_slot", "num_accepted", "state_idx", "num_scheduled",
-                             "num_computed", "num_draft")]
+    args = [
+        dev(c)
+        for c in (
+            "req_slot",
+            "num_accepted",
+            "state_idx",
+            "num_scheduled",
+            "num_computed",
+            "num_draft",
+        )
+    ]
     out = args[1].clone()
     return layout, args, out
 
@@ -239,9 +248,15 @@ def bench_gpu(args: argparse.Namespace) -> dict:
     tables = BlockTables([table])
     pool = StatePool(specs, num_blocks, device="cuda")
     launch = AlignLaunch(
-        "postprocess", batch_row=rows_np, req_slot=rows_np, mode="precomputed",
-        num_accepted=np.full(ROWS, 2), state_idx=np.full(ROWS, 4),
-        num_computed=np.full(ROWS, 4 * BLOCK), block_size=BLOCK, num_speculative_tokens=K,
+        "postprocess",
+        batch_row=rows_np,
+        req_slot=rows_np,
+        mode="precomputed",
+        num_accepted=np.full(ROWS, 2),
+        state_idx=np.full(ROWS, 4),
+        num_computed=np.full(ROWS, 4 * BLOCK),
+        block_size=BLOCK,
+        num_speculative_tokens=K,
     )
     # R = 4B - 1, N = 4B: boundary at 4B, bias 1, dst column 3, temporal from column 5.
     v = validate_launch(launch, pool, tables)
@@ -254,9 +269,19 @@ def bench_gpu(args: argparse.Namespace) -> dict:
     torch.cuda.empty_cache()
     tiles_results = {}
     for tiles in args.tiles:
+
         def run(tiles=tiles):
-            kernels.launch_postprocess(layout, len(specs), *dargs, out, block_size=BLOCK,
-                                       precomputed=True, row_is_slot=True, tiles=tiles)
+            kernels.launch_postprocess(
+                layout,
+                len(specs),
+                *dargs,
+                out,
+                block_size=BLOCK,
+                precomputed=True,
+                row_is_slot=True,
+                tiles=tiles,
+            )
+
         run()
         torch.cuda.synchronize()
         t = min(_cuda_time(run, 3) for _ in range(args.repeat))
@@ -290,8 +315,9 @@ def bench_gpu(args: argparse.Namespace) -> dict:
     layout, dargs, out = _device_args(kernels, pool, tables, launch)
 
     def one() -> None:
-        kernels.launch_postprocess(layout, 4, *dargs, out, block_size=BLOCK, precomputed=False,
-                                   row_is_slot=True, tiles=1)
+        kernels.launch_postprocess(
+            layout, 4, *dargs, out, block_size=BLOCK, precomputed=False, row_is_slot=True, tiles=1
+        )
 
     one()
     torch.cuda.synchronize()

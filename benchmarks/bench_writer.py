@@ -146,14 +146,20 @@ def main() -> int:
     result = {
         "benchmark": "trace writer, 96-row steps",
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "machine": {"python": platform.python_version(), "cpu": platform.processor(),
-                    "cores_used": 1},
+        "machine": {
+            "python": platform.python_version(),
+            "cpu": platform.processor(),
+            "cores_used": 1,
+        },
         "steps": args.steps,
         "rows_per_step": ROWS,
         "median_of_runs": med,
         "best_run": best,
-        "targets": {"caller_cost_ratio_vs_json": "<= 0.1", "sustained_steps_per_s": ">= 20000",
-                    "bytes_per_step_row": "<= 64"},
+        "targets": {
+            "caller_cost_ratio_vs_json": "<= 0.1",
+            "sustained_steps_per_s": ">= 20000",
+            "bytes_per_step_row": "<= 64",
+        },
     }
     text = json.dumps(result, indent=1)
     print(text)

@@ -19,8 +19,12 @@ from mgtrace.render import render_replay, render_verdict, stdout_console
 
 
 @click.command("demo")
-@click.option("-o", "--output", type=click.Path(path_type=Path),
-              help="Keep the demo trace here (default: a temporary directory, removed).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    help="Keep the demo trace here (default: a temporary directory, removed).",
+)
 @click.option("--steps", type=click.IntRange(min=100), default=3000, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Overwrite an existing output trace.")
@@ -41,8 +45,16 @@ def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
         output = scratch / "trace"
     try:
         t0 = time.perf_counter()
-        cfg = SimConfig(scenario="pairs", steps=steps, runner="v1", k=3, seed=seed,
-                        bugs=(BUG_REORDER,), output=output, overwrite=force).validate()
+        cfg = SimConfig(
+            scenario="pairs",
+            steps=steps,
+            runner="v1",
+            k=3,
+            seed=seed,
+            bugs=(BUG_REORDER,),
+            output=output,
+            overwrite=force,
+        ).validate()
         out.rule("1. simulate")
         out.print(
             f"engine: V1 runner, MTP k=3, --mamba-cache-mode align, async scheduling; the "

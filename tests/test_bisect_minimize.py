@@ -45,8 +45,10 @@ def test_bisect_names_first_step_and_undoing_rule(bug: str, seed: int) -> None:
     assert v.first_step == truth["first_step"]
     assert set(truth["first_requests"]) <= set(v.requests)
     assert TOGGLES[bug][1] in v.fixes
-    assert "good" in v.commands and TOGGLES[bug][1].split("=")[0].replace("_", "-") in \
-        v.commands["good"]
+    assert (
+        "good" in v.commands
+        and TOGGLES[bug][1].split("=")[0].replace("_", "-") in v.commands["good"]
+    )
 
 
 def test_bisect_clean_trace_and_log_recheck(tmp_path: Path) -> None:
@@ -137,7 +139,10 @@ def test_minimize_long_trace_to_a_small_repro(
     assert pinned in {f.signature for f in again.findings if f.step == again.first_step}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", result.test_file],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -174,8 +179,9 @@ def test_replay_cli_exit_codes_and_saved_findings() -> None:
     assert proc.returncode == 1 and "first at step" in proc.stdout
     proc = run_cli("replay", str(buggy), "--clear-vacated-rows=true", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["clean"] is True
-    proc = run_cli("sql", str(buggy), "--format", "csv",
-                   "SELECT count(DISTINCT rules) AS n FROM findings")
+    proc = run_cli(
+        "sql", str(buggy), "--format", "csv", "SELECT count(DISTINCT rules) AS n FROM findings"
+    )
     assert proc.stdout.splitlines()[1] == "1"  # the clean replay saved no rows
     err = assert_one_sentence_error(run_cli("replay", str(buggy), "--rules", "nope=1"), 2)
     assert "unknown rule" in err
@@ -184,7 +190,10 @@ def test_replay_cli_exit_codes_and_saved_findings() -> None:
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "mgtrace", "demo", "--steps", "800", "-o", str(tmp_path / "d")],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bisect matches the injected first step" in proc.stdout

@@ -125,8 +125,7 @@ def test_check_kernels_cli_against_vllm(vllm) -> None:
     """The command users run to learn whether replay is faithful to their vLLM."""
     from tests.conftest import run_cli
 
-    proc = run_cli("check-kernels", "--against", "vllm", "--cases", "20", "--seed", "11",
-                   "--json")
+    proc = run_cli("check-kernels", "--against", "vllm", "--cases", "20", "--seed", "11", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] and report["mismatches"] == [] and report["against_vllm"]

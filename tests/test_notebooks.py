@@ -28,8 +28,10 @@ def _text_outputs(nb) -> str:
     ("name", "expect"),
     [
         ("triage.ipynb", ["as recorded: first corrupt step", "--reorder-threshold=1+k: clean"]),
-        ("bisect.ipynb", ["corruption starts at step", "clean under --reorder-threshold=1+k",
-                          "1 passed"]),
+        (
+            "bisect.ipynb",
+            ["corruption starts at step", "clean under --reorder-threshold=1+k", "1 passed"],
+        ),
     ],
 )
 def test_notebook_runs(name: str, expect: list[str], tmp_path: Path) -> None:

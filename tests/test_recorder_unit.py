@@ -430,7 +430,8 @@ def test_run_metadata_carries_the_state_layout() -> None:
 
     mamba = SimpleNamespace(
         kv_cache_spec=SimpleNamespace(
-            shapes=((6, 1024), (8, 64, 128)), dtypes=(torch.bfloat16, torch.float32),
+            shapes=((6, 1024), (8, 64, 128)),
+            dtypes=(torch.bfloat16, torch.float32),
             mamba_type=SimpleNamespace(name="MAMBA2"),
         ),
         layer_names=["model.layers.0.mixer", "model.layers.2.mixer"],

@@ -101,9 +101,7 @@ def test_field_reanalysis_first_decode_in_prefill_split() -> None:
     ).fetchall()
     # Requests corrupted in their own state (a request that never ran through the prefill
     # split can still read a boundary state another corrupted request left for a prefix hit).
-    flagged = {
-        f.req_id for f in replay_trace(reader, RuleSet()).findings if f.kind == WRONG_TOKENS
-    }
+    flagged = {f.req_id for f in replay_trace(reader, RuleSet()).findings if f.kind == WRONG_TOKENS}
     first_in_prefill = {r for r, split, _ in rows if split == "prefill"}
     never = {r for r, _, ever in rows if not ever}
     assert first_in_prefill, "control: the trace must have such requests"

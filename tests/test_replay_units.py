@@ -102,8 +102,14 @@ def test_tags_move_with_the_kernels_byte_copies() -> None:
     for j, block in enumerate((2, 3, 4)):
         pool.write_temporal(0, np.array([block]), uid, np.array([36 + j]), 1, np.array([0]))
     launch = AlignLaunch(
-        kernel="precopy", batch_row=[0], req_slot=[0], state_idx=[5], src_col=[1],
-        token_bias=[2], block_size=16, num_speculative_tokens=2,
+        kernel="precopy",
+        batch_row=[0],
+        req_slot=[0],
+        state_idx=[5],
+        src_col=[1],
+        token_bias=[2],
+        block_size=16,
+        num_speculative_tokens=2,
     )
     run_reference(launch, pool.pool, store.block_tables("v1"))
     assert pool.read_temporal(0, np.array([6]))[0, :2].tolist() == [5, 38]  # from column 3
@@ -177,8 +183,11 @@ def test_checkpoints_let_a_replay_start_mid_trace(tmp_path) -> None:
     from mgtrace.sim.engine import simulate
 
     out = tmp_path / "t"
-    simulate(SimConfig(steps=400, seed=1, bugs=("reorder-threshold-mismatch",), output=out,
-                       max_num_seqs=16).validate())
+    simulate(
+        SimConfig(
+            steps=400, seed=1, bugs=("reorder-threshold-mismatch",), output=out, max_num_seqs=16
+        ).validate()
+    )
     reader = TraceReader(out)
     full = replay_trace(reader, RuleSet(), checkpoint_every=64)
     cached = sorted(cache_dir(reader, "as-recorded", "compact").glob("*.npz"))

@@ -18,8 +18,14 @@ pytest.importorskip("matplotlib", reason="the report extra is not installed")
 pytestmark = pytest.mark.slow
 
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 
 
@@ -56,14 +62,23 @@ def test_report_renders_in_headless_chromium(report: Path, tmp_path: Path) -> No
     profile = ["--user-data-dir=" + str(tmp_path / "profile")]
     dom = subprocess.run(
         [chromium, *CHROMIUM_FLAGS, *profile, "--dump-dom", report.as_uri()],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     ).stdout
     assert 'id="verdict"' in dom and "corruption starts at step" in dom
     shot = tmp_path / "report.png"
     subprocess.run(
-        [chromium, *CHROMIUM_FLAGS, *profile, "--window-size=1200,2400",
-         f"--screenshot={shot}", report.as_uri()],
-        capture_output=True, timeout=120,
+        [
+            chromium,
+            *CHROMIUM_FLAGS,
+            *profile,
+            "--window-size=1200,2400",
+            f"--screenshot={shot}",
+            report.as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
     )
     data = shot.read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 50_000  # plots, not a blank page

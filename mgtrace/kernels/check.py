@@ -145,10 +145,12 @@ def _run_case(
     )
     compared["triton"] += 1
     _compare(ref_pool, expected_bytes, tri_pool, "triton != reference", mismatch)
-    _compare_arrays(ref.accepted_out, tri.accepted_out, "triton != reference", "accepted counts",
-                    mismatch)
-    _compare_arrays(ref.aligned_indices, tri.aligned_indices, "triton != reference",
-                    "aligned indices", mismatch)
+    _compare_arrays(
+        ref.accepted_out, tri.accepted_out, "triton != reference", "accepted counts", mismatch
+    )
+    _compare_arrays(
+        ref.aligned_indices, tri.aligned_indices, "triton != reference", "aligned indices", mismatch
+    )
 
     if vllm_mod is None:
         return
@@ -167,8 +169,7 @@ def _run_case(
     if launch.kernel == "postprocess":
         _compare_arrays(ref.accepted_out, out, "vllm != reference", "accepted counts", mismatch)
     elif launch.kernel == "aligned_indices":
-        _compare_arrays(ref.aligned_indices, out, "vllm != reference", "aligned indices",
-                        mismatch)
+        _compare_arrays(ref.aligned_indices, out, "vllm != reference", "aligned indices", mismatch)
 
 
 def _compare(
@@ -185,8 +186,7 @@ def _compare(
     first = int(diff[0])
     block, at = divmod(first, ref_pool.page_bytes)
     state = next(
-        (s for s, off in enumerate(ref_pool.offsets)
-         if off <= at < off + ref_pool.specs[s].nbytes),
+        (s for s, off in enumerate(ref_pool.offsets) if off <= at < off + ref_pool.specs[s].nbytes),
         None,
     )
     where = f"state {state} byte {at - ref_pool.offsets[state]}" if state is not None else "padding"

@@ -70,9 +70,10 @@ def _check_kernels(against: str | None, cases: int, seed: int, device: str, as_j
 
 
 def _print_report(report: CheckReport, out: Console) -> None:
-    peers = ", ".join(
-        f"{name} in {n} case(s)" for name, n in sorted(report.compared.items())
-    ) or "nothing"
+    peers = (
+        ", ".join(f"{name} in {n} case(s)" for name, n in sorted(report.compared.items()))
+        or "nothing"
+    )
     vllm = f" (vLLM {report.vllm_version})" if report.vllm_version else ""
     out.print(
         f"{report.done}/{report.cases} cases from seed {report.seed} on {report.device}{vllm}; "

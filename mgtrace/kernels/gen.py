@@ -193,10 +193,20 @@ def _random_launch(
         state_idx[int(rng.integers(0, n))] = cols + 2
     if mode == "precomputed":
         return AlignLaunch(
-            "postprocess", mode=mode, num_accepted=accepted, state_idx=state_idx,
-            num_computed=running + accepted - 1, **common,
+            "postprocess",
+            mode=mode,
+            num_accepted=accepted,
+            state_idx=state_idx,
+            num_computed=running + accepted - 1,
+            **common,
         )
     return AlignLaunch(
-        "postprocess", mode=mode, num_accepted=accepted, state_idx=state_idx,
-        num_computed=computed, num_scheduled=scheduled, num_draft=draft, **common,
+        "postprocess",
+        mode=mode,
+        num_accepted=accepted,
+        state_idx=state_idx,
+        num_computed=computed,
+        num_scheduled=scheduled,
+        num_draft=draft,
+        **common,
     )

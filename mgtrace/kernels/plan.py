@@ -73,9 +73,9 @@ def plan_launch(launch: AlignLaunch) -> RowPlan:
         new_computed = launch.column("num_computed")
         running = new_computed - accepted + ONE
     else:
-        running = (
-            launch.column("num_computed") + launch.column("num_scheduled")
-        ) - launch.column("num_draft")
+        running = (launch.column("num_computed") + launch.column("num_scheduled")) - launch.column(
+            "num_draft"
+        )
         new_computed = running + accepted - ONE
     # Floor and truncating division agree unless a count is negative (malformed input).
     non_negative = new_computed.size == 0 or new_computed.min() >= 0

@@ -127,9 +127,9 @@ def _copy_state(
 ):
     """Move state ``s`` of one row from column ``src_col`` (+ bias) to ``dst_col``."""
     g = tl.load(state_groups + s)
-    row = tl.load(table_addrs + g).to(tl.pointer_type(tl.int32)) + bt_row.to(
-        tl.int64
-    ) * tl.load(table_strides + g)
+    row = tl.load(table_addrs + g).to(tl.pointer_type(tl.int32)) + bt_row.to(tl.int64) * tl.load(
+        table_strides + g
+    )
     base = tl.load(state_addrs + s)
     stride = tl.load(state_block_bytes + s)
     dst_block = tl.load(row + dst_col).to(tl.int64)
@@ -138,8 +138,9 @@ def _copy_state(
     if width == 0:
         # Temporal: the whole state, taken from the speculative column the bias selects.
         src_block = tl.load(row + src_col + bias).to(tl.int64)
-        _copy_bytes(base + src_block * stride, dst, tl.load(state_nbytes + s), part, TILES,
-                    False, CHUNK)
+        _copy_bytes(
+            base + src_block * stride, dst, tl.load(state_nbytes + s), part, TILES, False, CHUNK
+        )
     elif part == 0:
         # Conv windows are small: one program slides the whole window left by the bias.
         keep = width - bias
@@ -149,8 +150,16 @@ def _copy_state(
             ordered = (src_block == dst_block) & (bias > 0)
             src = base + src_block * stride + bias.to(tl.int64) * unit
             if CONV_DS:
-                _shift_rows(src, dst, tl.load(state_rows + s), tl.load(state_row_bytes + s),
-                            keep.to(tl.int64) * unit, ordered, ROWS, BYTES)
+                _shift_rows(
+                    src,
+                    dst,
+                    tl.load(state_rows + s),
+                    tl.load(state_row_bytes + s),
+                    keep.to(tl.int64) * unit,
+                    ordered,
+                    ROWS,
+                    BYTES,
+                )
             else:
                 _copy_bytes(src, dst, keep.to(tl.int64) * unit, 0, 1, ordered, CHUNK)
 
@@ -213,10 +222,29 @@ def align_postprocess_kernel(
                 tl.store(accepted_out + b, 1)
             if (src != dst) | (bias != 0):
                 bt_row = slot if ROW_IS_SLOT else b
-                _copy_state(s, bt_row, src, dst, bias, part, table_addrs, table_strides,
-                            state_addrs, state_block_bytes, state_groups, state_widths,
-                            state_units, state_rows, state_row_bytes, state_nbytes,
-                            TILES, CHUNK, CONV_DS, ROWS, BYTES)
+                _copy_state(
+                    s,
+                    bt_row,
+                    src,
+                    dst,
+                    bias,
+                    part,
+                    table_addrs,
+                    table_strides,
+                    state_addrs,
+                    state_block_bytes,
+                    state_groups,
+                    state_widths,
+                    state_units,
+                    state_rows,
+                    state_row_bytes,
+                    state_nbytes,
+                    TILES,
+                    CHUNK,
+                    CONV_DS,
+                    ROWS,
+                    BYTES,
+                )
 
 
 @triton.jit
@@ -253,10 +281,29 @@ def align_precopy_kernel(
         if (src >= 0) & (src != dst):
             bias = tl.load(token_biases + b)
             bt_row = slot if ROW_IS_SLOT else b
-            _copy_state(s, bt_row, src, dst, bias, part, table_addrs, table_strides,
-                        state_addrs, state_block_bytes, state_groups, state_widths,
-                        state_units, state_rows, state_row_bytes, state_nbytes,
-                        TILES, CHUNK, CONV_DS, ROWS, BYTES)
+            _copy_state(
+                s,
+                bt_row,
+                src,
+                dst,
+                bias,
+                part,
+                table_addrs,
+                table_strides,
+                state_addrs,
+                state_block_bytes,
+                state_groups,
+                state_widths,
+                state_units,
+                state_rows,
+                state_row_bytes,
+                state_nbytes,
+                TILES,
+                CHUNK,
+                CONV_DS,
+                ROWS,
+                BYTES,
+            )
 
 
 @triton.jit(do_not_specialize=["block_size", "num_rows"])
@@ -375,10 +422,23 @@ def launch_postprocess(
     ``accepted_out`` must not alias ``accepted`` (see ``align_postprocess_kernel``)."""
     grid = (req_slots.shape[0], num_states, tiles)
     align_postprocess_kernel[grid](
-        req_slots, accepted, state_cols, scheduled, computed, drafts, accepted_out,
-        layout.table_addrs, layout.table_strides, *layout.state_args(), block_size,
-        PRECOMPUTED=precomputed, ROW_IS_SLOT=row_is_slot,
-        CONV_DS=layout.conv_ds, TILES=tiles, CHUNK=chunk, ROWS=ROW_TILE,
+        req_slots,
+        accepted,
+        state_cols,
+        scheduled,
+        computed,
+        drafts,
+        accepted_out,
+        layout.table_addrs,
+        layout.table_strides,
+        *layout.state_args(),
+        block_size,
+        PRECOMPUTED=precomputed,
+        ROW_IS_SLOT=row_is_slot,
+        CONV_DS=layout.conv_ds,
+        TILES=tiles,
+        CHUNK=chunk,
+        ROWS=ROW_TILE,
         BYTES=layout.row_tile_bytes,
     )
 
@@ -398,10 +458,19 @@ def launch_precopy(
     """Enqueue the precopy on device tensors only (no host sync; graph-capturable)."""
     grid = (req_slots.shape[0], num_states, tiles)
     align_precopy_kernel[grid](
-        req_slots, state_cols, src_cols, token_biases,
-        layout.table_addrs, layout.table_strides, *layout.state_args(),
-        ROW_IS_SLOT=row_is_slot, CONV_DS=layout.conv_ds, TILES=tiles, CHUNK=chunk,
-        ROWS=ROW_TILE, BYTES=layout.row_tile_bytes,
+        req_slots,
+        state_cols,
+        src_cols,
+        token_biases,
+        layout.table_addrs,
+        layout.table_strides,
+        *layout.state_args(),
+        ROW_IS_SLOT=row_is_slot,
+        CONV_DS=layout.conv_ds,
+        TILES=tiles,
+        CHUNK=chunk,
+        ROWS=ROW_TILE,
+        BYTES=layout.row_tile_bytes,
     )
 
 
@@ -445,26 +514,47 @@ def run_triton(
         computed = dev("num_computed")
         decision = safe.mode == "decision"
         launch_postprocess(
-            layout, len(pool.specs), slots, accepted, dev("state_idx"),
+            layout,
+            len(pool.specs),
+            slots,
+            accepted,
+            dev("state_idx"),
             dev("num_scheduled") if decision else computed,
             computed,
             dev("num_draft") if decision else computed,
             out,
-            block_size=safe.block_size, precomputed=not decision, row_is_slot=row_is_slot,
-            tiles=tiles, chunk=chunk,
+            block_size=safe.block_size,
+            precomputed=not decision,
+            row_is_slot=row_is_slot,
+            tiles=tiles,
+            chunk=chunk,
         )
         result.accepted_out = out.cpu().numpy()
     elif safe.kernel == "precopy":
         launch_precopy(
-            layout, len(pool.specs), slots, dev("state_idx"), dev("src_col"), dev("token_bias"),
-            row_is_slot=row_is_slot, tiles=tiles, chunk=chunk,
+            layout,
+            len(pool.specs),
+            slots,
+            dev("state_idx"),
+            dev("src_col"),
+            dev("token_bias"),
+            row_is_slot=row_is_slot,
+            tiles=tiles,
+            chunk=chunk,
         )
     else:
         k = safe.num_speculative_tokens
         out = torch.full((len(tables), n, k + 1), -1, dtype=torch.int32, device=device)
         align_indices_kernel[(n, len(tables))](
-            slots, dev("seq_len"), out, layout.table_addrs, layout.table_strides, n,
-            safe.block_size, SLOTS=k + 1, SLOTS_POW2=triton.next_power_of_2(k + 1),
+            slots,
+            dev("seq_len"),
+            out,
+            layout.table_addrs,
+            layout.table_strides,
+            n,
+            safe.block_size,
+            SLOTS=k + 1,
+            SLOTS_POW2=triton.next_power_of_2(k + 1),
             ROW_IS_SLOT=row_is_slot,
         )
         result.aligned_indices = out.cpu().numpy()

@@ -132,8 +132,14 @@ class _Report:
             self._bad = np.zeros(self.n, dtype=bool)
         return self._bad
 
-    def add(self, rows: np.ndarray, what: str, values: np.ndarray | None, bound: int | None,
-            group: int | None = None) -> None:
+    def add(
+        self,
+        rows: np.ndarray,
+        what: str,
+        values: np.ndarray | None,
+        bound: int | None,
+        group: int | None = None,
+    ) -> None:
         for i, r in enumerate(rows.tolist()):
             value = None if values is None else int(values[i])
             self.problems.append(MalformedMetadata(int(r), what, value, bound, group))
@@ -231,8 +237,7 @@ def _column_sets(
     every = kinds[0] | kinds[1]
     if launch.kernel == "aligned_indices":
         return [
-            ("state_col", plan.dst_col + s, every)
-            for s in range(launch.num_speculative_tokens + 1)
+            ("state_col", plan.dst_col + s, every) for s in range(launch.num_speculative_tokens + 1)
         ]
     return [
         ("dst_col", plan.dst_col, every),
@@ -338,9 +343,7 @@ def _empty_plan(launch: AlignLaunch) -> RowPlan:
         src_col=zeros,
         dst_col=zeros,
         bias=zeros,
-        accepted_out=(
-            np.zeros(n, dtype=np.int32) if launch.kernel == "postprocess" else None
-        ),
+        accepted_out=(np.zeros(n, dtype=np.int32) if launch.kernel == "postprocess" else None),
     )
 
 

@@ -176,11 +176,22 @@ def run_vllm(
         seq = dev(launch.column("seq_len"))
         groups = len(tables)
         mod.get_aligned_state_indices_multi_group_kernel[(-(-n // 32),)](
-            layout.table_ptrs, seq, out, layout.table_stride, seq.stride(0),
-            out.stride(0), out.stride(1), out.stride(2), n,
-            CACHE_BLOCK_SIZE=launch.block_size, NUM_GROUPS=groups,
-            BLOCK_GROUPS=_pow2(groups), NUM_STATE_SLOTS=k + 1, BLOCK_STATE_SLOTS=_pow2(k + 1),
-            BLOCK_ROWS=32, num_warps=1,
+            layout.table_ptrs,
+            seq,
+            out,
+            layout.table_stride,
+            seq.stride(0),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            n,
+            CACHE_BLOCK_SIZE=launch.block_size,
+            NUM_GROUPS=groups,
+            BLOCK_GROUPS=_pow2(groups),
+            NUM_STATE_SLOTS=k + 1,
+            BLOCK_STATE_SLOTS=_pow2(k + 1),
+            BLOCK_ROWS=32,
+            num_warps=1,
         )
         return out.cpu().numpy()
     grid = (n, len(pool.specs), tiles)
@@ -189,10 +200,15 @@ def run_vllm(
             dev(_slot_array(launch, "state_idx", size, has_idx_mapping, 0)),
             dev(_slot_array(launch, "src_col", size, has_idx_mapping, -1)),
             dev(_slot_array(launch, "token_bias", size, has_idx_mapping, 0)),
-            layout.table_ptrs, layout.table_stride, *layout.meta,
-            idx_mapping, n,
-            COPY_BLOCK_SIZE=copy_block, CONV_STATE_DIM_FIRST=layout.conv_dim_first,
-            HAS_IDX_MAPPING=has_idx_mapping, TEMPORAL_TILES=tiles,
+            layout.table_ptrs,
+            layout.table_stride,
+            *layout.meta,
+            idx_mapping,
+            n,
+            COPY_BLOCK_SIZE=copy_block,
+            CONV_STATE_DIM_FIRST=layout.conv_dim_first,
+            HAS_IDX_MAPPING=has_idx_mapping,
+            TEMPORAL_TILES=tiles,
         )
         _sync(device)
         return None
@@ -201,18 +217,28 @@ def run_vllm(
     snapshot = dev(accepted)
     out = dev(accepted)
     computed = dev(_slot_array(launch, "num_computed", size, has_idx_mapping, 0))
-    scheduled = None if precomputed else dev(
-        _slot_array(launch, "num_scheduled", size, has_idx_mapping, 0))
+    scheduled = (
+        None if precomputed else dev(_slot_array(launch, "num_scheduled", size, has_idx_mapping, 0))
+    )
     draft = None if precomputed else dev(_slot_array(launch, "num_draft", size, has_idx_mapping, 0))
     mod.postprocess_mamba_fused_kernel[grid](
         snapshot,
         dev(_slot_array(launch, "state_idx", size, has_idx_mapping, 0)),
-        scheduled, computed, draft,
-        layout.table_ptrs, layout.table_stride, *layout.meta,
-        out, idx_mapping, n,
-        block_size=launch.block_size, COPY_BLOCK_SIZE=copy_block,
-        CONV_STATE_DIM_FIRST=layout.conv_dim_first, HAS_IDX_MAPPING=has_idx_mapping,
-        PRECOMPUTED_NEW_COMPUTED=precomputed, TEMPORAL_TILES=tiles,
+        scheduled,
+        computed,
+        draft,
+        layout.table_ptrs,
+        layout.table_stride,
+        *layout.meta,
+        out,
+        idx_mapping,
+        n,
+        block_size=launch.block_size,
+        COPY_BLOCK_SIZE=copy_block,
+        CONV_STATE_DIM_FIRST=layout.conv_dim_first,
+        HAS_IDX_MAPPING=has_idx_mapping,
+        PRECOMPUTED_NEW_COMPUTED=precomputed,
+        TEMPORAL_TILES=tiles,
     )
     out_np = out.cpu().numpy()
     rows_out = launch.column("num_accepted").copy()
