@@ -19,7 +19,8 @@ thread's CPU time per step; for the recorder, apart, the CPU time of its thread 
 the engine process (it shares the engine's GIL) and of the assembler process (it does not),
 and any dropped step or capture. No duckdb import on this path.
 
-Usage: python benchmarks/bench_recorder.py [--steps N] [--repeats R] [--pin-core C] [--out FILE]
+Usage: python benchmarks/bench_recorder.py [--steps N] [--repeats R] [--pin-core C]
+       [--compare-nice10] [--out FILE]
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mgtrace.recorder import features, hooks_v1
+from mgtrace.recorder import features, hooks_v1, outproc
 from mgtrace.recorder.patches import PatchSet
 from mgtrace.recorder.session import Session
 from mgtrace.schemas.manifest import RunMetadata
@@ -333,6 +334,15 @@ def json_log(fh: Any, runner: Any, so: Any, step: int) -> None:
     fh.write(json.dumps({"step": step, "t": time.time(), "rows": rows}) + "\n")
 
 
+def _nice_instead_of_idle(pid: int) -> None:
+    """The assembler's previous policy, for comparison: every thread of the process back to
+    the normal scheduler at nice 10 (Linux applies a policy per thread)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        tid = int(task.name)
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, 10)
+
+
 def _thread_clock(thread: Any) -> int | None:
     """The CPU-time clock of another thread of this process (Linux), or None."""
     try:
@@ -359,7 +369,7 @@ def run(
     patches = PatchSet()
     sess = None
     fh = None
-    if mode == "hooked":
+    if mode in ("hooked", "hooked_nice10"):
         sess = Session(
             tmp / f"trace-{time.monotonic_ns()}",
             rank=0,
@@ -373,6 +383,8 @@ def run(
         # per-step cost: measured and reported apart
         ready = sess.wait_ready(60.0)
         startup_s = time.perf_counter() - t_start
+        if mode == "hooked_nice10" and isinstance(sess.sink, outproc.ProcessSink):
+            _nice_instead_of_idle(sess.sink.proc.pid)
         child_cpu0 = sess.sink.stats().get("cpu_s")
         patches.install(hooks_v1.v1_patches(sess, owners, [0]))
     elif mode == "json":
@@ -466,6 +478,15 @@ def summarize(runs: dict[str, list[dict[str, float]]], wait_s: float, steps: int
             m: {q: med(m, f"{q}_us") for q in ("p50", "p99", "max")} for m in runs
         },
         "p99_overhead_us": med("hooked", "p99_us") - med("unhooked", "p99_us"),
+        # the assembler process at nice 10 (its previous policy) instead of SCHED_IDLE
+        "nice10_overhead_us": (
+            {
+                "wall": med("hooked_nice10", "wall_us_per_step") - base_wall,
+                "p99": med("hooked_nice10", "p99_us") - med("unhooked", "p99_us"),
+            }
+            if "hooked_nice10" in runs
+            else None
+        ),
         "overhead_us_per_step": {
             "recorder_wall": over_wall,
             "recorder_engine_thread_cpu": over_cpu,
@@ -523,6 +544,11 @@ def main() -> int:
         default=None,
         help="run on this one core (the assembler process inherits it), as a pinned engine does",
     )
+    ap.add_argument(
+        "--compare-nice10",
+        action="store_true",
+        help="also run the recorder with its assembler process at nice 10 instead of SCHED_IDLE",
+    )
     a = ap.parse_args()
     if a.pin_core is not None:
         os.sched_setaffinity(0, {a.pin_core})
@@ -537,6 +563,7 @@ def main() -> int:
             "device": a.device,
             "cpus": os.cpu_count(),
             "pinned_to_core": a.pin_core,
+            "compare_nice10": a.compare_nice10,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
         },
         "steps_per_run": a.steps,
@@ -549,9 +576,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mgtrace-bench-") as tmp:
         for name, wait in scenarios.items():
             steps = a.steps if not wait else max(200, a.steps // 10)
-            runs: dict[str, list[dict[str, float]]] = {"unhooked": [], "hooked": [], "json": []}
+            modes = ["unhooked", "hooked", *(["hooked_nice10"] * a.compare_nice10), "json"]
+            runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for _ in range(a.repeats):
-                for mode in runs:  # interleaved, so that machine noise hits all three alike
+                for mode in runs:  # interleaved, so that machine noise hits every mode alike
                     runs[mode].append(run(mode, steps, device, Path(tmp), wait, a.assembler))
             report["scenarios"][name] = summarize(runs, wait, steps)
     report["loadavg_end"] = list(os.getloadavg())

@@ -272,10 +272,11 @@ def mark_failed(
 def _yield_to_engine() -> None:
     """Run only on CPU time nothing else wants. The child inherits the engine's CPU
     affinity, so on a pinned engine it shares the engine thread's core; at nice 10 a waking
-    engine thread can still wait for it (measured: the 99th percentile of a step with a
-    1.5 ms device wait grew from 1.9 to 3.5 ms), while a SCHED_IDLE task is preempted at
-    once. A child starved for long enough fills the pipe, and steps are dropped and
-    counted, never waited for."""
+    engine thread can still wait for it, while a SCHED_IDLE task is preempted at once
+    (``benchmarks/results/recorder-cpu-pinned.json``: the 99th percentile of a step with a
+    1.5 ms device wait lies 0.4 ms above the unhooked step's, against 1.7 ms at nice 10).
+    A child starved for long enough fills the pipe, and steps are dropped and counted,
+    never waited for."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):

