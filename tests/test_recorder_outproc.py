@@ -178,7 +178,7 @@ def test_an_assembler_that_falls_behind_costs_counted_steps_never_a_wait(
     monkeypatch.setattr(outproc, "MAX_BACKLOG", 1 << 16)
     monkeypatch.setattr(outproc, "PIPE_BYTES", 1 << 12)
 
-    def record(stall: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    def record(stall: bool) -> tuple[dict[str, Any], dict[str, Any], int]:
         out = tmp_path / ("stalled" if stall else "running")
         sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="process")
         assert sess.wait_ready(60.0)
@@ -189,18 +189,21 @@ def test_an_assembler_that_falls_behind_costs_counted_steps_never_a_wait(
             for _ in range(48):  # ~110 kB of frames in all, ~2 kB at a time
                 _record_steps(sess, 5)
                 _drain_until_idle(sess, written=not stall)
+            backlog = sess.status()["backlog_bytes"]  # what `mgtrace record` shows
         finally:
             if stall:
                 os.kill(proc.pid, signal.SIGCONT)
         result = sess.close(30.0)
-        return result, json.loads((out / "manifest.json").read_text())
+        return result, json.loads((out / "manifest.json").read_text()), backlog
 
-    result, manifest = record(stall=True)
+    result, manifest, backlog = record(stall=True)
     assert result["complete"] and result["drops"] > 0
     assert manifest["drops"]["steps"] == result["drops"] and manifest["drops"]["step_ranges"]
-    # failing control: an assembler that keeps up drops nothing
-    result, manifest = record(stall=False)
+    assert backlog > 0 and result["backlog_bytes"] == 0  # queued while stalled, then written
+    # failing control: an assembler that keeps up drops nothing and has nothing queued
+    result, manifest, backlog = record(stall=False)
     assert result["complete"] and result["drops"] == 0 and not manifest["drops"]["step_ranges"]
+    assert backlog == 0
 
 
 def _drain_until_idle(sess: Session, *, written: bool) -> None:

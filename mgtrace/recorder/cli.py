@@ -31,7 +31,9 @@ def _status_table(targets: list) -> object:
     from rich.table import Table
 
     table = Table(title="mgtrace record (Ctrl-C stops)", title_justify="left")
-    for name in ("pid", "process", "state", "steps", "rows", "MB", "drops", "errors"):
+    # "queued MB": frames waiting for the assembler process; drops start at 64 MB
+    columns = ("pid", "process", "state", "steps", "rows", "MB", "queued MB", "drops", "errors")
+    for name in columns:
         table.add_column(name, justify="right" if name not in ("process", "state") else "left")
     for t in targets:
         s = t.status
@@ -42,6 +44,7 @@ def _status_table(targets: list) -> object:
             str(s.get("steps", 0)),
             str(s.get("rows", 0)),
             f"{(s.get('bytes') or 0) / 1e6:.1f}",
+            f"{(s.get('backlog_bytes') or 0) / 1e6:.1f}",
             str(s.get("drops", 0)),
             str(s.get("hook_errors", 0)),
         )

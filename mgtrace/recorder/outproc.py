@@ -74,6 +74,9 @@ class ThreadSink:
     def wait_ready(self, timeout_s: float) -> bool:
         return True
 
+    def backlog_bytes(self) -> int:
+        return 0  # nothing waits: the recorder thread assembles as it forwards
+
     def close(self, timeout_s: float) -> bool:
         self.assembler.finish()
         return self.writer.close().complete
@@ -186,6 +189,11 @@ class ProcessSink:
         while not self._stats and self.failed is None and time.monotonic() < deadline:
             time.sleep(0.01)
         return bool(self._stats)
+
+    def backlog_bytes(self) -> int:
+        """Frames the pipe has not taken yet: above zero, the assembler is behind by more
+        than the pipe holds, and at ``MAX_BACKLOG`` steps start to drop."""
+        return self._backlog
 
     def stats(self) -> dict[str, Any]:
         st = dict(self._stats)

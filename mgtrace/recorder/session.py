@@ -176,6 +176,7 @@ class Session:
             - self._lost_sent,  # those the assembler counts already
             "hook_errors": self.hook_errors + st["assemble_errors"],
             "writer_failed": st["failed"],
+            "backlog_bytes": self.sink.backlog_bytes(),
             "assembler": self.sink.mode,
             "out": str(self.out),
         }
