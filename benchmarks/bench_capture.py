@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import platform
-import shlex
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_recorder as stand_in
+from results_io import command_line, emit
 
 from mgtrace.recorder import hooks_common, hooks_v1
 from mgtrace.recorder.capture import CaptureRing
@@ -192,7 +191,7 @@ def main() -> int:
     device = torch.device(a.device)
     report = {
         "benchmark": "engine-thread µs per launch capture, by method; per hook body, per step",
-        "command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
+        "command": command_line(),
         "machine": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -201,11 +200,7 @@ def main() -> int:
         "capture_us_per_launch": capture_methods(device, a.calls),
         "hook_body_us_per_step": per_hook(device, a.steps),
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    emit(report, a.out)
     return 0
 
 

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import resource
-import shlex
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from results_io import command_line, emit
 
 from mgtrace.recorder import features, hooks_v1, outproc
 from mgtrace.recorder.patches import PatchSet
@@ -556,7 +556,7 @@ def main() -> int:
     scenarios = {"busy_host_loop": 0.0, "with_device_wait": a.device_wait_us / 1e6}
     report: dict[str, Any] = {
         "benchmark": "recorder engine-thread overhead, 96-row V1 step, hooks + capture on",
-        "command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
+        "command": command_line(),
         "machine": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -583,11 +583,7 @@ def main() -> int:
                     runs[mode].append(run(mode, steps, device, Path(tmp), wait, a.assembler))
             report["scenarios"][name] = summarize(runs, wait, steps)
     report["loadavg_end"] = list(os.getloadavg())
-    text = json.dumps(report, indent=1)
-    print(text)
-    if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    emit(report, a.out)
     return 0
 
 

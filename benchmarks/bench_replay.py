@@ -12,14 +12,14 @@ Usage: python benchmarks/bench_replay.py [--steps N] [--backend reference|triton
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results_io import command_line, emit
 
 from mgtrace.replayer.bisect import bisect
 from mgtrace.replayer.loop import RankReplay, load_backend
@@ -307,7 +307,7 @@ def main() -> int:
             }
     result = {
         "benchmark": "replay throughput and bisect cost",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "command": command_line(),
         "machine": {
             "python": platform.python_version(),
             "load_avg": os.getloadavg()[0],
@@ -328,10 +328,7 @@ def main() -> int:
             "bisect_ratio": "<= 0.5",
         },
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -16,13 +16,13 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from results_io import command_line, emit
 
 from mgtrace.schemas.manifest import RunMetadata
 from mgtrace.schemas.tables import MAMBA_SPLITS as SPLIT_NAMES
@@ -145,7 +145,7 @@ def main() -> int:
     med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
     result = {
         "benchmark": "trace writer, 96-row steps",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "command": command_line(),
         "machine": {
             "python": platform.python_version(),
             "cpu": platform.processor(),
@@ -161,10 +161,7 @@ def main() -> int:
             "bytes_per_step_row": "<= 64",
         },
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 
