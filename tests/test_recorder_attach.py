@@ -148,53 +148,48 @@ def test_another_uid_is_refused(engine: subprocess.Popen[str], tmp_path: Path) -
         shutil.rmtree(open_dir, ignore_errors=True)
 
 
-@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
-def test_gdb_injection_starts_the_agent(tmp_path: Path) -> None:
-    script = tmp_path / "target.py"
-    script.write_text("import time\nprint('up', flush=True)\nwhile True:\n    time.sleep(0.02)\n")
-    target = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert target.stdout is not None and target.stdout.readline().strip() == "up"
-        proc = proctree.read_proc(target.pid)
-        assert proc is not None and proc.is_python
-        # failing control: without injection there is no agent, and the message says how
-        with pytest.raises(attach.AttachError, match="install mgtrace"):
-            attach.connect(proc, allow_inject=False)
-        ok, why = attach.inject.ptrace_permitted(target.pid)
-        if not ok:
-            pytest.skip(why)
-        t = attach.connect(proc)
-        assert t.how == "gdb"
-        status = control.send(t.socket, "status")
-        assert status["pid"] == target.pid and status["runner_modules"] == []
-        assert target.poll() is None
-    finally:
-        target.kill()
-        target.wait()
-
-
 @pytest.fixture
-def bare_python(tmp_path: Path) -> Any:
-    """A Python process without the plugin that this test may ptrace, as a ``Proc``."""
+def bare_python(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """A running Python process without the plugin."""
     script = tmp_path / "target.py"
     script.write_text("import time\nprint('up', flush=True)\nwhile True:\n    time.sleep(0.02)\n")
     target = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert target.stdout is not None and target.stdout.readline().strip() == "up"
-        ok, why = attach.inject.ptrace_permitted(target.pid)
-        if not ok:
-            pytest.skip(why)
-        proc = proctree.read_proc(target.pid)
-        assert proc is not None
-        yield proc
+        yield target
     finally:
         target.kill()
         target.wait()
+
+
+def _ptraceable(pid: int) -> proctree.Proc:
+    """``pid`` as a ``Proc``; the test is skipped where this process may not ptrace it."""
+    ok, why = attach.inject.ptrace_permitted(pid)
+    if not ok:
+        pytest.skip(why)
+    proc = proctree.read_proc(pid)
+    assert proc is not None
+    return proc
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_gdb_injection_starts_the_agent(bare_python: subprocess.Popen[str]) -> None:
+    target = bare_python
+    proc = proctree.read_proc(target.pid)
+    assert proc is not None and proc.is_python
+    # failing control: without injection there is no agent, and the message says how
+    with pytest.raises(attach.AttachError, match="install mgtrace"):
+        attach.connect(proc, allow_inject=False)
+    t = attach.connect(_ptraceable(target.pid))
+    assert t.how == "gdb"
+    status = control.send(t.socket, "status")
+    assert status["pid"] == target.pid and status["runner_modules"] == []
+    assert target.poll() is None
 
 
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
 def test_remote_exec_runs_the_payload_file_and_removes_it(
-    bare_python: Any, monkeypatch: pytest.MonkeyPatch
+    bare_python: subprocess.Popen[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """PEP 768 needs Python 3.14 on both sides. Its contract (run this file in that process
     at a safe point) is stood in for by gdb running the file's text, so that what mgtrace
@@ -208,7 +203,7 @@ def test_remote_exec_runs_the_payload_file_and_removes_it(
         attach.inject.via_gdb(pid)  # runs payload(): the same text as the file
 
     monkeypatch.setattr(sys, "remote_exec", remote_exec, raising=False)
-    t = attach.connect(bare_python)
+    t = attach.connect(_ptraceable(bare_python.pid))
     assert t.how == "remote_exec" and [c[0] for c in calls] == [bare_python.pid]
     assert control.send(t.socket, "status")["pid"] == bare_python.pid
     assert not Path(calls[0][1]).exists()  # the agent answered: its script is gone
@@ -216,7 +211,7 @@ def test_remote_exec_runs_the_payload_file_and_removes_it(
 
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
 def test_a_refused_remote_exec_falls_back_to_gdb(
-    bare_python: Any, monkeypatch: pytest.MonkeyPatch
+    bare_python: subprocess.Popen[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A 3.14 mgtrace attaching to an engine on another Python version: the target
     refuses the remote execution, and gdb starts the agent instead."""
@@ -227,7 +222,7 @@ def test_a_refused_remote_exec_falls_back_to_gdb(
         raise RuntimeError("the target is not running a compatible Python version")
 
     monkeypatch.setattr(sys, "remote_exec", remote_exec, raising=False)
-    t = attach.connect(bare_python)
+    t = attach.connect(_ptraceable(bare_python.pid))
     assert t.how == "gdb" and len(files) == 1 and not Path(files[0]).exists()
     assert control.send(t.socket, "status")["pid"] == bare_python.pid
 
