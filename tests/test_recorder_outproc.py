@@ -229,3 +229,32 @@ def test_status_is_readable_before_the_assembler_reports(tmp_path: Path) -> None
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     assert sess.close()["complete"]
+
+
+@pytest.mark.parametrize("sched", ["nice", "idle"])
+def test_the_assembler_process_yields_the_cpu_as_chosen(
+    sched: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each case is the other's control: the two policies are told apart
+    monkeypatch.setenv(outproc.SCHED_ENV, sched)
+    sess = Session(tmp_path / "t", rank=0, kind="v1", run=RunMetadata(), assembler="process")
+    try:
+        assert sess.wait_ready(60.0)
+        pid = sess.sink.proc.pid  # type: ignore[union-attr]
+        if sched == "idle":
+            assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        else:
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+            ours = os.getpriority(os.PRIO_PROCESS, 0)
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, ours + outproc.CHILD_NICE)
+    finally:
+        assert sess.close()["complete"]
+
+
+def test_an_unknown_scheduling_choice_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(outproc.SCHED_ENV, "fast")
+    with pytest.raises(ValueError, match="'nice' or 'idle'"):
+        Session(tmp_path / "t", rank=0, kind="v1", run=RunMetadata(), assembler="process")
+    assert not (tmp_path / "t").exists()

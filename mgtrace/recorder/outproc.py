@@ -30,10 +30,23 @@ from mgtrace.schemas.manifest import MANIFEST_NAME, RunMetadata, read_manifest_f
 from mgtrace.schemas.writer import TraceWriter
 
 MODE_ENV = "MGTRACE_RECORDER_ASSEMBLER"
+SCHED_ENV = "MGTRACE_RECORDER_ASSEMBLER_SCHED"  # nice (default) | idle
 STATS_EVERY_S = 0.2
 PIPE_BYTES = 1 << 20  # room for many steps while the child catches up
 MAX_BACKLOG = 64 << 20  # frames held here while the pipe is full; more are dropped
-CHILD_NICE = 10  # where SCHED_IDLE is not available: the child yields less readily
+CHILD_NICE = 10  # the child yields the CPU to the engine on a loaded host
+
+
+def chosen_sched() -> str:
+    """How the assembler process yields the CPU: ``nice`` (nice 10, the default) or
+    ``idle`` (SCHED_IDLE). ``idle`` keeps a pinned engine's slowest steps faster when the
+    engine thread sleeps through its device waits, but starves the assembler, and so drops
+    steps, wherever every core it may use stays busy, e.g. an engine pinned to one core
+    that spin-waits on the device; see docs/recording.md."""
+    sched = os.environ.get(SCHED_ENV) or "nice"
+    if sched not in ("nice", "idle"):
+        raise ValueError(f"{SCHED_ENV} must be 'nice' or 'idle', not {sched!r}")
+    return sched
 
 
 def chosen_mode(explicit: str | None = None) -> str:
@@ -97,6 +110,7 @@ class ProcessSink:
         kind: str,
         block_size: int,
     ) -> None:
+        sched = chosen_sched()  # refused before anything is opened
         self.out = out
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             # the same refusal the writer gives, before a child is started
@@ -121,6 +135,7 @@ class ProcessSink:
             "rank": rank,
             "kind": kind,
             "block_size": block_size,
+            "sched": sched,
             "in_fd": to_child_r,
             "out_fd": from_child_w,
         }
@@ -277,26 +292,24 @@ def mark_failed(
 
 
 # ---------------------------------------------------------------- the child
-def _yield_to_engine() -> None:
-    """Run only on CPU time nothing else wants. The child inherits the engine's CPU
-    affinity, so on a pinned engine it shares the engine thread's core; at nice 10 a waking
-    engine thread can still wait for it, while a SCHED_IDLE task is preempted at once
-    (``benchmarks/results/recorder-cpu-pinned.json``: the 99th percentile of a step with a
-    1.5 ms device wait lies 0.4 ms above the unhooked step's, against 1.7 ms at nice 10).
-    A child starved for long enough fills the pipe, and steps are dropped and counted,
-    never waited for."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        with contextlib.suppress(OSError):
-            os.nice(CHILD_NICE)
+def _yield_to_engine(sched: str) -> None:
+    """Lower this process's claim on the CPU, as ``chosen_sched`` chose. A child that falls
+    behind fills the pipe, and steps are then dropped and counted, never waited for."""
+    if sched == "idle":
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError):
+            pass
+    with contextlib.suppress(OSError):
+        os.nice(CHILD_NICE)
 
 
 def _child(config: dict[str, Any]) -> int:
     import select
 
     in_fd, out_fd = config["in_fd"], config["out_fd"]
-    _yield_to_engine()
+    _yield_to_engine(config["sched"])
     writer = TraceWriter(
         config["out"], run=RunMetadata.from_dict(config["run"]), source=config["source"]
     )
