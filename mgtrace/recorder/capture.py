@@ -71,7 +71,7 @@ class CaptureRing:
             self.events = [self._make_event(device=device) for _ in range(slots)]
             self._copy_stream = torch.cuda.Stream(device=device)
         self._views: dict[int, tuple[Any, np.ndarray]] = {}
-        self._slots: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._slots: dict[tuple[int, int], Any] = {}  # staging views
         self._free: deque[int] = deque(range(slots))
         # [slot, lengths, tag, event of the copy to the host (None until it is issued)]
         self._pending: deque[list[Any]] = deque()
