@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from mgtrace.errors import ManifestError, SchemaVersionError, TraceNotFoundError
-from mgtrace.schemas.manifest import MANIFEST_NAME, load_manifest
+from mgtrace.errors import ManifestError, PartError, SchemaVersionError, TraceNotFoundError
+from mgtrace.schemas.manifest import MANIFEST_NAME, load_manifest, save_manifest
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.sample import SAMPLE_RUN, sample_step
 from mgtrace.schemas.tables import SCHEMA_VERSION, TABLES
@@ -260,3 +262,76 @@ def test_masked_arrays_keep_their_nulls(tmp_path: Path) -> None:
     r = TraceReader(tmp_path / "t")
     assert r.table("batch_rows").column("accepted").to_pylist() == [1, None, 3, 4, 5]
     assert r.table("steps").column("accepted_landed").to_pylist() == [None, False]
+
+
+def test_string_columns_are_written_as_dictionaries_and_read_as_strings(tmp_path: Path) -> None:
+    """Categorical codes and repeated strings reach Parquet as dictionary codes; the reader
+    and DuckDB still see plain strings, and a part whose column is of another type is
+    still refused (the control)."""
+    with TraceWriter(tmp_path / "t") as w:
+        w.write_step(
+            0,
+            0,
+            {
+                "launches": {
+                    "kernel": "precopy",
+                    "batch_row": np.arange(3, dtype=np.int32),
+                    "req_slot": np.arange(3, dtype=np.int32),
+                    "row_rule": "req_slot",
+                },
+                "batch_rows": {
+                    "batch_row": np.arange(2, dtype=np.int32),
+                    "req_id": ["a", "b"],
+                    "mamba_split": np.array([0, 1], np.int8),
+                },
+            },
+        )
+    part = next((tmp_path / "t" / "launches").glob("*.parquet"))
+    stored = pq.read_schema(part)
+    assert pa.types.is_dictionary(stored.field("kernel").type)
+    reader = TraceReader(tmp_path / "t")
+    kernel = reader.table("launches").column("kernel")
+    assert kernel.type == pa.string() and kernel.to_pylist() == ["precopy"] * 3
+    con = reader.connect()
+    assert con.execute("SELECT mamba_split FROM batch_rows").fetchall() == [
+        ("decode",),
+        ("prefill",),
+    ]
+    # control: the same part with an integer where the schema has a string is refused
+    table = pq.read_table(part)
+    bad = table.set_column(
+        table.schema.get_field_index("kernel"), "kernel", pa.array([1, 2, 3], pa.int32())
+    )
+    pq.write_table(bad, part)
+    manifest = load_manifest(tmp_path / "t")
+    info = next(p for p in manifest.parts if p.table == "launches")
+    info.bytes = part.stat().st_size
+    info.sha256 = hashlib.sha256(part.read_bytes()).hexdigest()
+    save_manifest(tmp_path / "t", manifest)
+    with pytest.raises(PartError, match="columns do not match the launches schema"):
+        TraceReader(tmp_path / "t")
+
+
+def test_arrow_arrays_are_taken_as_they_are(tmp_path: Path) -> None:
+    """A producer may hand a column as an Arrow array of its type (nested lists built from
+    offsets); bulk and single-step rows read back alike."""
+    ids = pa.array([[[3, 4]], [[]], None], pa.list_(pa.list_(pa.int32())))
+    with TraceWriter(tmp_path / "t") as w:
+        w.write_step(
+            0, 0, {"sched": {"req_id": ["a", "b", "c"], "kind": "new", "new_block_ids": ids}}
+        )
+        w.write_steps(
+            0,
+            1,
+            1,
+            {
+                "sched": {
+                    "step": np.ones(3, np.int64),
+                    "req_id": ["a", "b", "c"],
+                    "kind": "cached",
+                    "new_block_ids": ids,
+                }
+            },
+        )
+    got = TraceReader(tmp_path / "t").table("sched").column("new_block_ids").to_pylist()
+    assert got == [[[3, 4]], [[]], None] * 2

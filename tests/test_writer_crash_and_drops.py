@@ -126,3 +126,37 @@ def test_no_drops_without_pressure(tmp_path: Path) -> None:
         ok = [writer.write_step(0, s, sample_step(s, 8, rng)) for s in range(1000)]
     assert all(ok) and writer.manifest.drops.steps == 0
     assert TraceReader(tmp_path / "t").rows("steps") == 1000
+
+
+def _idle_rounds(tmp_path: Path, name: str, idle_s: float) -> tuple[int, TraceWriter]:
+    """Writer-thread loop rounds while nothing is queued, for ``idle_s`` seconds."""
+    w = TraceWriter(tmp_path / name, flush_seconds=0.05)
+    rounds = [0]
+    drain = w._drain
+
+    def counted() -> int:
+        rounds[0] += 1
+        return drain()
+
+    w._drain = counted  # the loop looks the method up on every round
+    time.sleep(idle_s)
+    return rounds[0], w
+
+
+def test_idle_writer_sleeps_until_a_step_arrives(tmp_path: Path, monkeypatch) -> None:
+    """An idle writer thread does not poll (it would take the core from a producer that
+    shares it); a step queued while it sleeps wakes it and reaches a part."""
+    import mgtrace.schemas.writer as writer_module
+
+    idle_s = 0.5
+    rounds, w = _idle_rounds(tmp_path, "quiet", idle_s)
+    assert rounds <= idle_s / writer_module.IDLE_WAKE_S + 3
+    assert w.write_step(0, 0, sample_step(0, 4, np.random.default_rng(1)))
+    _wait_for(lambda: w.stats().parts > 0, timeout=30)
+    w.close()
+    assert TraceReader(tmp_path / "quiet").rows("batch_rows") == 4
+    # control: a writer that wakes every 2 ms (polling) fails the same bound
+    monkeypatch.setattr(writer_module, "IDLE_WAKE_S", 0.002)
+    rounds, w = _idle_rounds(tmp_path, "polling", idle_s)
+    w.close()
+    assert rounds > idle_s / 0.25 + 3

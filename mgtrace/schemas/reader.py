@@ -54,9 +54,19 @@ def _part_problem(trace_dir: Path, part: PartInfo) -> str | None:
     if meta.num_rows != part.rows:
         return f"it holds {meta.num_rows} rows, the manifest says {part.rows}"
     expected = table_spec(part.table).schema
-    if not meta.schema.to_arrow_schema().remove_metadata().equals(expected.remove_metadata()):
+    if not _decoded(meta.schema.to_arrow_schema()).equals(expected.remove_metadata()):
         return f"its columns do not match the {part.table} schema"
     return None
+
+
+def _decoded(schema: pa.Schema) -> pa.Schema:
+    """A part's schema without metadata, with a string column written as dictionary codes
+    read as the plain string column it is."""
+    fields = [
+        f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f
+        for f in schema.remove_metadata()
+    ]
+    return pa.schema([f.remove_metadata() for f in fields])
 
 
 class TraceReader:

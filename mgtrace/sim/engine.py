@@ -26,7 +26,13 @@ from mgtrace.sim.runner_common import Nullable
 from mgtrace.sim.runner_v1 import RunnerV1
 from mgtrace.sim.runner_v2 import RunnerV2
 from mgtrace.sim.scheduler import Request, SchedOut, Scheduler
-from mgtrace.sim.to_trace import request_rows, run_metadata, sched_rows, source_info
+from mgtrace.sim.to_trace import (
+    GroupIds,
+    request_rows,
+    run_metadata,
+    sched_rows,
+    source_info,
+)
 from mgtrace.sim.trace_buffer import StepBuffer
 from mgtrace.sim.workload import Client, step_seconds
 
@@ -127,8 +133,12 @@ class Engine:
 
 
 def _for_writer(columns: dict[str, Any]) -> dict[str, Any]:
-    """A chunk in the writer's forms: a Nullable column as a masked array."""
-    return {k: v.masked() if type(v) is Nullable else v for k, v in columns.items()}
+    """A chunk in the writer's forms: a Nullable column as a masked array, sparse block
+    ids as lists."""
+    return {
+        k: v.masked() if type(v) is Nullable else v.tolist() if type(v) is GroupIds else v
+        for k, v in columns.items()
+    }
 
 
 def _write_step(writer: TraceWriter, step: int, view: StepView) -> None:

@@ -88,7 +88,24 @@ def source_info(cfg: SimConfig, argv: list[str] | None) -> dict[str, Any]:
     }
 
 
-_NO_NEW_IDS: list[list[int]] = [[]]
+class GroupIds:
+    """A ``new_block_ids`` column (one list of ids per Mamba group and row, here one group)
+    kept as the scheduler's sparse {row: ids}: most rows get no block in a step, and the
+    trace buffer builds the Arrow column from the offsets without a Python list per row."""
+
+    __slots__ = ("ids", "rows")
+
+    def __init__(self, rows: int, ids: dict[int, list[int]]) -> None:
+        self.rows = rows
+        self.ids = ids  # row -> the group's new block ids (rows absent: none)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def tolist(self) -> list[list[list[int]]]:
+        return [[self.ids.get(r, [])] for r in range(self.rows)]
+
+
 # the scheduler's kind numbers as codes into the sched table's categories (the writer's cheap
 # form for a categorical column), and the codes of the rows of requests that left
 _KIND_CODES = np.array([SCHED_KINDS.index(k) for k in KIND_NAMES], np.int8)
@@ -102,17 +119,13 @@ def sched_rows(so: SchedOut) -> list[dict[str, Any]]:
     chunks: list[dict[str, Any]] = []
     m = len(so)
     if m:
-        # one shared, never-mutated [[]] for rows that got no blocks: no per-row containers
-        new_ids = [_NO_NEW_IDS] * m
-        for p, ids in so.new_block_ids.items():
-            new_ids[p] = [ids]
         rows: dict[str, Any] = {
             "req_id": so.req_ids,
             "kind": _KIND_CODES[so.kind],
             "num_scheduled": so.num_scheduled.astype(np.int32),
             "num_computed": so.num_computed.astype(np.int32),
             "num_spec": so.num_draft.astype(np.int32),
-            "new_block_ids": new_ids,
+            "new_block_ids": GroupIds(m, so.new_block_ids),
         }
         # the prompt length of new and resumed rows, null for cached ones
         fresh = so.kind != KIND_CACHED

@@ -22,6 +22,7 @@ import pyarrow as pa
 from mgtrace.schemas.tables import TABLES, categories_of
 from mgtrace.schemas.writer import TraceWriter
 from mgtrace.sim.runner_common import Nullable
+from mgtrace.sim.to_trace import GroupIds
 
 Columns = Mapping[str, Any]
 
@@ -67,10 +68,11 @@ def _rows(columns: Columns) -> int:
 
 
 _NONE = type(None)
-_SEQUENCES = frozenset((list, tuple, np.ndarray, np.ma.MaskedArray, Nullable))
+_SEQUENCES = frozenset((list, tuple, np.ndarray, np.ma.MaskedArray, Nullable, GroupIds))
 _ARRAY_ONLY = frozenset((np.ndarray,))
 _ARRAY_OR_NONE = frozenset((np.ndarray, _NONE))
 _NONE_ONLY = frozenset((_NONE,))
+_GROUP_IDS_OR_NONE = frozenset((GroupIds, _NONE))
 
 
 def _is_scalar(v: Any) -> bool:
@@ -179,6 +181,30 @@ def _join_categorical(values: list[Any], counts: np.ndarray, index: dict[str, in
         )
 
 
+def _join_group_ids(values: list[GroupIds | None], counts: np.ndarray) -> pa.Array:
+    """One ``list<list<int32>>`` column from sparse chunks (None: a chunk without the
+    column, null rows): offsets in numpy, and a Python step only per row that got blocks."""
+    rows = int(counts.sum())
+    lengths = np.zeros(rows, np.int32)
+    absent = np.zeros(rows, bool)
+    flat: list[int] = []
+    base = 0
+    for v, n in zip(values, counts.tolist(), strict=True):
+        if v is None:
+            absent[base : base + n] = True
+        else:
+            for row, ids in v.ids.items():
+                lengths[base + row] = len(ids)
+                flat.extend(ids)
+        base += n
+    inner_offsets = np.zeros(rows + 1, np.int32)
+    np.cumsum(lengths, out=inner_offsets[1:])
+    inner = pa.ListArray.from_arrays(pa.array(inner_offsets), pa.array(flat, pa.int32()))
+    outer_offsets = np.arange(rows + 1, dtype=np.int32)
+    mask = pa.array(absent) if absent.any() else None
+    return pa.ListArray.from_arrays(pa.array(outer_offsets), inner, mask=mask)
+
+
 def _join_list(values: list[Any], counts: np.ndarray) -> list[Any]:
     out: list[Any] = []
     for v, n in zip(values, counts.tolist(), strict=True):
@@ -221,8 +247,12 @@ class _TableBuffer:
                 out[name] = _join_categorical(values, counts, info)
             elif kind == STR:
                 out[name] = _join_string(values, counts)
+            elif types <= _GROUP_IDS_OR_NONE:
+                out[name] = _join_group_ids(values, counts)
             else:
-                out[name] = _join_list(values, counts)
+                out[name] = _join_list(
+                    [v.tolist() if type(v) is GroupIds else v for v in values], counts
+                )
         return out
 
 
