@@ -122,12 +122,14 @@ class AlignAllocator:
         skipped = required - self.S - 1
         length = max(prev_len, skipped)
         if req in self.allocated:
-            length += sum(1 for i in range(prev_len - self.S, prev_len) if i < skipped)
+            # the spec columns prev_len - S .. prev_len - 1 below ``skipped`` (relocated)
+            length += max(min(prev_len, skipped) - (prev_len - self.S), 0)
         return max(required - length, 0)
 
-    def allocate(self, req: str, num_tokens: int) -> list[int]:
+    def allocate(self, req: str, num_tokens: int, need: int | None = None) -> list[int]:
         """Grow the row to cover ``num_tokens``; return the appended tail (the new block ids
-        a SchedulerOutput carries, nulls and relocated spec blocks included)."""
+        a SchedulerOutput carries, nulls and relocated spec blocks included). ``need`` is
+        ``blocks_needed(req, num_tokens)`` where the caller has it already."""
         row = self.rows.setdefault(req, [])
         required = cdiv(num_tokens, self.B) + self.S
         if required <= len(row):
@@ -140,7 +142,8 @@ class AlignAllocator:
         elif prev_len > 0:
             self.last_state_idx[req] = prev_len - 1  # the prefix-hit boundary block
         skipped = required - self.S - 1
-        need = self.blocks_needed(req, num_tokens)
+        if need is None:
+            need = self.blocks_needed(req, num_tokens)
         if need > self.pool.num_free:
             raise PoolExhausted(need)
         if prev_len < skipped:

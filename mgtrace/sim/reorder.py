@@ -42,8 +42,8 @@ def reorder_swaps(region: np.ndarray) -> list[tuple[int, int]]:
     n = len(region)
     if n < 2 or np.count_nonzero(region[1:] >= region[:-1]) == n - 1:
         return []  # already in region order
-    counts = np.bincount(region, minlength=4)
-    target = np.repeat(np.arange(4, dtype=np.int8), counts)
+    target = region.copy()  # each row's region in the reordered batch
+    target.sort()
     wrong = (region != target).nonzero()[0]
     if len(wrong) == 0:
         return []
@@ -73,7 +73,7 @@ def mamba_split(
     A row still in its prompt counts as a prefill, except a one-token chunk with prior state,
     which the builder promotes to a decode (it can replay a decode graph).
     """
-    prefilling = (num_computed < num_prompt) & ~((num_computed > 0) & (num_scheduled == 1))
+    prefilling = (num_computed < num_prompt) & ((num_computed <= 0) | (num_scheduled != 1))
     return decode_count(num_scheduled, prefilling, threshold)
 
 

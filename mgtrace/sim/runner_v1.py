@@ -24,7 +24,6 @@ from mgtrace.sim.runner_common import (
     StepResult,
     capture_size,
     row_moves_table,
-    running_cols,
     sparse,
     where_valid,
 )
@@ -40,6 +39,7 @@ class _Cols(NamedTuple):
     draft: np.ndarray
     prev_col: np.ndarray
     curr: np.ndarray
+    acc: np.ndarray  # this step's accepted counts
     differs: np.ndarray | None  # correct accepted counts where they differ from the consumed
 
 
@@ -89,8 +89,11 @@ class RunnerV1:
         race = cfg.has(BUG_ASYNC_RACE)
         ib = self.rows
         pr = self.req
-        if len(so):
-            pr.ensure(int(so.idx.max()) + 1)
+        kinds = so.kind
+        # new and resumed rows; only a new row can bring a request number not seen before
+        fresh = (kinds != KIND_CACHED).nonzero()[0]
+        if len(fresh):
+            pr.ensure(int(so.idx[fresh].max()) + 1)
         ib.begin_step()
         ids = so.req_ids
         m = len(ids)
@@ -105,10 +108,9 @@ class RunnerV1:
             ib.acc[:n_prev] = self.pending
 
         # _update_states: finished, preempted, unscheduled and resumed rows leave
-        kinds = so.kind
         live_pos = pr.pos[ib.key[:n_prev]]
         leave = live_pos < 0
-        if np.count_nonzero(kinds == KIND_RESUMED):
+        if len(fresh) and np.count_nonzero(kinds[fresh] == KIND_RESUMED):
             leave[~leave] = kinds[live_pos[~leave]] == KIND_RESUMED
         for row in leave.nonzero()[0].tolist():
             req = ib.row_req[row]
@@ -118,19 +120,22 @@ class RunnerV1:
         for r in (*so.finished, *so.preempted):
             self._kept.pop(r.req_id, None)
             pr.has_state[r.idx] = False
-        fresh = (kinds != KIND_CACHED).nonzero()[0]
         if len(fresh):
             fi = so.idx[fresh]
             pr.has_state[fi] = False
             pr.true_nc[fi] = so.num_computed[fresh]
             pr.last_seen[fi] = -10
         at = pr.row[so.idx]
-        inb = at >= 0
-        ib.nc[at[inb]] = so.num_computed[inb]
+        joining = (at < 0).nonzero()[0].tolist()  # positions of rows not in the batch
+        if joining:
+            inb = at >= 0
+            ib.nc[at[inb]] = so.num_computed[inb]
+        else:
+            ib.nc[at] = so.num_computed
         for p, new_ids in so.new_block_ids.items():
-            if inb[p]:
+            if at[p] >= 0:
                 ib.append_blocks(ids[p], new_ids)
-        for p in (~inb).nonzero()[0].tolist():
+        for p in joining:
             rid = ids[p]
             kept = self._kept.pop(rid, [])
             new_ids = so.ids_at(p)
@@ -144,18 +149,20 @@ class RunnerV1:
         T_run = self.reorder_threshold
         perm = pr.pos[ib.key[:n]]
         sched_n = so.num_scheduled[perm]
-        run_region = np.zeros(n, np.int8)
-        if T_run is not None and n:
+        if T_run is None or not n:
+            run_region = np.zeros(n, np.int8)
+        else:
             run_region = regions(sched_n, ib.nc[:n], ib.prompt[:n], T_run)
             swaps = reorder_swaps(run_region)
             for a, b in swaps:
                 ib.swap(a, b)
             if swaps:
                 # the swaps sort the regions, stably: the reordered batch's regions are sorted
-                run_region = np.sort(run_region)
+                run_region.sort()
                 perm = pr.pos[ib.key[:n]]
                 sched_n = so.num_scheduled[perm]
-        pr.row[ib.key[:n]] = np.arange(n)
+        rows64 = np.arange(n)
+        pr.row[ib.key[:n]] = rows64
         if race and has_pending and not landed:
             ib.acc[:n_prev] = self.pending
 
@@ -179,7 +186,8 @@ class RunnerV1:
 
         # preprocess_mamba: advance the running column, copy the state forward
         prev_col = np.where(pr.has_state[ridx], pr.state_idx[ridx], (nc - 1) // B)
-        curr = running_cols(nc, sched_n, B)
+        end = nc + sched_n  # tokens covered after the step, drafts included
+        curr = (end - 1) // B  # running_cols(nc, sched_n, B)
         precopy = (prev_col != -1) & (prev_col != curr)
         pr.state_idx[ridx] = curr
         pr.has_state[ridx] = True
@@ -194,28 +202,28 @@ class RunnerV1:
         if T_run is None:
             run_region = region
         split = mamba_split(sched_n, nc, prompt, self.cfg.mamba_threshold)
-        is_decode_split = np.arange(n) < split
         prefilling = nc < prompt
 
         # sampling and the align post-process
         acc_now = accepted[perm]
-        R = nc + sched_n - draft
-        N = R + acc_now - 1
-        # copy_boundary's need and destination column, without the unused bias
-        done_cols = N // B
-        need = done_cols * B >= R
-        dst = done_cols - 1
-        normalised = np.where(need & (dst == curr), 1, acc_now).astype(np.int32)
+        # truly computed after acceptance: the tokens covered by the running state (end -
+        # draft) plus the accepted drafts
+        computed = end - draft + acc_now - 1
+        # copy_boundary's decision with destination column curr: computed // B - 1 == curr; the
+        # copy is then needed as well, since (curr + 1) * B >= end >= end - draft
+        normalised = np.where(computed // B == curr + 1, 1, acc_now).astype(np.int32)
         self.pending = normalised
         pr.true_acc[ridx] = normalised
         if np.count_nonzero(samples) == n:  # every row sampled: all rejected drafts count
-            pr.true_nc[ridx] = nc + sched_n - (draft + 1 - acc_now)
+            pr.true_nc[ridx] = computed
         else:
-            pr.true_nc[ridx] = nc + sched_n - np.where(samples, draft + 1 - acc_now, 0)
-        pr.prev_row[ridx] = np.arange(n)
+            pr.true_nc[ridx] = end - np.where(samples, draft + 1 - acc_now, 0)
+        pr.prev_row[ridx] = rows64
         pr.last_seen[ridx] = step
 
         events: list[dict[str, Any]] = []
+        if cfg.has(BUG_REORDER) or (race and has_pending):
+            is_decode_split = rows64 < split
         if cfg.has(BUG_REORDER):
             bad = (region == REGION_DECODE) & ~is_decode_split
             for i in bad.nonzero()[0].tolist():
@@ -287,7 +295,8 @@ class RunnerV1:
             draft=draft.astype(np.int32),
             prev_col=prev_col.astype(np.int32),
             curr=curr.astype(np.int32),
-            differs=sparse(correct, consumed != correct),
+            acc=acc_now.astype(np.int32),
+            differs=None if consumed is correct else sparse(correct, consumed != correct),
         )
         tables = self._tables(
             step,
@@ -296,17 +305,15 @@ class RunnerV1:
             cols,
             prompt,
             consumed,
-            acc_now,
             samples,
             prefilling,
             run_region,
-            is_decode_split,
             split,
             landed,
             has_pending,
             so.total_tokens,
         )
-        launches = self._launches(step, n, cols, consumed, acc_now, pad_rows)
+        launches = self._launches(step, n, cols, consumed, pad_rows)
         return StepResult(tables=tables, launches=launches, events=events)
 
     # ------------------------------------------------------------------ recording
@@ -318,11 +325,9 @@ class RunnerV1:
         cols: _Cols,
         prompt: np.ndarray,
         consumed: np.ndarray,
-        acc_now: np.ndarray,
         samples: np.ndarray,
         prefilling: np.ndarray,
         run_region: np.ndarray,
-        is_decode_split: np.ndarray,
         split: int,
         landed: bool,
         has_pending: bool,
@@ -330,6 +335,8 @@ class RunnerV1:
     ) -> dict[str, Any]:
         moves = self.rows.moves
         rows = cols.rows
+        split_col = np.zeros(n, np.int8)  # 1: the Mamba builder's prefill split
+        split_col[split:] = 1
         batch_rows: dict[str, Any] = {
             "batch_row": rows,
             "req_id": req_ids,
@@ -339,13 +346,13 @@ class RunnerV1:
             "num_prompt": prompt.astype(np.int32),
             "num_draft": cols.draft,
             "accepted_prev": consumed,
-            "accepted": where_valid(acc_now, samples),
+            "accepted": where_valid(cols.acc, samples),
             "prev_state_col": cols.prev_col,
             "state_col": cols.curr,
             "is_prefilling": prefilling,
             # categorical columns as int8 codes into their categories: the writer's cheap form
             "reorder_region": run_region,
-            "mamba_split": (~is_decode_split).view(np.int8),
+            "mamba_split": split_col,
         }
         if cols.differs is not None:
             batch_rows["accepted_prev_cpu"] = cols.differs
@@ -379,7 +386,6 @@ class RunnerV1:
         n: int,
         cols: _Cols,
         consumed: np.ndarray,
-        acc_now: np.ndarray,
         pad_rows: list[int],
     ) -> list[dict[str, Any]]:
         if n == 0:
@@ -400,7 +406,7 @@ class RunnerV1:
             num_accepted=consumed,
             state_idx=cols.curr,
             src_col=cols.prev_col,
-            token_bias=(consumed - 1).astype(np.int32),
+            token_bias=consumed - 1,  # int32, as consumed
         )
         if cols.differs is not None:
             pre["num_accepted_cpu"] = cols.differs
@@ -408,7 +414,7 @@ class RunnerV1:
             common,
             kernel="postprocess",
             mode="decision",
-            num_accepted=acc_now.astype(np.int32),
+            num_accepted=cols.acc,
             state_idx=cols.curr,
             num_scheduled=cols.sched_n,
             num_computed=cols.nc,

@@ -14,6 +14,7 @@ goes through the scalar path, which defines the rules.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,21 +29,28 @@ STATUS_NAMES = ("waiting", "running", "finishing", "finished")
 KIND_NEW, KIND_CACHED, KIND_RESUMED = range(3)
 KIND_NAMES = np.array(["new", "cached", "resumed"], dtype=object)
 
-_INT_FIELDS = (
-    "nc",
-    "ntok",
-    "nout",
-    "inflight",
-    "inflight_tok",
-    "epoch",
-    "rowlen",
-    "prompt",
-    "output_len",
-    "boundary",
-    "first_step",
-    "last_step",
-    "last_col",  # the previous state block's column while ``last_pending``
-)
+NO_LIMIT = np.iinfo(np.int64).max
+
+# int64 fields and the value a new request starts with
+_INT_FIELDS = {
+    "nc": 0,
+    "ntok": 0,
+    "nout": 0,
+    "inflight": 0,
+    "inflight_tok": 0,
+    "epoch": 0,
+    # tokens a decode may reach with the blocks held: (row length - S) * B, so that
+    # cdiv(tokens, B) + S <= row length is tokens <= cover
+    "cover": 0,
+    "prompt": 0,
+    "output_len": 0,
+    "boundary": 0,
+    "first_step": 0,
+    "last_step": 0,
+    # while a previous state block is held at column c: (c + 1) * B, the processed tokens
+    # up to which it stays (retire frees it once cdiv(processed, B) - 1 > c); else NO_LIMIT
+    "keep_until": NO_LIMIT,
+}
 
 
 class ReqStore:
@@ -55,7 +63,6 @@ class ReqStore:
         for name in _INT_FIELDS:
             setattr(self, name, np.zeros(0, np.int64))
         self.has_drafts = np.zeros(0, bool)
-        self.last_pending = np.zeros(0, bool)  # holds a previous state block to retire
         self.status = np.zeros(0, np.int8)
         self._grow(capacity)
 
@@ -66,10 +73,9 @@ class ReqStore:
             return out
 
         self.req_ids = grown(self.req_ids, None)
-        for name in _INT_FIELDS:
-            setattr(self, name, grown(getattr(self, name)))
+        for name, fill in _INT_FIELDS.items():
+            setattr(self, name, grown(getattr(self, name), fill))
         self.has_drafts = grown(self.has_drafts, False)
-        self.last_pending = grown(self.last_pending, False)
         self.status = grown(self.status)
         self.cap = cap
 
@@ -211,6 +217,28 @@ _UNSET = np.zeros(0, np.int64)  # never read: every SchedOut array is replaced b
 _KEY, _IDX, _KIND, _N, _D, _NC, _SAMPLES, _EPOCH = range(8)
 
 
+def _merge(block: np.ndarray, rows: list[tuple[int, ...]]) -> tuple[np.ndarray, list[int]]:
+    """The columns of ``block`` and ``rows`` (both ascending in ``_KEY``, keys distinct) in
+    one key-ordered matrix, and the matrix position of each of ``rows``."""
+    if not rows:
+        return block, []
+    m = block.shape[1]
+    r = len(rows)
+    keys = block[_KEY].tolist()
+    mat = np.empty((8, m + r), np.int64)
+    pos = []
+    prev = 0  # block columns before ``prev`` are placed
+    for j, row in enumerate(rows):
+        i = bisect_left(keys, row[_KEY], prev)  # block columns before row j
+        if i > prev:
+            mat[:, prev + j : i + j] = block[:, prev:i]
+        mat[:, i + j] = row
+        pos.append(i + j)
+        prev = i
+    mat[:, prev + r :] = block[:, prev:]
+    return mat, pos
+
+
 class _Builder:
     """Collects a step's scheduled rows; ``build`` puts them in running-list order."""
 
@@ -261,16 +289,16 @@ class _Builder:
         self.reqs.extend([None] * len(idx))  # type: ignore[list-item]  # placeholders
 
     def build(self, out: SchedOut, store: ReqStore) -> None:
-        # one matrix row per column, so that the SchedOut arrays are contiguous views of it
+        # one matrix row per column, so that the SchedOut arrays are contiguous views of it;
+        # the rows go in key (running-list) order, with the admissions last
         rows = self.rows
-        mat = (
-            np.array(list(zip(*rows, strict=True)), np.int64)
-            if rows
-            else np.zeros((8, 0), np.int64)
-        )
-        at = m = 0
-        if self.many is not None:
-            # the one-go rows (add orders at..at+m) go first, then the scalar-path rows
+        # the scalar-path rows were added in key order (running rows as the walk met them,
+        # then the admissions), the one-go rows too: the two are merged
+        if self.many is None:
+            mat = np.array(rows, np.int64).T.copy() if rows else np.zeros((8, 0), np.int64)
+            pos_of = list(range(len(rows)))  # scalar row -> position in ``mat``
+            at = m = 0
+        else:
             at, idx, n, nc, epoch, keys = self.many
             m = len(idx)
             block = np.empty((8, m), np.int64)
@@ -282,28 +310,15 @@ class _Builder:
             block[_NC] = nc
             block[_SAMPLES] = 1
             block[_EPOCH] = epoch
-            mat = np.concatenate((block, mat), axis=1) if rows else block
-        # position in ``mat`` of the scalar row of add order a (only those carry block ids)
-        at_of = {a: (a + m if a < at else a) for a in self.new_ids}
-        keys = mat[_KEY]
-        if len(keys) < 2 or np.count_nonzero(keys[1:] >= keys[:-1]) == len(keys) - 1:
-            # already in running-list order (a stable sort would keep it as is)
-            out.new_block_ids = {at_of[a]: ids for a, ids in self.new_ids.items()}
-        else:
-            order = keys.argsort(kind="stable")
-            mat = mat[:, order]
-            out.new_block_ids = {}
-            if self.new_ids:
-                pos = np.empty(len(order), np.int64)
-                pos[order] = np.arange(len(order))
-                out.new_block_ids = dict(
-                    sorted((int(pos[at_of[a]]), ids) for a, ids in self.new_ids.items())
-                )
+            mat, pos_of = _merge(block, rows)
+        # add order a -> scalar row: the scalar rows added before the one-go rows, then after
+        out.new_block_ids = {
+            pos_of[a if a < at else a - m]: ids for a, ids in self.new_ids.items()
+        }  # in add order, hence in position order
         # requests by key: a running row's key indexes the running list; admissions from the
-        # waiting queue (keys from WAITING_KEY, last after the sort) have their own
-        keys = mat[_KEY]
-        klist = keys.tolist()
-        n_run = int(keys.searchsorted(self.WAITING_KEY))
+        # waiting queue (keys from WAITING_KEY, last in key order) have their own
+        klist = mat[_KEY].tolist()
+        n_run = len(klist) - sum(row[_KEY] >= self.WAITING_KEY for row in rows)
         out.reqs = list(map(self.run.__getitem__, klist[:n_run]))
         if n_run < len(klist):
             out.reqs.extend(map(self.req_of_key.__getitem__, klist[n_run:]))
@@ -315,7 +330,6 @@ class _Builder:
         out.samples = mat[_SAMPLES].astype(bool)
         out.epoch = mat[_EPOCH]
         out.req_ids = store.req_ids[out.idx].tolist()
-        out.total_tokens = int(out.num_scheduled.sum())
 
 
 class Scheduler:
@@ -375,8 +389,9 @@ class Scheduler:
                 break
             end = int(st.nc[req.idx]) + n
             try:
-                self._make_room(self.alloc.blocks_needed(req.req_id, end))
-                self._allocate(req, end)
+                need = self.alloc.blocks_needed(req.req_id, end)
+                self._make_room(need)
+                self._allocate(req, end, need)
             except PoolExhausted:
                 break
             self.waiting.popleft()
@@ -398,6 +413,8 @@ class Scheduler:
             )
             budget -= n
         build.build(out, st)
+        # every scheduled token was taken from the budget
+        out.total_tokens = self.cfg.max_num_batched_tokens - budget
         out.preempted = list(self.preempted_now)
         return out
 
@@ -423,17 +440,18 @@ class Scheduler:
         n_dec = 1 + self.k * st.has_drafts[idx]
         # a row still holding its previous state block is simple too while the block stays
         # (the retire check of the scalar path would change nothing): processed tokens
-        # (in-flight drafts excluded) not yet past the block after it
-        processed = np.maximum(nc - st.inflight_tok[idx], 0)
-        stays = st.last_col[idx] >= -(-processed // self.B) - 1
-        simple = eligible & (st.ntok[idx] - nc == 1) & (~st.last_pending[idx] | stays)
-        simple &= -(-(nc + n_dec) // self.B) + self.S <= st.rowlen[idx]
+        # (in-flight drafts excluded) not past ``keep_until``, which is positive, so the
+        # scalar path's clamp of processed at 0 changes nothing
+        stays = nc - st.inflight_tok[idx] <= st.keep_until[idx]
+        simple = eligible & (st.ntok[idx] - nc == 1) & stays
+        simple &= nc + n_dec <= st.cover[idx]  # the row covers the decode
         want = np.where(simple, n_dec, 0)
-        cs = want.cumsum()
+        cs = np.add.accumulate(want)
         taken = 0  # tokens of the rows that went through the scalar path
         start = 0
         scalar_from = len(run)
-        for c in [*(eligible & ~simple).nonzero()[0].tolist(), len(run)]:
+        # the scalar candidates: eligible but not simple (simple rows are eligible)
+        for c in [*(eligible ^ simple).nonzero()[0].tolist(), len(run)]:
             if c > start and int(cs[c - 1]) + taken > budget:
                 scalar_from = start + int(cs[start:c].searchsorted(budget - taken, side="right"))
                 break
@@ -470,13 +488,11 @@ class Scheduler:
         step: int,
         build: _Builder,
     ) -> None:
-        """Commit decode rows that need no block change, in one go."""
+        """Commit decode rows that need no block change, in one go (running requests: their
+        first step was set at admission)."""
         st = self.store
         nc = st.nc[ids]  # a fancy-indexed copy
         build.add_many(ids, n, nc, st.epoch[ids], keys)
-        unseen = st.first_step[ids] < 0
-        if np.count_nonzero(unseen):
-            st.first_step[ids[unseen]] = step
         st.last_step[ids] = step
         st.nc[ids] = nc + n
         st.ntok[ids] += n  # optimistic: every draft accepted, plus the bonus token
@@ -536,7 +552,7 @@ class Scheduler:
         if tokens >= self.store.ntok[req.idx] or tokens < self.B:
             return
         self.alloc.start_with_hit(req.req_id, tokens, block)
-        self.store.rowlen[req.idx] = len(self.alloc.rows[req.req_id])
+        self._set_row_len(req, len(self.alloc.rows[req.req_id]))
         self.store.nc[req.idx] = tokens
         req.prefix_hit_tokens = tokens
 
@@ -546,18 +562,21 @@ class Scheduler:
         if need > self.pool.num_free:
             raise PoolExhausted(need)
 
-    def _allocate(self, req: Request, num_tokens: int) -> list[int]:
-        ids = self.alloc.allocate(req.req_id, num_tokens)
-        self.store.rowlen[req.idx] = len(self.alloc.rows[req.req_id])
+    def _allocate(self, req: Request, num_tokens: int, need: int) -> list[int]:
+        """Allocate after ``_make_room(need)``: eviction changes no row, so ``need`` holds."""
+        ids = self.alloc.allocate(req.req_id, num_tokens, need)
+        self._set_row_len(req, len(self.alloc.rows[req.req_id]))
         self._note_last(req)
         return ids
+
+    def _set_row_len(self, req: Request, length: int) -> None:
+        """Mirror the length of the allocator's block row of ``req`` into the store."""
+        self.store.cover[req.idx] = (length - self.S) * self.B
 
     def _note_last(self, req: Request) -> None:
         """Mirror the allocator's previous-state record of ``req`` into the store."""
         col = self.alloc.last_state_idx.get(req.req_id)
-        self.store.last_pending[req.idx] = col is not None
-        if col is not None:
-            self.store.last_col[req.idx] = col
+        self.store.keep_until[req.idx] = NO_LIMIT if col is None else (col + 1) * self.B
 
     def _allocate_or_preempt(self, req: Request, n: int) -> list[int] | None:
         st = self.store
@@ -571,12 +590,13 @@ class Scheduler:
         if row is not None and -(-end // self.B) + self.S <= len(row):
             # the row already covers ``end``: what ``_allocate`` does when nothing is taken
             self.alloc.allocated.add(rid)
-            st.rowlen[req.idx] = len(row)
+            self._set_row_len(req, len(row))
             return []
         while True:
             try:
-                self._make_room(self.alloc.blocks_needed(rid, end))
-                return self._allocate(req, end)
+                need = self.alloc.blocks_needed(rid, end)
+                self._make_room(need)
+                return self._allocate(req, end, need)
             except PoolExhausted:
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -593,8 +613,8 @@ class Scheduler:
         st = self.store
         i = req.idx
         self.alloc.free(req.req_id)
-        st.rowlen[i] = 0
-        st.last_pending[i] = False
+        self._set_row_len(req, 0)
+        st.keep_until[i] = NO_LIMIT
         self._drop_running(self.running.index(req))
         st.status[i] = WAITING
         st.nc[i] = 0
@@ -666,7 +686,8 @@ class Scheduler:
             sampled = np.where(samples, acc, 0)
         st.nc[idx] -= rejected
         st.ntok[idx] -= rejected
-        st.nout[idx] += sampled
+        nout = st.nout[idx] + sampled
+        st.nout[idx] = nout
         seeds = (st.boundary[idx] == nc_before + n).nonzero()[0]
         for p in seeds.tolist():
             req = reqs[p if pos is None else pos[p]]
@@ -676,7 +697,7 @@ class Scheduler:
                 row = self.alloc.rows.get(req.req_id)
                 if row is not None and col < len(row):
                     self.cache.insert(req.family, boundary, row[col])
-        done = (st.nout[idx] >= st.output_len[idx]).nonzero()[0]
+        done = (nout >= st.output_len[idx]).nonzero()[0]
         finished = []
         for p in done.tolist():
             req = reqs[p if pos is None else pos[p]]
@@ -694,8 +715,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.alloc.free(req.req_id)
-        self.store.rowlen[req.idx] = 0
-        self.store.last_pending[req.idx] = False
+        self._set_row_len(req, 0)
+        self.store.keep_until[req.idx] = NO_LIMIT
         try:
             pos = self.running.index(req)
         except ValueError:

@@ -127,7 +127,8 @@ class Client:
             if due:
                 self.queue = [a for a in self.queue if a.arrival_s > now]
                 out.extend(due)
-        out.sort(key=lambda a: a.arrival_s)
+        if len(out) > 1:
+            out.sort(key=lambda a: a.arrival_s)
         return out
 
     def finished(self, group: int) -> None:
