@@ -314,11 +314,24 @@ def test_string_columns_are_written_as_dictionaries_and_read_as_strings(tmp_path
 
 def test_arrow_arrays_are_taken_as_they_are(tmp_path: Path) -> None:
     """A producer may hand a column as an Arrow array of its type (nested lists built from
-    offsets); bulk and single-step rows read back alike."""
+    offsets) or as a dictionary of its values (each chunk with its own dictionary); bulk
+    and single-step rows read back alike, as plain values."""
     ids = pa.array([[[3, 4]], [[]], None], pa.list_(pa.list_(pa.int32())))
+
+    def names(codes: list[int], values: list[str]) -> pa.DictionaryArray:
+        return pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(values))
+
     with TraceWriter(tmp_path / "t") as w:
         w.write_step(
-            0, 0, {"sched": {"req_id": ["a", "b", "c"], "kind": "new", "new_block_ids": ids}}
+            0,
+            0,
+            {
+                "sched": {
+                    "req_id": names([1, 0, 1], ["a", "b"]),
+                    "kind": "new",
+                    "new_block_ids": ids,
+                }
+            },
         )
         w.write_steps(
             0,
@@ -327,11 +340,13 @@ def test_arrow_arrays_are_taken_as_they_are(tmp_path: Path) -> None:
             {
                 "sched": {
                     "step": np.ones(3, np.int64),
-                    "req_id": ["a", "b", "c"],
+                    "req_id": names([0, 2, 1], ["c", "a", "d"]),
                     "kind": "cached",
                     "new_block_ids": ids,
                 }
             },
         )
-    got = TraceReader(tmp_path / "t").table("sched").column("new_block_ids").to_pylist()
-    assert got == [[[3, 4]], [[]], None] * 2
+    sched = TraceReader(tmp_path / "t").table("sched")
+    assert sched.column("new_block_ids").to_pylist() == [[[3, 4]], [[]], None] * 2
+    assert sched.column("req_id").type == pa.string()
+    assert sched.column("req_id").to_pylist() == ["b", "a", "b", "c", "d", "a"]

@@ -210,11 +210,21 @@ def _dictionary(codes: np.ndarray, values: Any, nulls: np.ndarray | None) -> pa.
     return pa.DictionaryArray.from_arrays(indices, pa.array(values, pa.string()))
 
 
+def _as_type(array: pa.Array, type_: pa.DataType) -> pa.Array:
+    """``array`` as a column of ``type_``; a dictionary of ``type_`` values stays one
+    (Parquet takes its dictionary as it is)."""
+    if array.type == type_:
+        return array
+    if pa.types.is_dictionary(array.type) and array.type.value_type == type_:
+        return array.cast(pa.dictionary(pa.int32(), type_))
+    return array.cast(type_)
+
+
 def _chunks_to_arrow(values: list[Any], counts: list[int], field: pa.Field) -> pa.Array:
     """Concatenate one column's per-step values (arrays, lists, scalars or None)."""
     type_ = field.type
     if all(isinstance(v, pa.Array) for v in values):  # built by the producer: taken as is
-        return pa.concat_arrays([v if v.type == type_ else v.cast(type_) for v in values])
+        return pa.concat_arrays([_as_type(v, type_) for v in values])
     if _is_numeric(type_):
         fast = _numeric_chunks(values, counts, type_)
         if fast is None:
@@ -346,7 +356,7 @@ def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag
 
 class TraceWriter:
     """Write a trace directory from steps handed over as plain Python / numpy values (or Arrow
-    arrays of the column's type, taken as they are).
+    arrays of the column's type or dictionaries of its values, taken as they are).
 
     ``write_step(rank, step, {"batch_rows": {"batch_row": arr, "req_id": [...], ...}, ...})``
     never blocks and never raises: it returns False when the step was dropped.

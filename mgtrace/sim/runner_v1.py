@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from mgtrace.sim.columns import ReqIds
 from mgtrace.sim.config import BUG_ASYNC_RACE, BUG_REORDER, BUG_STALE_ROW, SimConfig
 from mgtrace.sim.input_rows import InputRows
 from mgtrace.sim.reorder import REGION_DECODE, REGION_NAMES, mamba_split, regions, reorder_swaps
@@ -28,6 +29,8 @@ from mgtrace.sim.runner_common import (
     where_valid,
 )
 from mgtrace.sim.scheduler import KIND_CACHED, KIND_RESUMED, SchedOut
+
+_NO_NAMES = np.empty(0, dtype=object)
 
 
 class _Cols(NamedTuple):
@@ -301,7 +304,8 @@ class RunnerV1:
         tables = self._tables(
             step,
             n,
-            req_ids,
+            ridx,
+            so.reqs[0].store.req_ids if n else _NO_NAMES,
             cols,
             prompt,
             consumed,
@@ -321,7 +325,8 @@ class RunnerV1:
         self,
         step: int,
         n: int,
-        req_ids: list[str],
+        ridx: np.ndarray,
+        names: np.ndarray,
         cols: _Cols,
         prompt: np.ndarray,
         consumed: np.ndarray,
@@ -339,7 +344,7 @@ class RunnerV1:
         split_col[split:] = 1
         batch_rows: dict[str, Any] = {
             "batch_row": rows,
-            "req_id": req_ids,
+            "req_id": ReqIds(ridx, names),
             "req_slot": rows,
             "num_scheduled": cols.sched_n,
             "num_computed": cols.nc,

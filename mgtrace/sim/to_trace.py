@@ -9,6 +9,7 @@ import numpy as np
 from mgtrace import __version__
 from mgtrace.schemas.manifest import RunMetadata, StateLayout
 from mgtrace.schemas.tables import SCHED_KINDS
+from mgtrace.sim.columns import GroupIds, ReqIds
 from mgtrace.sim.config import BUG_BATCH_ROW, SimConfig
 from mgtrace.sim.runner_common import Nullable
 from mgtrace.sim.scheduler import KIND_CACHED, KIND_NAMES, Request, SchedOut
@@ -88,24 +89,6 @@ def source_info(cfg: SimConfig, argv: list[str] | None) -> dict[str, Any]:
     }
 
 
-class GroupIds:
-    """A ``new_block_ids`` column (one list of ids per Mamba group and row, here one group)
-    kept as the scheduler's sparse {row: ids}: most rows get no block in a step, and the
-    trace buffer builds the Arrow column from the offsets without a Python list per row."""
-
-    __slots__ = ("ids", "rows")
-
-    def __init__(self, rows: int, ids: dict[int, list[int]]) -> None:
-        self.rows = rows
-        self.ids = ids  # row -> the group's new block ids (rows absent: none)
-
-    def __len__(self) -> int:
-        return self.rows
-
-    def tolist(self) -> list[list[list[int]]]:
-        return [[self.ids.get(r, [])] for r in range(self.rows)]
-
-
 # the scheduler's kind numbers as codes into the sched table's categories (the writer's cheap
 # form for a categorical column), and the codes of the rows of requests that left
 _KIND_CODES = np.array([SCHED_KINDS.index(k) for k in KIND_NAMES], np.int8)
@@ -119,8 +102,9 @@ def sched_rows(so: SchedOut) -> list[dict[str, Any]]:
     chunks: list[dict[str, Any]] = []
     m = len(so)
     if m:
+        names = so.reqs[0].store.req_ids
         rows: dict[str, Any] = {
-            "req_id": so.req_ids,
+            "req_id": ReqIds(so.idx, names),
             "kind": _KIND_CODES[so.kind],
             "num_scheduled": so.num_scheduled.astype(np.int32),
             "num_computed": so.num_computed.astype(np.int32),
@@ -141,7 +125,10 @@ def sched_rows(so: SchedOut) -> list[dict[str, Any]]:
         kinds[n_fin:] = _PREEMPTED
         chunks.append(
             {
-                "req_id": [r.req_id for r in so.finished] + [r.req_id for r in so.preempted],
+                "req_id": ReqIds(
+                    np.array([r.idx for r in (*so.finished, *so.preempted)], np.int64),
+                    (so.finished or so.preempted)[0].store.req_ids,
+                ),
                 "kind": kinds,
             }
         )

@@ -21,8 +21,8 @@ import pyarrow as pa
 
 from mgtrace.schemas.tables import TABLES, categories_of
 from mgtrace.schemas.writer import TraceWriter
+from mgtrace.sim.columns import GroupIds, ReqIds
 from mgtrace.sim.runner_common import Nullable
-from mgtrace.sim.to_trace import GroupIds
 
 Columns = Mapping[str, Any]
 
@@ -68,11 +68,13 @@ def _rows(columns: Columns) -> int:
 
 
 _NONE = type(None)
-_SEQUENCES = frozenset((list, tuple, np.ndarray, np.ma.MaskedArray, Nullable, GroupIds))
+_SEQUENCES = frozenset((list, tuple, np.ndarray, np.ma.MaskedArray, Nullable, GroupIds, ReqIds))
 _ARRAY_ONLY = frozenset((np.ndarray,))
 _ARRAY_OR_NONE = frozenset((np.ndarray, _NONE))
 _NONE_ONLY = frozenset((_NONE,))
 _GROUP_IDS_OR_NONE = frozenset((GroupIds, _NONE))
+_REQ_IDS_ONLY = frozenset((ReqIds,))
+_COMPACT = frozenset((GroupIds, ReqIds))
 
 
 def _is_scalar(v: Any) -> bool:
@@ -205,6 +207,18 @@ def _join_group_ids(values: list[GroupIds | None], counts: np.ndarray) -> pa.Arr
     return pa.ListArray.from_arrays(pa.array(outer_offsets), inner, mask=mask)
 
 
+def _join_req_ids(values: list[ReqIds]) -> pa.DictionaryArray:
+    """Request ids as codes into the ids of the requests numbered between the lowest and
+    the highest code (the requests live in these steps, a short window of the run)."""
+    codes = np.concatenate([v.codes for v in values])
+    lo, hi = int(codes.min()), int(codes.max())
+    names = values[-1].names  # the newest array holds every id the others hold
+    indices = pa.array((codes - lo).astype(np.int32, copy=False))
+    return pa.DictionaryArray.from_arrays(
+        indices, pa.array(names[lo : hi + 1].tolist(), pa.string())
+    )
+
+
 def _join_list(values: list[Any], counts: np.ndarray) -> list[Any]:
     out: list[Any] = []
     for v, n in zip(values, counts.tolist(), strict=True):
@@ -246,12 +260,16 @@ class _TableBuffer:
             elif kind == CAT:
                 out[name] = _join_categorical(values, counts, info)
             elif kind == STR:
-                out[name] = _join_string(values, counts)
+                if types == _REQ_IDS_ONLY:
+                    out[name] = _join_req_ids(values)
+                else:
+                    values = [v.tolist() if type(v) is ReqIds else v for v in values]
+                    out[name] = _join_string(values, counts)
             elif types <= _GROUP_IDS_OR_NONE:
                 out[name] = _join_group_ids(values, counts)
             else:
                 out[name] = _join_list(
-                    [v.tolist() if type(v) is GroupIds else v for v in values], counts
+                    [v.tolist() if type(v) in _COMPACT else v for v in values], counts
                 )
         return out
 
