@@ -36,9 +36,15 @@ _INT_FIELDS = {
     "nc": 0,
     "ntok": 0,
     "nout": 0,
-    "inflight": 0,
+    "inflight": 0,  # steps whose result is pending; kept under PP only, its one reader
     "inflight_tok": 0,
     "epoch": 0,
+    # the epoch while the request is RUNNING, else -1: a step's result for a row is current
+    # exactly when the row's epoch equals it
+    "live_epoch": -1,
+    # tokens a decode takes: 1, plus k while the request carries drafts (from its first
+    # sampling step on, until preempted)
+    "n_dec": 1,
     # tokens a decode may reach with the blocks held: (row length - S) * B, so that
     # cdiv(tokens, B) + S <= row length is tokens <= cover
     "cover": 0,
@@ -60,9 +66,9 @@ class ReqStore:
         self.cap = 0
         self.n = 0
         self.req_ids = np.empty(0, dtype=object)
+        self.reqs = np.empty(0, dtype=object)  # the Request of each slot
         for name in _INT_FIELDS:
             setattr(self, name, np.zeros(0, np.int64))
-        self.has_drafts = np.zeros(0, bool)
         self.status = np.zeros(0, np.int8)
         self._grow(capacity)
 
@@ -73,18 +79,19 @@ class ReqStore:
             return out
 
         self.req_ids = grown(self.req_ids, None)
+        self.reqs = grown(self.reqs, None)
         for name, fill in _INT_FIELDS.items():
             setattr(self, name, grown(getattr(self, name), fill))
-        self.has_drafts = grown(self.has_drafts, False)
         self.status = grown(self.status)
         self.cap = cap
 
-    def new(self, req_id: str, a: Arrival, block_size: int) -> int:
+    def new(self, req: Request, a: Arrival, block_size: int) -> int:
         if self.n == self.cap:
             self._grow(self.cap * 2)
         i = self.n
         self.n += 1
-        self.req_ids[i] = req_id
+        self.req_ids[i] = req.req_id
+        self.reqs[i] = req
         self.ntok[i] = a.prompt_len
         self.prompt[i] = a.prompt_len
         self.output_len[i] = a.output_len
@@ -128,7 +135,7 @@ class Request:
         self.resumed = False
         self.num_preemptions = 0
         self.store = store
-        self.idx = store.new(req_id, a, block_size)
+        self.idx = store.new(self, a, block_size)
 
     @property
     def num_computed(self) -> int:
@@ -246,18 +253,15 @@ class _Builder:
 
     def __init__(self, run: list[Request]) -> None:
         self.run = run  # the running list this step walks: a running row's key indexes it
-        self.reqs: list[Request] = []  # add order (what ``new_ids`` and ``many`` refer to)
-        self.req_of_key: dict[int, Request] = {}  # the scalar-path rows' requests
-        self.new_ids: dict[int, list[int]] = {}  # add order -> ids, only where non-empty
+        self.new_ids: dict[int, list[int]] = {}  # scalar row -> ids, only where non-empty
         self.rows: list[tuple[int, ...]] = []  # scalar-path rows, in the _KEY.. column order
-        # decode rows committed in one go, kept as arrays: (add order of the first, idx, n,
-        # nc, epoch, keys)
-        self.many: tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
+        # decode rows committed in one go, kept as arrays: (idx, n, nc, epoch, keys)
+        self.many: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
         self.many = None
 
     def add(
         self,
-        req: Request,
+        i: int,
         kind: int,
         n: int,
         d: int,
@@ -267,11 +271,10 @@ class _Builder:
         new_ids: list[int],
         key: int,
     ) -> None:
+        """A scalar-path row of request number ``i``."""
         if new_ids:
-            self.new_ids[len(self.reqs)] = new_ids
-        self.reqs.append(req)
-        self.req_of_key[key] = req
-        self.rows.append((key, req.idx, kind, n, d, nc, samples, epoch))
+            self.new_ids[len(self.rows)] = new_ids
+        self.rows.append((key, i, kind, n, d, nc, samples, epoch))
 
     def add_many(
         self,
@@ -283,10 +286,9 @@ class _Builder:
     ) -> None:
         """Decode rows of the running list (``keys`` index it) with no new blocks: cached,
         sampling, drafts = n - 1 (at most one batch per step, kept as arrays: no per-row
-        Python values; their requests are looked up by key at build)."""
+        Python values)."""
         assert self.many is None
-        self.many = (len(self.reqs), idx, n, nc, epoch, keys)
-        self.reqs.extend([None] * len(idx))  # type: ignore[list-item]  # placeholders
+        self.many = (idx, n, nc, epoch, keys)
 
     def build(self, out: SchedOut, store: ReqStore) -> None:
         # one matrix row per column, so that the SchedOut arrays are contiguous views of it;
@@ -296,12 +298,10 @@ class _Builder:
         # then the admissions), the one-go rows too: the two are merged
         if self.many is None:
             mat = np.array(rows, np.int64).T.copy() if rows else np.zeros((8, 0), np.int64)
-            pos_of = list(range(len(rows)))  # scalar row -> position in ``mat``
-            at = m = 0
+            pos_of: list[int] | range = range(len(rows))  # scalar row -> position in ``mat``
         else:
-            at, idx, n, nc, epoch, keys = self.many
-            m = len(idx)
-            block = np.empty((8, m), np.int64)
+            idx, n, nc, epoch, keys = self.many
+            block = np.empty((8, len(idx)), np.int64)
             block[_KEY] = keys
             block[_IDX] = idx
             block[_KIND] = KIND_CACHED
@@ -311,18 +311,10 @@ class _Builder:
             block[_SAMPLES] = 1
             block[_EPOCH] = epoch
             mat, pos_of = _merge(block, rows)
-        # add order a -> scalar row: the scalar rows added before the one-go rows, then after
-        out.new_block_ids = {
-            pos_of[a if a < at else a - m]: ids for a, ids in self.new_ids.items()
-        }  # in add order, hence in position order
-        # requests by key: a running row's key indexes the running list; admissions from the
-        # waiting queue (keys from WAITING_KEY, last in key order) have their own
-        klist = mat[_KEY].tolist()
-        n_run = len(klist) - sum(row[_KEY] >= self.WAITING_KEY for row in rows)
-        out.reqs = list(map(self.run.__getitem__, klist[:n_run]))
-        if n_run < len(klist):
-            out.reqs.extend(map(self.req_of_key.__getitem__, klist[n_run:]))
+        # scalar rows are added in position order, so this dict is in position order too
+        out.new_block_ids = {pos_of[r]: ids for r, ids in self.new_ids.items()}
         out.idx = mat[_IDX]
+        out.reqs = store.reqs[out.idx].tolist()
         out.kind = mat[_KIND].astype(np.int8)
         out.num_scheduled = mat[_N]
         out.num_draft = mat[_D]
@@ -347,6 +339,7 @@ class Scheduler:
         self.to_finish: list[Request] = []
         self.preempted_now: list[Request] = []
         self._run_idx: np.ndarray | None = None  # request numbers of ``running``, cached
+        self.pp = cfg.pp > 1  # a request waits for its pending result (``inflight``)
 
     # ------------------------------------------------------------------ admission
     def new_request(self, req_id: str, a: Arrival) -> Request:
@@ -396,7 +389,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             kind = KIND_RESUMED if req.resumed else KIND_NEW
-            st.status[req.idx] = RUNNING
+            self._set_status(req.idx, RUNNING)
             self.running.append(req)
             if self._run_idx is not None:  # kept in step with ``running`` (no rebuild)
                 self._run_idx = np.concatenate((self._run_idx, np.array([req.idx], np.int64)))
@@ -409,7 +402,7 @@ class Scheduler:
                 list(self.alloc.rows[req.req_id]),
                 step,
                 build,
-                _Builder.WAITING_KEY + len(build.reqs),
+                _Builder.WAITING_KEY + len(build.rows),
             )
             budget -= n
         build.build(out, st)
@@ -423,7 +416,9 @@ class Scheduler:
 
         Rows that only decode into blocks they already hold ("simple") are committed in one
         go; the others take the scalar path in list order, each with the budget left at its
-        position. From the first simple row that would not fit, every row is scalar.
+        position. From the first simple row that would not fit, every row is scalar. A simple
+        row may retire its previous state block: the retire, its one pool change, is done in
+        list order among the scalar rows' pool changes.
         """
         st = self.store
         budget = self.cfg.max_num_batched_tokens
@@ -433,25 +428,36 @@ class Scheduler:
         if self._run_idx is None:
             self._run_idx = np.fromiter((r.idx for r in run), np.int64, len(run))
         idx = self._run_idx
-        eligible = st.status[idx] == RUNNING
-        if self.cfg.pp > 1:
-            eligible &= st.inflight[idx] == 0
         nc = st.nc[idx]
-        n_dec = 1 + self.k * st.has_drafts[idx]
-        # a row still holding its previous state block is simple too while the block stays
-        # (the retire check of the scalar path would change nothing): processed tokens
-        # (in-flight drafts excluded) not past ``keep_until``, which is positive, so the
-        # scalar path's clamp of processed at 0 changes nothing
-        stays = nc - st.inflight_tok[idx] <= st.keep_until[idx]
-        simple = eligible & (st.ntok[idx] - nc == 1) & stays
+        n_dec = st.n_dec[idx]
+        simple = st.ntok[idx] - nc == 1
         simple &= nc + n_dec <= st.cover[idx]  # the row covers the decode
-        want = np.where(simple, n_dec, 0)
+        # every request on the running list is RUNNING when a step starts (the finished
+        # ones were released first), so only PP makes a row ineligible (result pending)
+        if self.pp:
+            eligible = st.inflight[idx] == 0
+            simple &= eligible
+        # the scalar path retires a row's previous state block once its processed tokens
+        # (in-flight drafts excluded) pass ``keep_until`` (positive: the clamp of processed
+        # at 0 changes nothing)
+        stays = nc - st.inflight_tok[idx] <= st.keep_until[idx]
+        if self.pool.num_free >= len(run) - np.count_nonzero(simple):
+            # a running row takes at most one block, and only a non-simple one does, so no
+            # allocation of this pass meets a short pool (no eviction, no preemption): a
+            # simple row that retires is committed in one go too
+            retiring = (simple & ~stays).nonzero()[0].tolist()
+        else:
+            simple &= stays
+            retiring = []
+        scalar = eligible ^ simple if self.pp else ~simple
+        want = n_dec * simple
         cs = np.add.accumulate(want)
         taken = 0  # tokens of the rows that went through the scalar path
         start = 0
+        r = 0  # the retiring rows before ``retiring[r]`` are retired
         scalar_from = len(run)
-        # the scalar candidates: eligible but not simple (simple rows are eligible)
-        for c in [*(eligible ^ simple).nonzero()[0].tolist(), len(run)]:
+        # the scalar candidates: eligible but not simple
+        for c in [*scalar.nonzero()[0].tolist(), len(run)]:
             if c > start and int(cs[c - 1]) + taken > budget:
                 scalar_from = start + int(cs[start:c].searchsorted(budget - taken, side="right"))
                 break
@@ -462,11 +468,13 @@ class Scheduler:
             start = c + 1
             if st.status[run[c].idx] != RUNNING:
                 continue  # preempted earlier in this step
+            r = self._retire_until(c, run, retiring, r)
             t = self._schedule_one(run[c], left, step, build, key=c)
             taken += t or 0
             if self.preempted_now and t is not None:
                 scalar_from = c + 1  # a later row may be the victim: go row by row
                 break
+        self._retire_until(scalar_from, run, retiring, r)  # the later ones are scalar
         sel = want[:scalar_from].nonzero()[0]
         if len(sel):
             self._commit_simple(idx[sel], want[sel], sel, step, build)
@@ -475,10 +483,25 @@ class Scheduler:
             if left <= 0:
                 break
             req = run[pos]
-            if st.status[req.idx] != RUNNING or (self.cfg.pp > 1 and st.inflight[req.idx]):
+            if st.status[req.idx] != RUNNING or (self.pp and st.inflight[req.idx]):
                 continue
             left -= self._schedule_one(req, left, step, build, key=pos) or 0
         return left
+
+    def _retire_until(self, end: int, run: list[Request], retiring: list[int], r: int) -> int:
+        """Retire the rows ``retiring[r:]`` (running-list positions) before ``end``; returns
+        the index in ``retiring`` of the first row left."""
+        while r < len(retiring) and retiring[r] < end:
+            self._retire(run[retiring[r]])
+            r += 1
+        return r
+
+    def _retire(self, req: Request) -> None:
+        """Free the previous state block of ``req``: its processed tokens passed
+        ``keep_until``."""
+        st = self.store
+        self.alloc.retire(req.req_id, int(st.nc[req.idx] - st.inflight_tok[req.idx]))
+        st.keep_until[req.idx] = NO_LIMIT  # retire dropped the record
 
     def _commit_simple(
         self,
@@ -494,10 +517,13 @@ class Scheduler:
         nc = st.nc[ids]  # a fancy-indexed copy
         build.add_many(ids, n, nc, st.epoch[ids], keys)
         st.last_step[ids] = step
-        st.nc[ids] = nc + n
-        st.ntok[ids] += n  # optimistic: every draft accepted, plus the bonus token
-        st.has_drafts[ids] = self.k > 0
-        st.inflight[ids] += 1
+        nc_new = nc + n
+        st.nc[ids] = nc_new
+        # optimistic: every draft accepted, plus the bonus token (ntok was nc + 1)
+        st.ntok[ids] = nc_new + 1
+        st.n_dec[ids] = 1 + self.k
+        if self.pp:
+            st.inflight[ids] += 1
         st.inflight_tok[ids] += n
 
     def _schedule_one(
@@ -528,7 +554,7 @@ class Scheduler:
         if remaining <= 1:
             if remaining < 1:
                 return 0, 0
-            d = min(self.k if st.has_drafts[req.idx] else 0, budget - 1)
+            d = min(int(st.n_dec[req.idx]) - 1, budget - 1)
             return 1 + d, d
         n = min(remaining, budget)
         if n < remaining:
@@ -580,17 +606,18 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, n: int) -> list[int] | None:
         st = self.store
+        i = req.idx
         rid = req.req_id
-        # free on the processed basis: in-flight drafts may still be rejected
-        processed = int(st.nc[req.idx] - st.inflight_tok[req.idx])
-        self.alloc.retire(rid, max(processed, 0))
-        self._note_last(req)
-        end = int(st.nc[req.idx]) + n
-        row = self.alloc.rows.get(rid)
-        if row is not None and -(-end // self.B) + self.S <= len(row):
-            # the row already covers ``end``: what ``_allocate`` does when nothing is taken
-            self.alloc.allocated.add(rid)
-            self._set_row_len(req, len(row))
+        nc = int(st.nc[i])
+        # free on the processed basis: in-flight drafts may still be rejected; retire frees
+        # the previous state block exactly when processed tokens pass ``keep_until`` (which
+        # is positive, so processed is never clamped at 0 then)
+        if nc - st.inflight_tok[i] > st.keep_until[i]:
+            self._retire(req)
+        end = nc + n
+        if end <= st.cover[i]:
+            # the row already covers ``end`` (cdiv(end, B) + S <= row length): nothing to
+            # take, and a running request is in ``allocated`` already
             return []
         while True:
             try:
@@ -616,10 +643,10 @@ class Scheduler:
         self._set_row_len(req, 0)
         st.keep_until[i] = NO_LIMIT
         self._drop_running(self.running.index(req))
-        st.status[i] = WAITING
+        self._set_status(i, WAITING)
         st.nc[i] = 0
         st.ntok[i] = req.prompt_len + st.nout[i]
-        st.has_drafts[i] = False
+        st.n_dec[i] = 1
         st.inflight[i] = 0
         st.inflight_tok[i] = 0
         st.epoch[i] += 1
@@ -642,18 +669,20 @@ class Scheduler:
         st = self.store
         i = req.idx
         nc = int(st.nc[i])
-        samples = nc + n >= st.ntok[i]
-        build.add(req, kind, n, d, nc, bool(samples), int(st.epoch[i]), new_ids, key)
+        ntok = int(st.ntok[i])
+        samples = nc + n >= ntok
+        build.add(i, kind, n, d, nc, samples, int(st.epoch[i]), new_ids, key)
         if st.first_step[i] < 0:
             st.first_step[i] = step
         st.last_step[i] = step
         req.resumed = False
         st.nc[i] = nc + n
         if samples:
-            st.ntok[i] += 1 + d  # optimistic: every draft accepted, plus the bonus token
+            st.ntok[i] = ntok + 1 + d  # optimistic: every draft accepted, plus the bonus token
             # the drafter proposes in the same step, so the next step carries k drafts
-            st.has_drafts[i] = self.k > 0
-        st.inflight[i] += 1
+            st.n_dec[i] = 1 + self.k
+        if self.pp:
+            st.inflight[i] += 1
         st.inflight_tok[i] += n
 
     # ------------------------------------------------------------------ results
@@ -664,7 +693,7 @@ class Scheduler:
             return []
         st = self.store
         idx = so.idx
-        valid = (so.epoch == st.epoch[idx]) & (st.status[idx] == RUNNING)
+        valid = so.epoch == st.live_epoch[idx]  # same epoch, still RUNNING
         if np.count_nonzero(valid) < len(valid):
             keep = valid.nonzero()[0]
             idx = idx[keep]
@@ -676,7 +705,8 @@ class Scheduler:
             acc, nc_before = accepted, so.num_computed
             pos = None
         reqs = so.reqs
-        st.inflight[idx] -= 1
+        if self.pp:
+            st.inflight[idx] -= 1
         st.inflight_tok[idx] -= n
         if np.count_nonzero(samples) == len(samples):  # the common step: every row sampled
             rejected = d + 1 - acc
@@ -702,7 +732,7 @@ class Scheduler:
         for p in done.tolist():
             req = reqs[p if pos is None else pos[p]]
             req.finish_reason = "length" if req.output_len >= req.arrival.max_tokens else "stop"
-            st.status[req.idx] = FINISHING
+            self._set_status(req.idx, FINISHING)
             self.to_finish.append(req)
             finished.append(req)
         return finished
@@ -723,4 +753,9 @@ class Scheduler:
             pass
         else:
             self._drop_running(pos)
-        self.store.status[req.idx] = FINISHED
+        self._set_status(req.idx, FINISHED)
+
+    def _set_status(self, i: int, status: int) -> None:
+        st = self.store
+        st.status[i] = status
+        st.live_epoch[i] = st.epoch[i] if status == RUNNING else -1
