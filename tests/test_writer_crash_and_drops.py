@@ -145,7 +145,7 @@ def _idle_rounds(tmp_path: Path, name: str, idle_s: float) -> tuple[int, TraceWr
 
 def test_idle_writer_sleeps_until_a_step_arrives(tmp_path: Path, monkeypatch) -> None:
     """An idle writer thread does not poll (it would take the core from a producer that
-    shares it); a step queued while it sleeps wakes it and reaches a part."""
+    shares it); a step queued while it sleeps still reaches a part."""
     import mgtrace.schemas.writer as writer_module
 
     idle_s = 0.5

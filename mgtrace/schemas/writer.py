@@ -47,7 +47,8 @@ log = logging.getLogger("mgtrace.writer")
 PART_SUFFIX = ".parquet"
 TMP_SUFFIX = ".tmp"
 COMPRESSION = "zstd"
-IDLE_WAKE_S = 0.25  # the writer thread's longest sleep (it is woken by new steps and close)
+IDLE_WAKE_S = 0.25  # the writer thread's longest sleep (steps then wait at most this long)
+WAKE_BATCH = 64  # queued single steps that wake the writer thread before IDLE_WAKE_S
 
 Columns = Mapping[str, Any]
 StepTables = Mapping[str, Columns]
@@ -394,8 +395,10 @@ class TraceWriter:
         self._bytes_written = 0
         self._failed: str | None = None
         self._closing = threading.Event()
-        # set when the queue turns non-empty (and on close): the thread sleeps until then,
-        # or until a part is due, instead of polling a producer that shares its core
+        # set by a bulk item, by the WAKE_BATCH-th queued step and on close: the thread sleeps
+        # until then, or until a part is due or IDLE_WAKE_S passes, instead of polling a
+        # producer that shares its core (a wake-up per single step would cost that producer
+        # a lock and a notify per call)
         self._wake = threading.Event()
         self._closed = False
         self._lock = threading.Lock()  # guards manifest mutation between threads
@@ -410,7 +413,7 @@ class TraceWriter:
             return False
         self._queue.append((rank, step, tables))
         self._steps_queued += 1
-        if len(self._queue) == 1:
+        if len(self._queue) == WAKE_BATCH:  # single steps wake the thread a batch at a time
             self._wake.set()
         return True
 
@@ -431,8 +434,7 @@ class TraceWriter:
             return False
         self._queue.append((rank, (first, last), tables))
         self._steps_queued += last - first + 1
-        if len(self._queue) == 1:
-            self._wake.set()
+        self._wake.set()  # a bulk item is many steps: worth a wake-up
         return True
 
     def write_rows(self, table: str, columns: Columns) -> None:
@@ -509,7 +511,7 @@ class TraceWriter:
     def _run(self) -> None:
         last_flush = time.monotonic()
         while True:
-            self._wake.clear()  # before the drain: a step queued after it wakes the wait
+            self._wake.clear()  # before the drain: a wake-up during it is kept for the wait
             drained = self._drain()
             now = time.monotonic()
             pending_rows = max((p.rows for p in self._pending.values()), default=0)
