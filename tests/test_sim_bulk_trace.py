@@ -13,6 +13,7 @@ from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
 from mgtrace.schemas.writer import TraceWriter
 from mgtrace.sim import SimConfig, simulate
+from mgtrace.sim.columns import GroupIds, ReqIds
 from mgtrace.sim.runner_common import Nullable
 from mgtrace.sim.trace_buffer import StepBuffer
 
@@ -139,3 +140,46 @@ def test_buffer_joins_every_column_form(tmp_path: Path) -> None:
         None,
     ]
     assert [r["kernel"] for r in rows][-1] == "aligned_indices"
+
+
+def test_buffer_joins_compact_columns(tmp_path: Path) -> None:
+    """Request numbers and sparse block ids: the same rows as their plain lists through
+    write_step, including a chunk without rows (an empty batch) last in the flush, a
+    chunk without the block-id column, and a flush of empty chunks only."""
+    names = np.array([f"req-{i}" for i in range(6)], dtype=object)
+    grown = np.concatenate((names, np.array(["req-6", "req-7"], dtype=object)))
+    chunks = [
+        {
+            "req_id": ReqIds(np.array([4, 2]), names),
+            "kind": np.array([1, 1], np.int8),
+            "new_block_ids": GroupIds(2, {1: [7, 8]}),
+        },
+        {
+            "req_id": ReqIds(np.array([2, 7, 5]), grown),
+            "kind": np.array([0, 1, 1], np.int8),
+            "new_block_ids": GroupIds(3, {0: [9]}),
+        },
+        {"req_id": ReqIds(np.array([3]), grown), "kind": np.array([3], np.int8)},
+        {
+            "req_id": ReqIds(np.zeros(0, np.int64), np.empty(0, dtype=object)),
+            "kind": np.zeros(0, np.int8),
+            "new_block_ids": GroupIds(0, {}),
+        },
+    ]
+    with TraceWriter(tmp_path / "single") as w:
+        for s, chunk in enumerate(chunks):
+            w.write_step(
+                0, s, {"sched": {k: v.tolist() if k != "kind" else v for k, v in chunk.items()}}
+            )
+    with TraceWriter(tmp_path / "bulk") as w:
+        buf = StepBuffer(w, steps_per_write=10)
+        for s, chunk in enumerate(chunks):
+            buf.add(0, s, "sched", chunk)
+        buf.flush()
+        buf.add(0, 4, "sched", chunks[-1])  # a flush of an empty batch only
+        buf.flush()
+    single, bulk = TraceReader(tmp_path / "single"), TraceReader(tmp_path / "bulk")
+    assert single.table("sched").to_pylist() == bulk.table("sched").to_pylist()
+    rows = bulk.table("sched").to_pylist()
+    assert [r["req_id"] for r in rows] == ["req-4", "req-2", "req-2", "req-7", "req-5", "req-3"]
+    assert [r["new_block_ids"] for r in rows] == [[[]], [[7, 8]], [[9]], [[]], [[]], None]

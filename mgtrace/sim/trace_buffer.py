@@ -211,8 +211,12 @@ def _join_req_ids(values: list[ReqIds]) -> pa.DictionaryArray:
     """Request ids as codes into the ids of the requests numbered between the lowest and
     the highest code (the requests live in these steps, a short window of the run)."""
     codes = np.concatenate([v.codes for v in values])
+    if not len(codes):
+        return pa.DictionaryArray.from_arrays(pa.array([], pa.int32()), pa.array([], pa.string()))
     lo, hi = int(codes.min()), int(codes.max())
-    names = values[-1].names  # the newest array holds every id the others hold
+    # the longest (newest) array holds every id the others hold; an empty chunk may
+    # carry an empty one
+    names = max((v.names for v in values), key=len)
     indices = pa.array((codes - lo).astype(np.int32, copy=False))
     return pa.DictionaryArray.from_arrays(
         indices, pa.array(names[lo : hi + 1].tolist(), pa.string())
