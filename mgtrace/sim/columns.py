@@ -52,3 +52,6 @@ class ReqIds:
 
     def tolist(self) -> list[str]:
         return self.names[self.codes].tolist()
+
+
+COMPACT_COLUMNS = (GroupIds, ReqIds)  # the forms above; ``tolist`` gives their plain values

@@ -21,7 +21,7 @@ from mgtrace.errors import UsageError
 from mgtrace.schemas.manifest import Manifest
 from mgtrace.schemas.writer import TraceWriter
 from mgtrace.sim.bugs import GroundTruth
-from mgtrace.sim.columns import GroupIds, ReqIds
+from mgtrace.sim.columns import COMPACT_COLUMNS
 from mgtrace.sim.config import SimConfig
 from mgtrace.sim.runner_common import Nullable
 from mgtrace.sim.runner_v1 import RunnerV1
@@ -32,7 +32,6 @@ from mgtrace.sim.trace_buffer import StepBuffer
 from mgtrace.sim.workload import Client, step_seconds
 
 ProgressFn = Callable[[int], None]
-_COMPACT = (GroupIds, ReqIds)
 QUEUE_HIGH_WATER = 2048  # steps queued in the writer before the loop waits for it
 STEPS_PER_WRITE = 64  # steps buffered per rank and table before one bulk hand-over
 
@@ -132,7 +131,7 @@ def _for_writer(columns: dict[str, Any]) -> dict[str, Any]:
     """A chunk in the writer's forms: a Nullable column as a masked array, the compact
     columns as lists."""
     return {
-        k: v.masked() if type(v) is Nullable else v.tolist() if type(v) in _COMPACT else v
+        k: v.masked() if type(v) is Nullable else v.tolist() if type(v) in COMPACT_COLUMNS else v
         for k, v in columns.items()
     }
 

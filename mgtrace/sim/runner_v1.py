@@ -30,8 +30,6 @@ from mgtrace.sim.runner_common import (
 )
 from mgtrace.sim.scheduler import KIND_CACHED, KIND_RESUMED, SchedOut
 
-_NO_NAMES = np.empty(0, dtype=object)
-
 
 class _Cols(NamedTuple):
     """A step's recorded int32 columns, shared by the tables and launches that record them."""
@@ -305,7 +303,7 @@ class RunnerV1:
             step,
             n,
             ridx,
-            so.reqs[0].store.req_ids if n else _NO_NAMES,
+            so.names,
             cols,
             prompt,
             consumed,

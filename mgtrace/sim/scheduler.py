@@ -191,6 +191,8 @@ class SchedOut:
     epoch: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # position -> ids
     req_ids: list[str] = field(default_factory=list)
+    # the run's request ids by request number, as of this step (request numbers index it)
+    names: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
     finished: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     total_tokens: int = 0
@@ -322,6 +324,7 @@ class _Builder:
         out.samples = mat[_SAMPLES].astype(bool)
         out.epoch = mat[_EPOCH]
         out.req_ids = store.req_ids[out.idx].tolist()
+        out.names = store.req_ids
 
 
 class Scheduler:

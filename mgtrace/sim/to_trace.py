@@ -102,9 +102,8 @@ def sched_rows(so: SchedOut) -> list[dict[str, Any]]:
     chunks: list[dict[str, Any]] = []
     m = len(so)
     if m:
-        names = so.reqs[0].store.req_ids
         rows: dict[str, Any] = {
-            "req_id": ReqIds(so.idx, names),
+            "req_id": ReqIds(so.idx, so.names),
             "kind": _KIND_CODES[so.kind],
             "num_scheduled": so.num_scheduled.astype(np.int32),
             "num_computed": so.num_computed.astype(np.int32),
@@ -127,7 +126,7 @@ def sched_rows(so: SchedOut) -> list[dict[str, Any]]:
             {
                 "req_id": ReqIds(
                     np.array([r.idx for r in (*so.finished, *so.preempted)], np.int64),
-                    (so.finished or so.preempted)[0].store.req_ids,
+                    so.names,
                 ),
                 "kind": kinds,
             }

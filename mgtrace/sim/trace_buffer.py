@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from mgtrace.schemas.tables import TABLES, categories_of
 from mgtrace.schemas.writer import TraceWriter
-from mgtrace.sim.columns import GroupIds, ReqIds
+from mgtrace.sim.columns import COMPACT_COLUMNS, GroupIds, ReqIds
 from mgtrace.sim.runner_common import Nullable
 
 Columns = Mapping[str, Any]
@@ -74,7 +74,6 @@ _ARRAY_OR_NONE = frozenset((np.ndarray, _NONE))
 _NONE_ONLY = frozenset((_NONE,))
 _GROUP_IDS_OR_NONE = frozenset((GroupIds, _NONE))
 _REQ_IDS_ONLY = frozenset((ReqIds,))
-_COMPACT = frozenset((GroupIds, ReqIds))
 
 
 def _is_scalar(v: Any) -> bool:
@@ -273,7 +272,7 @@ class _TableBuffer:
                 out[name] = _join_group_ids(values, counts)
             else:
                 out[name] = _join_list(
-                    [v.tolist() if type(v) in _COMPACT else v for v in values], counts
+                    [v.tolist() if type(v) in COMPACT_COLUMNS else v for v in values], counts
                 )
         return out
 
