@@ -183,3 +183,32 @@ def test_buffer_joins_compact_columns(tmp_path: Path) -> None:
     rows = bulk.table("sched").to_pylist()
     assert [r["req_id"] for r in rows] == ["req-4", "req-2", "req-2", "req-7", "req-5", "req-3"]
     assert [r["new_block_ids"] for r in rows] == [[[]], [[7, 8]], [[9]], [[]], [[]], None]
+
+
+def test_buffer_joins_arrays_nullable_and_absent_columns(tmp_path: Path) -> None:
+    """Numeric columns given as arrays, as ``Nullable`` and not at all (null rows) are joined
+    in whole-buffer steps: the same rows as write_step, nulls where a mask or a missing
+    column puts them (the control: a join that dropped the masks would give their values)."""
+    chunks = [
+        {"req_id": ["a", "b"], "kind": "cached", "num_prompt": np.array([5, 6], np.int32)},
+        {
+            "req_id": ["c", "d", "e"],
+            "kind": "new",
+            "num_prompt": Nullable(np.array([7, 8, 9], np.int32), np.array([0, 1, 0], bool)),
+        },
+        {"req_id": ["f"], "kind": "finished"},
+        {"req_id": ["g"], "kind": "new", "num_prompt": np.array([10], np.int64)},
+    ]
+    with TraceWriter(tmp_path / "single") as w:
+        for s, chunk in enumerate(chunks):
+            plain = {k: v.masked() if type(v) is Nullable else v for k, v in chunk.items()}
+            w.write_step(0, s, {"sched": plain})
+    with TraceWriter(tmp_path / "bulk") as w:
+        buf = StepBuffer(w, steps_per_write=10)
+        for s, chunk in enumerate(chunks):
+            buf.add(0, s, "sched", chunk)
+        buf.flush()
+    single, bulk = TraceReader(tmp_path / "single"), TraceReader(tmp_path / "bulk")
+    assert single.table("sched").to_pylist() == bulk.table("sched").to_pylist()
+    prompts = bulk.table("sched").column("num_prompt").to_pylist()
+    assert prompts == [5, 6, 7, None, 9, None, 10]

@@ -16,7 +16,13 @@ from mgtrace.schemas.manifest import MANIFEST_NAME, load_manifest, save_manifest
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.sample import SAMPLE_RUN, sample_step
 from mgtrace.schemas.tables import SCHEMA_VERSION, TABLES
-from mgtrace.schemas.writer import TraceWriter, append_table
+from mgtrace.schemas.writer import (
+    BULK_CHUNK_ROWS,
+    PLAIN_COLUMNS,
+    TraceWriter,
+    _column,
+    append_table,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -350,3 +356,68 @@ def test_arrow_arrays_are_taken_as_they_are(tmp_path: Path) -> None:
     assert sched.column("new_block_ids").to_pylist() == [[[3, 4]], [[]], None] * 2
     assert sched.column("req_id").type == pa.string()
     assert sched.column("req_id").to_pylist() == ["b", "a", "b", "c", "d", "a"]
+
+
+def test_bulk_numeric_columns_become_arrow_chunks_with_their_values(tmp_path: Path) -> None:
+    """Bulk chunks of many rows reach the part as Arrow chunks of their own arrays (no
+    joined copy), with plain, masked and absent (null) columns read back as given; chunks
+    of a few rows are joined into one array (the control: the path does depend on size)."""
+    n = BULK_CHUNK_ROWS
+    computed = [np.arange(n, dtype=np.int32) + 7 * i for i in range(3)]
+    accepted = np.ma.MaskedArray(np.ones(n, np.int32), mask=np.arange(n) % 3 == 0)
+    chunks = [
+        {"step": np.full(n, s, np.int64), "batch_row": np.arange(n, dtype=np.int32)}
+        | {"req_id": "r", "num_computed": computed[s]}
+        | ({"accepted": accepted} if s != 1 else {})
+        for s in range(3)
+    ]
+    with TraceWriter(tmp_path / "t") as w:
+        for s, chunk in enumerate(chunks):
+            w.write_steps(0, s, s, {"batch_rows": chunk})
+    t = TraceReader(tmp_path / "t").table("batch_rows")
+    assert t.column("num_computed").to_pylist() == np.concatenate(computed).tolist()
+    assert t.column("step").to_pylist() == [0] * n + [1] * n + [2] * n
+    expected = accepted.tolist()
+    assert t.column("accepted").to_pylist() == expected + [None] * n + expected
+
+    field = TABLES["batch_rows"].schema.field("num_computed")
+    big = _column(computed, [n] * 3, field)
+    assert isinstance(big, pa.ChunkedArray) and big.num_chunks == 3
+    assert big.chunk(0).buffers()[1].address == computed[0].ctypes.data  # not copied
+    small = _column([c[:4] for c in computed], [4] * 3, field)
+    assert isinstance(small, pa.Array) and small.to_pylist() == [
+        v for c in computed for v in c[:4].tolist()
+    ]
+
+
+def test_dictionary_pages_only_for_columns_where_they_pay(tmp_path: Path) -> None:
+    """Row positions are written plain; counts, steps and strings through a dictionary page
+    (the control: a column outside ``PLAIN_COLUMNS`` does get one)."""
+    assert "batch_row" in PLAIN_COLUMNS and "num_computed" not in PLAIN_COLUMNS
+    with TraceWriter(tmp_path / "t") as w:
+        w.write_step(
+            0,
+            0,
+            {
+                "batch_rows": {
+                    "batch_row": np.arange(4, dtype=np.int32),
+                    "req_id": ["a", "b", "c", "d"],
+                    "num_computed": np.array([5, 9, 5, 9], np.int32),
+                }
+            },
+        )
+    part = next((tmp_path / "t" / "batch_rows").glob("*.parquet"))
+    meta = pq.ParquetFile(part).metadata.row_group(0)
+    names = pq.read_schema(part).names
+    has_dictionary = {
+        name: meta.column(names.index(name)).has_dictionary_page
+        for name in ("batch_row", "num_computed", "req_id", "step")
+    }
+    assert has_dictionary == {
+        "batch_row": False,
+        "num_computed": True,
+        "req_id": True,
+        "step": True,
+    }
+    rows = TraceReader(tmp_path / "t").table("batch_rows").to_pylist()
+    assert [r["num_computed"] for r in rows] == [5, 9, 5, 9]

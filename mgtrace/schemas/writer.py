@@ -12,6 +12,7 @@ buffers must hand over copies.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -49,6 +50,7 @@ TMP_SUFFIX = ".tmp"
 COMPRESSION = "zstd"
 IDLE_WAKE_S = 0.25  # the writer thread's longest sleep (steps then wait at most this long)
 WAKE_BATCH = 64  # queued single steps that wake the writer thread before IDLE_WAKE_S
+BULK_CHUNK_ROWS = 1024  # rows per chunk, on average, from which chunks are not joined
 
 Columns = Mapping[str, Any]
 StepTables = Mapping[str, Columns]
@@ -142,7 +144,7 @@ def _numeric_chunks(values: list[Any], counts: list[int], type_: pa.DataType) ->
             if scalars.shape != (len(values),):
                 return None
             return pa.array(np.repeat(scalars, counts), type=type_)
-        joined = np.concatenate(values)
+        joined = np.asarray(values[0]) if len(values) == 1 else np.concatenate(values)
     except (ValueError, TypeError):
         return None
     if joined.shape != (sum(counts),) or joined.dtype == object:  # object: nulls inside
@@ -175,9 +177,12 @@ def _masked_numeric_chunks(
             masks.append(np.zeros(n, bool))
         else:
             return None
-    return pa.array(
-        np.concatenate(data).astype(np_type, copy=False), type=type_, mask=np.concatenate(masks)
-    )
+    return pa.array(_join(data).astype(np_type, copy=False), type=type_, mask=_join(masks))
+
+
+def _join(arrays: list[np.ndarray]) -> np.ndarray:
+    """One array from several; a single one as it is (Arrow then takes it without a copy)."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _scalar_string_chunks(values: list[Any], counts: list[int]) -> pa.Array | None:
@@ -191,24 +196,34 @@ def _scalar_string_chunks(values: list[Any], counts: list[int]) -> pa.Array | No
         count=len(values),
     )
     repeated = np.repeat(codes, counts)
-    return _dictionary(repeated, list(uniques), repeated < 0 if (codes < 0).any() else None)
+    dictionary = pa.array(list(uniques), pa.string())
+    return _dictionary(repeated, dictionary, repeated < 0 if (codes < 0).any() else None)
 
 
 def _category_chunks(values: list[Any], categories: tuple[str, ...]) -> pa.Array:
     """Integer codes into a categorical column's values, kept as dictionary codes."""
-    codes = np.concatenate(values).astype(np.int32, copy=False)
+    codes = _join(values).astype(np.int32, copy=False)
     # a bad code becomes null (checked in numpy: cheaper than three Arrow kernels)
     bad = (codes < 0) | (codes >= len(categories))
-    return _dictionary(codes, categories, bad if bad.any() else None)
+    return _dictionary(codes, _category_values(categories), bad if bad.any() else None)
 
 
-def _dictionary(codes: np.ndarray, values: Any, nulls: np.ndarray | None) -> pa.DictionaryArray:
+@functools.cache
+def _category_values(categories: tuple[str, ...]) -> pa.Array:
+    """A categorical column's values as one Arrow array, built once: every part and bulk
+    chunk takes it as its dictionary (building it from the tuple costs ~10 us a time)."""
+    return pa.array(categories, pa.string())
+
+
+def _dictionary(
+    codes: np.ndarray, values: pa.Array, nulls: np.ndarray | None
+) -> pa.DictionaryArray:
     """A string column as codes into its values. Parquet stores a dictionary page either
     way; handing it the dictionary spares decoding every row to a string and hashing it
     back. Readers get plain strings: ``TraceReader`` reads with the table's schema, and
     DuckDB sees a Parquet string column."""
     indices = pa.array(codes, pa.int32(), mask=nulls)
-    return pa.DictionaryArray.from_arrays(indices, pa.array(values, pa.string()))
+    return pa.DictionaryArray.from_arrays(indices, values)
 
 
 def _as_type(array: pa.Array, type_: pa.DataType) -> pa.Array:
@@ -219,6 +234,23 @@ def _as_type(array: pa.Array, type_: pa.DataType) -> pa.Array:
     if pa.types.is_dictionary(array.type) and array.type.value_type == type_:
         return array.cast(pa.dictionary(pa.int32(), type_))
     return array.cast(type_)
+
+
+def _column(values: list[Any], counts: list[int], field: pa.Field) -> pa.Array | pa.ChunkedArray:
+    """One column of a part. Numeric chunks and category codes of many rows each (bulk
+    hand-overs) become one Arrow chunk each, from their arrays without a copy: joining them
+    first copied every value once more. Short chunks (single steps) are joined: an Arrow
+    chunk each would cost more than the copy."""
+    if (
+        len(values) > 1
+        and sum(counts) >= BULK_CHUNK_ROWS * len(values)
+        and (
+            _is_numeric(field.type) or (categories_of(field) and all(_is_codes(v) for v in values))
+        )
+    ):
+        arrays = [_chunks_to_arrow([v], [n], field) for v, n in zip(values, counts, strict=True)]
+        return pa.chunked_array(arrays)
+    return _chunks_to_arrow(values, counts, field)
 
 
 def _chunks_to_arrow(values: list[Any], counts: list[int], field: pa.Field) -> pa.Array:
@@ -284,17 +316,17 @@ class _Pending:
                     c["step"] if s is None else s
                     for c, s in zip(self.chunks, self.steps, strict=True)
                 ]
-                arrays.append(_chunks_to_arrow(values, self.counts, f))
+                arrays.append(_column(values, self.counts, f))
             else:
                 values = [c.get(name) for c in self.chunks]
                 if all(v is None for v in values):
                     arrays.append(pa.nulls(rows, f.type))
                 else:
-                    arrays.append(_chunks_to_arrow(values, self.counts, f))
+                    arrays.append(_column(values, self.counts, f))
         return pa.Table.from_arrays(arrays, schema=_with_array_types(spec.schema, arrays))
 
 
-def _with_array_types(schema: pa.Schema, arrays: list[pa.Array]) -> pa.Schema:
+def _with_array_types(schema: pa.Schema, arrays: list[pa.Array | pa.ChunkedArray]) -> pa.Schema:
     """``schema`` with a dictionary type where a string column came as dictionary codes
     (field names, nullability and metadata kept)."""
     for i, array in enumerate(arrays):
@@ -303,16 +335,53 @@ def _with_array_types(schema: pa.Schema, arrays: list[pa.Array]) -> pa.Schema:
     return schema
 
 
+# Columns written without a dictionary page. Dictionary pages suit strings, step numbers and
+# token and accepted counts (values repeat within a part but follow no pattern); row, slot and
+# state-column positions and small counts come in runs and sequences that zstd packs as well
+# from plain values, and encoding them through a dictionary took two to three times as long
+# (simulated traces: a fifth off the part encoding time at the same size). List columns go
+# plain as well (their values are nested leaves, not named here): the same size either way.
+PLAIN_COLUMNS = frozenset(
+    {
+        "rank",
+        "group",
+        "seq",
+        "row",
+        "row_a",
+        "row_b",
+        "batch_row",
+        "req_slot",
+        "bt_row",
+        "state_idx",
+        "src_col",
+        "prev_state_col",
+        "state_col",
+        "num_scheduled",
+        "num_draft",
+        "num_spec",
+        "num_prompt",
+        "seq_len",
+        "is_prefilling",
+        "accepted_prev_cpu",
+        "num_accepted_cpu",
+    }
+)
+
+
 def write_part_file(trace_dir: Path, rel_path: str, table: pa.Table) -> PartInfo:
     """Write one Parquet part atomically (temporary name, then rename) and describe it."""
     sink = pa.BufferOutputStream()
-    # Dictionary pages suit these columns (ids, columns, counts repeat within a part) and make
-    # zstd cheaper; statistics are kept for the key columns that queries prune on. (Integer
-    # columns byte-stream split write a fifth quicker and smaller, but only DuckDB releases
-    # from 2026 read that: traces are shared, so they stay readable by older readers.)
+    # Statistics are kept for the key columns that queries prune on. (Integer columns
+    # byte-stream split write a fifth quicker and smaller, but only DuckDB releases from 2026
+    # read that: traces are shared, so they stay readable by older readers.)
     keys = [n for n in ("rank", "step") if n in table.column_names]
+    dictionary = [n for n in table.column_names if n not in PLAIN_COLUMNS]
     pq.write_table(
-        table, sink, compression=COMPRESSION, use_dictionary=True, write_statistics=keys or False
+        table,
+        sink,
+        compression=COMPRESSION,
+        use_dictionary=dictionary,
+        write_statistics=keys or False,
     )
     data = sink.getvalue()
     target = trace_dir / rel_path

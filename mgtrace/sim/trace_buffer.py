@@ -70,7 +70,7 @@ def _rows(columns: Columns) -> int:
 _NONE = type(None)
 _SEQUENCES = frozenset((list, tuple, np.ndarray, np.ma.MaskedArray, Nullable, GroupIds, ReqIds))
 _ARRAY_ONLY = frozenset((np.ndarray,))
-_ARRAY_OR_NONE = frozenset((np.ndarray, _NONE))
+_ARRAYS_OR_NONE = frozenset((np.ndarray, Nullable, _NONE))
 _NONE_ONLY = frozenset((_NONE,))
 _GROUP_IDS_OR_NONE = frozenset((GroupIds, _NONE))
 _REQ_IDS_ONLY = frozenset((ReqIds,))
@@ -89,14 +89,10 @@ def _join_numeric(values: list[Any], counts: np.ndarray, dtype: np.dtype, types:
         joined = np.concatenate(values)
         if joined.dtype != object:
             return joined.astype(dtype, copy=False)
-    given = [v for v in values if v is not None]
-    if types <= _ARRAY_OR_NONE and all(v.dtype != object for v in given):
-        # arrays, and chunks without the column (a launch kind that does not record it):
-        # null rows where a chunk gave nothing, without a per-chunk loop
-        mask = np.repeat(np.array([v is None for v in values]), counts)
-        data = np.zeros(len(mask), dtype)
-        data[~mask] = np.concatenate(given)
-        return np.ma.MaskedArray(data, mask)
+    if types <= _ARRAYS_OR_NONE:
+        joined = _join_arrays(values, counts, dtype, types)
+        if joined is not None:
+            return joined
     if types.isdisjoint(_SEQUENCES):
         if _NONE in types:
             mask = np.array([v is None for v in values])
@@ -137,6 +133,33 @@ def _join_numeric(values: list[Any], counts: np.ndarray, dtype: np.dtype, types:
         [np.zeros(len(d), bool) if m is None else m for d, m in zip(data, masks, strict=True)]
     )
     return np.ma.MaskedArray(joined, mask)
+
+
+def _join_arrays(
+    values: list[Any], counts: np.ndarray, dtype: np.dtype, types: set[type]
+) -> Any | None:
+    """Arrays, ``Nullable`` columns and chunks without the column (null rows) joined by a
+    few whole-buffer operations, not one per chunk; None when an array holds objects."""
+    given = [v for v in values if v is not None]
+    arrays = [v.data if type(v) is Nullable else v for v in given]
+    if any(a.dtype == object for a in arrays):
+        return None
+    joined = np.concatenate(arrays)
+    null = None
+    if Nullable in types:
+        null = np.concatenate(
+            [v.mask if type(v) is Nullable else np.zeros(len(v), bool) for v in given]
+        )
+    if _NONE not in types:
+        joined = joined.astype(dtype, copy=False)
+        return joined if null is None else np.ma.MaskedArray(joined, null)
+    absent = np.repeat(np.array([v is None for v in values]), counts)
+    present = ~absent
+    data = np.zeros(len(absent), dtype)
+    data[present] = joined
+    if null is not None:
+        absent[present] = null
+    return np.ma.MaskedArray(data, absent)
 
 
 class _NotACategory(Exception):
