@@ -20,21 +20,49 @@ from mgtrace.schemas.manifest import RunMetadata
 pytestmark = pytest.mark.unit
 
 
-def _so(ids: list[str], computed: int) -> SimpleNamespace:
+def _so(ids: list[str], computed: int, step: int = 0) -> SimpleNamespace:
+    """A scheduler output; some steps admit a request (by prompt tokens or by prompt
+    length), resume, finish or preempt one."""
+    new = []
+    if step % 4 == 1:
+        new.append(
+            SimpleNamespace(
+                req_id=f"n{step}",
+                prompt_token_ids=[1] * step,
+                num_computed_tokens=0,
+                block_ids=([step, step + 1],),
+            )
+        )
+    if step % 6 == 3:
+        new.append(
+            SimpleNamespace(
+                req_id=f"m{step}", prompt_len=step + 2, num_computed_tokens=1, block_ids=([],)
+            )
+        )
     return SimpleNamespace(
         total_num_scheduled_tokens=4 * len(ids),
         num_scheduled_tokens=dict.fromkeys(ids, 4),
         scheduled_spec_decode_tokens={r: [7, 8, 9] for r in ids},
-        scheduled_new_reqs=[],
+        scheduled_new_reqs=new,
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=list(ids),
-            resumed_req_ids=set(),
+            resumed_req_ids={ids[2]} if step % 4 == 2 else set(),
             new_block_ids=[None] * len(ids),
             num_computed_tokens=[computed] * len(ids),
         ),
-        finished_req_ids=set(),
-        preempted_req_ids=set(),
+        finished_req_ids={ids[0]} if step % 5 == 0 else set(),
+        preempted_req_ids={ids[3]} if step % 5 == 3 else set(),
     )
+
+
+def _new_requests(so: Any) -> list[tuple[Any, ...]]:
+    out = []
+    for r in so.scheduled_new_reqs:
+        plen = getattr(r, "prompt_len", None)
+        if plen is None:
+            plen = len(r.prompt_token_ids)
+        out.append((r.req_id, plen, r.num_computed_tokens, r.block_ids))
+    return out
 
 
 def _records(steps: int) -> list[dict[str, Any]]:
@@ -50,7 +78,7 @@ def _records(steps: int) -> list[dict[str, Any]]:
             {
                 "step": step,
                 "wall_ns": 1000 + step,
-                "so": _so(ids, 10 + step),
+                "so": _so(ids, 10 + step, step),
                 "moves": [("swap", 1, 4, ids[1], ids[4], 1, 2)],
                 "req_ids": ids,
                 "computed": np.arange(6, dtype=np.int32) + step,
@@ -75,18 +103,21 @@ def _same_record(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
             for name in ("num_scheduled_tokens", "total_num_scheduled_tokens"):
                 if getattr(mine, name) != getattr(value, name):
                     bad.append(f"so.{name}")
-            for name in ("req_ids", "num_computed_tokens", "new_block_ids"):
+            for name in ("req_ids", "num_computed_tokens", "new_block_ids", "resumed_req_ids"):
                 a = getattr(mine.scheduled_cached_reqs, name)
                 if a != getattr(value.scheduled_cached_reqs, name):
                     bad.append(f"so.cached.{name}")
+            for name in ("finished_req_ids", "preempted_req_ids"):
+                if getattr(mine, name) != getattr(value, name):
+                    bad.append(f"so.{name}")
+            if _new_requests(mine) != _new_requests(value):
+                bad.append("so.new")
         elif key == "bt":
             for (g1, r1, c1), (g2, r2, c2) in zip(mine, value, strict=True):
                 if g1 != g2 or not np.array_equal(r1, r2) or not np.array_equal(c1, c2):
                     bad.append("bt")
-        elif key == "staged":
-            if mine.keys() != value.keys() or any(
-                not np.array_equal(mine[k], v) for k, v in value.items()
-            ):
+        elif key == "staged":  # engine-side only: the post-process launch's tag carries it
+            if mine is not None:
                 bad.append("staged")
         elif isinstance(value, np.ndarray):
             if mine.dtype != value.dtype or not np.array_equal(mine, value):

@@ -8,7 +8,7 @@ raised. When the session is not live, a wrapper is a plain pass-through.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mgtrace.recorder.assemble import BOUND_PTRS
@@ -86,10 +86,14 @@ def arg(
     return kwargs.get(name, default)
 
 
-def call_args(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]) -> list[Any]:
+def call_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]
+) -> Sequence[Any]:
     """Arguments after self, by name, however the caller passed them (one fast path each
     for all-positional and all-keyword calls, which is how vLLM calls the launchers)."""
     if not kwargs:
+        if len(args) == len(names) + 1:
+            return args[1:]
         got = list(args[1:])
         return got + [None] * (len(names) - len(got))
     if len(args) == 1:
@@ -183,8 +187,28 @@ def _tag(
     }
 
 
-def _np(buf: Any, n: int) -> Any:
-    return None if buf is None else raw(buf.np[:n])
+def _cpu(ctx: Any, n: int, bufs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """The CPU-staged side of a launch's inputs: (name, buffer attribute) pairs, raw, for
+    the buffers the context has."""
+    out = {}
+    for name, attr in bufs:
+        buf = getattr(ctx, attr)
+        if buf is not None:
+            out[name] = raw(buf.np[:n])
+    return out
+
+
+_PRECOPY_CPU = (
+    ("state_idx", "mamba_state_idx_buf"),
+    ("src_col", "precopy_src_col_buf"),
+    ("token_bias", "precopy_token_bias_buf"),
+)
+_POST_CPU = (
+    ("state_idx", "mamba_state_idx_buf"),
+    ("num_scheduled", "num_scheduled_tokens_buf"),
+    ("num_computed", "num_computed_tokens_buf"),
+    ("num_draft", "num_draft_tokens_buf"),
+)
 
 
 _PRECOPY = ("num_reqs", "state_idx_gpu", "src_col_gpu", "token_bias_gpu", "idx_mapping")
@@ -211,11 +235,6 @@ def _precopy(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
     if n == 0 or not ctx.is_initialized or sess.rec is None:
         return
     if idx is None:  # V1: staged in batch order, read as [:n]
-        cpu = {
-            "state_idx": _np(ctx.mamba_state_idx_buf, n),
-            "src_col": _np(ctx.precopy_src_col_buf, n),
-            "token_bias": _np(ctx.precopy_token_bias_buf, n),
-        }
         sess.grab(
             [sidx, src, bias],
             [n, n, n],
@@ -225,7 +244,7 @@ def _precopy(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
                 "precopy",
                 n,
                 ["state_idx", "src_col", "token_bias"],
-                cpu={k: v for k, v in cpu.items() if v is not None},
+                cpu=_cpu(ctx, n, _PRECOPY_CPU),
             ),
         )
     else:  # V2: slot-indexed vectors read through idx_mapping
@@ -243,14 +262,9 @@ def _postprocess(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     rec = sess.rec
     if n == 0 or not ctx.is_initialized or rec is None:
         return
-    staged = rec.get("staged")
+    staged = rec.get("staged")  # what the staging hook read: as the launch's tag, not copied
     if staged is None:
-        staged = {
-            "state_idx": _np(ctx.mamba_state_idx_buf, n),
-            "num_scheduled": _np(ctx.num_scheduled_tokens_buf, n),
-            "num_computed": _np(ctx.num_computed_tokens_buf, n),
-            "num_draft": _np(ctx.num_draft_tokens_buf, n),
-        }
+        staged = _cpu(ctx, n, _POST_CPU)
     sess.grab(
         tensors,
         [n] * 5,
@@ -261,7 +275,7 @@ def _postprocess(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             n,
             ["num_accepted", "state_idx", "num_scheduled", "num_computed", "num_draft"],
             mode="decision",
-            cpu={k: v for k, v in staged.items() if v is not None},
+            cpu=staged,
         ),
     )
 

@@ -256,12 +256,8 @@ class Session:
             self._lost_sent = max(self._lost_sent, lost)
         messages: list[tuple[Any, ...]] = []
         steps = 0
-        if self.ring is not None:
-            for raw, lengths, tag in self.ring.reap_raw():
-                try:
-                    messages.append(("cap", raw, lengths, self._packer.tag(tag)))
-                except Exception as exc:
-                    self.hook_failed("forward", exc)
+        if self.ring is not None:  # tags hold raw arrays already: they travel as they are
+            messages += [("cap", raw, lengths, tag) for raw, lengths, tag in self.ring.reap_raw()]
         while self._records and steps < MAX_FRAME_STEPS:
             rec = self._records[0]
             oldest = self.ring.oldest_pending_tag() if self.ring is not None else None

@@ -5,9 +5,10 @@ dtype and shape. numpy's own reduction costs several microseconds per array in P
 while ``tobytes`` is a memcpy; a step record holds a dozen small arrays, and this pickling
 runs on the recorder thread, which shares the engine's GIL.
 
-A scheduler output is reduced to the plain containers the step tables read (references to
-the scheduler's own lists and dicts, no per-request Python), so that no vLLM object and no
-prompt token list crosses the pipe.
+A scheduler output is reduced to one tuple of the plain containers the step tables read
+(references to the scheduler's own lists and dicts, no per-request Python), so that no
+vLLM object and no prompt token list crosses the pipe; the assembler side rebuilds the
+attribute view the tables read.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import copyreg
 import io
 import pickle
 import struct
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -55,16 +55,21 @@ def decode(payload: bytes) -> list[tuple[Any, ...]]:
     return pickle.loads(payload)
 
 
-def _new_request(r: Any) -> SimpleNamespace:
+def _new_request(r: Any) -> tuple[Any, ...]:
     plen = getattr(r, "prompt_len", None)
     if plen is None and getattr(r, "prompt_token_ids", None) is not None:
         plen = len(r.prompt_token_ids)
+    return r.req_id, plen, r.num_computed_tokens, r.block_ids
+
+
+def _new_request_view(fields: tuple[Any, ...]) -> SimpleNamespace:
+    req_id, plen, computed, block_ids = fields
     return SimpleNamespace(
-        req_id=r.req_id,
+        req_id=req_id,
         prompt_len=plen,
         prompt_token_ids=None,
-        num_computed_tokens=r.num_computed_tokens,
-        block_ids=r.block_ids,
+        num_computed_tokens=computed,
+        block_ids=block_ids,
     )
 
 
@@ -87,48 +92,24 @@ def drafts_of(ids: list[str], counts: list[int]) -> dict[str, tuple[int, ...]]:
     return dict(zip(ids, blanks, strict=True))
 
 
-def sched_view(so: Any) -> SimpleNamespace | None:
-    """What ``step_tables`` and ``assemble.sched_columns`` read of a scheduler output; the
-    draft tokens only as counts, which is all the tables keep of them."""
-    if so is None:
-        return None
-    cached = so.scheduled_cached_reqs
-    drafts = getattr(so, "scheduled_spec_decode_tokens", None)
-    return SimpleNamespace(
-        total_num_scheduled_tokens=getattr(so, "total_num_scheduled_tokens", None),
-        num_scheduled_tokens=so.num_scheduled_tokens,
-        scheduled_spec_decode_tokens=drafts and draft_counts(drafts),
-        scheduled_new_reqs=[_new_request(r) for r in so.scheduled_new_reqs],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=cached.req_ids,
-            resumed_req_ids=getattr(cached, "resumed_req_ids", None),
-            new_block_ids=cached.new_block_ids,
-            num_computed_tokens=cached.num_computed_tokens,
-        ),
-        finished_req_ids=so.finished_req_ids,
-        preempted_req_ids=getattr(so, "preempted_req_ids", None),
-    )
-
-
 # ---------------------------------------------------------------- step records
-# A record's numpy arrays travel as (bytes, dtype char, shape): a few attribute reads here
-# instead of a Python-level reduction inside pickle. Values that usually repeat from one
-# step to the next (request ids, the runner's state-column dicts, the scheduler's per-request
-# dicts) travel as SAME when equal to what was last sent under that name; the assembler
-# keeps the last value of each name. Both sides see every step in order, so they agree.
+# The hooks store host arrays raw (bytes, dtype char, shape; see ``raw``), so a record is
+# plain containers and packs without a conversion pass; an array stored as is travels by
+# ``_reduce_array`` instead. Values that usually repeat from one step to the next (request
+# ids, the runner's state-column dicts, the scheduler's per-request dicts) travel as SAME
+# when equal to what was last sent under that name; the assembler keeps the last value of
+# each name. Both sides see every step in order, so they agree.
 SAME = "\0same"
 # the runner's state-column dict after one step is usually the one before the next
 _REPEATING = {"req_ids": "req_ids", "sidx_before": "sidx", "sidx_after": "sidx"}
-_REPEATING_SO = ("num_scheduled_tokens",)
-_REPEATING_CACHED = ("req_ids", "resumed_req_ids", "new_block_ids")
 
 
 Raw = tuple[bytes, str, tuple[int, ...]]
 
-# Step-record keys whose values are arrays (the hooks may store them raw already)
+# Step-record keys whose values are arrays (the hooks store them raw)
 _V1_ARRAYS = ("computed", "prompt", "acc_prev", "computed_pre")
 _V2_ARRAYS = ("idx", "scheduled", "draft", "prefilling", "bt_counts")
-ARRAY_KEYS = frozenset((*_V1_ARRAYS, *_V2_ARRAYS))
+ARRAY_KEYS = (*_V1_ARRAYS, *_V2_ARRAYS)
 
 
 def raw(a: np.ndarray) -> Raw:
@@ -138,40 +119,35 @@ def raw(a: np.ndarray) -> Raw:
     return a.tobytes(), a.dtype.char, a.shape
 
 
-def _raw(a: np.ndarray | Raw) -> Raw:
-    return a if type(a) is tuple else (a.tobytes(), a.dtype.char, a.shape)
-
-
-def _array(raw: tuple[bytes, str, tuple[int, ...]]) -> np.ndarray:
-    data, char, shape = raw
+def _array(a: np.ndarray | Raw) -> np.ndarray:
+    """An array from its raw form (an array that travelled as one stays as it is)."""
+    if type(a) is not tuple:
+        return a
+    data, char, shape = a
     return np.frombuffer(bytearray(data), dtype=char).reshape(shape)
 
 
-def _raw_values(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: _raw(v) if type(v) is np.ndarray else v for k, v in d.items()}
-
-
 def _array_values(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: _array(v) if type(v) is tuple else v for k, v in d.items()}
+    return {k: _array(v) for k, v in d.items()}
 
 
 class Packer:
-    """Engine-process side: records and capture tags into their wire form. A record that
-    fails to pack changes nothing here, so the two sides stay in step."""
+    """Engine-process side: step records into their wire form. A record that fails to pack
+    changes nothing here (every read that can fail comes before the first back-reference),
+    so the two sides stay in step."""
 
     def __init__(self) -> None:
         self._last: dict[str, Any] = {}
-        self._seen: dict[str, Any] = {}  # this record's new values, kept once it packed
 
     def _same(self, name: str, value: Any) -> Any:
-        last = self._seen.get(name, self._last.get(name))
+        last = self._last.get(name)
         if value is not None and type(value) is type(last):
             try:
                 if value == last:
                     return SAME
             except Exception:  # a value without a plain equality
                 pass
-        self._seen[name] = value
+        self._last[name] = value
         return value
 
     def reset(self) -> None:
@@ -179,63 +155,44 @@ class Packer:
         self._last = {}
 
     def record(self, rec: dict[str, Any]) -> dict[str, Any]:
-        self._seen = {}
-        out: dict[str, Any] = {}
-        arrays: dict[str, Any] = {}
-        for key, value in rec.items():
-            if type(value) is np.ndarray or (key in ARRAY_KEYS and type(value) is tuple):
-                arrays[key] = _raw(value)
-            elif key in _REPEATING:
-                continue
-            elif key == "staged":
-                out[key] = _raw_values(value)
-            elif key == "bt":
-                out[key] = [(g, _raw(rows), _raw(counts)) for g, rows, counts in value]
-            elif key == "moves":
-                out[key] = [
-                    (m[0], m[1], m[2], _raw(m[3])) if m[0] == "condense" else m for m in value
-                ]
-            elif key == "so":
-                out[key] = self._sched(sched_view(value))
-            else:
-                out[key] = value
+        out = dict(rec)
+        out.pop("staged", None)  # the post-process launch's tag carries it to the assembler
+        so = out.get("so")
+        if so is not None:
+            out["so"] = self._sched(so)
         for key, name in _REPEATING.items():  # a fixed order: the unpacker follows it
-            if key in rec:
-                out[key] = self._same(name, rec[key])
-        out["arrays"] = arrays
-        self._last.update(self._seen)
+            if key in out:
+                out[key] = self._same(name, out[key])
         return out
 
-    def _sched(self, view: SimpleNamespace | None) -> SimpleNamespace | None:
-        if view is None:
-            return None
-        return _map_sched(view, self._same, lambda ids, counts: (ids, counts))
-
-    @staticmethod
-    def tag(tag: dict[str, Any]) -> dict[str, Any]:
-        cpu = tag.get("cpu")
-        if cpu:
-            tag = {**tag, "cpu": _raw_values(cpu)}
-        return tag
-
-
-def _map_sched(
-    view: SimpleNamespace, same: Callable[[str, Any], Any], drafts: Callable[[Any, Any], Any]
-) -> SimpleNamespace:
-    """Pass the repeating parts of a scheduler-output view through ``same`` (the back-reference
-    of one side of the wire), the draft tokens as ``drafts(ids, counts)``; both sides walk the
-    fields in this one order."""
-    pair = view.scheduled_spec_decode_tokens
-    if pair:
-        view.scheduled_spec_decode_tokens = drafts(
-            same("so.drafts.ids", pair[0]), same("so.drafts.counts", pair[1])
+    def _sched(self, so: Any) -> tuple[Any, ...]:
+        """What ``step_tables`` and ``assemble.sched_columns`` read of a scheduler output, as
+        one tuple (a namespace costs a reduction call to pickle); the draft tokens only as
+        counts, which is all the tables keep of them. Field order: ``Unpacker._sched``."""
+        cached = so.scheduled_cached_reqs
+        drafts = getattr(so, "scheduled_spec_decode_tokens", None)
+        pair = drafts and draft_counts(drafts)
+        total = getattr(so, "total_num_scheduled_tokens", None)
+        new = [_new_request(r) for r in so.scheduled_new_reqs]
+        nst, finished = so.num_scheduled_tokens, so.finished_req_ids
+        preempted = getattr(so, "preempted_req_ids", None)
+        ids, blocks, computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        resumed = getattr(cached, "resumed_req_ids", None)
+        same = self._same  # nothing below can fail: a record that fails changes nothing
+        if pair:
+            pair = (same("so.drafts.ids", pair[0]), same("so.drafts.counts", pair[1]))
+        return (
+            total,
+            same("so.num_scheduled_tokens", nst),
+            pair,
+            new,
+            same("so.cached.req_ids", ids),
+            same("so.cached.resumed_req_ids", resumed),
+            same("so.cached.new_block_ids", blocks),
+            computed,
+            finished,
+            preempted,
         )
-    for name in _REPEATING_SO:
-        setattr(view, name, same("so." + name, getattr(view, name)))
-    cached = view.scheduled_cached_reqs
-    for name in _REPEATING_CACHED:
-        setattr(cached, name, same("so.cached." + name, getattr(cached, name)))
-    return view
 
 
 class Unpacker:
@@ -252,23 +209,43 @@ class Unpacker:
 
     def record(self, wire_rec: dict[str, Any]) -> dict[str, Any]:
         rec = dict(wire_rec)
-        for key, raw in rec.pop("arrays").items():
-            rec[key] = _array(raw)
+        for key in ARRAY_KEYS:
+            if key in rec:
+                rec[key] = _array(rec[key])
         for key, name in _REPEATING.items():  # the order they were packed in
             if key in rec:
                 rec[key] = self._same(name, rec[key])
-        if "staged" in rec:
-            rec["staged"] = _array_values(rec["staged"])
         if "bt" in rec:
             rec["bt"] = [(g, _array(rows), _array(counts)) for g, rows, counts in rec["bt"]]
         if "moves" in rec:
             rec["moves"] = [
                 (m[0], m[1], m[2], _array(m[3])) if m[0] == "condense" else m for m in rec["moves"]
             ]
-        view = rec.get("so")
-        if view is not None:
-            _map_sched(view, self._same, drafts_of)
+        so = rec.get("so")
+        if so is not None:
+            rec["so"] = self._sched(so)
         return rec
+
+    def _sched(self, fields: tuple[Any, ...]) -> SimpleNamespace:
+        """The scheduler-output view the tables read, from ``Packer._sched``'s tuple."""
+        total, nst, pair, new, ids, resumed, blocks, computed, finished, preempted = fields
+        same = self._same
+        if pair:
+            pair = drafts_of(same("so.drafts.ids", pair[0]), same("so.drafts.counts", pair[1]))
+        return SimpleNamespace(
+            total_num_scheduled_tokens=total,
+            num_scheduled_tokens=same("so.num_scheduled_tokens", nst),
+            scheduled_spec_decode_tokens=pair,
+            scheduled_new_reqs=[_new_request_view(r) for r in new],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=same("so.cached.req_ids", ids),
+                resumed_req_ids=same("so.cached.resumed_req_ids", resumed),
+                new_block_ids=same("so.cached.new_block_ids", blocks),
+                num_computed_tokens=computed,
+            ),
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
 
     @staticmethod
     def tag(tag: dict[str, Any]) -> dict[str, Any]:
