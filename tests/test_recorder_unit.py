@@ -8,6 +8,8 @@ import os
 import random
 import re
 import stat
+import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 
 from mgtrace.errors import UsageError
+from mgtrace.recorder import agent as agent_mod
 from mgtrace.recorder import control
 from mgtrace.recorder.capture import CaptureRing
 from mgtrace.recorder.hooks_common import _precopy, hook
@@ -448,3 +451,45 @@ def test_run_metadata_carries_the_state_layout() -> None:
     pool = TagPool(RunMetadata(num_speculative_tokens=3, num_blocks=8, states=states))
     assert pool.groups[0].width == 6  # the conv window the replay shifts by
     assert state_layout(SimpleNamespace(), [0]) == []  # control: nothing to read, nothing made
+
+
+class _SlowStartThread(threading.Thread):
+    """A thread that takes a while to start, as on a loaded host."""
+
+    def start(self) -> None:
+        time.sleep(0.3)
+        super().start()
+
+
+class _FakeSession:
+    def __init__(self) -> None:
+        self.live = True
+        self.stop_requested = False
+
+    def close(self) -> dict[str, Any]:
+        return {"complete": True}
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+
+def test_stop_waits_for_a_close_the_engine_thread_began(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop that meets the engine thread's own close (a limit reached, or the stop flag
+    seen at the step boundary) waits for that close, however slowly its thread starts.
+    Control: with the close thread published before it is started, the stop joined a
+    thread not yet started (RuntimeError) or returned while still "stopping"."""
+    monkeypatch.setattr(agent_mod.threading, "Thread", _SlowStartThread)
+    agent = agent_mod.Agent()
+    sess = _FakeSession()
+    agent.session, agent.state = sess, "recording"
+
+    def engine_step_boundary() -> None:
+        while not sess.stop_requested:
+            time.sleep(0.001)
+        agent._finish(sess, inline=False)
+
+    engine = threading.Thread(target=engine_step_boundary)
+    engine.start()
+    result = agent.stop()
+    engine.join(10)
+    assert result["state"] == "idle" and result["complete"] is True

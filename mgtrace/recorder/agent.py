@@ -219,7 +219,8 @@ class Agent:
             atexit.register(self.shutdown)
 
     def _finish(self, sess: Any, *, inline: bool) -> None:
-        """Unpatch and close once; on the engine thread the close goes to another thread."""
+        """Unpatch and close once; on the engine thread the close goes to another thread,
+        started before the lock is released: ``stop`` takes the lock, then joins it."""
         with self._lock:
             if self.session is not sess:
                 return
@@ -227,19 +228,20 @@ class Agent:
             self._hooks.remove()
             self.session = None
             self.state = "stopping"
+            if not inline:
+                self._closer = threading.Thread(
+                    target=self._close, args=(sess,), name="mgtrace-close", daemon=True
+                )
+                self._closer.start()
+                return
+        self._close(sess)
 
-        def close() -> None:
-            try:
-                self.last_result = sess.close()
-            except Exception as exc:
-                self.last_result = {"error": f"{exc.__class__.__name__}: {exc}"}
-            self.state = "idle"
-
-        if inline:
-            close()
-        else:
-            self._closer = threading.Thread(target=close, name="mgtrace-close", daemon=True)
-            self._closer.start()
+    def _close(self, sess: Any) -> None:
+        try:
+            self.last_result = sess.close()
+        except Exception as exc:
+            self.last_result = {"error": f"{exc.__class__.__name__}: {exc}"}
+        self.state = "idle"
 
 
 class _ArmOnImport(importlib.abc.MetaPathFinder):
