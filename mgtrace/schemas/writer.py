@@ -144,7 +144,7 @@ def _numeric_chunks(values: list[Any], counts: list[int], type_: pa.DataType) ->
             if scalars.shape != (len(values),):
                 return None
             return pa.array(np.repeat(scalars, counts), type=type_)
-        joined = np.asarray(values[0]) if len(values) == 1 else np.concatenate(values)
+        joined = _join(values)
     except (ValueError, TypeError):
         return None
     if joined.shape != (sum(counts),) or joined.dtype == object:  # object: nulls inside
@@ -180,9 +180,9 @@ def _masked_numeric_chunks(
     return pa.array(_join(data).astype(np_type, copy=False), type=type_, mask=_join(masks))
 
 
-def _join(arrays: list[np.ndarray]) -> np.ndarray:
+def _join(arrays: list[Any]) -> np.ndarray:
     """One array from several; a single one as it is (Arrow then takes it without a copy)."""
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    return np.asarray(arrays[0]) if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _scalar_string_chunks(values: list[Any], counts: list[int]) -> pa.Array | None:
