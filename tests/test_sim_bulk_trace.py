@@ -212,3 +212,45 @@ def test_buffer_joins_arrays_nullable_and_absent_columns(tmp_path: Path) -> None
     assert single.table("sched").to_pylist() == bulk.table("sched").to_pylist()
     prompts = bulk.table("sched").column("num_prompt").to_pylist()
     assert prompts == [5, 6, 7, None, 9, None, 10]
+
+
+def _single_and_bulk(tmp_path: Path, table: str, chunks: list[dict[str, Any]]) -> list[Any]:
+    """The rows of ``chunks`` written step by step and through the buffer; asserts they are
+    equal and returns the buffered ones."""
+    with TraceWriter(tmp_path / "single") as w:
+        for s, chunk in enumerate(chunks):
+            w.write_step(0, s, {table: chunk})
+    with TraceWriter(tmp_path / "bulk") as w:
+        buf = StepBuffer(w, steps_per_write=10)
+        for s, chunk in enumerate(chunks):
+            buf.add(0, s, table, chunk)
+        buf.flush()
+    single = TraceReader(tmp_path / "single").table(table).to_pylist()
+    bulk = TraceReader(tmp_path / "bulk").table(table).to_pylist()
+    assert single == bulk
+    return bulk
+
+
+def test_buffer_keeps_a_scalar_category_outside_the_categories(tmp_path: Path) -> None:
+    """One category string per chunk is coded in one pass; a value outside the categories
+    sends the column over as strings, as write_step does (the control: coding it as an
+    unknown code would read back as null)."""
+    chunks = [
+        {"kernel": "precopy", "batch_row": np.arange(2, dtype=np.int32), "mode": None},
+        {"kernel": "not-a-kernel", "batch_row": np.arange(1, dtype=np.int32), "mode": "decision"},
+    ]
+    rows = _single_and_bulk(tmp_path, "launches", chunks)
+    assert [r["kernel"] for r in rows] == ["precopy", "precopy", "not-a-kernel"]
+    assert [r["mode"] for r in rows] == [None, None, "decision"]
+
+
+@pytest.mark.parametrize("second", ["req-1", "req-2"])
+def test_buffer_joins_scalar_strings(tmp_path: Path, second: str) -> None:
+    """A string column given as one str per chunk: equal over the flush it stays one str,
+    else one value per row; both read back as write_step wrote them."""
+    chunks = [
+        {"seq": np.arange(2, dtype=np.int32), "op": "swap", "req_id": "req-1"},
+        {"seq": np.arange(1, dtype=np.int32), "op": "swap", "req_id": second},
+    ]
+    rows = _single_and_bulk(tmp_path, "row_moves", chunks)
+    assert [r["req_id"] for r in rows] == ["req-1", "req-1", second]

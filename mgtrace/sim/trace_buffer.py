@@ -74,6 +74,7 @@ _ARRAYS_OR_NONE = frozenset((np.ndarray, Nullable, _NONE))
 _NONE_ONLY = frozenset((_NONE,))
 _GROUP_IDS_OR_NONE = frozenset((GroupIds, _NONE))
 _REQ_IDS_ONLY = frozenset((ReqIds,))
+_STR_ONLY = frozenset((str,))
 
 
 def _is_scalar(v: Any) -> bool:
@@ -141,10 +142,10 @@ def _join_arrays(
     """Arrays, ``Nullable`` columns and chunks without the column (null rows) joined by a
     few whole-buffer operations, not one per chunk; None when an array holds objects."""
     given = [v for v in values if v is not None]
-    arrays = [v.data if type(v) is Nullable else v for v in given]
-    if any(a.dtype == object for a in arrays):
-        return None
+    arrays = [v.data if type(v) is Nullable else v for v in given] if Nullable in types else given
     joined = np.concatenate(arrays)
+    if joined.dtype == object:  # an array of objects among them (the result says so)
+        return None
     null = None
     if Nullable in types:
         null = np.concatenate(
@@ -162,6 +163,9 @@ def _join_arrays(
     return np.ma.MaskedArray(data, absent)
 
 
+_UNKNOWN = -2  # a scalar outside the categories (codes are >= -1)
+
+
 class _NotACategory(Exception):
     """A string outside the column's categories: the column goes over as strings."""
 
@@ -175,12 +179,17 @@ def _code(index: dict[str, int], v: Any) -> int:
         raise _NotACategory(v) from None
 
 
-def _join_categorical(values: list[Any], counts: np.ndarray, index: dict[str, int]) -> Any:
+def _join_categorical(
+    values: list[Any], counts: np.ndarray, index: dict[str, int], types: set[type]
+) -> Any:
     """Integer codes into the categories from codes, strings, string lists and None."""
     try:
-        if all(_is_scalar(v) for v in values):
-            codes = np.array([_code(index, v) for v in values], np.int32)
-            return np.repeat(codes, counts)
+        if types.isdisjoint(_SEQUENCES):  # one value per chunk
+            get = index.get
+            codes = [-1 if v is None else get(v, _UNKNOWN) for v in values]
+            if _UNKNOWN in codes:
+                raise _NotACategory(values[codes.index(_UNKNOWN)])
+            return np.repeat(np.array(codes, np.int32), counts)
         parts: list[np.ndarray] = []
         for v, n in zip(values, counts.tolist(), strict=True):
             t = type(v)
@@ -240,8 +249,9 @@ def _join_req_ids(values: list[ReqIds]) -> pa.DictionaryArray:
     # carry an empty one
     names = max((v.names for v in values), key=len)
     indices = pa.array((codes - lo).astype(np.int32, copy=False))
+    # codes - lo lies in [0, hi - lo] by construction: no need to validate the indices
     return pa.DictionaryArray.from_arrays(
-        indices, pa.array(names[lo : hi + 1].tolist(), pa.string())
+        indices, pa.array(names[lo : hi + 1].tolist(), pa.string()), safe=False
     )
 
 
@@ -284,10 +294,12 @@ class _TableBuffer:
             if kind == NUM:
                 out[name] = _join_numeric(values, counts, info, types)
             elif kind == CAT:
-                out[name] = _join_categorical(values, counts, info)
+                out[name] = _join_categorical(values, counts, info, types)
             elif kind == STR:
                 if types == _REQ_IDS_ONLY:
                     out[name] = _join_req_ids(values)
+                elif types == _STR_ONLY and values.count(values[0]) == len(values):
+                    out[name] = values[0]  # one string over every row stays one str
                 else:
                     values = [v.tolist() if type(v) is ReqIds else v for v in values]
                     out[name] = _join_string(values, counts)
