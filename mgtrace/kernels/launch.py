@@ -132,11 +132,17 @@ class AlignLaunch:
             else:
                 plain[name] = value
         self.block32 = np.int32(self.block_size)
-        self.lacks_required = any(self._plain.get(c) is None for c in self.required_columns)
-        self.all_live = not self.has_nulls and bool((self._plain["req_slot"] >= 0).all())
-        self.rows_in_order = bool((self._plain["batch_row"] == _row_numbers(n)).all())
+        self.lacks_required = False
+        for name in REQUIRED_COLUMNS[(self.kernel, self.mode)]:
+            if name not in plain:
+                self.lacks_required = True
+                break
+        # Each check counts the rows that break it: count_nonzero costs a fraction of the
+        # .all() reduction on launch-sized arrays, and a replay builds thousands of launches.
+        self.all_live = not self.has_nulls and not np.count_nonzero(plain["req_slot"] < 0)
+        self.rows_in_order = not np.count_nonzero(plain["batch_row"] != _row_numbers(n))
         by = "req_slot" if self.row_rule == "req_slot" else "batch_row"
-        self.bt_row_consistent = bool((self._plain["bt_row"] == self._plain[by]).all())
+        self.bt_row_consistent = not np.count_nonzero(plain["bt_row"] != plain[by])
         # Nothing for the row-level checks to find: no nulls, rows in order, bt_row agrees.
         self.well_formed = (
             not self.has_nulls

@@ -78,7 +78,7 @@ def plan_launch(launch: AlignLaunch) -> RowPlan:
         )
         new_computed = running + accepted - ONE
     # Floor and truncating division agree unless a count is negative (malformed input).
-    non_negative = new_computed.size == 0 or new_computed.min() >= 0
+    non_negative = not np.count_nonzero(new_computed < 0)  # cheaper than a min() reduction
     blocks = new_computed // block if non_negative else trunc_div(new_computed, block)
     aligned = blocks * block
     need = aligned >= running

@@ -161,12 +161,13 @@ def validate_launch(
         _check_rows(launch, rep, max_slots)
     plan = _empty_plan(launch) if launch.lacks_required else plan_launch(launch)
     active = plan.copies & ~rep.bad if rep.problems else plan.copies
-    if launch.kernel == "precopy" and (plan.bias[active] < 0).any():
+    # count_nonzero and nonzero: a fraction of the cost of .any() and flatnonzero here.
+    if launch.kernel == "precopy" and np.count_nonzero(plan.bias[active] < 0):
         rows = np.nonzero(active & (plan.bias < 0))[0]
         # A negative shift would start the conv window before the block.
         rep.add(rows, "token_bias", plan.bias[rows], None)
         active = active & ~rep.bad
-    idx = np.flatnonzero(active)
+    idx = active.nonzero()[0]
     copies = _fast_resolve(launch, plan, pool, tables, idx)
     if copies is None:
         kinds = pool.group_kinds(len(tables))
@@ -267,6 +268,8 @@ def _fast_resolve(
         if c.size and c.astype(np.uint32).max() >= cols:
             return None
         return ResolvedCopies(idx[:0], plan.bias[:0], np.zeros((len(tables), 3, 0), np.int32))
+    if not idx.size:  # nothing copies (a common case): no index to check or resolve
+        return ResolvedCopies(idx, plan.bias[idx], np.zeros((len(tables), 3, 0), np.int32))
     # One [4, A] matrix (row, dst, conv src, temporal src) so that a single compaction and a
     # single reduction check every index; unsigned views make each check one-sided.
     m = np.empty((4, plan.bt_row.size), dtype=np.int32)
@@ -277,7 +280,7 @@ def _fast_resolve(
     every_row = idx.size == plan.bt_row.size
     if not every_row:
         m = m[:, idx]
-    if idx.size and (m.view(np.uint32) >= tables.bounds).any():
+    if idx.size and np.count_nonzero(m.view(np.uint32) >= tables.bounds):
         return None
     r, c = m[0], m[1:]
     # Offsets into all tables end to end; int32 suffices while the tables fit in 2**31 ids.
@@ -290,7 +293,7 @@ def _fast_resolve(
             checked = blocks
         else:  # ids at columns of a kind the group lacks are never read: leave them out
             checked = np.where(pool.group_kind_mask(len(tables))[:, :, None], blocks, 0)
-        if checked.view(np.uint32).max() >= pool.num_blocks:
+        if np.count_nonzero(checked.view(np.uint32) >= pool.num_blocks):
             return None
     if blocks.ndim == 2:
         blocks = blocks[None]

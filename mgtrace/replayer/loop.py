@@ -189,10 +189,12 @@ class RankReplay:
 
     def _step(self, step: int) -> None:
         trace = self.trace
+        # The recorded threshold matters only to a rule that re-runs the reorder.
+        rethreshold = self.rules["reorder_threshold"] != AS_RECORDED
         view = row_view(
             trace.batch(step),
             self.rules,
-            recorded_threshold=trace.step_value("reorder_threshold", step),
+            recorded_threshold=trace.step_value("reorder_threshold", step) if rethreshold else None,
             k=self.k,
         )
         self.views[step] = view
@@ -300,16 +302,16 @@ class RankReplay:
         keep = (launch.column("req_slot") >= 0) & (b >= 0)
         if result.validation.problems:
             keep &= ~result.validation.bad
-        if not keep.all():
-            if not keep.any():
+        # count_nonzero: a fraction of the cost of .all()/.any() on arrays this small.
+        kept = np.count_nonzero(keep)
+        if kept < len(keep):
+            if not kept:
                 return
             b = b[keep]
             acc_out = result.accepted_out[keep].astype(np.int64)
         else:
             acc_out = result.accepted_out.astype(np.int64)
-        acc = view.accepted64[b]
-        c, n = view.computed64[b], view.scheduled64[b]
-        expected = np.where(acc >= 1, c + n - view.draft64[b] + acc - 1, c + n)
+        acc, n = view.accepted64[b], view.scheduled64[b]
         offset = np.maximum(acc_out - 1, 0)
         if view.step == step:
             # A decode-split row's next state is the column the forward model just wrote for
@@ -321,14 +323,21 @@ class RankReplay:
                 mark = np.zeros(self.ownership.num_blocks + 1, dtype=bool)
                 hit = np.concatenate(touched)
                 mark[hit[(hit >= 0) & (hit < len(mark))]] = True
-                slot, col = view.slot64[b], view.state_col64[b]
-                blocks = self.tables.gather_groups(
-                    self.own_kind, np.concatenate([slot, slot]), np.concatenate([col + offset, col])
-                ).reshape(-1, 2, len(b))
+                col = view.state_col64[b]
+                cols = np.empty((2, len(b)), dtype=np.int64)  # the columns read next, and now
+                np.add(col, offset, out=cols[0])
+                cols[1] = col
+                blocks = self.tables.gather_groups(self.own_kind, view.slot64[b], cols)
                 inside = (blocks >= 0) & (blocks < len(mark))
                 must |= (inside & mark[np.where(inside, blocks, 0)]).any(axis=(0, 1))
-            if not must.all():
-                b, expected, offset = b[must], expected[must], offset[must]
+            reads = np.count_nonzero(must)
+            if not reads:  # often: every row's next state is the one just written
+                return
+            if reads < len(must):
+                b, acc, n, offset = b[must], acc[must], n[must], offset[must]
+        # Expected tokens only for the rows that read.
+        c = view.computed64[b]
+        expected = np.where(acc >= 1, c + n - view.draft64[b] + acc - 1, c + n)
         self._read(step, np.full(len(b), NEXT_STATE), view, b, expected, offset, offset)
 
     # ----------------------------------------------------------------- forward model
@@ -344,22 +353,24 @@ class RankReplay:
     ) -> None:
         if not len(rows):
             return
-        slot, col = view.slot64[rows], view.state_col64[rows]
-        n = len(rows)
-        both = self.tables.gather_groups(
-            self.own_kind, np.concatenate([slot, slot]), np.concatenate([col + temporal_col, col])
-        )
-        temporal, conv = both[:, :n], both[:, n:]
+        col = view.state_col64[rows]
+        # Temporal and conv columns as one [2, rows] gather (the slots broadcast over both).
+        cols = np.empty((2, len(rows)), dtype=np.int64)
+        np.add(col, temporal_col, out=cols[0])
+        cols[1] = col
+        both = self.tables.gather_groups(self.own_kind, view.slot64[rows], cols)
+        # The counts arrive as int64 already (the view's columns); asarray keeps them as they
+        # are instead of copying. Nothing writes into a StateRead's arrays.
         self.oracle.check_reads(
             step,
             StateRead(
                 what=what,
                 rows=view.batch_row[rows],
-                uid=view.uid[rows].astype(np.int64),
-                expected_tokens=expected.astype(np.int64),
-                temporal_blocks=temporal,
-                conv_blocks=conv,
-                conv_offset=conv_offset.astype(np.int64),
+                uid=view.uid64[rows],
+                expected_tokens=np.asarray(expected, dtype=np.int64),
+                temporal_blocks=both[:, 0],
+                conv_blocks=both[:, 1],
+                conv_offset=np.asarray(conv_offset, dtype=np.int64),
             ),
         )
 
@@ -368,7 +379,7 @@ class RankReplay:
         if not view.num_rows:
             return
         live = view.slot >= 0
-        all_live = bool(live.all())
+        all_live = np.count_nonzero(live) == len(live)  # cheaper than live.all()
         prefill = view.prefill_split
         c, n, d = view.computed64, view.scheduled64, view.draft64
         # Reads: decodes from window column accepted-1, prefills from column 0 (with context).
@@ -381,7 +392,7 @@ class RankReplay:
         order = (
             view.decodes_first
             if all_live
-            else np.flatnonzero(live)[np.argsort(prefill[live], kind="stable")]
+            else live.nonzero()[0][prefill[live].argsort(kind="stable")]
         )
         pre_o = prefill[order]
         rows_o, j = (self._window < np.where(pre_o, 1, n[order])[:, None]).nonzero()
@@ -400,16 +411,19 @@ class RankReplay:
         keep = self.oracle.conv_keep
         width = self.pool.groups[0].width if self.pool.groups else 0
         last = (c + n - np.where(prefill, 0, d) + (width - 1 - keep))[rows_c]
-        blocks_a = self.tables.gather_groups(self.own_kind, view.slot64[rows_a], cols_a)
-        blocks_c = self.tables.gather_groups(
-            self.own_kind, view.slot64[rows_c], view.state_col64[rows_c]
+        # Temporal (per token) and conv (per request) blocks in one gather.
+        blocks = self.tables.gather_groups(
+            self.own_kind,
+            np.concatenate([view.slot64[rows_a], view.slot64[rows_c]]),
+            np.concatenate([cols_a, view.state_col64[rows_c]]),
         )
+        blocks_a, blocks_c = blocks[:, : len(rows_a)], blocks[:, len(rows_a) :]
         uid_c = view.uid64[rows_c]
         brow_a = view.batch_row[rows_a]
         for g in range(len(self.pool.groups)):
             blocks = blocks_a[g]
             ok = blocks >= 0
-            if ok.all():
+            if np.count_nonzero(ok) == len(ok):
                 self.oracle.check_writes(step, "forward-write", g, blocks, uids_a, brow_a)
                 self.pool.write_temporal(g, blocks, uids_a, tokens, step, flags)
             else:
@@ -419,7 +433,7 @@ class RankReplay:
                 self.pool.write_temporal(g, blocks[ok], uids_a[ok], tokens[ok], step, flags[ok])
             cblocks = blocks_c[g]
             okc = cblocks >= 0
-            if okc.all():
+            if np.count_nonzero(okc) == len(okc):
                 self.pool.write_conv(g, cblocks, uid_c, last)
             else:
                 self.pool.write_conv(g, cblocks[okc], uid_c[okc], last[okc])

@@ -92,6 +92,8 @@ class Oracle:
 
     def __post_init__(self) -> None:
         self._keep_range = np.arange(self.conv_keep)
+        # Window positions relative to E: a read of E tokens wants E-K+1 .. E-1 (K-1 rows).
+        self._keep_offsets = self._keep_range - self.conv_keep
         self._clock = 0  # advances with every immediate report and every deferred read
         self._report_clock: int | None = None  # set while a deferred read reports
         self._keys: list[tuple[int, int]] = []  # per finding: (clock, order within it)
@@ -206,12 +208,15 @@ class Oracle:
             if gs.conv is not None and keep > 0:
                 ok = read.conv_blocks[g] >= 0
                 uids, pos = t[:, TEMPORAL_TAG_INTS : TEMPORAL_TAG_INTS + keep], t[:, -keep:]
-                want = read.expected_tokens[:, None] - keep + self._keep_range
-                good = ((uids == read.uid[:, None]) & (pos == want)) | ~inside[g]
-                suspect |= ok & ~good.all(axis=1)
-        if not suspect.any():
+                want = read.expected_tokens[:, None] + self._keep_offsets
+                # A row is suspect when a window row inside the window is not the one it needs.
+                wrong = (uids != read.uid[:, None]) | (pos != want)
+                wrong &= inside[g]
+                suspect |= ok & wrong.any(axis=1)
+        # count_nonzero and nonzero: a fraction of the cost of .any() and flatnonzero here.
+        if not np.count_nonzero(suspect):
             return
-        sel = np.flatnonzero(suspect)
+        sel = suspect.nonzero()[0]
         detail = read.subset(sel)
         if detail.may_share is None:
             detail.may_share = ~self.has_written(detail.uid)
@@ -367,7 +372,7 @@ class Oracle:
         clamped = np.minimum(blocks.view(np.uint64), num_blocks).view(np.int64)
         owner = self.ownership.owner_or_free(group, clamped)
         bad = (owner != 0) & (owner != uid)
-        for i in np.flatnonzero(bad).tolist() if bad.any() else ():
+        for i in bad.nonzero()[0].tolist() if np.count_nonzero(bad) else ():
             writer = self.ids.name(int(uid[i]))
             victim = self.ids.name(int(owner[i]))
             self._report(
@@ -392,7 +397,11 @@ class Oracle:
             )
         ordered = np.sort(clamped)
         same = ordered[1:] == ordered[:-1]  # a sort and a compare: cheaper than np.unique
-        if (same & (ordered[1:] > NULL_BLOCK) & (ordered[1:] < num_blocks)).any():
+        # Repeats of the null block or of ids outside the pool are no collision; most writes
+        # repeat no block at all, which one count settles.
+        if np.count_nonzero(same) and np.count_nonzero(
+            same & (ordered[1:] > NULL_BLOCK) & (ordered[1:] < num_blocks)
+        ):
             live = blocks[(blocks > NULL_BLOCK) & (blocks < num_blocks)]
             vals, counts = np.unique(live, return_counts=True)
             for b in vals[counts > 1].tolist():

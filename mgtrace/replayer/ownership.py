@@ -17,6 +17,9 @@ import numpy as np
 from mgtrace.replayer.requests import NO_REQUEST
 
 NULL_BLOCK = 0
+# Block lists up to this long are walked in Python: a step adds a few ids per request, and
+# for those, element-wise updates cost less than building and masking numpy arrays.
+SHORT_LIST = 32
 
 
 @dataclass
@@ -34,23 +37,39 @@ class BlockOwnership:
         self._held: dict[int, list[list[int]]] = {}  # uid -> per group block ids
 
     def _release(self, uid: int) -> None:
+        num_blocks = self.num_blocks
         for group, blocks in enumerate(self._held.pop(uid, [])):
+            owner, since = self.owner[group], self.since[group]
+            if len(blocks) <= SHORT_LIST:
+                for b in blocks:
+                    if NULL_BLOCK < b < num_blocks and owner[b] == uid:
+                        owner[b] = NO_REQUEST
+                        since[b] = -1
+                continue
             ids = np.asarray(blocks, dtype=np.int64)
-            ids = ids[(ids > NULL_BLOCK) & (ids < self.num_blocks)]
-            mine = ids[self.owner[group, ids] == uid]
-            self.owner[group, mine] = NO_REQUEST
-            self.since[group, mine] = -1
+            ids = ids[(ids > NULL_BLOCK) & (ids < num_blocks)]
+            mine = ids[owner[ids] == uid]
+            owner[mine] = NO_REQUEST
+            since[mine] = -1
 
     def _acquire(self, uid: int, step: int, per_group: Sequence[Sequence[int] | None]) -> None:
         held = self._held.setdefault(uid, [[] for _ in range(self.owner.shape[0])])
+        num_blocks = self.num_blocks
         for group, blocks in enumerate(per_group):
             if not blocks or group >= self.owner.shape[0]:
                 continue
             held[group].extend(blocks)
+            owner, since = self.owner[group], self.since[group]
+            if len(blocks) <= SHORT_LIST:
+                for b in blocks:
+                    if NULL_BLOCK < b < num_blocks:
+                        owner[b] = uid
+                        since[b] = step
+                continue
             ids = np.asarray(blocks, dtype=np.int64)
-            ids = ids[(ids > NULL_BLOCK) & (ids < self.num_blocks)]
-            self.owner[group, ids] = uid
-            self.since[group, ids] = step
+            ids = ids[(ids > NULL_BLOCK) & (ids < num_blocks)]
+            owner[ids] = uid
+            since[ids] = step
 
     def apply(
         self,

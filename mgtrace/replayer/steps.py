@@ -99,6 +99,11 @@ class RankTrace:
         self.step_info = {
             name: _numpy(steps.column(name)) for name in steps.column_names if name != "rank"
         }
+        # Row of each step in step_info (its first row, should a step repeat): a dict lookup
+        # per step instead of a binary search.
+        self._step_index: dict[int, int] = {}
+        for i, s in enumerate(self.step_numbers.tolist()):
+            self._step_index.setdefault(s, i)
         self._batch = _Sliced(load("batch_rows"), ["batch_row"])
         self._launch = _Sliced(load("launches"), ["kernel", "batch_step", "batch_row"])
         lt = self._launch.table
@@ -216,8 +221,8 @@ class RankTrace:
         return self.step_numbers[np.searchsorted(self.step_numbers, start) :].tolist()
 
     def step_value(self, name: str, step: int) -> int | None:
-        i = int(np.searchsorted(self.step_numbers, step))
-        if i >= len(self.step_numbers) or self.step_numbers[i] != step:
+        i = self._step_index.get(step)
+        if i is None:
             return None
         v = int(self.step_info[name][i])
         return None if v == -1 else v
@@ -236,16 +241,7 @@ class RankTrace:
         A post-process of an earlier batch (pipeline-parallel deferral) runs first, at the
         start of the step; then the precopy, the padded-row gather and the post-process.
         """
-        groups = self._launch_groups.get(step, ())
-        ordered = sorted(
-            groups,
-            key=lambda g: (
-                self._group_batch_step[g] >= step,
-                _KERNEL_ORDER[self._group_kernel[g]],
-                self._group_batch_step[g],
-            ),
-        )
-        return [self._make_launch(g) for g in ordered]
+        return [self._make_launch(g) for g in self._launch_groups.get(step, ())]
 
     def _index_launch_groups(self) -> None:
         """Rows sorted by (step, kernel, batch_step, batch_row): each launch is a slice."""
@@ -306,6 +302,15 @@ class RankTrace:
         for g, st in enumerate(c["step"][starts].tolist()):
             if not idle_precopy[g]:
                 self._launch_groups.setdefault(st, []).append(g)
+        # Each step's groups in the order ``launches`` hands them out, sorted once here.
+        for st, groups in self._launch_groups.items():
+            groups.sort(
+                key=lambda g, st=st: (
+                    self._group_batch_step[g] >= st,
+                    _KERNEL_ORDER[self._group_kernel[g]],
+                    self._group_batch_step[g],
+                )
+            )
 
     def _make_launch(self, g: int) -> AlignLaunch:
         c = self._launch_cols
@@ -340,7 +345,7 @@ class RankTrace:
     def sched(self, step: int) -> dict[str, Any]:
         """The scheduler rows that change block ownership (cached rows adding nothing do not)."""
         lo, hi = self._sched.bounds(step)
-        sel = np.flatnonzero(self._sched_matters[lo:hi]) + lo
+        sel = self._sched_matters[lo:hi].nonzero()[0] + lo
         if not len(sel):
             return {"uid": [], "kind": [], "new_block_ids": []}
         return {

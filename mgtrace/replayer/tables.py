@@ -75,7 +75,8 @@ class TableStore:
             n = min(len(block_ids), self.width)
             table[row, :n] = block_ids[:n]
             table[row, n:] = 0
-            if self.num_blocks is not None and n and table[row, :n].max() >= self.num_blocks:
+            # max() of the short id list: cheaper than a numpy reduction over the table row.
+            if self.num_blocks is not None and n and max(block_ids[:n]) >= self.num_blocks:
                 entries = table[row, :n]
                 bad = entries >= self.num_blocks
                 outside.append(OutOfPool(group, kind, row, int(entries[bad][0])))

@@ -217,6 +217,9 @@ class TagPool:
             for spec in self.pool.specs
         ]
         self._word_offsets = np.array(self.pool.offsets, dtype=np.int64) // 4
+        # Per state, [1, 4]: its temporal tag words from the start of a page (the layout
+        # never changes, so made once; reads use them every step).
+        self._temporal_words_of = [o + self._temporal_fields for o in self._word_offsets]
         self._page_words = np.int64(self.pool.page_bytes // 4)
         self._conv_tables: dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
         self._offsets: dict[int, np.ndarray] = {}
@@ -233,6 +236,11 @@ class TagPool:
             return np.asarray(blocks, dtype=np.int64) * self._page_words + self._word_offsets[state]
         pool = self.pool
         return (np.asarray(blocks, dtype=np.int64) * pool.page_bytes + pool.offsets[state]) // 4
+
+    def _page_starts(self, blocks: np.ndarray) -> np.ndarray:
+        """int64 word index of each block's page (word-aligned pools); the int64 factor
+        widens int32 block ids before the multiply could wrap."""
+        return np.multiply(blocks, self._page_words)  # also right for a list of ids
 
     def _conv_index(self, state: int, blocks: np.ndarray, field: int) -> np.ndarray:
         """int32 indices of one tag field of every window row: shape [len(blocks), W]."""
@@ -253,11 +261,15 @@ class TagPool:
             return
         width = self.groups[group].width
         # The first table row: words of every window row's uid, then of its position.
-        words = self._conv_rows_table(state, width, relative=True)[0][0]
-        at = self._base(state, blocks)[:, None] + words
+        if self._word_aligned:  # words from the page start: one multiply, one add
+            words = self._conv_rows_table(state, width)[0][0]
+            at = self._page_starts(blocks)[:, None] + words
+        else:
+            words = self._conv_rows_table(state, width, relative=True)[0][0]
+            at = self._base(state, blocks)[:, None] + words
         values = np.empty(at.shape, dtype=np.int64)
         values[:, :width] = uid[:, None]
-        values[:, width:] = last_pos[:, None] + self._window_offsets(width)
+        np.add(last_pos[:, None], self._window_offsets(width), out=values[:, width:])
         self._ints[at] = values
 
     def read_conv(self, group: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -288,14 +300,14 @@ class TagPool:
         conv = gs.conv is not None and keep > 0
         if gs.temporal is not None:
             page = np.maximum(temporal_blocks, 0) * self._page_words
-            at[:, :TEMPORAL_TAG_INTS] = page[:, None] + self._temporal_words(gs.temporal)
+            np.add(page[:, None], self._temporal_words(gs.temporal), out=at[:, :TEMPORAL_TAG_INTS])
         if not conv:
             return at, np.zeros((n, keep), dtype=bool)
         words, inside = self._conv_rows_table(gs.conv, keep)
         # A window offset past the window reads its last row only: one table row for all.
         first = np.minimum(conv_offset, len(words) - 1)  # offsets are never negative
         page = np.maximum(conv_blocks, 0) * self._page_words
-        at[:, TEMPORAL_TAG_INTS:] = page[:, None] + words[first]
+        np.add(page[:, None], words[first], out=at[:, TEMPORAL_TAG_INTS:])
         return at, inside[first]
 
     def _read_index_bytes(
@@ -322,7 +334,7 @@ class TagPool:
 
     def _temporal_words(self, state: int) -> np.ndarray:
         """[1, 4]: words of the temporal tag fields from the start of a page."""
-        return self._word_offsets[state] + self._temporal_fields
+        return self._temporal_words_of[state]
 
     def _window_offsets(self, width: int) -> np.ndarray:
         """Positions of window rows 0..W-1 relative to the last: -(W-1) .. 0."""
@@ -386,7 +398,10 @@ class TagPool:
         state = self.groups[group].temporal
         if state is None or not len(blocks):
             return
-        at = self._base(state, blocks)[:, None] + self._temporal_fields
+        if self._word_aligned:  # words from the page start: one multiply, one add
+            at = self._page_starts(blocks)[:, None] + self._temporal_words_of[state]
+        else:
+            at = self._base(state, blocks)[:, None] + self._temporal_fields
         values = np.empty(at.shape, dtype=np.int64)
         values[:, 0] = uid
         values[:, 1] = tokens

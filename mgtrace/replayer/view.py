@@ -63,7 +63,8 @@ class RowView:
         # Accepted count a decode reads its window column by (column accepted-1).
         self.accepted_prev64 = np.maximum(self.accepted_prev, 1).astype(np.int64)
         # Positions, decode-split rows first (the order the forward model writes in).
-        self.decodes_first = np.argsort(self.prefill_split, kind="stable")
+        # The method skips np.argsort's dispatch, about half of its cost at this size.
+        self.decodes_first = self.prefill_split.argsort(kind="stable")
         index = np.full(int(self.batch_row.max()) + 2 if self.num_rows else 1, -1, np.int64)
         index[self.batch_row] = np.arange(self.num_rows)
         self._row_index = index
