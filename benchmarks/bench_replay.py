@@ -7,6 +7,7 @@ Measures, in one run:
 Usage: python benchmarks/bench_replay.py [--steps N] [--backend reference|triton]
                                          [--device cpu|cuda] [--layout compact|full] [--out F]
                                          [--baseline-sync] [--breakdown] [--full-layers N]
+                                         [--tiles N]
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def nemotron_like(run, layers: int) -> None:
         run.states.append(StateLayout(0, layer, "temporal", [128, 64, 128], "float32"))
 
 
+TILES: int | None = None  # --tiles: programs per temporal state (None: the backend's choice)
+
+
 def make_backend(backend: str, device: str, sync: bool = False):
     """The replay's backend; ``sync``: the per-launch ``run_triton`` that waits for every
     launch (the baseline the streamed backend is measured against)."""
@@ -87,7 +91,12 @@ def make_backend(backend: str, device: str, sync: bool = False):
         from mgtrace.kernels.runtime import load_triton_kernels
 
         return load_triton_kernels(device).run_triton
-    return load_backend(backend, device)
+    run = load_backend(backend, device)
+    if TILES is not None and backend == "triton":
+        from mgtrace.kernels.streamed import StreamedTriton
+
+        run = StreamedTriton(tiles=TILES)
+    return run
 
 
 def device_profile(trace: Path, backend: str, layout: str, layers: int = 0) -> dict:
@@ -261,8 +270,13 @@ def main() -> int:
         help="Also replay with run_triton per launch and reads checked at once (the old path).",
     )
     ap.add_argument("--breakdown", action="store_true", help="Also time the loop's phases.")
+    ap.add_argument(
+        "--tiles", type=int, help="Triton: programs per temporal state (default: by state size)"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    global TILES
+    TILES = args.tiles
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     with tempfile.TemporaryDirectory() as tmp:
@@ -316,6 +330,7 @@ def main() -> int:
         "backend": args.backend,
         "device": args.device,
         "layout": args.layout,
+        "tiles": args.tiles,
         "replay_best": best,
         "replay_runs": runs,
         "baseline_sync_path": baseline,

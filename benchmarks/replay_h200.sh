@@ -14,6 +14,12 @@ echo "compact rc=$?"
 $PY $B --steps 1000 --repeat 1 --backend triton --device cuda --full-layers 4 --no-bisect \
     --out "$OUT/replay-h200-triton.json" > "$OUT/full.log" 2>&1
 echo "full rc=$?"
+# The same, per number of programs per temporal state (the default picks it by state size).
+for t in ${TILES_SWEEP:-4 16 64 256}; do
+  $PY $B --steps 500 --repeat 1 --backend triton --device cuda --full-layers 4 --no-bisect \
+      --tiles "$t" --out "$OUT/replay-h200-triton-tiles$t.json" > "$OUT/tiles$t.log" 2>&1
+  echo "tiles $t rc=$?"
+done
 # The CPU reference on this host's CPU, for scale.
 $PY $B --steps 3000 --repeat 3 --no-bisect --out "$OUT/replay-h200host-reference.json" \
     > "$OUT/host.log" 2>&1
