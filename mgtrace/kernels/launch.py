@@ -132,11 +132,7 @@ class AlignLaunch:
             else:
                 plain[name] = value
         self.block32 = np.int32(self.block_size)
-        self.lacks_required = False
-        for name in REQUIRED_COLUMNS[(self.kernel, self.mode)]:
-            if name not in plain:
-                self.lacks_required = True
-                break
+        self.lacks_required = any(name not in plain for name in self.required_columns)
         # Each check counts the rows that break it: count_nonzero costs a fraction of the
         # .all() reduction on launch-sized arrays, and a replay builds thousands of launches.
         self.all_live = not self.has_nulls and not np.count_nonzero(plain["req_slot"] < 0)

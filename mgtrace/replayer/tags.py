@@ -237,11 +237,6 @@ class TagPool:
         pool = self.pool
         return (np.asarray(blocks, dtype=np.int64) * pool.page_bytes + pool.offsets[state]) // 4
 
-    def _page_starts(self, blocks: np.ndarray) -> np.ndarray:
-        """int64 word index of each block's page (word-aligned pools); the int64 factor
-        widens int32 block ids before the multiply could wrap."""
-        return np.multiply(blocks, self._page_words)  # also right for a list of ids
-
     def _conv_index(self, state: int, blocks: np.ndarray, field: int) -> np.ndarray:
         """int32 indices of one tag field of every window row: shape [len(blocks), W]."""
         spec = self.pool.specs[state]
@@ -261,12 +256,8 @@ class TagPool:
             return
         width = self.groups[group].width
         # The first table row: words of every window row's uid, then of its position.
-        if self._word_aligned:  # words from the page start: one multiply, one add
-            words = self._conv_rows_table(state, width)[0][0]
-            at = self._page_starts(blocks)[:, None] + words
-        else:
-            words = self._conv_rows_table(state, width, relative=True)[0][0]
-            at = self._base(state, blocks)[:, None] + words
+        words = self._conv_rows_table(state, width, relative=True)[0][0]
+        at = self._base(state, blocks)[:, None] + words
         values = np.empty(at.shape, dtype=np.int64)
         values[:, :width] = uid[:, None]
         np.add(last_pos[:, None], self._window_offsets(width), out=values[:, width:])
@@ -398,10 +389,7 @@ class TagPool:
         state = self.groups[group].temporal
         if state is None or not len(blocks):
             return
-        if self._word_aligned:  # words from the page start: one multiply, one add
-            at = self._page_starts(blocks)[:, None] + self._temporal_words_of[state]
-        else:
-            at = self._base(state, blocks)[:, None] + self._temporal_fields
+        at = self._base(state, blocks)[:, None] + self._temporal_fields
         values = np.empty(at.shape, dtype=np.int64)
         values[:, 0] = uid
         values[:, 1] = tokens
