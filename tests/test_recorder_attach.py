@@ -163,8 +163,11 @@ def bare_python(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
 
 
 def _ptraceable(pid: int) -> proctree.Proc:
-    """``pid`` as a ``Proc``; the test is skipped where this process may not ptrace it."""
+    """``pid`` as a ``Proc``; the test is skipped where this process may not ptrace it, or
+    where gdb cannot call functions in a process (a kernel refusing its register writes)."""
     ok, why = attach.inject.ptrace_permitted(pid)
+    if ok:
+        ok, why = attach.inject.gdb_calls_work()
     if not ok:
         pytest.skip(why)
     proc = proctree.read_proc(pid)
@@ -227,6 +230,73 @@ def test_a_refused_remote_exec_falls_back_to_gdb(
     assert control.send(t.socket, "status")["pid"] == bare_python.pid
 
 
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_a_gdb_call_the_kernel_refuses_leaves_the_target_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where gdb's calls work, the agent is queued; where the kernel refuses them, the
+    injection fails with gdb's reason and the target, stopped inside ``time.sleep``, goes
+    on sleeping: its registers are put back so that the kernel restarts the system call."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(
+        "import time\nprint('up', flush=True)\n"
+        "for _ in range(25):\n    time.sleep(0.02)\nprint('done', flush=True)\n"
+    )
+
+    def sleeper() -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        return p
+
+    target = sleeper()
+    ok, why = attach.inject.ptrace_permitted(target.pid)
+    if not ok:
+        target.kill()
+        target.wait()
+        pytest.skip(why)
+    calls_work, reason = attach.inject.gdb_calls_work()
+    try:
+        attach.inject.via_gdb(target.pid)
+        assert calls_work, "the injection worked where the probe said gdb's calls fail"
+    except attach.inject.InjectError as exc:
+        assert not calls_work, exc
+        assert reason.split(": ", 1)[1] in str(exc) and "\n" not in str(exc)
+    out, err = target.communicate(timeout=30)
+    assert target.returncode == 0 and out.strip() == "done", err
+    if calls_work:
+        return  # the control below needs a kernel that refuses the calls
+    # failing control: the same calls without putting the registers back kill the target
+    monkeypatch.setattr(attach.inject, "_SAVED_REGISTERS", ())
+    target = sleeper()
+    with pytest.raises(attach.inject.InjectError):
+        attach.inject.via_gdb(target.pid)
+    out, err = target.communicate(timeout=30)
+    assert target.returncode != 0 and "Errno 514" in err
+
+
+def test_gdb_is_not_tried_on_the_engine_where_its_calls_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The throwaway probe's verdict decides: a refusal names gdb's reason in one sentence
+    and the engine is never attached."""
+    attached: list[int] = []
+    monkeypatch.setattr(attach.inject, "via_remote_exec", lambda pid: None)
+    monkeypatch.setattr(attach.inject, "ptrace_permitted", lambda pid: (True, ""))
+    monkeypatch.setattr(attach.inject, "via_gdb", attached.append)
+    monkeypatch.setattr(
+        attach.inject, "gdb_calls_work", lambda: (False, "its function calls fail here: X")
+    )
+    with pytest.raises(attach.AttachError) as err:
+        attach._inject(12345)
+    assert "its function calls fail here: X" in str(err.value) and "\n" not in str(err.value)
+    assert attached == []
+    # failing control: where the probe's calls work, gdb goes on to the engine
+    monkeypatch.setattr(attach.inject, "gdb_calls_work", lambda: (True, ""))
+    assert attach._inject(12345) == ("gdb", None) and attached == [12345]
+
+
 def test_both_refusals_are_named_in_one_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
     """Control for the fallback: when gdb may not attach either, the error says why for
     both ways, and nothing is left behind."""
@@ -258,9 +328,7 @@ def test_record_attaches_with_gdb_when_the_plugin_is_not_loaded(tmp_path: Path) 
     try:
         assert engine.stdout is not None and engine.stdout.readline().startswith("READY")
         assert not control.socket_path(engine.pid).exists()
-        ok, why = attach.inject.ptrace_permitted(engine.pid)
-        if not ok:
-            pytest.skip(why)
+        _ptraceable(engine.pid)
         out = tmp_path / "gdb"
         proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "3")
         assert proc.returncode == 0, proc.stderr

@@ -90,6 +90,10 @@ def _inject(pid: int) -> tuple[str, Path | None]:
     except inject.InjectError as exc:
         remote_failed = f"{exc}, and "
     ok, why = inject.ptrace_permitted(pid)
+    if ok:
+        # tried on a throwaway process first: a kernel that refuses gdb's calls never
+        # meets the engine
+        ok, why = inject.gdb_calls_work()
     if not ok:
         raise AttachError(
             f"process {pid} has no mgtrace agent; {remote_failed}gdb cannot attach ({why}); "

@@ -10,11 +10,13 @@ all control then goes through the socket's fixed command set.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import mgtrace
@@ -87,27 +89,92 @@ def via_remote_exec(pid: int) -> Path | None:
     return Path(name)
 
 
-def via_gdb(pid: int) -> None:
-    code = payload().replace("\n", "\\n")
-    size = len(code) + 64
+# The registers an inferior call may leave changed when it fails half-way. On some kernels
+# gdb cannot write the x86 extended register state ("Couldn't write extended state
+# status"): the call is refused after gdb has already set orig_rax to -1, and a thread
+# stopped inside a system call then returns the kernel's internal restart code to its
+# caller (time.sleep raising "OSError: [Errno 514]"), which would crash the engine.
+# Writing the saved general-purpose registers back (ptrace's plain register set, which
+# does work there) lets the kernel restart the call; after a call that worked it changes
+# nothing, since gdb has already restored the same values.
+_SAVED_REGISTERS = (
+    "rip", "rsp", "rbp", "rax", "rbx", "rcx", "rdx", "rsi", "rdi",
+    "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15", "eflags", "orig_rax",
+)  # fmt: skip
+
+
+def _gdb_argv(pid: int, calls: list[str]) -> list[str]:
+    """gdb in batch mode: save the registers, make ``calls``, put the registers back, detach."""
     commands = [
         "set confirm off",
         "set pagination off",
-        f"call (char*)malloc({size})",
-        f'call (void)strcpy($1, "{code}")',
-        "call (int)Py_AddPendingCall((int(*)(void*))PyRun_SimpleString, $1)",
+        *(f"set $mgtrace_{r} = ${r}" for r in _SAVED_REGISTERS),
+        *calls,
+        *(f"set ${r} = $mgtrace_{r}" for r in _SAVED_REGISTERS),
         "detach",
     ]
     argv = ["gdb", "-batch", "-nx", "-p", str(pid)]
     for c in commands:
         argv += ["-ex", c]
+    return argv
+
+
+def _run_gdb(pid: int, calls: list[str]) -> str:
+    """gdb's output (stdout, then stderr) for ``calls`` made in ``pid``."""
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=GDB_TIMEOUT_S)
+        proc = subprocess.run(
+            _gdb_argv(pid, calls), capture_output=True, text=True, timeout=GDB_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         raise InjectError(
             f"gdb did not finish attaching to {pid} in {GDB_TIMEOUT_S:.0f} s"
         ) from None
-    out = proc.stdout + proc.stderr
+    return proc.stdout + "\n" + proc.stderr
+
+
+def _gdb_error(out: str) -> str:
+    """The first thing gdb refused (later errors follow from it), or its last line."""
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith(("Couldn't", "Cannot", "Could not", "No symbol", "ptrace:")):
+            return ln
+    return lines[-1] if lines else "no output"
+
+
+@functools.cache
+def gdb_calls_work() -> tuple[bool, str]:
+    """Whether gdb can call a function in a process on this machine, tried on a throwaway
+    Python sleeping in a system call (where an engine's threads usually are), so that an
+    engine is never the first process to meet a kernel that refuses it."""
+    probe = subprocess.Popen(
+        [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(0.2)  # into its sleep
+        out = _run_gdb(probe.pid, ["call (int)getpid()"])
+        if f"$1 = {probe.pid}" in out and probe.poll() is None:
+            return True, ""
+        return False, f"its function calls fail on this machine: {_gdb_error(out)}"
+    except InjectError as exc:
+        return False, str(exc)
+    finally:
+        probe.kill()
+        probe.wait()
+
+
+def via_gdb(pid: int) -> None:
+    code = payload().replace("\n", "\\n")
+    size = len(code) + 64
+    out = _run_gdb(
+        pid,
+        [
+            f"call (char*)malloc({size})",
+            f'call (void)strcpy($1, "{code}")',
+            "call (int)Py_AddPendingCall((int(*)(void*))PyRun_SimpleString, $1)",
+        ],
+    )
     if "$2 = 0" not in out:
-        last = [ln for ln in out.splitlines() if ln.strip()][-1:] or ["no output"]
-        raise InjectError(f"gdb could not queue the agent in {pid}: {last[0]}")
+        raise InjectError(f"gdb could not queue the agent in {pid}: {_gdb_error(out)}")
