@@ -3,6 +3,7 @@ control socket, a client of another uid, gdb injection, and the ``record`` comma
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -164,10 +165,10 @@ def bare_python(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
 
 def _ptraceable(pid: int) -> proctree.Proc:
     """``pid`` as a ``Proc``; the test is skipped where this process may not ptrace it, or
-    where gdb cannot call functions in a process (a kernel refusing its register writes)."""
+    where gdb cannot queue code in a throwaway process either."""
     ok, why = attach.inject.ptrace_permitted(pid)
     if ok:
-        ok, why = attach.inject.gdb_calls_work()
+        ok, why = attach.inject.gdb_injection_works()
     if not ok:
         pytest.skip(why)
     proc = proctree.read_proc(pid)
@@ -230,70 +231,116 @@ def test_a_refused_remote_exec_falls_back_to_gdb(
     assert control.send(t.socket, "status")["pid"] == bare_python.pid
 
 
-@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
-def test_a_gdb_call_the_kernel_refuses_leaves_the_target_running(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Where gdb's calls work, the agent is queued; where the kernel refuses them, the
-    injection fails with gdb's reason and the target, stopped inside ``time.sleep``, goes
-    on sleeping: its registers are put back so that the kernel restarts the system call."""
-    script = tmp_path / "sleeper.py"
-    script.write_text(
-        "import time\nprint('up', flush=True)\n"
-        "for _ in range(25):\n    time.sleep(0.02)\nprint('done', flush=True)\n"
+def _script_target(tmp_path: Path, name: str, body: str) -> subprocess.Popen[str]:
+    """A Python process running ``body`` after printing 'up'; skipped where gdb may not
+    attach to it."""
+    script = tmp_path / f"{name}.py"
+    script.write_text("import threading, time\nprint('up', flush=True)\n" + body)
+    target = subprocess.Popen(
+        [PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-
-    def sleeper() -> subprocess.Popen[str]:
-        p = subprocess.Popen(
-            [PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        assert p.stdout is not None and p.stdout.readline().strip() == "up"
-        return p
-
-    target = sleeper()
+    assert target.stdout is not None and target.stdout.readline().strip() == "up"
     ok, why = attach.inject.ptrace_permitted(target.pid)
     if not ok:
         target.kill()
         target.wait()
         pytest.skip(why)
-    calls_work, reason = attach.inject.gdb_calls_work()
+    return target
+
+
+SLEEPS = "for _ in range(25):\n    time.sleep(0.02)\nprint('done', flush=True)\n"
+QUEUED = "print('queued code ran', flush=True)\n"
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_gdb_queues_code_and_the_interrupted_sleep_goes_on(tmp_path: Path) -> None:
+    """The target is stopped inside ``time.sleep``; after the queued call it runs the code
+    at its next safe point and finishes its loop as if nothing had happened."""
+    target = _script_target(tmp_path, "sleeper", SLEEPS)
+    attach.inject._queue(target.pid, QUEUED)
+    out, err = target.communicate(timeout=30)
+    assert target.returncode == 0, err
+    assert out.split() == ["queued", "code", "ran", "done"], out
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_gdb_without_the_register_restore_breaks_the_target(tmp_path: Path) -> None:
+    """Failing control for the test above: the same script with the saved registers not
+    written back leaves the target on the program's entry point; it does not finish."""
+    text = attach.inject.GDB_SCRIPT.read_text()
+    assert text.count("        restore(thread)\n") == 1
+    broken = tmp_path / "gdb_queue_no_restore.py"
+    broken.write_text(text.replace("        restore(thread)\n", "        pass\n"))
+    target = _script_target(tmp_path, "sleeper", SLEEPS)
+    with contextlib.suppress(attach.inject.InjectError):
+        attach.inject._queue(target.pid, QUEUED, script=broken)
     try:
-        attach.inject.via_gdb(target.pid)
-        assert calls_work, "the injection worked where the probe said gdb's calls fail"
-    except attach.inject.InjectError as exc:
-        assert not calls_work, exc
-        assert reason.split(": ", 1)[1] in str(exc) and "\n" not in str(exc)
-    out, err = target.communicate(timeout=30)
-    assert target.returncode == 0 and out.strip() == "done", err
-    if calls_work:
-        return  # the control below needs a kernel that refuses the calls
-    # failing control: the same calls without putting the registers back kill the target
-    monkeypatch.setattr(attach.inject, "_SAVED_REGISTERS", ())
-    target = sleeper()
-    with pytest.raises(attach.inject.InjectError):
-        attach.inject.via_gdb(target.pid)
-    out, err = target.communicate(timeout=30)
-    assert target.returncode != 0 and "Errno 514" in err
+        out, _ = target.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        target.kill()
+        out, _ = target.communicate()
+    assert "done" not in out
 
 
-def test_gdb_is_not_tried_on_the_engine_where_its_calls_fail(
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_gdb_calls_on_a_thread_in_a_system_call_not_on_a_busy_one(tmp_path: Path) -> None:
+    """The main thread computes (live registers), a second thread sleeps: the call is made
+    on the sleeping thread and the main thread's result is exact."""
+    busy = (
+        "threading.Thread(target=lambda: [time.sleep(0.01) for _ in range(300)]).start()\n"
+        "total, t0 = 0.0, time.monotonic()\n"
+        "while time.monotonic() - t0 < 1.5:\n"
+        "    for i in range(1000):\n"
+        "        total += 0.5\n"
+        "print('exact', total == 0.5 * 1000 * (total // 500.0), flush=True)\n"
+    )
+    target = _script_target(tmp_path, "busy", busy)
+    attach.inject._queue(target.pid, QUEUED)
+    out, err = target.communicate(timeout=30)
+    assert target.returncode == 0, err
+    assert "queued code ran" in out and "exact True" in out, out
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_gdb_refuses_when_no_thread_waits_in_a_system_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One thread, always computing: no safe place for the call. The refusal is one
+    sentence and the target is untouched (the test above, with a sleeping second thread,
+    is the control where the same computation does get the call)."""
+    monkeypatch.setattr(attach.inject, "BUSY_RETRIES", 3)
+    busy = (
+        "total, t0 = 0, time.monotonic()\n"
+        "while time.monotonic() - t0 < 4:\n"
+        "    total += 1\n"
+        "print('done', total > 0, flush=True)\n"
+    )
+    target = _script_target(tmp_path, "busy1", busy)
+    with pytest.raises(attach.inject.InjectError, match="waiting in a system call") as err:
+        attach.inject._queue(target.pid, QUEUED)
+    assert "\n" not in str(err.value)
+    out, errout = target.communicate(timeout=30)
+    assert target.returncode == 0 and out.split() == ["done", "True"], errout
+
+
+def test_gdb_is_not_tried_on_the_engine_where_the_probe_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The throwaway probe's verdict decides: a refusal names gdb's reason in one sentence
+    """The throwaway probe's verdict decides: a refusal names its reason in one sentence
     and the engine is never attached."""
     attached: list[int] = []
     monkeypatch.setattr(attach.inject, "via_remote_exec", lambda pid: None)
     monkeypatch.setattr(attach.inject, "ptrace_permitted", lambda pid: (True, ""))
     monkeypatch.setattr(attach.inject, "via_gdb", attached.append)
     monkeypatch.setattr(
-        attach.inject, "gdb_calls_work", lambda: (False, "its function calls fail here: X")
+        attach.inject, "gdb_injection_works", lambda: (False, "on a test process: X")
     )
     with pytest.raises(attach.AttachError) as err:
         attach._inject(12345)
-    assert "its function calls fail here: X" in str(err.value) and "\n" not in str(err.value)
+    assert "on a test process: X" in str(err.value) and "\n" not in str(err.value)
     assert attached == []
-    # failing control: where the probe's calls work, gdb goes on to the engine
-    monkeypatch.setattr(attach.inject, "gdb_calls_work", lambda: (True, ""))
+    # failing control: where the probe works, gdb goes on to the engine
+    monkeypatch.setattr(attach.inject, "gdb_injection_works", lambda: (True, ""))
     assert attach._inject(12345) == ("gdb", None) and attached == [12345]
 
 

@@ -91,9 +91,8 @@ def _inject(pid: int) -> tuple[str, Path | None]:
         remote_failed = f"{exc}, and "
     ok, why = inject.ptrace_permitted(pid)
     if ok:
-        # tried on a throwaway process first: a kernel that refuses gdb's calls never
-        # meets the engine
-        ok, why = inject.gdb_calls_work()
+        # tried on a throwaway process first: an engine never meets a gdb that fails
+        ok, why = inject.gdb_injection_works()
     if not ok:
         raise AttachError(
             f"process {pid} has no mgtrace agent; {remote_failed}gdb cannot attach ({why}); "

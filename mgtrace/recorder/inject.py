@@ -4,8 +4,9 @@ Two ways, tried in order: ``sys.remote_exec`` (PEP 768, Python 3.14+), then gdb.
 path does not run Python at the point where the process was stopped (which may be inside
 the allocator or the garbage collector): it only queues a pending call with
 ``Py_AddPendingCall``, which the interpreter's main thread runs at its next safe point with
-the GIL held, and detaches. The queued code only imports this package and opens the socket;
-all control then goes through the socket's fixed command set.
+the GIL held, and detaches (how, and why not with gdb's own ``call``: ``gdb_queue.py``).
+The queued code only imports this package and opens the socket; all control then goes
+through the socket's fixed command set.
 """
 
 from __future__ import annotations
@@ -89,92 +90,75 @@ def via_remote_exec(pid: int) -> Path | None:
     return Path(name)
 
 
-# The registers an inferior call may leave changed when it fails half-way. On some kernels
-# gdb cannot write the x86 extended register state ("Couldn't write extended state
-# status"): the call is refused after gdb has already set orig_rax to -1, and a thread
-# stopped inside a system call then returns the kernel's internal restart code to its
-# caller (time.sleep raising "OSError: [Errno 514]"), which would crash the engine.
-# Writing the saved general-purpose registers back (ptrace's plain register set, which
-# does work there) lets the kernel restart the call; after a call that worked it changes
-# nothing, since gdb has already restored the same values.
-_SAVED_REGISTERS = (
-    "rip", "rsp", "rbp", "rax", "rbx", "rcx", "rdx", "rsi", "rdi",
-    "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15", "eflags", "orig_rax",
-)  # fmt: skip
+GDB_SCRIPT = Path(__file__).with_name("gdb_queue.py")  # runs in gdb's Python, see there
+BUSY_RETRIES = 40  # attaches while no thread of the target sits in a system call
+BUSY_WAIT_S = 0.025
 
 
-def _gdb_argv(pid: int, calls: list[str]) -> list[str]:
-    """gdb in batch mode: save the registers, make ``calls``, put the registers back, detach."""
-    commands = [
-        "set confirm off",
-        "set pagination off",
-        *(f"set $mgtrace_{r} = ${r}" for r in _SAVED_REGISTERS),
-        *calls,
-        *(f"set ${r} = $mgtrace_{r}" for r in _SAVED_REGISTERS),
-        "detach",
-    ]
-    argv = ["gdb", "-batch", "-nx", "-p", str(pid)]
-    for c in commands:
-        argv += ["-ex", c]
-    return argv
-
-
-def _run_gdb(pid: int, calls: list[str]) -> str:
-    """gdb's output (stdout, then stderr) for ``calls`` made in ``pid``."""
+def _run_gdb(pid: int, source: str, script: Path | None = None) -> str:
+    """One attach: gdb runs ``script`` in ``pid`` with ``source`` to queue; its verdict
+    (``queued``, ``busy`` or ``failed REASON``)."""
+    argv = ["gdb", "-batch", "-nx", "-p", str(pid), "-x", str(script or GDB_SCRIPT)]
+    env = {**os.environ, "MGTRACE_PAYLOAD": source}
     try:
-        proc = subprocess.run(
-            _gdb_argv(pid, calls), capture_output=True, text=True, timeout=GDB_TIMEOUT_S
-        )
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=GDB_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
         raise InjectError(
             f"gdb did not finish attaching to {pid} in {GDB_TIMEOUT_S:.0f} s"
         ) from None
-    return proc.stdout + "\n" + proc.stderr
+    for line in proc.stdout.splitlines():
+        if line.startswith("mgtrace-gdb: "):
+            return line.removeprefix("mgtrace-gdb: ").strip()
+    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+    return f"failed gdb said: {lines[-1] if lines else 'nothing'}"
 
 
-def _gdb_error(out: str) -> str:
-    """The first thing gdb refused (later errors follow from it), or its last line."""
-    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
-    for ln in lines:
-        if ln.startswith(("Couldn't", "Cannot", "Could not", "No symbol", "ptrace:")):
-            return ln
-    return lines[-1] if lines else "no output"
+def _queue(pid: int, source: str, script: Path | None = None) -> None:
+    for _ in range(BUSY_RETRIES):
+        verdict = _run_gdb(pid, source, script)
+        if verdict != "busy":
+            break
+        time.sleep(BUSY_WAIT_S)  # every thread was running: attach again a moment later
+    if verdict == "busy":
+        raise InjectError(
+            f"no thread of process {pid} was waiting in a system call in "
+            f"{BUSY_RETRIES} attaches, the only place gdb may safely make the call"
+        )
+    if verdict != "queued":
+        reason = verdict.removeprefix("failed ").rstrip(".")
+        raise InjectError(f"gdb could not queue the agent in {pid}: {reason}")
 
 
 @functools.cache
-def gdb_calls_work() -> tuple[bool, str]:
-    """Whether gdb can call a function in a process on this machine, tried on a throwaway
-    Python sleeping in a system call (where an engine's threads usually are), so that an
-    engine is never the first process to meet a kernel that refuses it."""
-    probe = subprocess.Popen(
-        [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(0.2)  # into its sleep
-        out = _run_gdb(probe.pid, ["call (int)getpid()"])
-        if f"$1 = {probe.pid}" in out and probe.poll() is None:
+def gdb_injection_works() -> tuple[bool, str]:
+    """Whether gdb can queue code in a process on this machine, tried end to end on a
+    throwaway Python, so that an engine is never the first process to meet a kernel or a
+    gdb that cannot."""
+    with tempfile.TemporaryDirectory(prefix="mgtrace-probe-") as tmp:
+        marker = Path(tmp) / "ran"
+        probe = subprocess.Popen(
+            [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(0.2)  # into its loop
+            _queue(probe.pid, f"open({str(marker)!r}, 'w').close()\n")
+            deadline = time.monotonic() + 5.0
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if probe.poll() is not None:
+                return False, "a test process did not survive gdb's attach"
+            if not marker.exists():
+                return False, "the code gdb queued in a test process never ran"
             return True, ""
-        return False, f"its function calls fail on this machine: {_gdb_error(out)}"
-    except InjectError as exc:
-        return False, str(exc)
-    finally:
-        probe.kill()
-        probe.wait()
+        except InjectError as exc:
+            return False, f"on a test process: {exc}"
+        finally:
+            probe.kill()
+            probe.wait()
 
 
 def via_gdb(pid: int) -> None:
-    code = payload().replace("\n", "\\n")
-    size = len(code) + 64
-    out = _run_gdb(
-        pid,
-        [
-            f"call (char*)malloc({size})",
-            f'call (void)strcpy($1, "{code}")',
-            "call (int)Py_AddPendingCall((int(*)(void*))PyRun_SimpleString, $1)",
-        ],
-    )
-    if "$2 = 0" not in out:
-        raise InjectError(f"gdb could not queue the agent in {pid}: {_gdb_error(out)}")
+    _queue(pid, payload())

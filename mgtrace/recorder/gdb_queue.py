@@ -1,0 +1,154 @@
+"""Run inside gdb's own Python (``gdb -x``), never imported by mgtrace: queue a Python
+source string in the attached process with ``Py_AddPendingCall``.
+
+Why not gdb's ``call``: on some kernels gdb cannot write the x86 extended register state
+("Couldn't write extended state status"), so every inferior call fails, after gdb has
+already set ``orig_rax`` to -1; a thread stopped inside a system call then returns the
+kernel's internal restart code to its caller (``time.sleep`` raised ``OSError: [Errno
+514]``). This script touches only the general-purpose registers and memory:
+
+1. It picks a thread stopped inside a system call (the main thread when it is one). At a
+   system-call site every vector register is dead under the x86-64 calling convention, so
+   the function it calls may clobber them; a thread stopped elsewhere is never used.
+2. It saves that thread's general-purpose registers.
+3. It re-executes the thread's own ``syscall`` instruction as an anonymous ``mmap`` (no
+   allocator, so no lock that a stopped thread could hold) and writes the source there. The
+   page stays mapped: the pending call reads it later (one page per attach).
+4. It calls ``Py_AddPendingCall(PyRun_SimpleString, page)`` on a private stack frame whose
+   return address is the program's entry point, with a temporary breakpoint there.
+5. It writes every saved register back, so that the interrupted system call restarts as
+   the kernel would have restarted it, and detaches.
+
+Input: the environment variable MGTRACE_PAYLOAD. Output: one line starting with
+``mgtrace-gdb:``, then ``queued``, ``busy`` (no thread in a system call just now) or
+``failed REASON``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import gdb  # type: ignore[import-not-found]  # gdb's embedded module
+
+SAVED = (
+    "rip", "rsp", "rbp", "rax", "rbx", "rcx", "rdx", "rsi", "rdi",
+    "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15", "eflags", "orig_rax",
+)  # fmt: skip
+SYSCALL = b"\x0f\x05"
+NR_MMAP, PROT_RW, MAP_PRIVATE_ANON = 9, 0x3, 0x22
+PAGE = 4096
+MAX_STOPS = 64  # other threads' stops to let pass while the call runs
+
+
+def reg(name: str) -> int:
+    return int(gdb.parse_and_eval(f"${name}"))
+
+
+def set_reg(name: str, value: int) -> None:
+    gdb.execute(f"set ${name} = {value}", to_string=True)
+
+
+def in_syscall() -> bool:
+    pc = reg("pc")
+    try:
+        code = bytes(gdb.selected_inferior().read_memory(pc - 2, 2))
+    except gdb.MemoryError:
+        return False
+    return reg("orig_rax") >= 0 and code == SYSCALL
+
+
+def pick_thread() -> gdb.InferiorThread | None:
+    for thread in sorted(gdb.selected_inferior().threads(), key=lambda t: t.num):
+        thread.switch()
+        if in_syscall():
+            return thread
+    return None
+
+
+def entry_point() -> int:
+    found = re.search(r"Entry point: (0x[0-9a-f]+)", gdb.execute("info files", to_string=True))
+    if found is None:
+        raise RuntimeError("gdb shows no entry point for the program")
+    return int(found.group(1), 16)
+
+
+def symbol(name: str) -> int:
+    try:
+        return int(gdb.parse_and_eval(f"(long)&{name}"))
+    except gdb.error:
+        raise RuntimeError(f"the process has no symbol {name} (not a CPython?)") from None
+
+
+def mmap_page(syscall_at: int, length: int) -> int:
+    """An anonymous read-write mapping, made by the thread's own syscall instruction."""
+    args = {"rdi": 0, "rsi": length, "rdx": PROT_RW, "r10": MAP_PRIVATE_ANON, "r8": -1, "r9": 0}
+    for name, value in args.items():
+        set_reg(name, value)
+    set_reg("orig_rax", -1)  # not a restart of the interrupted call
+    set_reg("rax", NR_MMAP)
+    set_reg("pc", syscall_at)
+    gdb.execute("stepi", to_string=True)
+    address = reg("rax")
+    if address < 0 or address % PAGE:
+        raise RuntimeError(f"mmap in the process failed ({address})")
+    return address
+
+
+def call(thread: gdb.InferiorThread, function: int, arg0: int, arg1: int, ret: int) -> int:
+    """``function(arg0, arg1)`` on a frame below the saved stack, returning to ``ret``."""
+    sp = ((saved["rsp"] - 1024) & ~0xF) - 8  # past the red zone; 16-aligned at entry + 8
+    gdb.selected_inferior().write_memory(sp, ret.to_bytes(8, "little"))
+    set_reg("rsp", sp)
+    set_reg("rdi", arg0)
+    set_reg("rsi", arg1)
+    set_reg("rax", 0)
+    set_reg("orig_rax", -1)
+    set_reg("pc", function)
+    gdb.execute(f"tbreak *{ret}", to_string=True)
+    for _ in range(MAX_STOPS):
+        gdb.execute("continue", to_string=True)
+        if gdb.selected_thread() == thread and reg("pc") == ret:
+            return reg("rax") & 0xFFFFFFFF
+        thread.switch()
+    raise RuntimeError("the call did not return")
+
+
+def restore(thread: gdb.InferiorThread) -> None:
+    thread.switch()
+    for name in SAVED:
+        set_reg(name, saved[name])
+
+
+saved: dict[str, int] = {}
+
+
+def main() -> str:
+    source = os.environ.get("MGTRACE_PAYLOAD", "").encode() + b"\0"
+    arch = gdb.selected_inferior().architecture().name()
+    if arch != "i386:x86-64":
+        return f"failed only x86-64 processes are supported (this one is {arch})"
+    gdb.execute("set scheduler-locking step", to_string=True)  # stepi moves this thread only
+    thread = pick_thread()
+    if thread is None:
+        return "busy"
+    saved.update({name: reg(name) for name in SAVED})
+    try:
+        ret = entry_point()
+        add, run = symbol("Py_AddPendingCall"), symbol("PyRun_SimpleString")
+        page = mmap_page(saved["rip"] - 2, -(-len(source) // PAGE) * PAGE)
+        gdb.selected_inferior().write_memory(page, source)
+        status = call(thread, add, run, page, ret)
+        return "queued" if status == 0 else f"failed Py_AddPendingCall returned {status}"
+    except (RuntimeError, gdb.error) as exc:
+        return f"failed {exc}"
+    finally:
+        restore(thread)
+
+
+try:
+    result = main()
+except Exception as exc:  # reported on stdout, never raised into gdb's batch run
+    result = f"failed {type(exc).__name__}: {exc}"
+print(f"mgtrace-gdb: {result}")
+gdb.execute("detach", to_string=True)
