@@ -48,7 +48,8 @@ def make_trace(path: Path, steps: int, bug: str | None, seed: int = 0) -> Path:
 
 class TimedBackend:
     """Wraps a backend: host time spent in launches (for the streamed backend, the time to
-    validate and enqueue) and the state bytes the copying rows read and write."""
+    validate and enqueue; on a mirrored tag pool, the device side only) and the state bytes
+    the copying rows read and write."""
 
     def __init__(self, run) -> None:
         self.run = run
@@ -61,9 +62,9 @@ class TimedBackend:
             raise AttributeError(name)
         return getattr(self.run, name)  # verify() and the like, where the backend has them
 
-    def __call__(self, launch, pool, tables):
+    def __call__(self, launch, pool, tables, **kwargs):
         t0 = time.perf_counter()
-        result = self.run(launch, pool, tables)
+        result = self.run(launch, pool, tables, **kwargs)
         self.seconds += time.perf_counter() - t0
         self.launches += 1
         per_row = sum(spec.nbytes for spec in pool.specs)
@@ -137,6 +138,7 @@ def time_replay(
     layers: int = 0,
     *,
     sync: bool = False,
+    mirror: bool | None = None,
 ) -> dict:
     reader = TraceReader(trace)
     t0 = time.perf_counter()
@@ -146,7 +148,9 @@ def time_replay(
     t1 = time.perf_counter()
     timed = TimedBackend(make_backend(backend, device, sync))
     # The baseline checks every read at once, as the replay did before reads were deferred.
-    rep = RankReplay(rt, RuleSet(), timed, layout, device, defer_reads=False if sync else None)
+    rep = RankReplay(
+        rt, RuleSet(), timed, layout, device, defer_reads=False if sync else None, mirror=mirror
+    )
     t2 = time.perf_counter()
     last = rep.run()
     t3 = time.perf_counter()
@@ -160,6 +164,7 @@ def time_replay(
         "loop_steps_per_s": (last + 1) / (t3 - t2),
         "end_to_end_steps_per_s": (last + 1) / (t3 - t0),
         "findings": len(rep.oracle.findings),
+        "mirrored_tag_pool": rep.mirror,
         "launches": timed.launches,
         "launch_seconds": timed.seconds,
         "launch_seconds_are": "host wall time (validate, enqueue; run_triton: and wait)",
@@ -269,6 +274,12 @@ def main() -> int:
         action="store_true",
         help="Also replay with run_triton per launch and reads checked at once (the old path).",
     )
+    ap.add_argument(
+        "--compare-unmirrored",
+        action="store_true",
+        help="Triton on compact tags: also replay with the tags on the device only (no host "
+        "pool), interleaved with the default runs.",
+    )
     ap.add_argument("--breakdown", action="store_true", help="Also time the loop's phases.")
     ap.add_argument(
         "--tiles", type=int, help="Triton: programs per temporal state (default: by state size)"
@@ -281,10 +292,23 @@ def main() -> int:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     with tempfile.TemporaryDirectory() as tmp:
         clean = make_trace(Path(tmp) / "clean", args.steps, None)
-        runs = [
-            time_replay(clean, args.backend, args.device, args.layout) for _ in range(args.repeat)
-        ]
+        runs, unmirrored_runs = [], []
+        for _ in range(args.repeat):
+            runs.append(time_replay(clean, args.backend, args.device, args.layout))
+            if args.compare_unmirrored:
+                unmirrored_runs.append(
+                    time_replay(clean, args.backend, args.device, args.layout, mirror=False)
+                )
         best = max(runs, key=lambda r: r["loop_steps_per_s"])
+        unmirrored = None
+        if unmirrored_runs:
+            best_unmirrored = max(unmirrored_runs, key=lambda r: r["loop_steps_per_s"])
+            unmirrored = {
+                "best": best_unmirrored,
+                "runs": unmirrored_runs,
+                "speedup_of_best": best["loop_steps_per_s"] / best_unmirrored["loop_steps_per_s"],
+                "same_findings": best_unmirrored["findings"] == best["findings"],
+            }
         baseline = None
         if args.baseline_sync:
             baseline = time_replay(clean, args.backend, args.device, args.layout, sync=True)
@@ -334,6 +358,7 @@ def main() -> int:
         "replay_best": best,
         "replay_runs": runs,
         "baseline_sync_path": baseline,
+        "unmirrored_tag_pool": unmirrored,
         "breakdown": phases,
         "full_size_states": full_states,
         "bisect": bisect_result,

@@ -134,3 +134,34 @@ def test_streamed_backend_checks_its_kernels(tmp_path: Path) -> None:
     backend._host_counts[-1] = np.asarray(backend._host_counts[-1]) + 1  # a wrong decision
     with pytest.raises(KernelDisagreement):
         backend.verify()
+
+
+@pytest.mark.interp
+def test_mirrored_pool_is_checked_against_the_kernels(tmp_path: Path) -> None:
+    """The device copy that the Triton kernels move is compared with the host pool at every
+    flush: a byte the kernels got wrong stops the replay, naming its block."""
+    from mgtrace.kernels.streamed import KernelDisagreement
+    from mgtrace.replayer.loop import load_backend
+
+    reader = _trace(
+        tmp_path, "reorder-threshold-mismatch", {"runner": "v1", "scenario": "pairs"}, 60
+    )
+    backend = load_backend("triton", "cpu")
+    rep = RankReplay(RankTrace(reader, 0, RequestIds()), RuleSet(), backend)
+    assert rep.mirror and rep.pool.device_pool is not None
+    rep.run(until=40)  # flushed, so verified, on the way
+    assert backend.launches > 0, "control: the kernels ran on the device copy"
+    assert np.array_equal(rep.pool.device_pool.buffer.numpy(), rep.pool.snapshot())
+    page = rep.pool.pool.page_bytes
+    rep.pool.device_pool.buffer[7 * page + 1] += 1  # as if a kernel wrote a wrong byte
+    with pytest.raises(KernelDisagreement, match="block 7 \\(byte 1 of its page\\)"):
+        rep.flush()
+
+
+@pytest.mark.unit
+def test_mirror_needs_a_device_backend(tmp_path: Path) -> None:
+    from mgtrace.errors import UsageError
+
+    reader = _trace(tmp_path, "reorder-threshold-mismatch", {"runner": "v1"}, 20)
+    with pytest.raises(UsageError, match="device backend"):
+        RankReplay(RankTrace(reader, 0, RequestIds()), RuleSet(), _reference(), mirror=True)

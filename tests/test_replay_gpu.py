@@ -44,9 +44,10 @@ def test_cuda_backend_matches_reference(tmp_path: Path, bug: str, engine: dict) 
     simulate(cfg.validate())
     reader = TraceReader(out)
     ref = replay_trace(reader, RuleSet())
-    gpu = replay_trace(reader, RuleSet(), backend="triton", device="cuda")
     key = [(f.step, f.rank, f.req_id, f.signature, f.block_id) for f in ref.findings]
-    assert key == [(f.step, f.rank, f.req_id, f.signature, f.block_id) for f in gpu.findings]
+    for mirror in (True, False):  # tags on the host, checked against the device; device only
+        gpu = replay_trace(reader, RuleSet(), backend="triton", device="cuda", mirror=mirror)
+        assert key == [(f.step, f.rank, f.req_id, f.signature, f.block_id) for f in gpu.findings]
     assert ref.findings, "control: the injected bug gives the backends something to find"
 
 

@@ -31,7 +31,7 @@ from mgtrace.kernels.triton_align import (
     launch_precopy,
     run_triton,
 )
-from mgtrace.kernels.validate import validate_launch
+from mgtrace.kernels.validate import Validation, validate_launch
 
 # Column order of a launch's single upload (postprocess: "num_accepted" twice, the second
 # row pre-fills the separate output buffer the kernel writes its resets into).
@@ -77,10 +77,21 @@ class StreamedTriton:
             self._loaded[key] = tables  # held, so its id cannot be reused while cached
         return layout
 
-    def __call__(self, launch: AlignLaunch, pool: StatePool, tables: BlockTables) -> LaunchResult:
+    # a replay may keep its tags on the host and run this backend on a device copy
+    runs_on_device_pool = True
+
+    def __call__(
+        self,
+        launch: AlignLaunch,
+        pool: StatePool,
+        tables: BlockTables,
+        validation: Validation | None = None,
+    ) -> LaunchResult:
+        """``validation``: the host validation of this launch, when the caller has it."""
         if launch.kernel == "aligned_indices":  # returns a gather: it has to wait anyway
             return run_triton(launch, pool, tables, tiles=self._tiles(pool))
-        validation = validate_launch(launch, pool, tables)
+        if validation is None:
+            validation = validate_launch(launch, pool, tables)
         result = LaunchResult(validation=validation)
         if launch.kernel == "postprocess":
             result.accepted_out = validation.accepted_out(launch)

@@ -24,6 +24,7 @@ from mgtrace.errors import InconclusiveError, UsageError
 from mgtrace.kernels.launch import AlignLaunch
 from mgtrace.kernels.reference import LaunchResult, run_reference
 from mgtrace.replayer.findings import MALFORMED, Finding
+from mgtrace.replayer.mirror import MirroredKernels
 from mgtrace.replayer.oracle import READ_KINDS, Oracle, StateRead
 from mgtrace.replayer.ownership import BlockOwnership
 from mgtrace.replayer.requests import DUMMY_REQUEST, RequestIds
@@ -79,6 +80,9 @@ class RankReplay:
     # on a GPU, where an immediate check waits for the device on every read.
     defer_reads: bool | None = None
     flush_every: int = 64
+    # A device backend on compact tags runs on a device copy of a host pool (see mirror.py);
+    # False keeps the tags on the device only (how the full layout always runs).
+    mirror: bool | None = None
     oracle: Oracle = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,7 +90,16 @@ class RankReplay:
         self.k = run.num_speculative_tokens
         self.block_size = run.mamba_block_size
         self.runner = run.runner
-        self.pool = TagPool(run, layout=self.layout, device=self.device)
+        on_device_pool = getattr(self.backend, "runs_on_device_pool", False)
+        if self.mirror is None:
+            self.mirror = on_device_pool and self.layout == "compact"
+        elif self.mirror and not on_device_pool:
+            raise UsageError("only a device backend (triton) runs on a mirrored tag pool")
+        if self.mirror:
+            self.pool = TagPool(run, layout=self.layout, device="cpu", mirror=self.device)
+            self.backend = MirroredKernels(self.backend, self.pool)
+        else:
+            self.pool = TagPool(run, layout=self.layout, device=self.device)
         groups = len(self.pool.groups)
         kinds = ("v1",) if self.runner == "v1" else ("source", "input")
         self.own_kind = kinds[0]
@@ -101,7 +114,11 @@ class RankReplay:
             pool=self.pool,
             ownership=self.ownership,
             conv_keep=conv_keep,
-            defer_reads=self.device != "cpu" if self.defer_reads is None else self.defer_reads,
+            defer_reads=(
+                self.device != "cpu" and not self.mirror
+                if self.defer_reads is None
+                else self.defer_reads
+            ),
         )
         self.views: dict[int, RowView] = {}
         self.keep_views = max(run.pp_size, 1) + 2
@@ -499,6 +516,7 @@ def replay_trace(
     allow_gaps: bool = False,
     checkpoint_every: int | None = None,
     defer_reads: bool | None = None,
+    mirror: bool | None = None,
 ) -> ReplayResult:
     """Replay every rank of a trace under ``rules``; findings before ``from_step`` are dropped.
 
@@ -521,7 +539,9 @@ def replay_trace(
         trace = RankTrace(reader, rank, ids)
         if not allow_gaps:
             _require_contiguous(trace, reader)
-        rep = RankReplay(trace, rules, run_backend, layout, device, defer_reads=defer_reads)
+        rep = RankReplay(
+            trace, rules, run_backend, layout, device, defer_reads=defer_reads, mirror=mirror
+        )
         if seed is not None and rank in seed.checkpoints:
             ckpt.restore(rep, seed.checkpoints[rank])
         cache = None

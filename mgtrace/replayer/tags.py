@@ -38,21 +38,27 @@ class _IntView:
     a kernel launch (``settle``). A read either copies back at once (``[]``) or, with
     ``gather_later``, gathers into a device log that ``collect`` copies back in one transfer,
     so a replay waits for the device once per batch of reads, not once per read.
+
+    Mirrored (``host`` and ``device``): reads come from the host copy at once, and every
+    write goes to both, the device's share waiting for ``settle`` as above.
     """
 
-    def __init__(self, host: np.ndarray | None, pool: StatePool) -> None:
+    def __init__(
+        self, host: np.ndarray | None, pool: StatePool, device: StatePool | None = None
+    ) -> None:
         self.host = host
         self.pool = pool
+        self.mirrored = host is not None and device is not None
         self._words = None
         self._log: list = []  # device tensors gathered by gather_later, in order
         self._writes: list[tuple[np.ndarray, np.ndarray]] = []  # not yet on the device
         self._last: np.ndarray | None = None  # scratch: the last write of each word
-        if host is None:
+        if host is None or device is not None:
             import torch
 
             from mgtrace.kernels.staging import Uploads
 
-            self._words = pool.buffer.view(torch.int32)
+            self._words = (device or pool).buffer.view(torch.int32)
             self._uploads = Uploads(self._words.device)
 
     def _upload(self, arr: np.ndarray):
@@ -74,7 +80,8 @@ class _IntView:
     def __setitem__(self, idx: np.ndarray, values: np.ndarray) -> None:
         if self.host is not None:
             self.host[idx] = values
-            return
+            if not self.mirrored:
+                return
         idx = np.asarray(idx, dtype=np.int64)
         self._writes.append((idx.ravel(), np.broadcast_to(values, idx.shape).ravel()))
 
@@ -164,7 +171,16 @@ def _has_temporal(run: RunMetadata, group: int) -> bool:
 class TagPool:
     """A StatePool whose states carry provenance tags, plus tag read/write helpers."""
 
-    def __init__(self, run: RunMetadata, *, layout: str = "compact", device: str = "cpu") -> None:
+    def __init__(
+        self,
+        run: RunMetadata,
+        *,
+        layout: str = "compact",
+        device: str = "cpu",
+        mirror: str | None = None,
+    ) -> None:
+        """``mirror``: also keep a copy of the pool on that device, for kernels to run on
+        (``device_pool``); the tags are read from the pool on ``device``."""
         if run.num_blocks is None or run.num_blocks < 2:
             raise UsageError("the trace does not say how many state blocks the pool has")
         groups = sorted({s.group for s in run.states}) or [0]
@@ -209,7 +225,10 @@ class TagPool:
         self.groups = per_group
         self.pool = StatePool(specs, run.num_blocks, device=device)
         on_cpu = self.pool.device.type == "cpu"
-        self._ints = _IntView(self.pool.numpy().view(np.int32) if on_cpu else None, self.pool)
+        self.device_pool = self.pool.clone(mirror) if mirror is not None else None
+        self._ints = _IntView(
+            self.pool.numpy().view(np.int32) if on_cpu else None, self.pool, self.device_pool
+        )
         self._temporal_fields = np.arange(TEMPORAL_TAG_INTS, dtype=np.int64)[None, :]
         # int32 words from a conv row's uid to its position (next word, or next SD row).
         self._conv_field_step = [
@@ -415,4 +434,21 @@ class TagPool:
         import torch
 
         self.settle()
-        self.pool.buffer.copy_(torch.from_numpy(data).to(self.pool.device))
+        for pool in (self.pool, self.device_pool):
+            if pool is not None:
+                pool.buffer.copy_(torch.from_numpy(data).to(pool.device))
+
+    def mirror_mismatch(self) -> tuple[int, int] | None:
+        """(block, byte in its page) of the first byte where the device copy differs from
+        the pool, or None (one copy back, which waits for the device)."""
+        if self.device_pool is None:
+            return None
+        self.settle()
+        size = self.pool.num_blocks * self.pool.page_bytes
+        device = self.device_pool.buffer[:size].cpu().numpy()
+        self._ints._synced()
+        host = self.pool.numpy()[:size]
+        differ = np.flatnonzero(device != host)
+        if not len(differ):
+            return None
+        return divmod(int(differ[0]), self.pool.page_bytes)
