@@ -268,9 +268,9 @@ def test_gdb_without_the_register_restore_breaks_the_target(tmp_path: Path) -> N
     """Failing control for the test above: the same script with the saved registers not
     written back leaves the target on the program's entry point; it does not finish."""
     text = attach.inject.GDB_SCRIPT.read_text()
-    assert text.count("        restore(thread)\n") == 1
+    assert text.count("        restore(thread, saved)\n") == 1
     broken = tmp_path / "gdb_queue_no_restore.py"
-    broken.write_text(text.replace("        restore(thread)\n", "        pass\n"))
+    broken.write_text(text.replace("        restore(thread, saved)\n", "        pass\n"))
     target = _script_target(tmp_path, "sleeper", SLEEPS)
     with contextlib.suppress(attach.inject.InjectError):
         attach.inject._queue(target.pid, QUEUED, script=broken)

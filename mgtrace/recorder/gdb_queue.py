@@ -95,9 +95,11 @@ def mmap_page(syscall_at: int, length: int) -> int:
     return address
 
 
-def call(thread: gdb.InferiorThread, function: int, arg0: int, arg1: int, ret: int) -> int:
-    """``function(arg0, arg1)`` on a frame below the saved stack, returning to ``ret``."""
-    sp = ((saved["rsp"] - 1024) & ~0xF) - 8  # past the red zone; 16-aligned at entry + 8
+def call(
+    thread: gdb.InferiorThread, stack: int, function: int, arg0: int, arg1: int, ret: int
+) -> int:
+    """``function(arg0, arg1)`` on a frame below ``stack``, returning to ``ret``."""
+    sp = ((stack - 1024) & ~0xF) - 8  # past the red zone; 16-aligned at entry + 8
     gdb.selected_inferior().write_memory(sp, ret.to_bytes(8, "little"))
     set_reg("rsp", sp)
     set_reg("rdi", arg0)
@@ -114,13 +116,10 @@ def call(thread: gdb.InferiorThread, function: int, arg0: int, arg1: int, ret: i
     raise RuntimeError("the call did not return")
 
 
-def restore(thread: gdb.InferiorThread) -> None:
+def restore(thread: gdb.InferiorThread, saved: dict[str, int]) -> None:
     thread.switch()
     for name in SAVED:
         set_reg(name, saved[name])
-
-
-saved: dict[str, int] = {}
 
 
 def main() -> str:
@@ -132,18 +131,18 @@ def main() -> str:
     thread = pick_thread()
     if thread is None:
         return "busy"
-    saved.update({name: reg(name) for name in SAVED})
+    saved = {name: reg(name) for name in SAVED}
     try:
         ret = entry_point()
         add, run = symbol("Py_AddPendingCall"), symbol("PyRun_SimpleString")
         page = mmap_page(saved["rip"] - 2, -(-len(source) // PAGE) * PAGE)
         gdb.selected_inferior().write_memory(page, source)
-        status = call(thread, add, run, page, ret)
+        status = call(thread, saved["rsp"], add, run, page, ret)
         return "queued" if status == 0 else f"failed Py_AddPendingCall returned {status}"
     except (RuntimeError, gdb.error) as exc:
         return f"failed {exc}"
     finally:
-        restore(thread)
+        restore(thread, saved)
 
 
 try:

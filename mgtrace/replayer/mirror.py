@@ -28,11 +28,10 @@ class MirroredKernels:
             raise ValueError("the tag pool keeps no device copy")
         self.device_backend = device_backend
         self.tags = tags
-        self.device_pool: StatePool = tags.device_pool
 
     def __call__(self, launch: AlignLaunch, pool: StatePool, tables: BlockTables) -> LaunchResult:
         result = run_reference(launch, pool, tables)
-        self.device_backend(launch, self.device_pool, tables, validation=result.validation)
+        self.device_backend(launch, self.tags.device_pool, tables, validation=result.validation)
         return result
 
     def verify(self) -> None:
