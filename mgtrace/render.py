@@ -175,7 +175,7 @@ def render_verdict(v: Any, console: Console, *, log: Any) -> None:
         console.print("reproduce:")
         for side in ("bad", "good"):
             if side in v.commands:
-                console.print(f"  {side}:  {v.commands[side]}", highlight=False)
+                console.print(f"  {side + ':':6}{v.commands[side]}", highlight=False)
     console.print(
         f"{v.steps_replayed} steps replayed in {v.wall_s:.2f} s over {len(v.probes)} probes",
         style="dim",

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, EXIT_INCONCLUSIVE
-from mgtrace.kernels.check import CheckReport, run_check
+
+if TYPE_CHECKING:
+    from mgtrace.kernels.check import CheckReport
 
 
 @click.option(
@@ -51,6 +54,8 @@ def _check_kernels(against: str | None, cases: int, seed: int, device: str, as_j
         disable=as_json or not err.is_terminal,
     ) as progress:
         task = progress.add_task("cases", total=cases)
+        from mgtrace.kernels.check import run_check  # torch and triton: only when run
+
         report = run_check(
             cases,
             seed,

@@ -5,8 +5,9 @@ address plus a block stride (the page size, possibly padded) and a natural size.
 see exactly that: a flat byte buffer, a per-state byte offset inside the page, and a page
 stride computed in int64 so that pages past 2**31 bytes do not wrap.
 
-The pool owns a uint8 torch tensor; the numpy reference works on a view of the same memory
-when the pool lives on the CPU.
+A pool on the CPU owns a numpy byte array, and torch wraps the same memory only when a
+caller asks for ``buffer``: the numpy reference, and so a CPU replay, never imports torch
+(seconds at every start of the command line). A pool on a GPU owns a uint8 torch tensor.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from mgtrace.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 CONV_LAYOUTS = ("SD", "DS")
 STATE_KINDS = ("conv", "temporal")
@@ -136,7 +140,7 @@ class StatePool:
         page_bytes: int | None = None,
         offsets: Sequence[int] | None = None,
         device: str | torch.device = "cpu",
-        buffer: torch.Tensor | None = None,
+        buffer: torch.Tensor | np.ndarray | None = None,
     ) -> None:
         if not specs:
             raise UsageError("a state pool needs at least one state")
@@ -165,11 +169,36 @@ class StatePool:
         self._views: dict[type, np.ndarray] = {}
         self._all_used: dict[int, bool] = {}
         size = self.num_blocks * self.page_bytes
-        if buffer is None:
-            buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < size:
-            raise UsageError(f"the pool buffer must be a flat uint8 tensor of >= {size} bytes")
-        self.buffer = buffer
+        self._host: np.ndarray | None = None  # the bytes of a CPU pool made here
+        self._buffer: torch.Tensor | None = None
+        if isinstance(buffer, np.ndarray):
+            if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < size:
+                raise UsageError(f"the pool buffer must be a flat uint8 array of >= {size} bytes")
+            self._host = buffer
+        elif buffer is None and str(device) == "cpu":
+            self._host = np.zeros(size, dtype=np.uint8)
+        else:
+            import torch
+
+            if buffer is None:
+                buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+            if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < size:
+                raise UsageError(f"the pool buffer must be a flat uint8 tensor of >= {size} bytes")
+            self._buffer = buffer
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The pool bytes as a flat uint8 tensor (on the CPU: the same memory as ``numpy``)."""
+        if self._buffer is None:
+            import torch
+
+            self._buffer = torch.from_numpy(self._host)
+        return self._buffer
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the bytes live in host memory (numpy views of them are free)."""
+        return self._host is not None or self.buffer.device.type == "cpu"
 
     @classmethod
     def from_run(cls, run: object, *, device: str | torch.device = "cpu") -> StatePool:
@@ -185,7 +214,7 @@ class StatePool:
         """A CPU pool in reserved-but-untouched memory, for pages too large to fill."""
         size = num_blocks * page_bytes
         mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
-        buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+        buffer = np.frombuffer(mapping, dtype=np.uint8, count=size)
         pool = cls(specs, num_blocks, page_bytes=page_bytes, buffer=buffer)
         pool._mapping = mapping  # keeps the memory alive as long as the pool
         return pool
@@ -242,22 +271,30 @@ class StatePool:
         """The pool's blocks as a flat numpy view of ``dtype`` words (CPU pools only)."""
         cached = self._views.get(dtype)
         if cached is None:
-            if self.buffer.device.type != "cpu":
+            if not self.on_host:
                 raise UsageError("the numpy view needs a CPU pool")
             size = self.num_blocks * self.page_bytes
-            cached = self._views[dtype] = self.buffer.numpy()[:size].view(dtype)
+            data = self._host if self._host is not None else self.buffer.numpy()
+            cached = self._views[dtype] = data[:size].view(dtype)
         return cached
 
     def clone(self, device: str | torch.device | None = None) -> StatePool:
         """A pool with the same layout and a copy of the bytes (dense memory)."""
-        target = torch.device(device) if device is not None else self.device
         size = self.num_blocks * self.page_bytes
+        buffer: Any
+        if (device is None or str(device) == "cpu") and self.on_host:
+            buffer = self.numpy()[:size].copy()
+        else:
+            import torch
+
+            target = torch.device(device) if device is not None else self.device
+            buffer = self.buffer[:size].to(target, copy=True)
         return StatePool(
             self.specs,
             self.num_blocks,
             page_bytes=self.page_bytes,
             offsets=self.offsets,
-            buffer=self.buffer[:size].to(target, copy=True),
+            buffer=buffer,
         )
 
     def state_view(self, s: int, block: int) -> np.ndarray:
@@ -293,7 +330,8 @@ class BlockTables:
             raise UsageError("at least one block table is needed")
         converted = []
         for t in tables:
-            arr = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+            # a tensor (imported only by whoever made it) or anything numpy takes
+            arr = t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)
             if arr.ndim != 2:
                 raise UsageError(f"a block table is two-dimensional, got shape {arr.shape}")
             own = np.array(arr, dtype=np.int32, order="C", copy=True)
@@ -346,4 +384,6 @@ class BlockTables:
         return np.cumsum([0, *sizes[:-1]]).astype(np.int32)[:, None, None]
 
     def to_torch(self, device: str | torch.device) -> list[torch.Tensor]:
+        import torch
+
         return [torch.from_numpy(t.copy()).to(device) for t in self.tables]

@@ -224,7 +224,7 @@ class TagPool:
         self.layout = layout
         self.groups = per_group
         self.pool = StatePool(specs, run.num_blocks, device=device)
-        on_cpu = self.pool.device.type == "cpu"
+        on_cpu = self.pool.on_host
         self.device_pool = self.pool.clone(mirror) if mirror is not None else None
         self._ints = _IntView(
             self.pool.numpy().view(np.int32) if on_cpu else None, self.pool, self.device_pool
@@ -428,14 +428,20 @@ class TagPool:
     # ----------------------------------------------------------------- checkpoints
     def snapshot(self) -> np.ndarray:
         self.settle()
+        if self.pool.on_host:
+            return self.pool.numpy().copy()
         return self.pool.buffer.detach().cpu().numpy().copy()
 
     def restore(self, data: np.ndarray) -> None:
-        import torch
-
         self.settle()
         for pool in (self.pool, self.device_pool):
-            if pool is not None:
+            if pool is None:
+                continue
+            if pool.on_host:
+                pool.numpy()[: len(data)] = data
+            else:
+                import torch
+
                 pool.buffer.copy_(torch.from_numpy(data).to(pool.device))
 
     def mirror_mismatch(self) -> tuple[int, int] | None:
