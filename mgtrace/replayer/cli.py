@@ -86,6 +86,16 @@ def list_rules(console: Console) -> None:
     help="Cache a checkpoint every N steps (TRACE/.replay-cache) for --from-step.",
 )
 @click.option("--allow-gaps", is_flag=True, help="Replay across dropped steps (may mislead).")
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Replay each rank in segments on N processes, with the same findings (reference "
+    "backend); 0: one per core.",
+)
 @click.option("--no-save", is_flag=True, help="Do not add the findings to the trace.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--list-rules", "show_rules", is_flag=True, help="List the rules and exit.")
@@ -100,6 +110,7 @@ def replay(
     to_step: int | None,
     checkpoint_every: int | None,
     allow_gaps: bool,
+    jobs: int,
     no_save: bool,
     as_json: bool,
     show_rules: bool,
@@ -122,6 +133,7 @@ def replay(
     from mgtrace.render import render_replay
     from mgtrace.replayer.findings import save_findings
     from mgtrace.replayer.loop import replay_trace
+    from mgtrace.replayer.parallel import default_jobs
     from mgtrace.schemas.reader import TraceReader
 
     rules = rules_from_options(rule_values, rules_text)
@@ -144,6 +156,7 @@ def replay(
             allow_gaps=allow_gaps,
             checkpoint_every=checkpoint_every,
             progress=lambda n: bar.advance(task, n),
+            jobs=jobs or default_jobs(),
         )
     replay_id = replay_id_for(rules)
     saved = False

@@ -204,7 +204,25 @@ class RankReplay:
         self._step(step)
         self.flush()
 
-    def _step(self, step: int) -> None:
+    def skip_to(self, until: int) -> int:
+        """Apply steps ``0..until`` without kernels or checks: the block tables, block
+        ownership, which requests have a state of their own and the recent row views come
+        out as a replay leaves them; the tags and the findings stay as they were. Returns the
+        last step applied (-1 if none). This is the exact part of a segment's start state
+        (see ``parallel``)."""
+        last = -1
+        for step in self.trace.steps_from(0):
+            if step > until:
+                break
+            view = self._enter(step)
+            self.tables.apply(self.trace.table_updates(step))
+            self.oracle.mark_written(live_uids(view))
+            last = step
+        return last
+
+    def _enter(self, step: int) -> RowView:
+        """A step's row view under the rules and its scheduler's block-id changes: what its
+        kernels and checks depend on, and no tag does."""
         trace = self.trace
         # The recorded threshold matters only to a rule that re-runs the reorder.
         rethreshold = self.rules["reorder_threshold"] != AS_RECORDED
@@ -219,6 +237,11 @@ class RankReplay:
         sched = trace.sched(step)
         if sched["uid"]:
             self.ownership.apply(step, sched["uid"], sched["kind"], sched["new_block_ids"])
+        return view
+
+    def _step(self, step: int) -> None:
+        trace = self.trace
+        view = self._enter(step)
         launches = [
             launch_under_rules(launch, self.rules, runner=self.runner)
             for launch in trace.launches(step)
@@ -454,7 +477,7 @@ class RankReplay:
                 self.pool.write_conv(g, cblocks, uid_c, last)
             else:
                 self.pool.write_conv(g, cblocks[okc], uid_c[okc], last[okc])
-        self.oracle.mark_written(uid_c)
+        self.oracle.mark_written(uid_c)  # = live_uids(view)
 
     def _padded_rows(self, step: int, launch: AlignLaunch, view: RowView) -> None:
         """Padded rows of a CUDA-graph batch run the decode kernel on the state indices their
@@ -489,6 +512,13 @@ class RankReplay:
             )
 
 
+def live_uids(view: RowView) -> np.ndarray:
+    """The requests of a step's live rows: after the forward model, each has a state of its
+    own (``Oracle.mark_written``)."""
+    live = view.slot >= 0
+    return view.uid64 if np.count_nonzero(live) == len(live) else view.uid64[live]
+
+
 @dataclass
 class ReplayResult:
     rules: RuleSet
@@ -517,18 +547,30 @@ def replay_trace(
     checkpoint_every: int | None = None,
     defer_reads: bool | None = None,
     mirror: bool | None = None,
+    jobs: int = 1,
 ) -> ReplayResult:
     """Replay every rank of a trace under ``rules``; findings before ``from_step`` are dropped.
 
     With ``from_step`` a checkpoint cached by an earlier replay under the same rules starts
-    the replay close to that step; ``checkpoint_every`` caches new ones on the way.
+    the replay close to that step; ``checkpoint_every`` caches new ones on the way. With
+    ``jobs`` > 1 each rank is replayed in segments on that many processes (``parallel``),
+    with the same findings.
     """
     from mgtrace.replayer import checkpoint as ckpt
 
     rules = rules or RuleSet()
+    seed = ckpt.start_state(reader)
+    if jobs > 1:
+        if backend != "reference" or checkpoint_every or seed is not None:
+            raise UsageError(
+                "--jobs replays with the reference backend, without checkpoints, a trace "
+                "that starts at step 0; drop --jobs for this replay"
+            )
+        return _replay_in_segments(
+            reader, rules, jobs, layout, from_step, to_step, allow_gaps, progress
+        )
     run_backend = load_backend(backend, device)
     ids = RequestIds()
-    seed = ckpt.start_state(reader)
     if seed is not None:
         ids.preload(seed.request_ids)  # the uids the start state's tags were written with
     findings: list[Finding] = []
@@ -575,6 +617,41 @@ def replay_trace(
         rules=rules,
         findings=findings,
         steps=steps_done,
+        ranks=ranks,
+        first_step=findings[0].step if findings else None,
+        repeats=repeats,
+    )
+
+
+def _replay_in_segments(
+    reader: TraceReader,
+    rules: RuleSet,
+    jobs: int,
+    layout: str,
+    from_step: int | None,
+    to_step: int | None,
+    allow_gaps: bool,
+    progress: Callable[[int], None] | None,
+) -> ReplayResult:
+    from mgtrace.replayer.parallel import replay_rank_in_segments
+
+    findings: list[Finding] = []
+    repeats = steps = 0
+    ranks = ranks_of(reader)
+    for rank in ranks:
+        if not allow_gaps:
+            _require_contiguous(RankTrace(reader, rank, RequestIds()), reader)
+        outcome = replay_rank_in_segments(
+            reader, rank, rules, jobs=jobs, layout=layout, until=to_step, progress=progress
+        )
+        findings += [f for f in outcome.findings if from_step is None or f.step >= from_step]
+        repeats += outcome.repeats
+        steps += outcome.steps
+    findings.sort(key=lambda f: (f.step, f.rank, f.batch_row if f.batch_row is not None else -1))
+    return ReplayResult(
+        rules=rules,
+        findings=findings,
+        steps=steps,
         ranks=ranks,
         first_step=findings[0].step if findings else None,
         repeats=repeats,

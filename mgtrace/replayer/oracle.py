@@ -89,6 +89,12 @@ class Oracle:
     findings: list[Finding] = field(default_factory=list)
     repeats: dict[tuple[int, str], int] = field(default_factory=dict)
     wrote: np.ndarray = field(default_factory=lambda: np.zeros(1024, dtype=bool))
+    # Log mode (a segment replayed from a start state of placeholders, ``parallel``): the
+    # report attempts go to ``events`` in order, each key once (later attempts are counted
+    # in ``repeats``), and a read that meets a word below ``placeholder_below`` is logged
+    # there unchecked, for the process that knows the words to check.
+    events: list[tuple] | None = None
+    placeholder_below: int | None = None
 
     def __post_init__(self) -> None:
         self._keep_range = np.arange(self.conv_keep)
@@ -115,14 +121,27 @@ class Oracle:
         key = (uid, f.signature)
         seen = self.repeats.get(key, 0)
         self.repeats[key] = seen + 1
-        if not seen:  # a corrupted request stays corrupted: report its first occurrence only
-            del self._keys[len(self.findings) :]  # callers may truncate findings (restore)
-            if self._report_clock is None:
-                self._clock += 1
-                self._keys.append((self._clock, 0))
-            else:
-                self._keys.append((self._report_clock, len(self._keys)))
-            self.findings.append(f)
+        if seen:  # a corrupted request stays corrupted: report its first occurrence only
+            return
+        if self.events is not None:
+            self.events.append(("report", key, f))
+            return
+        del self._keys[len(self.findings) :]  # callers may truncate findings (restore)
+        if self._report_clock is None:
+            self._clock += 1
+            self._keys.append((self._clock, 0))
+        else:
+            self._keys.append((self._report_clock, len(self._keys)))
+        self.findings.append(f)
+
+    def start_log(self, placeholder_below: int | None) -> None:
+        """Log mode from here on, with nothing reported or repeated so far."""
+        self.flush()
+        self.findings = []
+        self.repeats = {}
+        self._keys = []
+        self.events = []
+        self.placeholder_below = placeholder_below
 
     # ----------------------------------------------------------------- reads
     def check_reads(self, step: int, read: StateRead) -> None:
@@ -198,6 +217,11 @@ class Oracle:
 
     def _check_tags(self, step: int, read: StateRead, tags: np.ndarray, inside: np.ndarray) -> None:
         """``tags`` [groups, rows, fields]: the words ``_read_index`` addresses."""
+        if self.placeholder_below is not None and self._meets_placeholder(read, tags):
+            if read.may_share is None:  # as the check would take it now
+                read.may_share = ~self.has_written(read.uid)
+            self.events.append(("check", step, read, tags, inside))
+            return
         keep = self.conv_keep
         suspect = np.zeros(len(read.rows), dtype=bool)
         for g, gs in enumerate(self.pool.groups):
@@ -233,6 +257,16 @@ class Oracle:
                     t[:, -keep:],
                     inside[g][sel],
                 )
+
+    def _meets_placeholder(self, read: StateRead, tags: np.ndarray) -> bool:
+        """Whether a row with a block has a placeholder among its words (whatever the word
+        is used for: the details name positions and writer steps too)."""
+        for g in range(len(self.pool.groups)):
+            hit = (tags[g] < self.placeholder_below).any(axis=1)
+            hit &= (read.temporal_blocks[g] >= 0) | (read.conv_blocks[g] >= 0)
+            if np.count_nonzero(hit):
+                return True
+        return False
 
     def _check_temporal(self, step: int, read: StateRead, g: int, got: np.ndarray) -> None:
         blocks = read.temporal_blocks[g]

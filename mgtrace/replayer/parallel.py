@@ -1,0 +1,251 @@
+"""One rank replayed in segments on several processes, with the findings of one process.
+
+Only the oracle looks at tag contents. The forward model writes tags computed from the batch
+alone and the kernels move tag bytes verbatim, both as the launches and block tables say.
+So a segment can run before the state it starts from is known:
+
+1. Its exact part (block tables, block ownership, which requests have a state of their own,
+   the recent row views) comes from a pass over the earlier steps that runs no kernel and
+   checks nothing (``RankReplay.skip_to``).
+2. The tag pool starts as placeholders: word ``i`` holds ``PLACEHOLDER_BASE + i``, a value
+   no tag takes. The ``warmup`` steps before the segment are replayed, findings thrown away.
+   From then on every word holds either a tag or the placeholder of the word whose value at
+   the start it carries.
+
+A segment's checks that meet no placeholder judge exactly what the sequential replay judges.
+A check that meets one is logged unchecked, with the words it gathered, and so is every
+finding, in order. Each segment also hands back its pool where the next segment's warm-up
+starts, in placeholders; here, in step order, substituting one into the other gives the
+exact pool every segment's placeholders name (one gather each), the logged checks run on
+the words their placeholders stand for, and the findings, first occurrence per (request,
+signature), are merged as one oracle would have reported them.
+
+Only the reference backend on a compact tag pool replays in segments: placeholders must stay
+whole int32 words, in host memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+from collections import Counter
+from collections.abc import Callable, Hashable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.compute as pc
+
+from mgtrace.errors import UsageError
+from mgtrace.replayer.findings import Finding
+from mgtrace.replayer.loop import RankReplay, load_backend
+from mgtrace.replayer.requests import RequestIds
+from mgtrace.replayer.rules import RuleSet
+from mgtrace.replayer.steps import RankTrace
+from mgtrace.schemas.reader import TraceReader
+
+PLACEHOLDER_BASE = -(2**31)  # word i of a segment's start pool: PLACEHOLDER_BASE + i
+PLACEHOLDER_BELOW = -(2**30)  # no uid, token count, position or step is this negative
+DEFAULT_WARMUP = 64  # steps replayed before a segment, findings discarded
+MIN_SEGMENT = 512  # shorter segments spend more on start-up and warm-up than they save
+
+
+def default_jobs() -> int:
+    """One process per core this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class SegmentResult:
+    first: int
+    last: int  # the last step replayed
+    events: list[tuple]  # the oracle's log: ("report", key, finding) | ("check", ...)
+    counts: dict[Hashable, int]  # report attempts per key, the first one included
+    handoff: np.ndarray | None  # the pool where the next warm-up starts, in placeholders
+    base: int | None  # the placeholders name the pool after this step (None: exact)
+
+
+@dataclass
+class RankOutcome:
+    findings: list[Finding]
+    repeats: int
+    steps: int
+    segments: int
+    checked_here: int  # reads that met a placeholder, checked once their words were known
+
+
+def segment_bounds(
+    steps: list[int], jobs: int, min_segment: int = MIN_SEGMENT
+) -> list[tuple[int, int]]:
+    """Split ``steps`` into at most ``jobs`` runs of at least ``min_segment`` steps (the
+    first and last step of each)."""
+    count = max(1, min(jobs, len(steps) // max(min_segment, 1)))
+    cuts = np.linspace(0, len(steps), count + 1).astype(int)
+    return [(steps[a], steps[b - 1]) for a, b in itertools.pairwise(cuts.tolist()) if b > a]
+
+
+def resolve(words: np.ndarray, base: np.ndarray | None) -> np.ndarray:
+    """``words`` (int32, or pool bytes) with every placeholder replaced by the word it names
+    in ``base`` (pool bytes); a copy."""
+    out = words.copy()
+    if base is None:
+        return out
+    ints = out.view(np.int32)
+    named = ints < PLACEHOLDER_BELOW
+    ints[named] = base.view(np.int32)[ints[named].astype(np.int64) - PLACEHOLDER_BASE]
+    return out
+
+
+def _rank_replay(reader: TraceReader, rank: int, rules: RuleSet, layout: str) -> RankReplay:
+    # A fresh RequestIds per rank: every process numbers this rank's requests alike, so a
+    # checkpoint moves between them; findings name requests, never uids.
+    trace = RankTrace(reader, rank, RequestIds())
+    return RankReplay(trace, rules, load_backend("reference", "cpu"), layout, "cpu")
+
+
+def _named_key(rep: RankReplay, key: tuple[int, str]) -> Hashable:
+    uid, signature = key
+    return (uid if uid <= 0 else rep.trace.ids.name(uid), signature)
+
+
+def _finish(
+    rep: RankReplay, first: int, last: int, handoff_after: int | None, base: int | None
+) -> SegmentResult:
+    handoff = None
+    done = first - 1
+    if handoff_after is not None:
+        done = rep.run(start=first, until=handoff_after)
+        handoff = rep.pool.snapshot()
+    if done < last:
+        done = rep.run(start=done + 1, until=last)
+    o = rep.oracle
+    events = [("report", _named_key(rep, e[1]), e[2]) if e[0] == "report" else e for e in o.events]
+    counts = {_named_key(rep, k): n for k, n in o.repeats.items()}
+    return SegmentResult(first, done, events, counts, handoff, base)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What a worker process needs to open the trace and replay under the rules."""
+
+    path: str
+    skip_bad_parts: bool
+    rank: int
+    rules: str
+    layout: str
+
+    def replay(self) -> RankReplay:
+        reader = TraceReader(self.path, skip_bad_parts=self.skip_bad_parts)
+        return _rank_replay(reader, self.rank, RuleSet.parse(self.rules), self.layout)
+
+
+def speculate(
+    job: _Job, first: int, last: int, warmup: int, handoff_after: int | None
+) -> SegmentResult:
+    """In a worker: steps ``first..last`` from a placeholder start ``warmup`` steps earlier
+    (exactly from step 0 when that reaches it), handing back the pool after
+    ``handoff_after``."""
+    rep = job.replay()
+    base = None
+    if first > 0:
+        start = max(first - warmup, 0)
+        if start > 0:
+            rep.skip_to(start - 1)
+            rep.pool.name_words(PLACEHOLDER_BASE)
+            base = start - 1
+        rep.run(start=start, until=first - 1)
+    rep.oracle.start_log(PLACEHOLDER_BELOW if base is not None else None)
+    return _finish(rep, first, last, handoff_after, base)
+
+
+def replay_rank_in_segments(
+    reader: TraceReader,
+    rank: int,
+    rules: RuleSet,
+    *,
+    jobs: int,
+    layout: str = "compact",
+    until: int | None = None,
+    warmup: int = DEFAULT_WARMUP,
+    min_segment: int = MIN_SEGMENT,
+    progress: Callable[[int], None] | None = None,
+    verify: bool = True,
+) -> RankOutcome:
+    """Replay one rank on up to ``jobs`` processes. ``verify=False`` takes a logged check's
+    placeholders for tags as they are: only for showing that the substitution matters."""
+    path = getattr(reader, "path", None)
+    if path is None:
+        raise UsageError("a replay in segments needs a trace on disk")
+    if layout != "compact":
+        raise UsageError("a replay in segments runs on the compact tag layout")
+    steps = [s for s in _step_numbers(reader, rank) if until is None or s <= until]
+    if not steps:
+        return RankOutcome([], 0, 0, 0, 0)
+    bounds = segment_bounds(steps, jobs, min_segment)
+    # a hand-off point must lie inside the segment before
+    warmup = min(warmup, *(steps.index(b) - steps.index(a) for a, b in bounds))
+    job = _Job(str(path), bool(getattr(reader, "skipped", None)), rank, rules.canonical(), layout)
+    firsts = [a for a, _ in bounds]
+    handoffs = [max(a - warmup, 0) - 1 for a in firsts[1:]] + [None]
+    context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+    with ProcessPoolExecutor(max_workers=len(bounds), mp_context=context) as pool:
+        futures = [
+            pool.submit(speculate, job, a, b, warmup, h)
+            for (a, b), h in zip(bounds, handoffs, strict=True)
+        ]
+        checker = _rank_replay(reader, rank, rules, layout)  # meanwhile: checks logged reads
+        results = []
+        for future in futures:
+            results.append(future.result())
+            if progress is not None:
+                res = results[-1]
+                progress(sum(1 for s in steps if res.first <= s <= res.last))
+    return _merge(checker, results, len(steps), verify)
+
+
+def _step_numbers(reader: TraceReader, rank: int) -> list[int]:
+    steps = reader.table("steps")
+    mine = steps.filter(pc.equal(steps.column("rank"), rank)).column("step")
+    return sorted(set(mine.to_pylist()))
+
+
+def _merge(
+    checker: RankReplay, results: list[SegmentResult], steps: int, verify: bool
+) -> RankOutcome:
+    """The segments' logs in step order: logged checks run on known words, the first
+    report attempt of each key kept."""
+    oracle = checker.oracle
+    oracle.start_log(None)
+    findings: list[Finding] = []
+    counts: Counter[Hashable] = Counter()
+    checked = 0
+    exact_base: np.ndarray | None = None  # the exact pool the placeholders of results[i] name
+    for i, res in enumerate(results):
+        if i and res.base is not None:
+            exact_base = resolve(results[i - 1].handoff, exact_base)
+        else:
+            exact_base = None
+        for event in res.events:
+            if event[0] == "report":
+                _, key, f = event
+                if key not in counts:
+                    findings.append(f)
+                    counts[key] = 0
+                continue
+            _, step, read, tags, inside = event
+            checked += 1
+            oracle.events = []
+            oracle._check_tags(step, read, resolve(tags, exact_base) if verify else tags, inside)
+            for _, key, f in oracle.events:
+                key = _named_key(checker, key)
+                if key not in counts:
+                    findings.append(f)
+                    counts[key] = 0
+        counts.update(res.counts)
+    counts.update({_named_key(checker, k): n for k, n in oracle.repeats.items()})
+    repeats = sum(counts.values()) - len(counts)
+    return RankOutcome(findings, repeats, steps, len(results), checked)

@@ -1,0 +1,141 @@
+"""Replay in segments on several processes: the findings of one process, exactly.
+
+Segments start from placeholders after a pass that rebuilds only the bookkeeping; the
+controls show that both halves matter: the pass must equal a real replay's bookkeeping, and
+a check that met a placeholder must be judged on the words it stands for.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mgtrace.errors import UsageError
+from mgtrace.replayer.loop import RankReplay, load_backend, replay_trace
+from mgtrace.replayer.parallel import (
+    PLACEHOLDER_BASE,
+    replay_rank_in_segments,
+    resolve,
+    segment_bounds,
+)
+from mgtrace.replayer.requests import RequestIds
+from mgtrace.replayer.rules import RuleSet
+from mgtrace.replayer.steps import RankTrace, ranks_of
+from mgtrace.schemas.reader import TraceReader
+from mgtrace.sim.config import BUG_ASYNC_RACE, BUG_BATCH_ROW, BUG_REORDER, BUG_STALE_ROW
+from tests.conftest import assert_one_sentence_error, run_cli
+from tests.replay_helpers import set_root, sim_trace, toggle_trace
+
+pytestmark = pytest.mark.slow
+
+SEGMENTS = {"jobs": 4, "min_segment": 250, "warmup": 16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _trace_root(tmp_path_factory: pytest.TempPathFactory) -> None:
+    set_root(tmp_path_factory.mktemp("sim"))
+
+
+def _sequential(trace: Path, rank: int, rules: RuleSet) -> tuple[list, int]:
+    rep = RankReplay(
+        RankTrace(TraceReader(trace), rank, RequestIds()), rules, load_backend("reference", "cpu")
+    )
+    rep.run()
+    return rep.oracle.findings, sum(v - 1 for v in rep.oracle.repeats.values())
+
+
+@pytest.mark.parametrize(
+    ("bug", "rules"),
+    [
+        (BUG_REORDER, "as-recorded"),
+        (BUG_REORDER, "reorder_threshold=1+k"),
+        (BUG_ASYNC_RACE, "as-recorded"),
+        (BUG_STALE_ROW, "as-recorded"),
+        (BUG_BATCH_ROW, "as-recorded"),
+    ],
+)
+def test_segments_report_what_one_process_reports(bug: str, rules: str) -> None:
+    trace = toggle_trace(bug, seed=1, steps=1000)
+    rule_set = RuleSet.parse(rules)
+    for rank in ranks_of(TraceReader(trace)):
+        want, want_repeats = _sequential(trace, rank, rule_set)
+        got = replay_rank_in_segments(TraceReader(trace), rank, rule_set, **SEGMENTS)
+        assert got.segments == 4
+        assert got.findings == want
+        assert got.repeats == want_repeats
+
+
+def test_prefix_hits_are_checked_on_the_words_they_stand_for() -> None:
+    # mixed: a shared system prompt, whose cached state is read long after it was written
+    trace = sim_trace(None, seed=2, steps=1000, scenario="mixed")
+    want, _ = _sequential(trace, 0, RuleSet())
+    got = replay_rank_in_segments(TraceReader(trace), 0, RuleSet(), **SEGMENTS)
+    assert got.checked_here > 0  # reads met placeholders: the substitution was needed
+    assert got.findings == want == []
+    # control: the same logged checks judged on the placeholders themselves
+    wrong = replay_rank_in_segments(TraceReader(trace), 0, RuleSet(), verify=False, **SEGMENTS)
+    assert wrong.findings, "placeholders taken for tags must look like foreign state"
+
+
+def test_skip_to_rebuilds_the_bookkeeping_of_a_real_replay() -> None:
+    trace = toggle_trace(BUG_STALE_ROW, seed=0, steps=600)
+
+    def fresh() -> RankReplay:
+        return RankReplay(
+            RankTrace(TraceReader(trace), 0, RequestIds()),
+            RuleSet(),
+            load_backend("reference", "cpu"),
+        )
+
+    real, skipped = fresh(), fresh()
+    real.run(until=399)
+    assert skipped.skip_to(399) == 399
+    a, b = real.checkpoint(399), skipped.checkpoint(399)
+    assert all(np.array_equal(x, y) for x, y in zip(a.ownership, b.ownership, strict=True))
+    for kind in a.tables:
+        assert all(
+            np.array_equal(x, y) for x, y in zip(a.tables[kind], b.tables[kind], strict=True)
+        )
+    n = max(len(a.wrote), len(b.wrote))
+    assert np.array_equal(np.resize(a.wrote, n), np.resize(b.wrote, n))
+    assert sorted(a.views) == sorted(b.views)
+    # control: the tags are what skip_to leaves alone, so they do differ
+    assert not np.array_equal(a.pool, b.pool)
+
+
+def test_resolve_replaces_placeholders_only() -> None:
+    base = np.arange(100, 116, dtype=np.int32).view(np.uint8)
+    words = np.array([7, PLACEHOLDER_BASE + 3, -1, PLACEHOLDER_BASE + 15], dtype=np.int32)
+    assert resolve(words, base).tolist() == [7, 103, -1, 115]
+    assert resolve(words, None).tolist() == words.tolist()
+
+
+def test_segment_bounds_cover_every_step_once() -> None:
+    steps = list(range(1000))
+    bounds = segment_bounds(steps, jobs=3, min_segment=100)
+    covered = [s for a, b in bounds for s in range(a, b + 1)]
+    assert covered == steps and len(bounds) == 3
+    assert segment_bounds(steps, jobs=8, min_segment=400) == [(0, 499), (500, 999)]
+
+
+def test_cli_jobs_prints_the_same_summary(tmp_path: Path) -> None:
+    trace = toggle_trace(BUG_REORDER, seed=0, steps=1200)
+    one = run_cli("replay", str(trace), "--json", "--no-save")
+    many = run_cli("replay", str(trace), "--json", "--no-save", "--jobs", "2")
+    assert one.returncode == many.returncode == 1, many.stderr
+    drop = ("argv",)
+    a, b = json.loads(one.stdout), json.loads(many.stdout)
+    assert {k: v for k, v in a.items() if k not in drop} == {
+        k: v for k, v in b.items() if k not in drop
+    }
+
+
+def test_jobs_refuse_a_backend_they_cannot_split() -> None:
+    trace = toggle_trace(BUG_REORDER, seed=0, steps=1200)
+    with pytest.raises(UsageError):
+        replay_trace(TraceReader(trace), RuleSet(), backend="triton", jobs=2)
+    proc = run_cli("replay", str(trace), "--jobs", "2", "--backend", "triton")
+    assert "reference backend" in assert_one_sentence_error(proc, 2)
