@@ -211,12 +211,19 @@ class RankReplay:
         last step applied (-1 if none). This is the exact part of a segment's start state
         (see ``parallel``)."""
         last = -1
+        views_from = until - self.keep_views  # older views are dropped before they are used
         for step in self.trace.steps_from(0):
             if step > until:
                 break
-            view = self._enter(step)
+            if step > views_from:
+                view = self._enter(step)
+                uid, slot = view.uid, view.slot
+            else:  # the rows as recorded: the rules reorder them, never add or drop one
+                self._own(step)
+                batch = self.trace.batch(step)
+                uid, slot = batch.uid, batch.cols["req_slot"]
             self.tables.apply(self.trace.table_updates(step))
-            self.oracle.mark_written(live_uids(view))
+            self.oracle.mark_written(live_uids(uid, slot))
             last = step
         return last
 
@@ -234,10 +241,13 @@ class RankReplay:
         )
         self.views[step] = view
         self.views.pop(step - self.keep_views, None)
-        sched = trace.sched(step)
+        self._own(step)
+        return view
+
+    def _own(self, step: int) -> None:
+        sched = self.trace.sched(step)
         if sched["uid"]:
             self.ownership.apply(step, sched["uid"], sched["kind"], sched["new_block_ids"])
-        return view
 
     def _step(self, step: int) -> None:
         trace = self.trace
@@ -477,7 +487,7 @@ class RankReplay:
                 self.pool.write_conv(g, cblocks, uid_c, last)
             else:
                 self.pool.write_conv(g, cblocks[okc], uid_c[okc], last[okc])
-        self.oracle.mark_written(uid_c)  # = live_uids(view)
+        self.oracle.mark_written(uid_c)  # = live_uids(view.uid, view.slot)
 
     def _padded_rows(self, step: int, launch: AlignLaunch, view: RowView) -> None:
         """Padded rows of a CUDA-graph batch run the decode kernel on the state indices their
@@ -512,11 +522,11 @@ class RankReplay:
             )
 
 
-def live_uids(view: RowView) -> np.ndarray:
+def live_uids(uid: np.ndarray, slot: np.ndarray) -> np.ndarray:
     """The requests of a step's live rows: after the forward model, each has a state of its
     own (``Oracle.mark_written``)."""
-    live = view.slot >= 0
-    return view.uid64 if np.count_nonzero(live) == len(live) else view.uid64[live]
+    live = slot >= 0
+    return uid if np.count_nonzero(live) == len(live) else uid[live]
 
 
 @dataclass
@@ -580,7 +590,7 @@ def replay_trace(
     for rank in ranks:
         trace = RankTrace(reader, rank, ids)
         if not allow_gaps:
-            _require_contiguous(trace, reader)
+            _require_contiguous(trace.step_numbers, rank)
         rep = RankReplay(
             trace, rules, run_backend, layout, device, defer_reads=defer_reads, mirror=mirror
         )
@@ -633,14 +643,14 @@ def _replay_in_segments(
     allow_gaps: bool,
     progress: Callable[[int], None] | None,
 ) -> ReplayResult:
-    from mgtrace.replayer.parallel import replay_rank_in_segments
+    from mgtrace.replayer.parallel import replay_rank_in_segments, step_numbers
 
     findings: list[Finding] = []
     repeats = steps = 0
     ranks = ranks_of(reader)
     for rank in ranks:
         if not allow_gaps:
-            _require_contiguous(RankTrace(reader, rank, RequestIds()), reader)
+            _require_contiguous(np.array(step_numbers(reader, rank), dtype=np.int64), rank)
         outcome = replay_rank_in_segments(
             reader, rank, rules, jobs=jobs, layout=layout, until=to_step, progress=progress
         )
@@ -658,12 +668,11 @@ def _replay_in_segments(
     )
 
 
-def _require_contiguous(trace: RankTrace, reader: TraceReader) -> None:
-    steps = trace.step_numbers
+def _require_contiguous(steps: np.ndarray, rank: int) -> None:
     if len(steps) and (steps[0] != 0 or np.any(np.diff(steps) != 1)):
         gap = int(steps[0]) if steps[0] != 0 else int(steps[np.argmax(np.diff(steps) != 1)]) + 1
         raise InconclusiveError(
-            f"rank {trace.rank} of the trace has a gap at step {gap} (dropped or never recorded "
+            f"rank {rank} of the trace has a gap at step {gap} (dropped or never recorded "
             "steps); the shadow state cannot be rebuilt across it"
         )
 

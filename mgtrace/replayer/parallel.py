@@ -29,10 +29,13 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import sys
+import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow.compute as pc
@@ -67,6 +70,7 @@ class SegmentResult:
     counts: dict[Hashable, int]  # report attempts per key, the first one included
     handoff: np.ndarray | None  # the pool where the next warm-up starts, in placeholders
     base: int | None  # the placeholders name the pool after this step (None: exact)
+    seconds: dict[str, float]  # where the worker's time went: load, skip, warmup, segment
 
 
 @dataclass
@@ -76,6 +80,8 @@ class RankOutcome:
     steps: int
     segments: int
     checked_here: int  # reads that met a placeholder, checked once their words were known
+    worker_seconds: list[dict[str, float]] = field(default_factory=list)
+    merge_s: float = 0.0
 
 
 def segment_bounds(
@@ -100,11 +106,28 @@ def resolve(words: np.ndarray, base: np.ndarray | None) -> np.ndarray:
     return out
 
 
-def _rank_replay(reader: TraceReader, rank: int, rules: RuleSet, layout: str) -> RankReplay:
-    # A fresh RequestIds per rank: every process numbers this rank's requests alike, so a
-    # checkpoint moves between them; findings name requests, never uids.
-    trace = RankTrace(reader, rank, RequestIds())
+def _rank_trace(reader: TraceReader, rank: int) -> RankTrace:
+    # A fresh RequestIds per rank: every process numbers this rank's requests alike, so the
+    # placeholders' words and the logged reads mean the same everywhere; findings name
+    # requests, never uids.
+    return RankTrace(reader, rank, RequestIds())
+
+
+def _rank_replay(trace: RankTrace, rules: RuleSet, layout: str) -> RankReplay:
     return RankReplay(trace, rules, load_backend("reference", "cpu"), layout, "cpu")
+
+
+# The rank trace a forked worker inherits from the parent, instead of loading it again (the
+# parent loads it anyway, for the checks it judges itself).
+_INHERITED: dict[tuple[str, int], RankTrace] = {}
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """fork, so that workers inherit the loaded trace, where this process has not imported
+    torch (whose thread pools do not survive a fork); spawn elsewhere."""
+    if "fork" in multiprocessing.get_all_start_methods() and "torch" not in sys.modules:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
 
 
 def _named_key(rep: RankReplay, key: tuple[int, str]) -> Hashable:
@@ -113,8 +136,14 @@ def _named_key(rep: RankReplay, key: tuple[int, str]) -> Hashable:
 
 
 def _finish(
-    rep: RankReplay, first: int, last: int, handoff_after: int | None, base: int | None
+    rep: RankReplay,
+    first: int,
+    last: int,
+    handoff_after: int | None,
+    base: int | None,
+    seconds: dict[str, float],
 ) -> SegmentResult:
+    t0 = time.perf_counter()
     handoff = None
     done = first - 1
     if handoff_after is not None:
@@ -125,7 +154,8 @@ def _finish(
     o = rep.oracle
     events = [("report", _named_key(rep, e[1]), e[2]) if e[0] == "report" else e for e in o.events]
     counts = {_named_key(rep, k): n for k, n in o.repeats.items()}
-    return SegmentResult(first, done, events, counts, handoff, base)
+    seconds["segment"] = time.perf_counter() - t0
+    return SegmentResult(first, done, events, counts, handoff, base, seconds)
 
 
 @dataclass(frozen=True)
@@ -139,8 +169,11 @@ class _Job:
     layout: str
 
     def replay(self) -> RankReplay:
-        reader = TraceReader(self.path, skip_bad_parts=self.skip_bad_parts)
-        return _rank_replay(reader, self.rank, RuleSet.parse(self.rules), self.layout)
+        trace = _INHERITED.get((self.path, self.rank))
+        if trace is None:
+            reader = TraceReader(self.path, skip_bad_parts=self.skip_bad_parts)
+            trace = _rank_trace(reader, self.rank)
+        return _rank_replay(trace, RuleSet.parse(self.rules), self.layout)
 
 
 def speculate(
@@ -149,7 +182,16 @@ def speculate(
     """In a worker: steps ``first..last`` from a placeholder start ``warmup`` steps earlier
     (exactly from step 0 when that reaches it), handing back the pool after
     ``handoff_after``."""
+    clock = [time.perf_counter()]
+    seconds: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        seconds[name] = now - clock[0]
+        clock[0] = now
+
     rep = job.replay()
+    lap("load")
     base = None
     if first > 0:
         start = max(first - warmup, 0)
@@ -157,9 +199,11 @@ def speculate(
             rep.skip_to(start - 1)
             rep.pool.name_words(PLACEHOLDER_BASE)
             base = start - 1
+        lap("skip")
         rep.run(start=start, until=first - 1)
+        lap("warmup")
     rep.oracle.start_log(PLACEHOLDER_BELOW if base is not None else None)
-    return _finish(rep, first, last, handoff_after, base)
+    return _finish(rep, first, last, handoff_after, base, seconds)
 
 
 def replay_rank_in_segments(
@@ -182,7 +226,7 @@ def replay_rank_in_segments(
         raise UsageError("a replay in segments needs a trace on disk")
     if layout != "compact":
         raise UsageError("a replay in segments runs on the compact tag layout")
-    steps = [s for s in _step_numbers(reader, rank) if until is None or s <= until]
+    steps = [s for s in sorted(set(step_numbers(reader, rank))) if until is None or s <= until]
     if not steps:
         return RankOutcome([], 0, 0, 0, 0)
     bounds = segment_bounds(steps, jobs, min_segment)
@@ -191,26 +235,40 @@ def replay_rank_in_segments(
     job = _Job(str(path), bool(getattr(reader, "skipped", None)), rank, rules.canonical(), layout)
     firsts = [a for a, _ in bounds]
     handoffs = [max(a - warmup, 0) - 1 for a in firsts[1:]] + [None]
-    context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-    with ProcessPoolExecutor(max_workers=len(bounds), mp_context=context) as pool:
-        futures = [
-            pool.submit(speculate, job, a, b, warmup, h)
-            for (a, b), h in zip(bounds, handoffs, strict=True)
-        ]
-        checker = _rank_replay(reader, rank, rules, layout)  # meanwhile: checks logged reads
+    trace = _rank_trace(reader, rank)
+    checker = _rank_replay(trace, rules, layout)  # judges the reads the workers logged
+    context = _pool_context()
+    _INHERITED[(job.path, rank)] = trace
+    try:
+        with warnings.catch_warnings():
+            # a fork of this process, which has threads: the workers run numpy and Python
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pool = ProcessPoolExecutor(max_workers=len(bounds), mp_context=context)
+            futures = [
+                pool.submit(speculate, job, a, b, warmup, h)
+                for (a, b), h in zip(bounds, handoffs, strict=True)
+            ]
+    finally:
+        _INHERITED.clear()
+    with pool:
         results = []
         for future in futures:
             results.append(future.result())
             if progress is not None:
                 res = results[-1]
                 progress(sum(1 for s in steps if res.first <= s <= res.last))
-    return _merge(checker, results, len(steps), verify)
+    t0 = time.perf_counter()
+    outcome = _merge(checker, results, len(steps), verify)
+    outcome.merge_s = time.perf_counter() - t0
+    outcome.worker_seconds = [r.seconds for r in results]
+    return outcome
 
 
-def _step_numbers(reader: TraceReader, rank: int) -> list[int]:
+def step_numbers(reader: TraceReader, rank: int) -> list[int]:
+    """The rank's steps, from the steps table alone (a rank trace loads every table)."""
     steps = reader.table("steps")
     mine = steps.filter(pc.equal(steps.column("rank"), rank)).column("step")
-    return sorted(set(mine.to_pylist()))
+    return sorted(mine.to_pylist())
 
 
 def _merge(
