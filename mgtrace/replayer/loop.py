@@ -542,6 +542,23 @@ class ReplayResult:
     def clean(self) -> bool:
         return not self.findings
 
+    @classmethod
+    def of(
+        cls, rules: RuleSet, findings: list[Finding], steps: int, ranks: list[int], repeats: int
+    ) -> ReplayResult:
+        """The result of every rank's findings, put in (step, rank, batch row) order."""
+        findings.sort(
+            key=lambda f: (f.step, f.rank, f.batch_row if f.batch_row is not None else -1)
+        )
+        return cls(
+            rules=rules,
+            findings=findings,
+            steps=steps,
+            ranks=ranks,
+            first_step=findings[0].step if findings else None,
+            repeats=repeats,
+        )
+
 
 def replay_trace(
     reader: TraceReader,
@@ -622,15 +639,7 @@ def replay_trace(
         )
         findings += [f for f in rep.oracle.findings if from_step is None or f.step >= from_step]
         repeats += sum(v - 1 for v in rep.oracle.repeats.values())
-    findings.sort(key=lambda f: (f.step, f.rank, f.batch_row if f.batch_row is not None else -1))
-    return ReplayResult(
-        rules=rules,
-        findings=findings,
-        steps=steps_done,
-        ranks=ranks,
-        first_step=findings[0].step if findings else None,
-        repeats=repeats,
-    )
+    return ReplayResult.of(rules, findings, steps_done, ranks, repeats)
 
 
 def _replay_in_segments(
@@ -657,15 +666,7 @@ def _replay_in_segments(
         findings += [f for f in outcome.findings if from_step is None or f.step >= from_step]
         repeats += outcome.repeats
         steps += outcome.steps
-    findings.sort(key=lambda f: (f.step, f.rank, f.batch_row if f.batch_row is not None else -1))
-    return ReplayResult(
-        rules=rules,
-        findings=findings,
-        steps=steps,
-        ranks=ranks,
-        first_step=findings[0].step if findings else None,
-        repeats=repeats,
-    )
+    return ReplayResult.of(rules, findings, steps, ranks, repeats)
 
 
 def _require_contiguous(steps: np.ndarray, rank: int) -> None:

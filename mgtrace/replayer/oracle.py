@@ -258,6 +258,12 @@ class Oracle:
                     inside[g][sel],
                 )
 
+    def check_logged(
+        self, step: int, read: StateRead, tags: np.ndarray, inside: np.ndarray
+    ) -> None:
+        """Judge a read that another process logged, on the words its placeholders name."""
+        self._check_tags(step, read, tags, inside)
+
     def _meets_placeholder(self, read: StateRead, tags: np.ndarray) -> bool:
         """Whether a row with a block has a placeholder among its words (whatever the word
         is used for: the details name positions and writer steps too)."""

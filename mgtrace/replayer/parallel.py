@@ -237,20 +237,18 @@ def replay_rank_in_segments(
     handoffs = [max(a - warmup, 0) - 1 for a in firsts[1:]] + [None]
     trace = _rank_trace(reader, rank)
     checker = _rank_replay(trace, rules, layout)  # judges the reads the workers logged
-    context = _pool_context()
-    _INHERITED[(job.path, rank)] = trace
-    try:
-        with warnings.catch_warnings():
-            # a fork of this process, which has threads: the workers run numpy and Python
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pool = ProcessPoolExecutor(max_workers=len(bounds), mp_context=context)
-            futures = [
-                pool.submit(speculate, job, a, b, warmup, h)
-                for (a, b), h in zip(bounds, handoffs, strict=True)
-            ]
-    finally:
-        _INHERITED.clear()
-    with pool:
+    with ProcessPoolExecutor(max_workers=len(bounds), mp_context=_pool_context()) as pool:
+        _INHERITED[(job.path, rank)] = trace  # the workers start (fork) on the first submit
+        try:
+            with warnings.catch_warnings():
+                # a fork of this process, which has threads: the workers run numpy and Python
+                warnings.simplefilter("ignore", DeprecationWarning)
+                futures = [
+                    pool.submit(speculate, job, a, b, warmup, h)
+                    for (a, b), h in zip(bounds, handoffs, strict=True)
+                ]
+        finally:
+            _INHERITED.clear()
         results = []
         for future in futures:
             results.append(future.result())
@@ -297,7 +295,7 @@ def _merge(
             _, step, read, tags, inside = event
             checked += 1
             oracle.events = []
-            oracle._check_tags(step, read, resolve(tags, exact_base) if verify else tags, inside)
+            oracle.check_logged(step, read, resolve(tags, exact_base) if verify else tags, inside)
             for _, key, f in oracle.events:
                 key = _named_key(checker, key)
                 if key not in counts:
