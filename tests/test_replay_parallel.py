@@ -139,3 +139,11 @@ def test_jobs_refuse_a_backend_they_cannot_split() -> None:
         replay_trace(TraceReader(trace), RuleSet(), backend="triton", jobs=2)
     proc = run_cli("replay", str(trace), "--jobs", "2", "--backend", "triton")
     assert "reference backend" in assert_one_sentence_error(proc, 2)
+
+
+def test_a_trace_too_short_to_split_replays_in_this_process() -> None:
+    trace = toggle_trace(BUG_REORDER, seed=1, steps=1000)
+    want, want_repeats = _sequential(trace, 0, RuleSet())
+    got = replay_rank_in_segments(TraceReader(trace), 0, RuleSet(), jobs=4, min_segment=5000)
+    assert got.segments == 1 and not got.worker_seconds  # no worker was started
+    assert (got.findings, got.repeats) == (want, want_repeats)

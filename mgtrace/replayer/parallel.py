@@ -237,6 +237,15 @@ def replay_rank_in_segments(
     handoffs = [max(a - warmup, 0) - 1 for a in firsts[1:]] + [None]
     trace = _rank_trace(reader, rank)
     checker = _rank_replay(trace, rules, layout)  # judges the reads the workers logged
+    if len(bounds) == 1:  # too short to split: no process to start
+        _INHERITED[(job.path, rank)] = trace
+        try:
+            results = [speculate(job, *bounds[0], warmup, None)]
+        finally:
+            _INHERITED.clear()
+        if progress is not None:
+            progress(len(steps))
+        return _merge(checker, results, len(steps), verify)
     with ProcessPoolExecutor(max_workers=len(bounds), mp_context=_pool_context()) as pool:
         _INHERITED[(job.path, rank)] = trace  # the workers start (fork) on the first submit
         try:

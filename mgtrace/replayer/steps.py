@@ -40,7 +40,10 @@ class _Sliced:
     """One table's rows of one rank, sorted by (step, *order), with per-step slices."""
 
     def __init__(self, table: pa.Table, order: list[str]) -> None:
-        table = table.sort_by([("step", "ascending"), *((o, "ascending") for o in order)])
+        keys = [("step", "ascending"), *((o, "ascending") for o in order)]
+        at = pc.sort_indices(table, sort_keys=keys).to_numpy()
+        if np.count_nonzero(at != np.arange(len(at))):  # writers mostly write in order
+            table = table.take(at)
         self.table = table
         self.steps = table.column("step").to_numpy(zero_copy_only=False)
         self.unique, self.starts = np.unique(self.steps, return_index=True)
@@ -92,6 +95,9 @@ class RankTrace:
 
         def load(name: str) -> pa.Table:
             t = reader.table(name)
+            ranks = pc.min_max(t.column("rank")).as_py()
+            if ranks["min"] == ranks["max"] == rank:  # a single-rank trace: nothing to drop
+                return t
             return t.filter(pc.equal(t.column("rank"), rank))
 
         steps = load("steps").sort_by("step")
