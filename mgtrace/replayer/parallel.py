@@ -237,6 +237,8 @@ def replay_rank_in_segments(
     handoffs = [max(a - warmup, 0) - 1 for a in firsts[1:]] + [None]
     trace = _rank_trace(reader, rank)
     checker = _rank_replay(trace, rules, layout)  # judges the reads the workers logged
+    if len(checker.pool.pool.view(np.int32)) > PLACEHOLDER_BELOW - PLACEHOLDER_BASE:
+        raise UsageError("the tag pool has more words than placeholders; drop --jobs")
     if len(bounds) == 1:  # too short to split: no process to start
         _INHERITED[(job.path, rank)] = trace
         try:
