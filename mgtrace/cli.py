@@ -180,6 +180,9 @@ def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_par
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: run the CLI, turn every MgtraceError into one sentence."""
+    from mgtrace.pandas_probe import skip_pandas_probe
+
+    skip_pandas_probe()
     try:
         rv = cli.main(args=argv, prog_name="mgtrace", standalone_mode=False)
     except MgtraceError as exc:

@@ -1,7 +1,8 @@
-"""The command line on the CPU never imports torch or triton (seconds at every start).
+"""The command line on the CPU never imports torch or triton (seconds at every start), and
+the commands that only write or query a trace never import pandas (pyarrow would, 0.3 s).
 
 Each probe runs real commands in a fresh interpreter, in process, and reports which heavy
-modules they left in ``sys.modules``; the control imports torch on purpose and must be seen.
+modules they left in ``sys.modules``; the controls import them on purpose and must be seen.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-HEAVY = ("torch", "triton")
+HEAVY = ("torch", "triton", "pandas")
 
 PROBE = """
 import contextlib, io, json, sys
 from mgtrace.cli import main
 if sys.argv[1] == "control":
     import torch  # noqa: F401
+    import pandas  # noqa: F401
 for command in json.loads(sys.argv[2]):
     sys.argv = ["mgtrace", *command]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -71,9 +73,33 @@ def test_cpu_commands_never_import_torch_or_triton(buggy_trace: Path, tmp_path: 
         ["diff", trace, "--rules-b", "reorder_threshold=1+k"],
         ["sql", trace, "SELECT count(*) FROM findings"],
     ]
+    # the replaying commands read Parquet through pyarrow's dataset reader, which loads pandas
+    assert set(_heavy_modules_after(commands)) <= {"pandas"}
+
+
+def test_writing_and_querying_commands_never_import_pandas(buggy_trace: Path, tmp_path: Path):
+    trace = str(buggy_trace)
+    commands = [
+        ["simulate", "--steps", "40", "-o", str(tmp_path / "s")],
+        ["info", trace],
+        ["sql", trace, "SELECT count(*) FROM batch_rows"],
+    ]
     assert _heavy_modules_after(commands) == []
+
+
+def test_pyarrow_still_loads_pandas_when_asked_after_the_command_line_ran(tmp_path: Path):
+    script = (
+        "import sys; from mgtrace.cli import main; import pyarrow as pa\n"
+        "main(['--version'])\n"
+        "assert 'pandas' not in sys.modules\n"
+        "print(type(pa.table({'a': [1, 2]}).to_pandas()).__name__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "DataFrame"
 
 
 def test_the_probe_sees_torch_when_it_is_imported(buggy_trace: Path) -> None:
     # control: the same probe, the same command, torch imported on purpose
-    assert "torch" in _heavy_modules_after([["info", str(buggy_trace)]], control=True)
+    seen = _heavy_modules_after([["info", str(buggy_trace)]], control=True)
+    assert "torch" in seen and "pandas" in seen

@@ -308,8 +308,11 @@ def _yield_to_engine(sched: str) -> None:
 def _child(config: dict[str, Any]) -> int:
     import select
 
+    from mgtrace.pandas_probe import skip_pandas_probe
+
     in_fd, out_fd = config["in_fd"], config["out_fd"]
     _yield_to_engine(config["sched"])
+    skip_pandas_probe()  # a faster start: steps wait in the pipe until the writer runs
     writer = TraceWriter(
         config["out"], run=RunMetadata.from_dict(config["run"]), source=config["source"]
     )

@@ -361,7 +361,7 @@ class RankTrace:
         }
 
 
-_REGIONS = pa.array(list(REORDER_REGIONS))
+_REGIONS = pa.array(list(REORDER_REGIONS), pa.string())
 _KERNEL_ORDER = {
     KERNELS.index(k): i for i, k in enumerate(("precopy", "aligned_indices", "postprocess"))
 }
@@ -369,7 +369,7 @@ _KERNEL_ORDER = {
 
 def _codes(col: pa.ChunkedArray, categories: tuple[str, ...]) -> np.ndarray:
     """A categorical column as int8 codes into ``categories`` (-1 for null or unknown)."""
-    idx = pc.index_in(col, value_set=pa.array(list(categories)))
+    idx = pc.index_in(col, value_set=pa.array(list(categories), pa.string()))
     return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int8)
 
 
