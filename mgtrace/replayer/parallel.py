@@ -291,6 +291,11 @@ def _merge(
     counts: Counter[Hashable] = Counter()
     checked = 0
     exact_base: np.ndarray | None = None  # the exact pool the placeholders of results[i] name
+    def keep_first(key: Hashable, finding: Finding) -> None:
+        if key not in counts:
+            findings.append(finding)
+            counts[key] = 0
+
     for i, res in enumerate(results):
         if i and res.base is not None:
             exact_base = resolve(results[i - 1].handoff, exact_base)
@@ -298,20 +303,14 @@ def _merge(
             exact_base = None
         for event in res.events:
             if event[0] == "report":
-                _, key, f = event
-                if key not in counts:
-                    findings.append(f)
-                    counts[key] = 0
+                keep_first(event[1], event[2])
                 continue
             _, step, read, tags, inside = event
             checked += 1
             oracle.events = []
             oracle.check_logged(step, read, resolve(tags, exact_base) if verify else tags, inside)
             for _, key, f in oracle.events:
-                key = _named_key(checker, key)
-                if key not in counts:
-                    findings.append(f)
-                    counts[key] = 0
+                keep_first(_named_key(checker, key), f)
         counts.update(res.counts)
     counts.update({_named_key(checker, k): n for k, n in oracle.repeats.items()})
     repeats = sum(counts.values()) - len(counts)
