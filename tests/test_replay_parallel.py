@@ -147,3 +147,41 @@ def test_a_trace_too_short_to_split_replays_in_this_process() -> None:
     got = replay_rank_in_segments(TraceReader(trace), 0, RuleSet(), jobs=4, min_segment=5000)
     assert got.segments == 1 and not got.worker_seconds  # no worker was started
     assert (got.findings, got.repeats) == (want, want_repeats)
+
+
+def _sleep_long() -> None:
+    import time
+
+    time.sleep(120)
+
+
+def _pool_with_a_busy_worker():
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork"))
+    pool.submit(_sleep_long)
+    procs = list(pool._processes.values())
+    assert procs and all(p.is_alive() for p in procs)
+    return pool, procs
+
+
+def test_an_interrupted_replay_ends_its_workers_without_waiting_for_them() -> None:
+    from mgtrace.replayer.parallel import _stop_workers
+
+    pool, procs = _pool_with_a_busy_worker()
+    _stop_workers(pool)
+    for p in procs:
+        p.join(10)
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_control_a_plain_shutdown_leaves_the_worker_running() -> None:
+    pool, procs = _pool_with_a_busy_worker()
+    pool.shutdown(wait=False, cancel_futures=True)  # what the pool offers without terminating
+    for p in procs:
+        p.join(1)
+    assert all(p.is_alive() for p in procs)
+    for p in procs:  # clean up
+        p.terminate()
+        p.join(10)

@@ -248,7 +248,8 @@ def replay_rank_in_segments(
         if progress is not None:
             progress(len(steps))
         return _merge(checker, results, len(steps), verify)
-    with ProcessPoolExecutor(max_workers=len(bounds), mp_context=_pool_context()) as pool:
+    pool = ProcessPoolExecutor(max_workers=len(bounds), mp_context=_pool_context())
+    try:
         _INHERITED[(job.path, rank)] = trace  # the workers start (fork) on the first submit
         try:
             with warnings.catch_warnings():
@@ -266,11 +267,23 @@ def replay_rank_in_segments(
             if progress is not None:
                 res = results[-1]
                 progress(sum(1 for s in steps if res.first <= s <= res.last))
+    except BaseException:
+        _stop_workers(pool)  # Ctrl-C or a failed segment: the others' work is moot
+        raise
+    pool.shutdown()
     t0 = time.perf_counter()
     outcome = _merge(checker, results, len(steps), verify)
     outcome.merge_s = time.perf_counter() - t0
     outcome.worker_seconds = [r.seconds for r in results]
     return outcome
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End the pool now: a shutdown waits for every running segment to finish. The executor
+    keeps its processes private; 3.14 adds ``terminate_workers`` for this."""
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        proc.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def step_numbers(reader: TraceReader, rank: int) -> list[int]:
