@@ -304,6 +304,7 @@ def _merge(
     counts: Counter[Hashable] = Counter()
     checked = 0
     exact_base: np.ndarray | None = None  # the exact pool the placeholders of results[i] name
+
     def keep_first(key: Hashable, finding: Finding) -> None:
         if key not in counts:
             findings.append(finding)
