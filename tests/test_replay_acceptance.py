@@ -108,3 +108,42 @@ def test_field_reanalysis_first_decode_in_prefill_split() -> None:
     assert first_in_prefill <= flagged
     assert never, "control: the trace must have requests that never hit the prefill split"
     assert not (never & flagged)
+
+
+# A boundary state the post-process saves into another column is read by nobody until a
+# prefix-cache hit or a resume. Here (small blocks, k=4, V2 + PP2) the first misdirected
+# post-process only loses req-000000's boundary state; its own reads stay right until the
+# misdirected copies clobber a live block three steps later.
+BOUNDARY_ONLY = dict(
+    runner="v2",
+    pp=2,
+    k=4,
+    max_num_seqs=16,
+    mamba_block_size=16,
+    acceptance_rate=0.95,
+    prefix_hit_prob=1.0,
+)
+
+
+def _boundary_only_trace() -> TraceReader:
+    return TraceReader(sim_trace("batch-row-block-table", 395520, 60, **BOUNDARY_ONLY))
+
+
+def test_a_lost_boundary_state_is_found_where_it_is_lost() -> None:
+    reader = _boundary_only_trace()
+    truth = reader.manifest.ground_truth["bugs"]["batch-row-block-table"]
+    result = replay_trace(reader, RuleSet())
+    assert result.first_step == truth["first_step"]
+    first = [f for f in result.findings if f.step == result.first_step]
+    assert {f.req_id for f in first} == set(truth["first_requests"])
+    assert all(f.mechanism.startswith("cached-state:") for f in first)
+    assert replay_trace(reader, RuleSet.parse("bt_row_is_req=true")).clean
+
+
+def test_control_without_the_boundary_check_the_loss_shows_only_later(monkeypatch) -> None:
+    from mgtrace.replayer.loop import RankReplay
+
+    reader = _boundary_only_trace()
+    truth = reader.manifest.ground_truth["bugs"]["batch-row-block-table"]
+    monkeypatch.setattr(RankReplay, "_check_cached_state", lambda *args: None)
+    assert replay_trace(reader, RuleSet()).first_step > truth["first_step"]

@@ -22,6 +22,7 @@ import numpy as np
 
 from mgtrace.errors import InconclusiveError, UsageError
 from mgtrace.kernels.launch import AlignLaunch
+from mgtrace.kernels.plan import RowPlan
 from mgtrace.kernels.reference import LaunchResult, run_reference
 from mgtrace.replayer.findings import MALFORMED, Finding
 from mgtrace.replayer.mirror import MirroredKernels
@@ -36,8 +37,8 @@ from mgtrace.replayer.view import RowView, launch_under_rules, row_view
 from mgtrace.schemas.reader import TraceReader
 
 Backend = Callable[..., LaunchResult]
-DECODE_READ, PREFILL_READ, NEXT_STATE = (
-    READ_KINDS.index(k) for k in ("decode-read", "prefill-read", "next-state")
+DECODE_READ, PREFILL_READ, NEXT_STATE, CACHED_STATE = (
+    READ_KINDS.index(k) for k in ("decode-read", "prefill-read", "next-state", "cached-state")
 )
 BACKENDS = ("reference", "triton")
 
@@ -352,6 +353,7 @@ class RankReplay:
         keep = (launch.column("req_slot") >= 0) & (b >= 0)
         if result.validation.problems:
             keep &= ~result.validation.bad
+        self._check_cached_state(step, result.validation.plan, view, b, keep)
         # count_nonzero: a fraction of the cost of .all()/.any() on arrays this small.
         kept = np.count_nonzero(keep)
         if kept < len(keep):
@@ -390,6 +392,28 @@ class RankReplay:
         expected = np.where(acc >= 1, c + n - view.draft64[b] + acc - 1, c + n)
         self._read(step, np.full(len(b), NEXT_STATE), view, b, expected, offset, offset)
 
+    def _check_cached_state(
+        self, step: int, plan: RowPlan, view: RowView, b: np.ndarray, keep: np.ndarray
+    ) -> None:
+        """After a post-process: a row that crossed a block boundary saved the state at the
+        boundary into the boundary block's column; when that is not its running column, the
+        request's own block there must hold its state at the boundary, whatever block the
+        kernel wrote. (With the running column, ``_check_next_state`` reads it anyway.)"""
+        saved = keep & plan.copies & (plan.src_col != plan.dst_col)
+        if not np.count_nonzero(saved):
+            return
+        rows = b[saved]
+        dst = plan.dst_col[saved].astype(np.int64)
+        blocks = self.tables.gather_groups(self.own_kind, view.slot64[rows], dst)
+        kept = (blocks > 0).any(axis=0)  # a null column: the engine keeps no state there
+        if not np.count_nonzero(kept):
+            return
+        rows, dst = rows[kept], dst[kept]
+        rel = dst - view.state_col64[rows]
+        boundary = (dst + 1) * self.block_size
+        zero = np.zeros(len(rows), dtype=np.int64)
+        self._read(step, np.full(len(rows), CACHED_STATE), view, rows, boundary, rel, zero, rel)
+
     # ----------------------------------------------------------------- forward model
     def _read(
         self,
@@ -400,14 +424,21 @@ class RankReplay:
         expected: np.ndarray,
         temporal_col: np.ndarray,
         conv_offset: np.ndarray,
+        conv_col: np.ndarray | None = None,
     ) -> None:
+        """Check the state ``rows`` read: temporal from ``temporal_col`` and conv from
+        ``conv_col`` (both relative to the row's running column; conv from the running
+        column itself by default), conv rows from ``conv_offset`` on."""
         if not len(rows):
             return
         col = view.state_col64[rows]
         # Temporal and conv columns as one [2, rows] gather (the slots broadcast over both).
         cols = np.empty((2, len(rows)), dtype=np.int64)
         np.add(col, temporal_col, out=cols[0])
-        cols[1] = col
+        if conv_col is None:
+            cols[1] = col
+        else:
+            np.add(col, conv_col, out=cols[1])
         both = self.tables.gather_groups(self.own_kind, view.slot64[rows], cols)
         # The counts arrive as int64 already (the view's columns); asarray keeps them as they
         # are instead of copying. Nothing writes into a StateRead's arrays.

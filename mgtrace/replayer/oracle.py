@@ -27,11 +27,15 @@ from mgtrace.replayer.ownership import NULL_BLOCK, BlockOwnership
 from mgtrace.replayer.requests import DUMMY_REQUEST, NO_REQUEST, RequestIds
 from mgtrace.replayer.tags import TEMPORAL_TAG_INTS, TagPool
 
-READ_KINDS = ("decode-read", "prefill-read", "next-state")  # StateRead.what codes
+# StateRead.what codes. A cached state is the block-boundary state a post-process saves into
+# a column other than the running one: nobody reads it until a prefix-cache hit or a resume,
+# so it is checked where it is written.
+READ_KINDS = ("decode-read", "prefill-read", "next-state", "cached-state")
+_VERBS = {"next-state": "will read next", "cached-state": "keeps for the prefix cache"}
 
 
 def _verb(what: str) -> str:
-    return "will read next" if what == "next-state" else "reads"
+    return _VERBS.get(what, "reads")
 
 
 @dataclass
