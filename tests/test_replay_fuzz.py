@@ -1,0 +1,54 @@
+"""Random engine shapes against the simulator's ground truth (``tests/acceptance_fuzz.py``):
+a fixed, seeded sample here; longer sweeps from the command line."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from mgtrace.replayer.loop import RankReplay
+from tests.acceptance_fuzz import Case, check, random_case
+
+pytestmark = pytest.mark.slow
+
+CASES = [random_case(random.Random(9000 + i)) for i in range(10)]
+
+
+def _label(case: Case) -> str:
+    return "+".join(case.bugs) or f"clean-{case.engine['runner']}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_label(c) for c in CASES])
+def test_random_engine_shapes_agree_with_the_ground_truth(case: Case, tmp_path: Path) -> None:
+    assert check(case, tmp_path / "trace") == []
+
+
+def test_the_sample_has_clean_single_and_combined_toggles() -> None:
+    sizes = {min(len(c.bugs), 2) for c in CASES}
+    assert sizes == {0, 1, 2}
+
+
+def test_control_a_check_turned_off_is_caught_as_a_late_first_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # the V2 + PP2 run whose first misdirected post-process only loses a boundary state
+    case = Case(
+        bugs=("batch-row-block-table",),
+        seed=395520,
+        steps=60,
+        engine={
+            "runner": "v2",
+            "pp": 2,
+            "k": 4,
+            "max_num_seqs": 16,
+            "mamba_block_size": 16,
+            "acceptance_rate": 0.95,
+            "prefix_hit_prob": 1.0,
+        },
+    )
+    assert check(case, tmp_path / "on") == []
+    monkeypatch.setattr(RankReplay, "_check_cached_state", lambda *args: None)
+    problems = check(case, tmp_path / "off")
+    assert problems and "injected at 22" in problems[0]
