@@ -14,12 +14,26 @@ pytestmark = [
 ]
 
 
+# a run whose first finding is a lost block-boundary state (a cached-state check)
+BOUNDARY_ONLY = {
+    "runner": "v2",
+    "pp": 2,
+    "k": 4,
+    "mamba_block_size": 16,
+    "acceptance_rate": 0.95,
+    "prefix_hit_prob": 1.0,
+    "seed": 395520,
+    "steps": 60,
+}
+
+
 @pytest.mark.parametrize(
     ("bug", "engine"),
     [
         ("reorder-threshold-mismatch", {"runner": "v1"}),
         ("batch-row-block-table", {"runner": "v2", "pp": 2}),
         ("stale-condense-row", {"runner": "v1", "length_scale": 0.02}),
+        ("batch-row-block-table", BOUNDARY_ONLY),
     ],
 )
 def test_cuda_backend_matches_reference(tmp_path: Path, bug: str, engine: dict) -> None:
