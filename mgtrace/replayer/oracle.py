@@ -38,6 +38,13 @@ def _verb(what: str) -> str:
     return _VERBS.get(what, "reads")
 
 
+def _wants(what: str, tokens: int) -> str:
+    """What the state should cover, as a finding says it."""
+    if what == "cached-state":
+        return f"the block boundary is at {tokens}"
+    return f"it has {tokens}"
+
+
 @dataclass
 class StateRead:
     """Rows about to read state: where, and what they should find there."""
@@ -297,7 +304,7 @@ class Oracle:
                 kind, mech = WRONG_TOKENS, f"{what}:temporal:unwritten"
                 detail = (
                     f"request {name} {_verb(what)} a temporal state no request has written "
-                    f"(block {int(blocks[i])}); it has {e} tokens"
+                    f"(block {int(blocks[i])}); {_wants(what, e)} tokens"
                 )
                 writer_id, writer_step = None, None
             elif foreign[i]:
@@ -306,7 +313,7 @@ class Oracle:
                 kind, mech = FOREIGN_STATE, f"{what}:temporal"
                 detail = (
                     f"request {name} {_verb(what)} a temporal state written by {who} "
-                    f"at step {int(step_t[i])} ({t} tokens folded in; it has {e})"
+                    f"at step {int(step_t[i])} ({t} tokens folded in; {_wants(what, e)})"
                 )
                 writer_id, writer_step = writer, int(step_t[i])
             else:
@@ -314,7 +321,7 @@ class Oracle:
                 kind, mech = WRONG_TOKENS, f"{what}:temporal:{rel}"
                 detail = (
                     f"request {name} {_verb(what)} its own temporal state with {t} "
-                    f"tokens folded in where it has {e} (written at step {int(step_t[i])})"
+                    f"tokens folded in where {_wants(what, e)} (written at step {int(step_t[i])})"
                 )
                 writer_id, writer_step = name, int(step_t[i])
             self._report_read(step, read, i, g, blocks, kind, mech, detail, writer_id, writer_step)
