@@ -405,7 +405,8 @@ class RankReplay:
         rows = b[saved]
         dst = plan.dst_col[saved].astype(np.int64)
         blocks = self.tables.gather_groups(self.own_kind, view.slot64[rows], dst)
-        kept = (blocks > 0).any(axis=0)  # a null column: the engine keeps no state there
+        # a null column: the engine keeps no state there (in any group: groups share columns)
+        kept = (blocks > 0).all(axis=0)
         if not np.count_nonzero(kept):
             return
         rows, dst = rows[kept], dst[kept]
