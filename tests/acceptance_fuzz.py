@@ -22,13 +22,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mgtrace.errors import MgtraceError
-from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE
 from mgtrace.replayer.loop import replay_trace
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.sim.config import SimConfig
 from mgtrace.sim.engine import simulate
-from tests.replay_helpers import TOGGLES
+from tests.replay_helpers import TOGGLES, involved
 
 V1_TOGGLES = [b for b, (engine, _) in TOGGLES.items() if engine["runner"] == "v1"]
 
@@ -66,16 +65,6 @@ def random_case(rng: random.Random) -> Case:
     return Case(bugs=bugs, seed=rng.randrange(10**6), steps=rng.choice([400, 800]), engine=engine)
 
 
-def _involved(findings: list, step: int) -> set[str]:
-    out = set()
-    for f in findings:
-        if f.step == step:
-            out.add(f.req_id)
-            if f.kind == FOREIGN_BLOCK_WRITE and f.writer_req_id:
-                out.add(f.writer_req_id)
-    return out
-
-
 def check(case: Case, out: Path) -> list[str]:
     """Simulate ``case`` into ``out`` and replay it; what disagrees with the ground truth."""
     cfg = SimConfig(
@@ -100,7 +89,7 @@ def check(case: Case, out: Path) -> list[str]:
         problems.append(f"first finding at step {recorded.first_step}, injected at {first}")
     elif len(case.bugs) == 1:
         wanted = set(fired[case.bugs[0]]["first_requests"])
-        missing = wanted - _involved(recorded.findings, first)
+        missing = wanted - involved(recorded.findings, first)
         if missing:
             problems.append(f"step {first} names none of {sorted(missing)}")
     undo = RuleSet.parse(",".join(TOGGLES[b][1] for b in case.bugs))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE
 from mgtrace.sim.config import (
     BUG_ASYNC_RACE,
     BUG_BATCH_ROW,
@@ -43,3 +44,30 @@ def sim_trace(bug: str | None, seed: int, steps: int = 1500, **engine: object) -
 def toggle_trace(bug: str, seed: int, steps: int = 1500) -> Path:
     engine, _ = TOGGLES[bug]
     return sim_trace(bug, seed, steps, **engine)
+
+
+# A V2 + PP2 run (small blocks, k=4) whose first misdirected post-process only loses
+# req-000000's block-boundary state, at step 22; its own reads stay right until the misdirected
+# copies clobber a live block three steps later. The seed and length go with the engine.
+BOUNDARY_ONLY_BUG = "batch-row-block-table"
+BOUNDARY_ONLY_SEED, BOUNDARY_ONLY_STEPS = 395520, 60
+BOUNDARY_ONLY = {
+    "runner": "v2",
+    "pp": 2,
+    "k": 4,
+    "max_num_seqs": 16,
+    "mamba_block_size": 16,
+    "acceptance_rate": 0.95,
+    "prefix_hit_prob": 1.0,
+}
+
+
+def involved(findings, step: int) -> set[str]:
+    """Requests named by the findings of one step: readers, and writers of foreign writes."""
+    out = set()
+    for f in findings:
+        if f.step == step:
+            out.add(f.req_id)
+            if f.kind == FOREIGN_BLOCK_WRITE and f.writer_req_id:
+                out.add(f.writer_req_id)
+    return out

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import pytest
 
-from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, WRONG_TOKENS
+from mgtrace.replayer.findings import WRONG_TOKENS
 from mgtrace.replayer.loop import replay_trace
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.schemas.reader import TraceReader
-from tests.replay_helpers import TOGGLES, set_root, sim_trace, toggle_trace
+from tests.replay_helpers import (
+    BOUNDARY_ONLY,
+    BOUNDARY_ONLY_BUG,
+    BOUNDARY_ONLY_SEED,
+    BOUNDARY_ONLY_STEPS,
+    TOGGLES,
+    involved,
+    set_root,
+    sim_trace,
+    toggle_trace,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -19,17 +29,6 @@ SEEDS = (0, 1, 2)
 @pytest.fixture(scope="module", autouse=True)
 def _trace_root(tmp_path_factory: pytest.TempPathFactory) -> None:
     set_root(tmp_path_factory.mktemp("sim"))
-
-
-def involved(findings, step: int) -> set[str]:
-    """Requests named by the findings of one step: readers, and writers of foreign writes."""
-    out = set()
-    for f in findings:
-        if f.step == step:
-            out.add(f.req_id)
-            if f.kind == FOREIGN_BLOCK_WRITE and f.writer_req_id:
-                out.add(f.writer_req_id)
-    return out
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -110,28 +109,15 @@ def test_field_reanalysis_first_decode_in_prefill_split() -> None:
     assert not (never & flagged)
 
 
-# A boundary state the post-process saves into another column is read by nobody until a
-# prefix-cache hit or a resume. Here (small blocks, k=4, V2 + PP2) the first misdirected
-# post-process only loses req-000000's boundary state; its own reads stay right until the
-# misdirected copies clobber a live block three steps later.
-BOUNDARY_ONLY = dict(
-    runner="v2",
-    pp=2,
-    k=4,
-    max_num_seqs=16,
-    mamba_block_size=16,
-    acceptance_rate=0.95,
-    prefix_hit_prob=1.0,
-)
-
-
 def _boundary_only_trace() -> TraceReader:
-    return TraceReader(sim_trace("batch-row-block-table", 395520, 60, **BOUNDARY_ONLY))
+    return TraceReader(
+        sim_trace(BOUNDARY_ONLY_BUG, BOUNDARY_ONLY_SEED, BOUNDARY_ONLY_STEPS, **BOUNDARY_ONLY)
+    )
 
 
 def test_a_lost_boundary_state_is_found_where_it_is_lost() -> None:
     reader = _boundary_only_trace()
-    truth = reader.manifest.ground_truth["bugs"]["batch-row-block-table"]
+    truth = reader.manifest.ground_truth["bugs"][BOUNDARY_ONLY_BUG]
     result = replay_trace(reader, RuleSet())
     assert result.first_step == truth["first_step"]
     first = [f for f in result.findings if f.step == result.first_step]
@@ -144,6 +130,6 @@ def test_control_without_the_boundary_check_the_loss_shows_only_later(monkeypatc
     from mgtrace.replayer.loop import RankReplay
 
     reader = _boundary_only_trace()
-    truth = reader.manifest.ground_truth["bugs"]["batch-row-block-table"]
+    truth = reader.manifest.ground_truth["bugs"][BOUNDARY_ONLY_BUG]
     monkeypatch.setattr(RankReplay, "_check_cached_state", lambda *args: None)
     assert replay_trace(reader, RuleSet()).first_step > truth["first_step"]

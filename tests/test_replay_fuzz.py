@@ -10,6 +10,12 @@ import pytest
 
 from mgtrace.replayer.loop import RankReplay
 from tests.acceptance_fuzz import Case, check, random_case
+from tests.replay_helpers import (
+    BOUNDARY_ONLY,
+    BOUNDARY_ONLY_BUG,
+    BOUNDARY_ONLY_SEED,
+    BOUNDARY_ONLY_STEPS,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -33,20 +39,11 @@ def test_the_sample_has_clean_single_and_combined_toggles() -> None:
 def test_control_a_check_turned_off_is_caught_as_a_late_first_step(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    # the V2 + PP2 run whose first misdirected post-process only loses a boundary state
     case = Case(
-        bugs=("batch-row-block-table",),
-        seed=395520,
-        steps=60,
-        engine={
-            "runner": "v2",
-            "pp": 2,
-            "k": 4,
-            "max_num_seqs": 16,
-            "mamba_block_size": 16,
-            "acceptance_rate": 0.95,
-            "prefix_hit_prob": 1.0,
-        },
+        bugs=(BOUNDARY_ONLY_BUG,),
+        seed=BOUNDARY_ONLY_SEED,
+        steps=BOUNDARY_ONLY_STEPS,
+        engine=BOUNDARY_ONLY,
     )
     assert check(case, tmp_path / "on") == []
     monkeypatch.setattr(RankReplay, "_check_cached_state", lambda *args: None)

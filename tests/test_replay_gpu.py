@@ -6,6 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.replay_helpers import (
+    BOUNDARY_ONLY,
+    BOUNDARY_ONLY_BUG,
+    BOUNDARY_ONLY_SEED,
+    BOUNDARY_ONLY_STEPS,
+)
+
 torch = pytest.importorskip("torch")
 
 pytestmark = [
@@ -14,26 +21,16 @@ pytestmark = [
 ]
 
 
-# a run whose first finding is a lost block-boundary state (a cached-state check)
-BOUNDARY_ONLY = {
-    "runner": "v2",
-    "pp": 2,
-    "k": 4,
-    "mamba_block_size": 16,
-    "acceptance_rate": 0.95,
-    "prefix_hit_prob": 1.0,
-    "seed": 395520,
-    "steps": 60,
-}
-
-
 @pytest.mark.parametrize(
     ("bug", "engine"),
     [
         ("reorder-threshold-mismatch", {"runner": "v1"}),
         ("batch-row-block-table", {"runner": "v2", "pp": 2}),
         ("stale-condense-row", {"runner": "v1", "length_scale": 0.02}),
-        ("batch-row-block-table", BOUNDARY_ONLY),
+        (  # a run whose first finding is a lost block-boundary state (cached-state)
+            BOUNDARY_ONLY_BUG,
+            {**BOUNDARY_ONLY, "seed": BOUNDARY_ONLY_SEED, "steps": BOUNDARY_ONLY_STEPS},
+        ),
     ],
 )
 def test_cuda_backend_matches_reference(tmp_path: Path, bug: str, engine: dict) -> None:
