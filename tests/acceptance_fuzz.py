@@ -92,7 +92,7 @@ def check(case: Case, out: Path) -> list[str] | None:
         wanted = set(fired[case.bugs[0]]["first_requests"])
         missing = wanted - involved(recorded.findings, first)
         if missing:
-            problems.append(f"step {first} names none of {sorted(missing)}")
+            problems.append(f"step {first} does not name {sorted(missing)}")
     undo = RuleSet.parse(",".join(TOGGLES[b][1] for b in case.bugs))
     undone = replay_trace(reader, undo)
     problems += [f"under {undo.canonical()}: {f.detail}" for f in undone.findings[:3]]
