@@ -264,6 +264,21 @@ def test_gdb_queues_code_and_the_interrupted_sleep_goes_on(tmp_path: Path) -> No
 
 
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_every_one_of_several_targets_survives_the_queue_and_runs_the_code(
+    tmp_path: Path,
+) -> None:
+    """Fresh targets, each stopped at a different address (ASLR): when the program counter
+    was restored first, gdb then refused the stack pointer in about half of them, and the
+    target crashed (SIGSEGV) after reporting the code queued."""
+    for i in range(6):
+        target = _script_target(tmp_path, f"sleeper{i}", SLEEPS)
+        attach.inject._queue(target.pid, QUEUED)
+        out, err = target.communicate(timeout=30)
+        assert target.returncode == 0, (i, target.returncode, err[-500:])
+        assert out.split() == ["queued", "code", "ran", "done"], (i, out)
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
 def test_gdb_without_the_register_restore_breaks_the_target(tmp_path: Path) -> None:
     """Failing control for the test above: the same script with the saved registers not
     written back leaves the target on the program's entry point; it does not finish."""

@@ -20,8 +20,9 @@ kernel's internal restart code to its caller (``time.sleep`` raised ``OSError: [
    the kernel would have restarted it, and detaches.
 
 Input: the environment variable MGTRACE_PAYLOAD. Output: one line starting with
-``mgtrace-gdb:``, then ``queued``, ``busy`` (no thread in a system call just now) or
-``failed REASON``.
+``mgtrace-gdb:``, then ``queued``, ``busy`` (no thread in a system call just now),
+``starting`` (the interpreter is not initialized yet: step 4 is preceded by a call of
+``Py_IsInitialized``) or ``failed REASON``.
 """
 
 from __future__ import annotations
@@ -117,9 +118,14 @@ def call(
 
 
 def restore(thread: gdb.InferiorThread, saved: dict[str, int]) -> None:
+    """The saved registers back, the program counter last: once it moves, gdb rebuilds the
+    frame from it, and in some frames it then refuses to assign the stack pointer (the
+    thread was left with its old stack, and crashed)."""
     thread.switch()
     for name in SAVED:
-        set_reg(name, saved[name])
+        if name != "rip":
+            set_reg(name, saved[name])
+    set_reg("rip", saved["rip"])
 
 
 def main() -> str:
@@ -134,6 +140,10 @@ def main() -> str:
     saved = {name: reg(name) for name in SAVED}
     try:
         ret = entry_point()
+        # Py_AddPendingCall before the interpreter is up crashes the process: a process met
+        # while it starts (importing site, say) is left as it was and tried again later
+        if call(thread, saved["rsp"], symbol("Py_IsInitialized"), 0, 0, ret) == 0:
+            return "starting"
         add, run = symbol("Py_AddPendingCall"), symbol("PyRun_SimpleString")
         page = mmap_page(saved["rip"] - 2, -(-len(source) // PAGE) * PAGE)
         gdb.selected_inferior().write_memory(page, source)

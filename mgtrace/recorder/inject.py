@@ -116,13 +116,18 @@ def _run_gdb(pid: int, source: str, script: Path | None = None) -> str:
 def _queue(pid: int, source: str, script: Path | None = None) -> None:
     for _ in range(BUSY_RETRIES):
         verdict = _run_gdb(pid, source, script)
-        if verdict != "busy":
+        if verdict not in ("busy", "starting"):
             break
-        time.sleep(BUSY_WAIT_S)  # every thread was running: attach again a moment later
+        # every thread was running, or Python was still starting: attach again shortly
+        time.sleep(BUSY_WAIT_S)
     if verdict == "busy":
         raise InjectError(
             f"no thread of process {pid} was waiting in a system call in "
             f"{BUSY_RETRIES} attaches, the only place gdb may safely make the call"
+        )
+    if verdict == "starting":
+        raise InjectError(
+            f"process {pid} had not finished starting Python after {BUSY_RETRIES} attaches"
         )
     if verdict != "queued":
         reason = verdict.removeprefix("failed ").rstrip(".")
