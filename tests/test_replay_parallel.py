@@ -167,9 +167,17 @@ def _pool_with_a_busy_worker():
 
 
 def test_an_interrupted_replay_ends_its_workers_without_waiting_for_them() -> None:
+    import signal
+
     from mgtrace.replayer.parallel import _stop_workers
 
-    pool, procs = _pool_with_a_busy_worker()
+    # a host program's SIGTERM handler, which forked workers inherit (a SIGTERM kept them
+    # alive, as a full test run showed)
+    previous = signal.signal(signal.SIGTERM, lambda *args: None)
+    try:
+        pool, procs = _pool_with_a_busy_worker()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     _stop_workers(pool)
     for p in procs:
         p.join(10)

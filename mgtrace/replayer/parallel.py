@@ -279,10 +279,12 @@ def replay_rank_in_segments(
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """End the pool now: a shutdown waits for every running segment to finish. The executor
-    keeps its processes private; 3.14 adds ``terminate_workers`` for this."""
+    """End the pool now: a shutdown waits for every running segment to finish. SIGKILL, not
+    SIGTERM: a forked worker inherits its parent's signal handlers, and a SIGTERM handler
+    there (a host program's) would keep it running; a worker holds nothing to clean up. The
+    executor keeps its processes private; 3.14 adds ``kill_workers`` for this."""
     for proc in list((getattr(pool, "_processes", None) or {}).values()):
-        proc.terminate()
+        proc.kill()
     pool.shutdown(wait=False, cancel_futures=True)
 
 
