@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from mgtrace import __version__
+from mgtrace.pandas_probe import skip_pandas_probe
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.sim import SimConfig, simulate
 from mgtrace.sim.engine import run_engine
@@ -55,6 +56,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-save", action="store_true", help="Print only; keep sim.json as is.")
     args = ap.parse_args()
+    skip_pandas_probe()  # as `mgtrace simulate` does: the run is timed, not a pandas import
     load = os.getloadavg()[0]  # other work on this machine skews the numbers; say how much
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[0]})  # the engine loop and the writer thread share a core
