@@ -55,6 +55,61 @@ def test_unknown_schema_version(fresh_trace: Path) -> None:
     assert "schema version 99" in err
 
 
+def _edit_manifest(trace: Path, edit) -> None:
+    path = trace / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (
+            lambda m: m["run"].update(num_speculative_tokens="three"),
+            "run.num_speculative_tokens must be an integer, not 'three'",
+        ),
+        (
+            lambda m: m["run"].update(async_scheduling=1),
+            "run.async_scheduling must be true or false",
+        ),
+        (lambda m: m["run"].update(num_blocks=[4]), "run.num_blocks must be an integer or null"),
+        (lambda m: m["run"].update(mamba_block_size=0), "run.mamba_block_size must be at least 1"),
+        (lambda m: m["run"].update(runner="v3"), "run.runner must be v1 or v2"),
+        (lambda m: m["run"].update(states=[["conv"]]), "run.states[0] must be an object"),
+        (
+            lambda m: m["run"]["states"][0].update(shape="6x64"),
+            "run.states[0].shape must be a list",
+        ),
+        (lambda m: m.update(run=[]), "run must be an object"),
+        (lambda m: m["parts"][0].update(rows="12"), "parts[0].rows must be an integer"),
+        (
+            lambda m: m["drops"].update(step_ranges=[[0, "a", 2]]),
+            "drops.step_ranges must be a list",
+        ),
+    ],
+)
+def test_manifest_entry_of_the_wrong_type(fresh_trace: Path, edit, said: str) -> None:
+    """Read commands refuse such a manifest in one sentence naming the entry; replay used to
+    fail deep inside with an internal error (exit 70)."""
+    _edit_manifest(fresh_trace, edit)
+    for command in ("info", "replay"):
+        err = assert_one_sentence_error(run_cli(command, str(fresh_trace)), 3)
+        assert said in err, err
+
+
+def test_manifest_entries_of_the_right_type_are_read(fresh_trace: Path) -> None:
+    """The control: the same entries with values of their types pass the checks."""
+
+    def edit(m: dict) -> None:
+        m["run"].update(num_speculative_tokens=2, async_scheduling=True, num_blocks=None)
+        m["drops"].update(step_ranges=[])
+
+    _edit_manifest(fresh_trace, edit)
+    proc = run_cli("info", str(fresh_trace))
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_truncated_part(fresh_trace: Path) -> None:
     part = _first_part(fresh_trace)
     data = part.read_bytes()

@@ -120,13 +120,16 @@ def _finding_dict(f: Finding) -> dict[str, Any]:
 
 
 def _gaps(trace: RankTrace) -> int | None:
+    """The first step missing from the trace, or one a left-out part held rows of."""
     steps = trace.step_numbers
+    left_out = trace.first_left_out
     if not len(steps):
-        return None
+        return left_out
     if steps[0] != 0:
         return 0
     jumps = np.flatnonzero(np.diff(steps) != 1)
-    return int(steps[jumps[0]]) + 1 if len(jumps) else None
+    gap = int(steps[jumps[0]]) + 1 if len(jumps) else None
+    return gap if left_out is None else min(left_out, gap if gap is not None else left_out)
 
 
 class Bisector:
@@ -192,7 +195,7 @@ class Bisector:
         if not firsts:
             problems = []
             if any(g is not None for g in gaps.values()) or m.drops.total_steps:
-                problems.append("the trace has dropped steps")
+                problems.append("the trace has dropped or left-out steps")
             if not m.complete:
                 problems.append("the recording did not finish (complete=false)")
             if problems:
@@ -209,8 +212,9 @@ class Bisector:
         if gap is not None and gap <= first:
             v.status = "inconclusive"
             v.reason = (
-                f"rank {rank} has a gap at step {gap} (dropped or unrecorded steps) before the "
-                f"first finding at step {first}; the shadow state there cannot be trusted"
+                f"rank {rank} has a gap at step {gap} (dropped, unrecorded or left-out steps) "
+                f"before the first finding at step {first}; the shadow state there cannot be "
+                "trusted"
             )
             v.wall_s = time.perf_counter() - t0
             return v

@@ -11,7 +11,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, UsageError
+from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, InconclusiveError, UsageError
 from mgtrace.replayer.rules import RULES, RuleSet
 
 
@@ -157,6 +157,11 @@ def replay(
             checkpoint_every=checkpoint_every,
             progress=lambda n: bar.advance(task, n),
             jobs=jobs or default_jobs(),
+        )
+    if result.steps == 0 and reader.rows("steps"):
+        raise InconclusiveError(
+            f"none of the {reader.rows('steps')} steps of {trace} could be replayed (all in "
+            "left-out parts, or outside --to-step), so nothing can be said about them"
         )
     replay_id = replay_id_for(rules)
     saved = False

@@ -639,7 +639,7 @@ def replay_trace(
     for rank in ranks:
         trace = RankTrace(reader, rank, ids)
         if not allow_gaps:
-            _require_contiguous(trace.step_numbers, rank)
+            _require_contiguous(trace.step_numbers, rank, trace.first_left_out)
         rep = RankReplay(
             trace, rules, run_backend, layout, device, defer_reads=defer_reads, mirror=mirror
         )
@@ -691,7 +691,8 @@ def _replay_in_segments(
     ranks = ranks_of(reader)
     for rank in ranks:
         if not allow_gaps:
-            _require_contiguous(np.array(step_numbers(reader, rank), dtype=np.int64), rank)
+            numbers, left_out = step_numbers(reader, rank)
+            _require_contiguous(np.array(numbers, dtype=np.int64), rank, left_out)
         outcome = replay_rank_in_segments(
             reader, rank, rules, jobs=jobs, layout=layout, until=to_step, progress=progress
         )
@@ -701,7 +702,12 @@ def _replay_in_segments(
     return ReplayResult.of(rules, findings, steps, ranks, repeats)
 
 
-def _require_contiguous(steps: np.ndarray, rank: int) -> None:
+def _require_contiguous(steps: np.ndarray, rank: int, left_out: int | None = None) -> None:
+    if left_out is not None:
+        raise InconclusiveError(
+            f"rank {rank} of the trace lacks rows of step {left_out} (a part --skip-bad-parts "
+            "left out held them); the shadow state cannot be rebuilt across it"
+        )
     if len(steps) and (steps[0] != 0 or np.any(np.diff(steps) != 1)):
         gap = int(steps[0]) if steps[0] != 0 else int(steps[np.argmax(np.diff(steps) != 1)]) + 1
         raise InconclusiveError(

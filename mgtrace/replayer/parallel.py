@@ -45,7 +45,7 @@ from mgtrace.replayer.findings import Finding
 from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.rules import RuleSet
-from mgtrace.replayer.steps import RankTrace
+from mgtrace.replayer.steps import RankTrace, complete_steps
 from mgtrace.schemas.reader import TraceReader
 
 PLACEHOLDER_BASE = -(2**31)  # word i of a segment's start pool: PLACEHOLDER_BASE + i
@@ -226,7 +226,7 @@ def replay_rank_in_segments(
         raise UsageError("a replay in segments needs a trace on disk")
     if layout != "compact":
         raise UsageError("a replay in segments runs on the compact tag layout")
-    steps = [s for s in sorted(set(step_numbers(reader, rank))) if until is None or s <= until]
+    steps = [s for s in sorted(set(step_numbers(reader, rank)[0])) if until is None or s <= until]
     if not steps:
         return RankOutcome([], 0, 0, 0, 0)
     bounds = segment_bounds(steps, jobs, min_segment)
@@ -288,11 +288,15 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def step_numbers(reader: TraceReader, rank: int) -> list[int]:
-    """The rank's steps, from the steps table alone (a rank trace loads every table)."""
+def step_numbers(reader: TraceReader, rank: int) -> tuple[list[int], int | None]:
+    """The rank's replayable steps, from the steps table alone (a rank trace loads every
+    table), and the first step a left-out part held rows of (None: none)."""
     steps = reader.table("steps")
     mine = steps.filter(pc.equal(steps.column("rank"), rank)).column("step")
-    return sorted(mine.to_pylist())
+    numbers = mine.to_numpy(zero_copy_only=False).astype(np.int64)
+    whole = complete_steps(reader, rank, numbers)
+    left_out = int(numbers[~whole].min()) if not whole.all() else None
+    return sorted(numbers[whole].tolist()), left_out
 
 
 def _merge(

@@ -101,6 +101,13 @@ class RankTrace:
             return t.filter(pc.equal(t.column("rank"), rank))
 
         steps = load("steps").sort_by("step")
+        numbers = steps.column("step").to_numpy(zero_copy_only=False)
+        whole = complete_steps(reader, rank, numbers)
+        # the first step whose rows a left-out part held: a gap, not a step with no rows
+        self.first_left_out: int | None = None
+        if not whole.all():
+            self.first_left_out = int(numbers[~whole].min())
+            steps = steps.filter(pa.array(whole))
         self.step_numbers = steps.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
         self.step_info = {
             name: _numpy(steps.column(name)) for name in steps.column_names if name != "rank"
@@ -371,6 +378,20 @@ def _codes(col: pa.ChunkedArray, categories: tuple[str, ...]) -> np.ndarray:
     """A categorical column as int8 codes into ``categories`` (-1 for null or unknown)."""
     idx = pc.index_in(col, value_set=pa.array(list(categories), pa.string()))
     return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int8)
+
+
+# The tables a replay reads; a step missing rows of any of them cannot be replayed.
+REPLAY_TABLES = ("steps", "batch_rows", "launches", "block_tables", "sched")
+
+
+def complete_steps(reader: TraceReader, rank: int, steps: np.ndarray) -> np.ndarray:
+    """Which of ``steps`` (of ``rank``) have all their replayed rows: not those of a part
+    ``--skip-bad-parts`` left out."""
+    keep = np.ones(len(steps), dtype=bool)
+    left_out = getattr(reader, "steps_left_out", None)
+    for first, last in left_out(rank, REPLAY_TABLES) if left_out else ():
+        keep &= (steps < first) | (steps > last)
+    return keep
 
 
 def ranks_of(reader: TraceReader) -> list[int]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from mgtrace.atomic import atomic_write
 from mgtrace.errors import ManifestError, SchemaVersionError
+from mgtrace.schemas.field_types import check_entries
 from mgtrace.schemas.tables import SCHEMA_VERSION, TABLES
 
 MANIFEST_NAME = "manifest.json"
@@ -56,11 +57,42 @@ class RunMetadata:
     states: list[StateLayout] = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunMetadata:
+    def from_dict(cls, data: dict[str, Any], where: str = MANIFEST_NAME) -> RunMetadata:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
-        kwargs["states"] = [StateLayout(**s) for s in data.get("states", [])]
-        return cls(**kwargs)
+        states = kwargs.pop("states", [])
+        check_entries(cls, kwargs, where, "run.")
+        if not isinstance(states, list):
+            raise ValueError(f"{where}: run.states must be a list, not {states!r:.60}")
+        layouts = []
+        for i, s in enumerate(states):
+            if not isinstance(s, dict):
+                raise ValueError(f"{where}: run.states[{i}] must be an object, not {s!r:.60}")
+            check_entries(StateLayout, s, where, f"run.states[{i}].")
+            layouts.append(StateLayout(**s))
+        run = cls(**kwargs, states=layouts)
+        problem = run.problem()
+        if problem:
+            raise ValueError(f"{where}: {problem}")
+        return run
+
+    def problem(self) -> str | None:
+        """The first value no engine can have, in words; None when all can be."""
+        if self.runner not in ("v1", "v2"):
+            return f"run.runner must be v1 or v2, not {self.runner!r}"
+        at_least = {
+            "mamba_block_size": (self.mamba_block_size, 1),
+            "num_speculative_tokens": (self.num_speculative_tokens, 0),
+            "tp_size": (self.tp_size, 1),
+            "pp_size": (self.pp_size, 1),
+            "num_mamba_groups": (self.num_mamba_groups, 1),
+            "num_blocks": (self.num_blocks, 1),
+            "max_num_seqs": (self.max_num_seqs, 1),
+        }
+        for name, (value, low) in at_least.items():
+            if value is not None and value < low:
+                return f"run.{name} must be at least {low}, not {value}"
+        return None
 
 
 @dataclass
@@ -128,9 +160,14 @@ class Manifest:
                 f"{SCHEMA_VERSION} only; use the mgtrace release that wrote it"
             )
         try:
-            parts = [PartInfo(**p) for p in data.get("parts", [])]
-            drops = Drops(**data.get("drops", {}))
-            run = RunMetadata.from_dict(data.get("run", {}))
+            parts = [
+                _entry(PartInfo, p, where, f"parts[{i}].")
+                for i, p in enumerate(_list(data, "parts", where))
+            ]
+            drops = _entry(Drops, data.get("drops", {}), where, "drops.")
+            run = RunMetadata.from_dict(_object(data, "run", where), where)
+        except ValueError as exc:
+            raise ManifestError(str(exc)) from None
         except TypeError as exc:
             raise ManifestError(f"{where} has a malformed entry ({exc})") from None
         for part in parts:
@@ -148,6 +185,28 @@ class Manifest:
             closed_unix=data.get("closed_unix"),
             mgtrace_version=str(data.get("mgtrace_version", "")),
         )
+
+
+def _object(data: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    value = data.get(name, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: {name} must be an object, not {value!r:.60}")
+    return value
+
+
+def _list(data: dict[str, Any], name: str, where: str) -> list[Any]:
+    value = data.get(name, [])
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: {name} must be a list, not {value!r:.60}")
+    return value
+
+
+def _entry(cls: Any, value: Any, where: str, prefix: str) -> Any:
+    """One dataclass from one JSON object, its entries type-checked."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: {prefix.rstrip('.')} must be an object, not {value!r:.60}")
+    check_entries(cls, value, where, prefix)
+    return cls(**value)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

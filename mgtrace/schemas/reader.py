@@ -27,6 +27,13 @@ _HASH_CHUNK = 1 << 22
 class SkippedPart:
     path: str
     reason: str
+    table: str = ""
+    rank: int | None = None  # None: every rank
+    min_step: int | None = None  # None (either end): every step
+    max_step: int | None = None
+
+    def covers(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
 
 
 def _sha256(path: Path) -> str:
@@ -87,7 +94,11 @@ class TraceReader:
             if problem is None:
                 self.parts.append(part)
             elif skip_bad_parts:
-                self.skipped.append(SkippedPart(part.path, problem))
+                self.skipped.append(
+                    SkippedPart(
+                        part.path, problem, part.table, part.rank, part.min_step, part.max_step
+                    )
+                )
             else:
                 raise PartError(
                     f"part {part.path} of trace {self.path} is unusable: {problem}; "
@@ -108,6 +119,16 @@ class TraceReader:
         # table/part.tmp, or rank-NNN/table/part.tmp in a multi-rank recording
         left = [*self.path.glob(f"*/*{TMP_SUFFIX}"), *self.path.glob(f"rank-*/*/*{TMP_SUFFIX}")]
         return sorted(str(p.relative_to(self.path)) for p in left)
+
+    def steps_left_out(self, rank: int, tables: tuple[str, ...]) -> list[tuple[int, int]]:
+        """``[first, last]`` step ranges of ``rank`` whose rows of one of ``tables`` were in
+        a skipped part: those steps are incomplete, however whole the other tables are."""
+        whole_run = (-(2**62), 2**62)
+        return [
+            whole_run if s.min_step is None or s.max_step is None else (s.min_step, s.max_step)
+            for s in self.skipped
+            if s.table in tables and s.covers(rank)
+        ]
 
     def size_on_disk(self) -> int:
         return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())

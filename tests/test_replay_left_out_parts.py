@@ -1,0 +1,110 @@
+"""A part that --skip-bad-parts leaves out makes its steps gaps for the replay, not steps with
+no launches, block tables or batch rows, which the oracle would read as corruption."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mgtrace.replayer.steps import REPLAY_TABLES, complete_steps
+from mgtrace.schemas.manifest import MANIFEST_NAME
+from mgtrace.schemas.reader import SkippedPart, TraceReader
+from tests.conftest import assert_one_sentence_error, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _damage(trace: Path, table: str, rank: int) -> str:
+    parts = json.loads((trace / MANIFEST_NAME).read_text())["parts"]
+    rel = next(p["path"] for p in parts if p["table"] == table and p["rank"] == rank)
+    (trace / rel).write_bytes(b"PAR1 garbage")
+    return rel
+
+
+@pytest.fixture(scope="module")
+def buggy_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("left-out") / "buggy"
+    proc = run_cli(
+        "simulate", "--steps", "60", "--bug", "reorder-threshold-mismatch", "-o", str(path)
+    )
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
+@pytest.fixture(scope="module")
+def pp_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("left-out") / "pp2"
+    proc = run_cli(
+        "simulate", "--steps", "60", "--runner", "v2", "--pp", "2", "--seed", "3", "-o", str(path)
+    )
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
+def test_whole_trace_is_the_control(buggy_trace: Path) -> None:
+    proc = run_cli("replay", str(buggy_trace), "--no-save")
+    assert proc.returncode == 1, proc.stderr
+    assert "first at step" in proc.stdout
+
+
+@pytest.mark.parametrize("table", ["launches", "block_tables", "batch_rows", "sched"])
+def test_a_left_out_part_makes_the_replay_inconclusive(
+    buggy_trace: Path, tmp_path: Path, table: str
+) -> None:
+    trace = tmp_path / "t"
+    shutil.copytree(buggy_trace, trace)
+    _damage(trace, table, 0)
+    proc = run_cli("replay", str(trace), "--skip-bad-parts", "--no-save")
+    err = assert_one_sentence_error(proc, 125)
+    assert "lacks rows of step 0" in err and "left out" in err
+    proc = run_cli("replay", str(trace), "--skip-bad-parts", "--no-save", "--jobs", "2")
+    assert "lacks rows of step 0" in assert_one_sentence_error(proc, 125)
+    # across the gap nothing is left to replay: no verdict, rather than "clean" or findings
+    proc = run_cli("replay", str(trace), "--skip-bad-parts", "--allow-gaps", "--no-save")
+    assert "none of the 60 steps" in assert_one_sentence_error(proc, 125)
+    proc = run_cli("bisect", str(trace), "--skip-bad-parts")
+    assert proc.returncode == 125, proc.stdout + proc.stderr
+    assert "left-out steps" in proc.stdout
+
+
+def test_a_left_out_part_of_one_rank_leaves_the_other_rank(pp_trace: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "t"
+    shutil.copytree(pp_trace, trace)
+    _damage(trace, "launches", 1)
+    err = assert_one_sentence_error(run_cli("replay", str(trace), "--skip-bad-parts"), 125)
+    assert "rank 1 of the trace lacks rows of step 0" in err
+    proc = run_cli("replay", str(trace), "--skip-bad-parts", "--allow-gaps", "--json", "--no-save")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["steps"] == 60 and summary["clean"]  # rank 0's steps, all of them
+
+
+class _Reader:
+    """Just what ``complete_steps`` asks of a reader."""
+
+    def __init__(self, skipped: list[SkippedPart]) -> None:
+        self.skipped = skipped
+
+    steps_left_out = TraceReader.steps_left_out
+
+
+def test_left_out_ranges_by_rank_and_table() -> None:
+    steps = np.arange(10)
+    reader = _Reader(
+        [
+            SkippedPart("launches/r000-000001.parquet", "x", "launches", 0, 3, 5),
+            SkippedPart("row_moves/r000-000002.parquet", "x", "row_moves", 0, 7, 8),  # not read
+            SkippedPart("sched/r001-000000.parquet", "x", "sched", 1, None, None),
+        ]
+    )
+    assert "row_moves" not in REPLAY_TABLES
+    kept = complete_steps(reader, 0, steps)  # type: ignore[arg-type]
+    assert steps[~kept].tolist() == [3, 4, 5]
+    assert not complete_steps(reader, 1, steps).any()  # type: ignore[arg-type]
+    assert complete_steps(reader, 2, steps).all()  # type: ignore[arg-type]
+    no_skips = _Reader([])
+    assert complete_steps(no_skips, 0, steps).all()  # type: ignore[arg-type]
