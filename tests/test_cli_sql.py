@@ -32,6 +32,20 @@ def test_csv_json_parquet(sample_trace: Path, tmp_path: Path, capsys) -> None:
     assert pq.read_table(out).column("n").to_pylist() == [16] * 4
 
 
+def test_csv_writes_nested_columns_as_json(sample_trace: Path, capsys) -> None:
+    """CSV has no nested cells: a list, struct or map column goes out as JSON text (pyarrow's
+    CSV writer refused the query, an internal error); flat columns are unchanged."""
+    query = (
+        "SELECT step, [[0, 4], []] AS ids, {'a': 1, 'b': [2]} AS s, "
+        "CAST(NULL AS INTEGER[]) AS none FROM steps ORDER BY step LIMIT 1"
+    )
+    assert main(["sql", str(sample_trace), query, "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ['"step","ids","s","none"', '0,"[[0, 4], []]","{""a"": 1, ""b"": [2]}",']
+    assert main(["sql", str(sample_trace), query, "--format", "json"]) == 0  # the control
+    assert json.loads(capsys.readouterr().out)[0]["ids"] == [[0, 4], []]
+
+
 def test_parquet_needs_output(sample_trace: Path, capsys) -> None:
     assert main(["sql", str(sample_trace), QUERY, "--format", "parquet"]) == 2
     assert "needs -o" in capsys.readouterr().err

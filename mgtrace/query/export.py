@@ -23,8 +23,20 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+def _flat(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
+    """A list, struct or map column as JSON text (CSV has no cell for nested values, e.g.
+    ``sched.new_block_ids``); any other column as it is."""
+    if not pa.types.is_nested(column.type):
+        return column
+    return pa.array(
+        [None if v is None else json.dumps(v, default=_json_default) for v in column.to_pylist()],
+        pa.string(),
+    )
+
+
 def _write_csv(table: pa.Table, fh: IO[bytes]) -> None:
-    pacsv.write_csv(table, fh)
+    columns = [_flat(c) for c in table.columns]
+    pacsv.write_csv(pa.Table.from_arrays(columns, names=table.column_names), fh)
 
 
 def _write_json(table: pa.Table, fh: IO[bytes]) -> None:
