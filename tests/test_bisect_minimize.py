@@ -145,6 +145,13 @@ def test_minimize_long_trace_to_a_small_repro(
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the repro is read by people: no unused import or undefined name in it
+    lint = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "F", result.test_file],
+        capture_output=True,
+        text=True,
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
 def test_minimize_refuses_a_clean_trace(tmp_path: Path) -> None:
