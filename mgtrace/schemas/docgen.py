@@ -27,8 +27,11 @@ part with its row count, byte size and SHA-256. A reader trusts only the manifes
 file is an open part of an interrupted writer and is never read. `complete` is true only
 when the writer closed cleanly.
 
-Readers refuse any `schema_version` other than {SCHEMA_VERSION}. Token ids and prompt text
-are never recorded.
+Readers refuse any `schema_version` other than {SCHEMA_VERSION}, a manifest entry whose value
+does not have its field's type (or a `run` value no engine can have, such as a block size of
+0), and a part that is missing or differs from its manifest entry. With `--skip-bad-parts` they
+read the rest; a replay then treats the steps a left-out part held rows of as gaps
+(inconclusive, exit 125, unless `--allow-gaps`). Token ids and prompt text are never recorded.
 
 Keys marked **key** are the table's natural key and are never null.
 """
