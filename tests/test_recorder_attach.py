@@ -424,6 +424,17 @@ def test_launch_mode_records_from_the_first_step(tmp_path: Path) -> None:
     assert reader.complete
     steps = reader.connect().execute("SELECT min(step), max(step) FROM steps").fetchone()
     assert steps == (0, 2)
+    assert f"recorded steps 0..2 on 1 rank(s) into {out} (complete" in proc.stdout
+
+
+def test_launch_mode_says_when_the_engine_recorded_nothing(tmp_path: Path) -> None:
+    """A command that runs no vLLM engine step leaves no trace: one sentence and exit 2, not
+    a claim that traces are there."""
+    out = tmp_path / "nothing"
+    proc = _record_cli("-o", str(out), "--", PY, "-c", "raise SystemExit(3)")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "exited with status 3 and recorded nothing" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_armed_plugin_arms_when_the_runner_module_is_imported(tmp_path: Path) -> None:

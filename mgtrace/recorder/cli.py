@@ -107,8 +107,36 @@ def record_command(
             live.update(_status_table(targets))
         return _summary(targets)
     code = attach.launch(list(command), output, duration_s=duration, max_steps=max_steps)
-    click.echo(f"engine exited with status {code}; traces under {output}")
+    click.echo(_launch_outcome(output, code))
     return code
+
+
+def _launch_outcome(output: Path, code: int) -> str:
+    """What a launched engine left in ``output``, in words; refuses when it left nothing."""
+    from mgtrace.schemas.reader import TraceReader
+
+    if not output.exists() or not any(output.iterdir()):
+        raise MgtraceError(
+            f"the engine exited with status {code} and recorded nothing into {output}: no "
+            "vLLM engine step ran, or its Python environment lacks mgtrace (the vLLM plugin "
+            "that records is part of it)"
+        )
+    try:
+        reader = TraceReader(output)
+    except MgtraceError as exc:
+        return f"engine exited with status {code}; the trace under {output} is unreadable: {exc}"
+    parts = [p for p in reader.parts if p.table == "steps" and p.min_step is not None]
+    span = (
+        f"steps {min(p.min_step for p in parts)}..{max(p.max_step for p in parts)}"
+        if parts
+        else "no step"
+    )
+    ranks = len({p.rank for p in parts})
+    state = "complete" if reader.complete else "incomplete"
+    return (
+        f"engine exited with status {code}; recorded {span} on {ranks} rank(s) into {output} "
+        f"({state}; mgtrace info {output} says more)"
+    )
 
 
 def import_probe_command(probe: Path, burst: Path | None, output: Path, force: bool) -> int:
