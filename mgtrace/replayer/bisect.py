@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, EXIT_INCONCLUSIVE, MgtraceError
+from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.divergence import first_divergence
 from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, FOREIGN_STATE, Finding
 from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
-from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.rules import RuleSet, single_changes
 from mgtrace.replayer.steps import RankTrace, ranks_of
 from mgtrace.schemas.reader import TraceReader
@@ -152,8 +152,14 @@ class Bisector:
         self.backend = load_backend(backend, device)
         self.horizon = horizon
         self.every = every
-        self.ids = RequestIds()
+        # a minimized repro starts from the replay state its earlier steps left
+        self.ids, self.start = ckpt.request_ids_for(self.reader)
         self.traces = {r: RankTrace(self.reader, r, self.ids) for r in ranks_of(self.reader)}
+
+    def _replay(self, trace: RankTrace, rules: RuleSet) -> tuple[RankReplay, int]:
+        """A replay of one rank under ``rules``, at the trace's start, and its first step."""
+        rep = RankReplay(trace, rules, self.backend, device=self.device)
+        return rep, ckpt.start_from(rep, self.start)
 
     def run(self) -> Verdict:
         t0 = time.perf_counter()
@@ -169,11 +175,13 @@ class Bisector:
         firsts: dict[int, int] = {}
         replays: dict[int, RankReplay] = {}
         for rank, trace in self.traces.items():
-            rep = RankReplay(trace, self.base, self.backend, device=self.device)
+            rep, start = self._replay(trace, self.base)
             cps: dict[int, Checkpoint] = {}
             # A later rank only matters if it goes bad before the earliest finding so far.
             until = min(firsts.values()) - 1 if firsts else None
-            last = rep.run(until=until, stop_on_finding=True, checkpoints=cps, every=self.every)
+            last = rep.run(
+                start=start, until=until, stop_on_finding=True, checkpoints=cps, every=self.every
+            )
             done = int(np.count_nonzero(trace.step_numbers <= last))
             v.steps_replayed += done
             first = rep.oracle.findings[0].step if rep.oracle.findings else None
@@ -255,10 +263,10 @@ class Bisector:
         start = first_divergence(trace, rules, until=first)
         if start is None:
             return Probe(rules.canonical(), trace.rank, first, first, first, False, "no effect")
-        rep = RankReplay(trace, rules, self.backend, device=self.device)
+        rep, begin = self._replay(trace, rules)
         usable = [s for s in cps if s <= start]
-        begin = max(usable) if usable else 0
         if usable:
+            begin = max(usable)
             rep.restore(cps[begin])
         last = rep.run(start=begin, until=end, stop_on_finding=True)
         found = rep.oracle.findings[0].step if rep.oracle.findings else None

@@ -19,6 +19,7 @@ import numpy as np
 from mgtrace import __version__
 from mgtrace.atomic import atomic_write
 from mgtrace.replayer.loop import Checkpoint, RankReplay
+from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.view import row_view
 from mgtrace.schemas.reader import TraceReader
 
@@ -105,6 +106,25 @@ def start_state(reader: object) -> StartState | None:
     return StartState(list(info["request_ids"]), checkpoints)
 
 
+def request_ids_for(reader: object) -> tuple[RequestIds, StartState | None]:
+    """Request uids for the ranks of ``reader``, numbered as its start state's tags were
+    written (when the trace carries one), and that start state."""
+    ids = RequestIds()
+    seed = start_state(reader)
+    if seed is not None:
+        ids.preload(seed.request_ids)
+    return ids, seed
+
+
+def start_from(rep: RankReplay, seed: StartState | None) -> int:
+    """Put a fresh replay at the start state its trace carries (a minimized repro starts
+    mid-run); return the first step to replay (0 either way)."""
+    rank = rep.trace.rank
+    if seed is not None and rank in seed.checkpoints:
+        return restore(rep, seed.checkpoints[rank]) + 1
+    return 0
+
+
 def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
     """Load a checkpoint (a file, or one held in memory) into ``rep``; return its last step."""
     if isinstance(path, Checkpoint):
@@ -130,7 +150,8 @@ def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
     rep.restore(cp)
     trace = rep.trace
     for s in range(cp.step - rep.keep_views + 1, cp.step + 1):
-        if s >= 0:
+        # a repro's start state may leave deferred batches before step 0 (at negative steps)
+        if s >= 0 or trace.batch(s).num_rows:
             rep.views[s] = row_view(
                 trace.batch(s),
                 rep.rules,

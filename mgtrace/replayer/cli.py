@@ -407,9 +407,10 @@ def minimize_cmd(
         return EXIT_CLEAN
     out = stdout_console()
     out.print(
-        f"minimized {trace}: {result.original_steps} steps and {result.original_requests} "
-        f"requests -> {result.steps} steps and {len(result.requests)} requests "
-        f"({', '.join(result.requests)}), {result.table_updates} block-table changes",
+        f"minimized {trace}: {_count(result.original_steps, 'step')} and "
+        f"{_count(result.original_requests, 'request')} -> {_count(result.steps, 'step')} and "
+        f"{_count(len(result.requests), 'request')} ({', '.join(result.requests)}), "
+        f"{_count(result.table_updates, 'block-table change')}",
         highlight=False,
     )
     out.print(f"pinned finding: {result.signature} at step {result.first_step}", highlight=False)
@@ -417,3 +418,7 @@ def minimize_cmd(
     out.print(f"wrote {result.output} and {result.test_file}", highlight=False)
     out.print(f"next: python -m pytest {result.test_file}", highlight=False)
     return EXIT_CLEAN
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -4,8 +4,10 @@ Two traces are compared on their recorded inputs: per table, an order-independen
 each (rank, step)'s rows; the first step whose hashes differ, and in which tables.
 
 Two rule sets on one trace are compared on their effects: both replays run in lockstep and
-the first step after which their shadow states differ is reported, with the blocks that
-differ and what each side's oracle said at that step.
+the first step after which their shadow states differ, or their oracles disagree, is reported,
+with the blocks that differ and what each side's oracle said at that step. A rule can change
+only what a request reads (the accepted count a decode picks its window column by) and leave
+every block as the other side has it: the oracles tell those apart.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.loop import RankReplay, load_backend
-from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import RankTrace, ranks_of
 from mgtrace.schemas.reader import TraceReader
@@ -97,42 +99,53 @@ class RulesDiff:
                 f"{a.canonical()} and {b.canonical()} leave identical shadow state at every "
                 f"one of {self.steps} steps"
             )
+        where = f"{a.canonical()} and {b.canonical()} first diverge at step {self.first_step} "
+        if not self.blocks:
+            return where + f"(rank {self.rank}): the same state, read differently"
         shown = ", ".join(str(x) for x in self.blocks[:8])
-        return (
-            f"{a.canonical()} and {b.canonical()} first diverge at step {self.first_step} "
-            f"(rank {self.rank}): blocks {shown} hold different state"
-        )
+        return where + f"(rank {self.rank}): blocks {shown} hold different state"
 
 
 def diff_rules(
     reader: TraceReader, a: RuleSet, b: RuleSet, *, backend: str = "reference", device: str = "cpu"
 ) -> RulesDiff:
     run = load_backend(backend, device)
-    ids = RequestIds()
+    ids, seed = ckpt.request_ids_for(reader)
     out = RulesDiff(None, None)
     for rank in ranks_of(reader):
         trace = RankTrace(reader, rank, ids)
         ra = RankReplay(trace, a, run, device=device)
         rb = RankReplay(trace, b, run, device=device)
+        ckpt.start_from(ra, seed)
+        ckpt.start_from(rb, seed)
         for step in trace:
             if out.first_step is not None and step >= out.first_step:
                 break
+            seen_a, seen_b = len(ra.oracle.findings), len(rb.oracle.findings)
             ra.step(step)
             rb.step(step)
             out.steps += 1
+            said_a = [_brief(f) for f in ra.oracle.findings[seen_a:]]
+            said_b = [_brief(f) for f in rb.oracle.findings[seen_b:]]
             pa, pb = ra.pool.snapshot(), rb.pool.snapshot()
-            if np.array_equal(pa, pb):
+            same_state = np.array_equal(pa, pb)
+            if same_state and _said(said_a) == _said(said_b):
                 continue
-            page = ra.pool.pool.page_bytes
-            size = ra.pool.pool.num_blocks * page
-            differs = (pa[:size] != pb[:size]).reshape(-1, page).any(axis=1)
             out.first_step, out.rank = step, rank
-            out.blocks = np.flatnonzero(differs).tolist()
-            out.findings_a = [_brief(f) for f in ra.oracle.findings if f.step == step]
-            out.findings_b = [_brief(f) for f in rb.oracle.findings if f.step == step]
+            if not same_state:
+                page = ra.pool.pool.page_bytes
+                size = ra.pool.pool.num_blocks * page
+                differs = (pa[:size] != pb[:size]).reshape(-1, page).any(axis=1)
+                out.blocks = np.flatnonzero(differs).tolist()
+            out.findings_a, out.findings_b = said_a, said_b
             break
     return out
 
 
 def _brief(f: Any) -> dict[str, Any]:
-    return {"kind": f.kind, "req_id": f.req_id, "detail": f.detail}
+    return {"kind": f.kind, "req_id": f.req_id, "detail": f.detail, "signature": f.signature}
+
+
+def _said(findings: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    """What an oracle said at a step, as comparable facts: which request, which signature."""
+    return {(f["req_id"], f["signature"]) for f in findings}

@@ -28,7 +28,7 @@ from mgtrace.replayer.findings import MALFORMED, Finding
 from mgtrace.replayer.mirror import MirroredKernels
 from mgtrace.replayer.oracle import READ_KINDS, Oracle, StateRead
 from mgtrace.replayer.ownership import BlockOwnership
-from mgtrace.replayer.requests import DUMMY_REQUEST, RequestIds
+from mgtrace.replayer.requests import DUMMY_REQUEST
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.replayer.steps import RankTrace, ranks_of
 from mgtrace.replayer.tables import OutOfPool, TableStore
@@ -618,7 +618,7 @@ def replay_trace(
     from mgtrace.replayer import checkpoint as ckpt
 
     rules = rules or RuleSet()
-    seed = ckpt.start_state(reader)
+    ids, seed = ckpt.request_ids_for(reader)
     if jobs > 1:
         if backend != "reference" or checkpoint_every or seed is not None:
             raise UsageError(
@@ -629,9 +629,6 @@ def replay_trace(
             reader, rules, jobs, layout, from_step, to_step, allow_gaps, progress
         )
     run_backend = load_backend(backend, device)
-    ids = RequestIds()
-    if seed is not None:
-        ids.preload(seed.request_ids)  # the uids the start state's tags were written with
     findings: list[Finding] = []
     repeats = 0
     steps_done = 0
@@ -643,8 +640,7 @@ def replay_trace(
         rep = RankReplay(
             trace, rules, run_backend, layout, device, defer_reads=defer_reads, mirror=mirror
         )
-        if seed is not None and rank in seed.checkpoints:
-            ckpt.restore(rep, seed.checkpoints[rank])
+        ckpt.start_from(rep, seed)
         cache = None
         if (from_step or checkpoint_every) and hasattr(reader, "path"):
             cache = ckpt.cache_dir(reader, rules.canonical(), layout)

@@ -32,7 +32,6 @@ from mgtrace.kernels.reference import run_reference
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
 from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
-from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import RankTrace, ranks_of
 from mgtrace.schemas.manifest import Manifest, save_manifest
@@ -254,33 +253,36 @@ def _carry_forward(tab: pa.Table, mapping: dict[int, dict[int, int]]) -> pa.Tabl
     return tab.filter(pa.array(keep))
 
 
-def trim_prefix(trace: MemoryTrace, first: int, rules: RuleSet) -> MemoryTrace | None:
+def trim_prefix(trace: MemoryTrace, first: int, rules: RuleSet) -> MemoryTrace:
     """The trace from step ``first`` on, renumbered from 0, starting from the replay state
-    the earlier steps left (a checkpoint per rank). None when a kept launch still needs a
-    batch from before ``first`` (a pipeline-deferred post-process)."""
+    the earlier steps left (a checkpoint per rank). A post-process that pipeline parallelism
+    deferred past the cut still needs its batch: those batches' rows stay, at negative steps
+    (the state before step 0 holds their views, and a restore rebuilds them from the rows)."""
     launches = trace.tables_["launches"]
+    oldest = first
     if launches.num_rows:
         late = launches.filter(pc.greater_equal(launches.column("step"), first))
         batch_steps = pc.drop_null(late.column("batch_step"))
-        if len(batch_steps) and pc.min(batch_steps).as_py() < first:
-            return None
-    ids = RequestIds()
-    seed = ckpt.start_state(trace)
-    if seed is not None:
-        ids.preload(seed.request_ids)
+        if len(batch_steps):
+            oldest = min(oldest, pc.min(batch_steps).as_py())
+    ids, seed = ckpt.request_ids_for(trace)
     states: dict[int, Path | Checkpoint] = {}
     for rank in ranks_of(trace):  # type: ignore[arg-type]
         rep = RankReplay(RankTrace(trace, rank, ids), rules, run_reference)  # type: ignore[arg-type]
-        if seed is not None and rank in seed.checkpoints:
-            ckpt.restore(rep, seed.checkpoints[rank])
-        rep.run(until=first - 1)
+        rep.run(start=ckpt.start_from(rep, seed), until=first - 1)
         cp = rep.checkpoint(-1)
-        cp.views, cp.findings = {}, 0
+        cp.findings = 0
+        cp.views = {
+            s - first: replace(view, step=s - first)
+            for s, view in cp.views.items()
+            if oldest <= s < first
+        }
         states[rank] = cp
     out = {}
     for name, tab in trace.tables_.items():
         if TABLES[name].per_step and tab.num_rows:
-            tab = tab.filter(pc.greater_equal(tab.column("step"), first))
+            keep_from = oldest if name == "batch_rows" else first
+            tab = tab.filter(pc.greater_equal(tab.column("step"), keep_from))
             for col in ("step", "batch_step", "bt_step", "postprocess_step"):
                 if col in tab.column_names:
                     idx = tab.column_names.index(col)
@@ -399,7 +401,7 @@ def minimize(
     first = outcome(current, rules).first_step
     if first is not None and first > PREFIX_WINDOW:
         trimmed = trim_prefix(current, first - PREFIX_WINDOW, rules)
-        if trimmed is not None and bad(trimmed):
+        if bad(trimmed):
             current = trimmed
             history.append({"pass": "prefix", "starts_after_step": first - PREFIX_WINDOW - 1})
     final = outcome(current, rules)
@@ -409,7 +411,7 @@ def minimize(
     return MinimizeResult(
         signature=pin,
         first_step=int(final.first_step),
-        original_steps=reader.rows("steps"),
+        original_steps=_num_steps(full),
         original_requests=len(set(full.tables_["batch_rows"].column("req_id").to_pylist())),
         steps=_num_steps(current),
         requests=sorted(set(current.tables_["batch_rows"].column("req_id").to_pylist())),

@@ -115,5 +115,23 @@ class TableStore:
         return {k: [t.copy() for t in ts] for k, ts in self.tables.items()}
 
     def restore(self, snap: dict[str, list[np.ndarray]]) -> None:
+        """Take the snapshot's tables. A snapshot of the same engine taken over another
+        trace (a repro's start state, cut from the whole run) can be larger than this trace
+        needs: every table grows to hold both, zero-filled."""
+        shapes = [t.shape for ts in snap.values() for t in ts]
+        rows = max([self.rows, *(r for r, _ in shapes)])
+        width = max([self.width, *(w for _, w in shapes)])
+        if (rows, width) != (self.rows, self.width):
+            self.rows, self.width = rows, width
+            for kind, tables in list(self.tables.items()):
+                self._set(kind, [_padded(t, rows, width) for t in tables])
         for kind, tables in snap.items():
-            self._set(kind, tables)
+            self._set(kind, [_padded(t, rows, width) for t in tables])
+
+
+def _padded(table: np.ndarray, rows: int, width: int) -> np.ndarray:
+    if table.shape == (rows, width):
+        return table
+    out = np.zeros((rows, width), dtype=np.int32)
+    out[: table.shape[0], : table.shape[1]] = table
+    return out
