@@ -7,7 +7,7 @@ must report the earliest injected step first, naming the injected requests when 
 runs; the rules that undo the toggles must replay clean; a run without toggles must replay
 clean. The tests run a few seeded cases; longer sweeps run from the command line:
 
-    python -m tests.acceptance_fuzz --runs 400 --seed 1 [--keep DIR]
+    python -m tests.acceptance_fuzz --runs 400 --seed 1 [--keep DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import random
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -99,20 +100,43 @@ def check(case: Case, out: Path) -> list[str] | None:
     return problems
 
 
+def summary(records: list[dict], command: str) -> dict:
+    """The sweep in one object: runs, disagreements, simulated steps, shapes drawn."""
+    shapes: Counter[str] = Counter()
+    for r in records:
+        case = r["case"]
+        engine = case["engine"]
+        shapes["+".join(case["bugs"]) or f"clean-{engine['runner']}-pp{engine.get('pp', 1)}"] += 1
+    return {
+        "check": "randomised acceptance against the simulator's ground truth "
+        "(tests/acceptance_fuzz.py)",
+        "command": command,
+        "runs": len(records),
+        "disagree": sum(bool(r["problems"]) for r in records),
+        "refused_by_simulator": sum(r["problems"] is None for r in records),
+        "steps_total": sum(r["case"]["steps"] for r in records if r["problems"] is not None),
+        "shapes": dict(shapes.most_common()),
+        "disagreements": [r for r in records if r["problems"]],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", type=Path, help="Keep the traces of failing runs here.")
+    ap.add_argument("--out", type=Path, help="Write the sweep's summary here as JSON.")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     failed = refused = 0
+    records = []
     with tempfile.TemporaryDirectory(prefix="mgtrace-fuzz-") as tmp:
         for i in range(args.runs):
             case = random_case(rng)
             out = Path(tmp) / f"run-{i}"
             problems = check(case, out)
-            print(json.dumps({"run": i, "case": asdict(case), "problems": problems}), flush=True)
+            records.append({"run": i, "case": asdict(case), "problems": problems})
+            print(json.dumps(records[-1]), flush=True)
             refused += problems is None
             if problems:
                 failed += 1
@@ -124,6 +148,9 @@ def main() -> int:
         f"({refused} shapes refused by the simulator, not checked)",
         file=sys.stderr,
     )
+    if args.out is not None:
+        command = " ".join(["python -m tests.acceptance_fuzz", *sys.argv[1:]])
+        args.out.write_text(json.dumps(summary(records, command), indent=1) + "\n")
     return 1 if failed else 0
 
 
