@@ -137,6 +137,8 @@ def test_minimize_long_trace_to_a_small_repro(
     assert result.steps <= 50 and len(result.requests) <= 4
     again = replay_trace(TraceReader(out), RuleSet())
     assert pinned in {f.signature for f in again.findings if f.step == again.first_step}
+    kept = TraceReader(out).table("requests").column("req_id").to_pylist()
+    assert sorted(kept) == result.requests  # no request the repro does not hold
     if bug == "batch-row-block-table":  # the deferred post-process no longer holds the cut
         assert any(h["pass"] == "prefix" for h in result.history), result.history
     # bisect and diff start the repro from its start state, as replay does: the same first

@@ -146,3 +146,11 @@ def test_a_directory_without_any_trace_is_still_refused(tmp_path: Path) -> None:
     (tmp_path / "rank-000").mkdir()  # no manifest inside: not a rank trace
     with pytest.raises(ManifestError, match="not an mgtrace trace"):
         TraceReader(tmp_path)
+
+
+def test_info_counts_engine_steps_not_step_rows_of_every_rank(whole: Path) -> None:
+    from mgtrace.query.info import trace_info
+
+    info = trace_info(TraceReader(whole))
+    assert info["ranks"] == 2 and (info["first_step"], info["last_step"]) == (0, 159)
+    assert info["steps"] == 160 and info["rows"]["steps"] == 320  # one row per rank and step

@@ -13,7 +13,7 @@ def trace_info(reader: TraceReader) -> dict[str, Any]:
     """Run metadata, sizes, completeness and drops of a trace, JSON-serialisable."""
     con = reader.connect()
     steps, ranks, first_step, last_step = con.execute(
-        "SELECT count(*), count(DISTINCT rank), min(step), max(step) FROM steps"
+        "SELECT count(DISTINCT step), count(DISTINCT rank), min(step), max(step) FROM steps"
     ).fetchone()
     requests = reader.rows("requests")
     if not requests:

@@ -85,11 +85,20 @@ def outcome(trace: MemoryTrace, rules: RuleSet) -> Outcome:
 
 # ------------------------------------------------------------------ reductions
 def truncate(trace: MemoryTrace, last_step: int) -> MemoryTrace:
+    """The steps up to ``last_step``, and only the requests that appear in them."""
     out = {}
     for name, t in trace.tables_.items():
         if TABLES[name].per_step and t.num_rows:
             t = t.filter(pc.less_equal(t.column("step"), last_step))
         out[name] = t
+    seen = pc.unique(
+        pa.chunked_array(
+            [*out["batch_rows"].column("req_id").chunks, *out["sched"].column("req_id").chunks],
+            pa.string(),
+        )
+    )
+    requests = out["requests"]
+    out["requests"] = requests.filter(pc.is_in(requests.column("req_id"), value_set=seen))
     return MemoryTrace(trace.manifest, out, trace.start_state)
 
 
