@@ -147,6 +147,10 @@ def test_minimize_long_trace_to_a_small_repro(
     assert verdict.first_step == again.first_step and TOGGLES[bug][1] in verdict.fixes
     d = diff_rules(TraceReader(out), RuleSet(), RuleSet.parse(TOGGLES[bug][1]))
     assert d.first_step == again.first_step
+    # a repro minimizes to itself: its start state is read, and written again
+    twice = minimize(out, tmp_path / "twice")
+    assert (twice.signature, twice.first_step) == (pinned, result.first_step)
+    assert twice.steps <= result.steps
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", result.test_file],
         capture_output=True,

@@ -66,9 +66,10 @@ class MemoryTrace:
 
 
 def load_memory(reader: TraceReader) -> MemoryTrace:
+    """The trace's tables in memory, and its start state when it has one (a repro)."""
     tables = {name: reader.table(name) for name in TABLES if name != "findings"}
     tables["findings"] = TABLES["findings"].schema.empty_table()
-    return MemoryTrace(reader.manifest, tables)
+    return MemoryTrace(reader.manifest, tables, ckpt.start_state(reader))
 
 
 @dataclass
@@ -185,16 +186,32 @@ def _unreferenced_table_rows(trace: MemoryTrace) -> np.ndarray:
     return np.flatnonzero(~np.isin(rows, list(used)))
 
 
+def _without_unused_rows(trace: MemoryTrace, bad: Callable[[MemoryTrace], bool]) -> MemoryTrace:
+    """``trace`` without the block-table changes nothing indexes, if it stays bad so."""
+    unused = _unreferenced_table_rows(trace)
+    if len(unused):
+        trimmed = without_table_updates(trace, unused)
+        if bad(trimmed):
+            return trimmed
+    return trace
+
+
 def compact_steps(trace: MemoryTrace) -> MemoryTrace:
-    """Drop steps that hold no batch rows, launches or scheduler rows; renumber the rest."""
+    """Drop steps that hold no batch rows, launches or scheduler rows; renumber the rest.
+    Rows at negative steps (batches a repro's start state still owes a deferred post-process)
+    stay as they are."""
     t = trace.tables_
     used: set[tuple[int, int]] = set()
     launches = t["launches"]
     live = launches.filter(pc.greater_equal(pc.fill_null(launches.column("req_slot"), -1), 0))
     for tab in (t["batch_rows"], live, t["sched"]):
-        used |= set(
-            zip(tab.column("rank").to_pylist(), tab.column("step").to_pylist(), strict=True)
-        )
+        used |= {
+            (r, s)
+            for r, s in zip(
+                tab.column("rank").to_pylist(), tab.column("step").to_pylist(), strict=True
+            )
+            if s >= 0
+        }
     ranks = sorted({r for r, _ in used}) or [0]
     mapping: dict[int, dict[int, int]] = {}
     for rank in ranks:
@@ -213,7 +230,10 @@ def compact_steps(trace: MemoryTrace) -> MemoryTrace:
             ranks_col = tab.column("rank").to_pylist()
             steps_col = tab.column("step").to_pylist()
             keep = np.array(
-                [s in mapping.get(r, {}) for r, s in zip(ranks_col, steps_col, strict=True)],
+                [
+                    s < 0 or s in mapping.get(r, {})
+                    for r, s in zip(ranks_col, steps_col, strict=True)
+                ],
                 dtype=bool,
             )
             tab = tab.filter(pa.array(keep))
@@ -226,8 +246,8 @@ def compact_steps(trace: MemoryTrace) -> MemoryTrace:
 def _map_steps(ranks: list[int], values: list[int | None], mapping, *, forward: bool) -> list:
     res = []
     for r, v in zip(ranks, values, strict=True):
-        if v is None:
-            res.append(None)
+        if v is None or v < 0:  # before the start state: never renumbered
+            res.append(v)
             continue
         m = mapping.get(r, {})
         if v in m:
@@ -400,11 +420,7 @@ def minimize(
     if bad(compacted):
         current = compacted
     history.append({"pass": "steps", "steps": _num_steps(current)})
-    unused = _unreferenced_table_rows(current)
-    if len(unused):
-        trimmed = without_table_updates(current, unused)
-        if bad(trimmed):
-            current = trimmed
+    current = _without_unused_rows(current, bad)
     history.append({"pass": "rows", "table_updates": current.tables_["block_tables"].num_rows})
     # Start shortly before the finding, from the replay state the earlier steps leave.
     first = outcome(current, rules).first_step
@@ -413,6 +429,11 @@ def minimize(
         if bad(trimmed):
             current = trimmed
             history.append({"pass": "prefix", "starts_after_step": first - PREFIX_WINDOW - 1})
+            # the launches cut with the prefix indexed rows the rest does not
+            current = _without_unused_rows(current, bad)
+            history.append(
+                {"pass": "rows", "table_updates": current.tables_["block_tables"].num_rows}
+            )
     final = outcome(current, rules)
     test_file = write_minimized(
         current, output, full.manifest, trace_path, pin, final.first_step, rules, force=force
@@ -475,6 +496,9 @@ def write_trace(trace: MemoryTrace, output: Path, manifest: Manifest) -> None:
         for rank, cp in trace.start_state.checkpoints.items():
             if isinstance(cp, Checkpoint):
                 ckpt.save(tmp / START_STATE_DIR, rank, cp)
+            else:  # the start state of the trace this one was cut from, as it was
+                (tmp / START_STATE_DIR).mkdir(exist_ok=True)
+                shutil.copyfile(cp, tmp / START_STATE_DIR / Path(cp).name)
         m.source = {
             **m.source,
             "start_state": {
