@@ -493,3 +493,36 @@ def test_stop_waits_for_a_close_the_engine_thread_began(monkeypatch: pytest.Monk
     result = agent.stop()
     engine.join(10)
     assert result["state"] == "idle" and result["complete"] is True
+
+
+def test_recorded_run_metadata_is_always_readable() -> None:
+    """Whatever odd values an engine's config holds, the manifest the recorder writes passes
+    its own reader's checks: unknowns become null, a path-like model name a string."""
+    from dataclasses import asdict
+    from pathlib import PurePosixPath
+    from types import SimpleNamespace
+
+    import pytest
+
+    from mgtrace.errors import ManifestError
+    from mgtrace.recorder.runinfo import run_metadata
+    from mgtrace.schemas.manifest import Manifest, RunMetadata
+
+    runner = SimpleNamespace(
+        model_config=SimpleNamespace(model=PurePosixPath("/models/hybrid")),
+        vllm_config=SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_seqs=0, max_num_batched_tokens="8k")
+        ),
+        kv_cache_config=SimpleNamespace(num_blocks=0, kv_cache_groups=[]),
+        reorder_batch_threshold=True,
+    )
+
+    def read_back(run: RunMetadata) -> RunMetadata:
+        return Manifest.from_dict(asdict(Manifest(run=run))).run
+
+    run = read_back(run_metadata(runner, "v1", [0], None))
+    assert run.model == "/models/hybrid"
+    assert (run.max_num_seqs, run.max_num_batched_tokens, run.num_blocks) == (None, None, None)
+    assert run.runner_reorder_threshold is None
+    with pytest.raises(ManifestError, match="num_blocks must be at least 1"):
+        read_back(RunMetadata(num_blocks=0))  # the control: the raw value is refused

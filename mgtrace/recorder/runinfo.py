@@ -20,6 +20,24 @@ def _get(obj: Any, path: str, default: Any = None) -> Any:
     return obj
 
 
+def _count(value: Any) -> int | None:
+    """A positive integer setting as an int; None for anything else (unknown), so that the
+    manifest holds only what its reader accepts."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return None
+    return n if n > 0 and n == value and not isinstance(value, bool) else None
+
+
+def _whole(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 def mamba_group_ids(runner: Any) -> list[int]:
     """KV-cache group ids of the Mamba groups, in the order the align kernels use."""
     try:
@@ -36,7 +54,7 @@ def builder_thresholds(runner: Any) -> dict[str, int | None]:
     try:
         for group in runner._attn_group_iterator():
             builder = group.get_metadata_builder()
-            out[type(builder).__name__] = getattr(builder, "reorder_batch_threshold", None)
+            out[type(builder).__name__] = _whole(getattr(builder, "reorder_batch_threshold", None))
     except Exception:
         pass
     return out
@@ -109,18 +127,20 @@ def run_metadata(runner: Any, kind: str, groups: list[int], row_rule: str | None
     return RunMetadata(
         runner=kind,
         vllm_version=version,
-        model=_get(runner, "model_config.model"),
+        model=_text(_get(runner, "model_config.model")),
         num_speculative_tokens=int(spec_k),
         mamba_block_size=int(_get(runner, "cache_config.mamba_block_size", 16) or 16),
         mamba_cache_mode=str(_get(runner, "cache_config.mamba_cache_mode", "align")),
         async_scheduling=bool(async_sched),
         tp_size=int(_get(runner, "vllm_config.parallel_config.tensor_parallel_size", 1) or 1),
         pp_size=int(_get(runner, "vllm_config.parallel_config.pipeline_parallel_size", 1) or 1),
-        max_num_seqs=_get(runner, "vllm_config.scheduler_config.max_num_seqs"),
-        max_num_batched_tokens=_get(runner, "vllm_config.scheduler_config.max_num_batched_tokens"),
-        num_blocks=_get(runner, "kv_cache_config.num_blocks"),
+        max_num_seqs=_count(_get(runner, "vllm_config.scheduler_config.max_num_seqs")),
+        max_num_batched_tokens=_count(
+            _get(runner, "vllm_config.scheduler_config.max_num_batched_tokens")
+        ),
+        num_blocks=_count(_get(runner, "kv_cache_config.num_blocks")),
         num_mamba_groups=max(1, len(groups)),
-        runner_reorder_threshold=getattr(runner, "reorder_batch_threshold", None),
+        runner_reorder_threshold=_whole(getattr(runner, "reorder_batch_threshold", None)),
         builder_reorder_thresholds=builder_thresholds(runner),
         row_rule=row_rule,
         states=state_layout(runner, groups),
