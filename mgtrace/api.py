@@ -93,11 +93,13 @@ class Trace:
         from_step: int | None = None,
         to_step: int | None = None,
         save: bool = False,
+        allow_gaps: bool = False,
         **rule_values: Any,
     ) -> ReplayResult:
         """Replay under ``rules`` (keyword rules such as ``reorder_threshold="1+k"`` too).
 
-        With ``save=True`` the findings are added to the trace's ``findings`` table.
+        With ``save=True`` the findings are added to the trace's ``findings`` table; with
+        ``allow_gaps=True`` the replay crosses dropped or left-out steps (it may mislead).
         """
         from mgtrace.replayer.cli import replay_id_for
         from mgtrace.replayer.findings import save_findings
@@ -112,6 +114,7 @@ class Trace:
             layout=layout,
             from_step=from_step,
             to_step=to_step,
+            allow_gaps=allow_gaps,
         )
         if save:
             save_findings(
@@ -141,6 +144,7 @@ class Trace:
             horizon=horizon,
             backend=backend,
             device=device,
+            skip_bad_parts=self._skip_bad_parts,
         )
 
     def minimize(

@@ -17,6 +17,7 @@ from typing import Any
 from mgtrace import __version__
 from mgtrace.api import Trace
 from mgtrace.atomic import atomic_write
+from mgtrace.errors import InconclusiveError
 from mgtrace.query import canned, plots
 
 STYLE = """
@@ -29,6 +30,7 @@ th { background: #f4f4f4; }
 .bad { background: #fde8e8; border: 1px solid #e0a0a0; }
 .clean { background: #e8f6e8; border: 1px solid #a0d0a0; }
 .inconclusive { background: #fff6dc; border: 1px solid #e0c870; }
+.warn { background: #fff6dc; padding: 0.4em 0.8em; }
 code { background: #f4f4f4; padding: 1px 4px; }
 img { max-width: 100%; }
 """
@@ -52,11 +54,12 @@ def _img(fig: Any, alt: str) -> str:
 
 def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -> str:
     """The report's HTML. Replays the trace as recorded (without saving) for its findings."""
-    from mgtrace.replayer.bisect import bisect as run_bisect
-
     info = trace.info()
-    result = trace.replay()
-    verdict = run_bisect(trace.path) if bisect else None
+    try:
+        result, crossed = trace.replay(), False
+    except InconclusiveError:  # gaps: the findings still show, under a warning
+        result, crossed = trace.replay(allow_gaps=True), True
+    verdict = trace.bisect() if bisect else None
     run = info["run"]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
@@ -104,6 +107,11 @@ def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -
         _img(plots.accepted_distribution(trace), "accepted-count distribution"),
     ]
     parts.append("<h2>Findings (replay as recorded)</h2>")
+    if crossed:
+        parts.append(
+            "<p class='warn'>The trace has dropped or left-out steps; this replay crossed "
+            "them, and what it found after the first gap may mislead.</p>"
+        )
     counts: dict[str, set[str]] = {}
     for f in result.findings:
         counts.setdefault(f.kind, set()).add(f.req_id)

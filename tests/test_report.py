@@ -87,3 +87,21 @@ def test_report_renders_in_headless_chromium(report: Path, tmp_path: Path) -> No
 def test_report_refuses_to_overwrite(report: Path) -> None:
     proc = run_cli("report", str(report.parent / "run"), "-o", str(report), "--no-bisect")
     assert "already exists" in assert_one_sentence_error(proc, 2)
+
+
+def test_report_of_a_trace_with_a_left_out_part(report: Path, tmp_path: Path) -> None:
+    """Gaps make the verdict inconclusive, not the report impossible: it still shows what a
+    replay across them finds, under a warning. (It used to stop at the replay's refusal.)"""
+    import json
+
+    trace = tmp_path / "run"
+    shutil.copytree(report.parent / "run", trace)
+    parts = json.loads((trace / "manifest.json").read_text())["parts"]
+    rel = next(p["path"] for p in parts if p["table"] == "block_tables")
+    (trace / rel).write_bytes(b"PAR1 garbage")
+    out = tmp_path / "gapped.html"
+    proc = run_cli("report", str(trace), "--skip-bad-parts", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "class='verdict inconclusive'" in text and "class='warn'" in text
+    assert "class='warn'" not in report.read_text()  # the control: a whole trace, no warning
