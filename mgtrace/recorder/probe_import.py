@@ -356,7 +356,8 @@ def import_probe(
     if not imp.steps and not requests:
         raise UsageError(
             f"{probe} holds no probe events mgtrace can import "
-            f"({imp.report.malformed_total} malformed lines)"
+            f"({imp.report.malformed_total} malformed line"
+            f"{'' if imp.report.malformed_total == 1 else 's'})"
         )
     start = imp.start or {}
     run = RunMetadata(
