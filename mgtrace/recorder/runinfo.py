@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from mgtrace.schemas.manifest import RunMetadata, StateLayout
@@ -20,18 +21,21 @@ def _get(obj: Any, path: str, default: Any = None) -> Any:
     return obj
 
 
-def _count(value: Any) -> int | None:
-    """A positive integer setting as an int; None for anything else (unknown), so that the
-    manifest holds only what its reader accepts."""
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        return None
-    return n if n > 0 and n == value and not isinstance(value, bool) else None
-
-
 def _whole(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """An integer setting as an int; None for anything else (unknown), so that the manifest
+    holds only what its reader accepts."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _count(value: Any) -> int | None:
+    """``_whole``, and positive."""
+    n = _whole(value)
+    return n if n is not None and n > 0 else None
 
 
 def _text(value: Any) -> str | None:

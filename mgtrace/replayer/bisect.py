@@ -29,7 +29,7 @@ from mgtrace.replayer.divergence import first_divergence
 from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, FOREIGN_STATE, Finding
 from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
 from mgtrace.replayer.rules import RuleSet, single_changes
-from mgtrace.replayer.steps import RankTrace, ranks_of
+from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of
 from mgtrace.schemas.reader import TraceReader
 
 LOG_FORMAT = "mgtrace-bisect"
@@ -121,15 +121,8 @@ def _finding_dict(f: Finding) -> dict[str, Any]:
 
 def _gaps(trace: RankTrace) -> int | None:
     """The first step missing from the trace, or one a left-out part held rows of."""
-    steps = trace.step_numbers
-    left_out = trace.first_left_out
-    if not len(steps):
-        return left_out
-    if steps[0] != 0:
-        return 0
-    jumps = np.flatnonzero(np.diff(steps) != 1)
-    gap = int(steps[jumps[0]]) + 1 if len(jumps) else None
-    return gap if left_out is None else min(left_out, gap if gap is not None else left_out)
+    found = (first_gap(trace.step_numbers), trace.first_left_out)
+    return min((s for s in found if s is not None), default=None)
 
 
 class Bisector:

@@ -150,10 +150,11 @@ def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
     rep.restore(cp)
     trace = rep.trace
     for s in range(cp.step - rep.keep_views + 1, cp.step + 1):
+        batch = trace.batch(s)
         # a repro's start state may leave deferred batches before step 0 (at negative steps)
-        if s >= 0 or trace.batch(s).num_rows:
+        if s >= 0 or batch.num_rows:
             rep.views[s] = row_view(
-                trace.batch(s),
+                batch,
                 rep.rules,
                 recorded_threshold=trace.step_value("reorder_threshold", s),
                 k=rep.k,

@@ -30,7 +30,7 @@ from mgtrace.replayer.oracle import READ_KINDS, Oracle, StateRead
 from mgtrace.replayer.ownership import BlockOwnership
 from mgtrace.replayer.requests import DUMMY_REQUEST
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
-from mgtrace.replayer.steps import RankTrace, ranks_of
+from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of
 from mgtrace.replayer.tables import OutOfPool, TableStore
 from mgtrace.replayer.tags import DRAFTS_FOLDED, DUMMY, SPECULATIVE, TagPool
 from mgtrace.replayer.view import RowView, launch_under_rules, row_view
@@ -640,11 +640,10 @@ def replay_trace(
         rep = RankReplay(
             trace, rules, run_backend, layout, device, defer_reads=defer_reads, mirror=mirror
         )
-        ckpt.start_from(rep, seed)
+        start = ckpt.start_from(rep, seed)
         cache = None
         if (from_step or checkpoint_every) and hasattr(reader, "path"):
             cache = ckpt.cache_dir(reader, rules.canonical(), layout)
-        start = 0
         if from_step and cache is not None:
             found = ckpt.latest_before(cache, rank, from_step)
             if found is not None:
@@ -704,8 +703,8 @@ def _require_contiguous(steps: np.ndarray, rank: int, left_out: int | None = Non
             f"rank {rank} of the trace lacks rows of step {left_out} (a part --skip-bad-parts "
             "left out held them); the shadow state cannot be rebuilt across it"
         )
-    if len(steps) and (steps[0] != 0 or np.any(np.diff(steps) != 1)):
-        gap = int(steps[0]) if steps[0] != 0 else int(steps[np.argmax(np.diff(steps) != 1)]) + 1
+    gap = first_gap(steps)
+    if gap is not None:
         raise InconclusiveError(
             f"rank {rank} of the trace has a gap at step {gap} (dropped or never recorded "
             "steps); the shadow state cannot be rebuilt across it"

@@ -45,7 +45,7 @@ from mgtrace.replayer.findings import Finding
 from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.rules import RuleSet
-from mgtrace.replayer.steps import RankTrace, complete_steps
+from mgtrace.replayer.steps import RankTrace, complete_steps, first_left_out
 from mgtrace.schemas.reader import TraceReader
 
 PLACEHOLDER_BASE = -(2**31)  # word i of a segment's start pool: PLACEHOLDER_BASE + i
@@ -295,8 +295,7 @@ def step_numbers(reader: TraceReader, rank: int) -> tuple[list[int], int | None]
     mine = steps.filter(pc.equal(steps.column("rank"), rank)).column("step")
     numbers = mine.to_numpy(zero_copy_only=False).astype(np.int64)
     whole = complete_steps(reader, rank, numbers)
-    left_out = int(numbers[~whole].min()) if not whole.all() else None
-    return sorted(numbers[whole].tolist()), left_out
+    return sorted(numbers[whole].tolist()), first_left_out(numbers, whole)
 
 
 def _merge(

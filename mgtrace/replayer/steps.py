@@ -104,9 +104,8 @@ class RankTrace:
         numbers = steps.column("step").to_numpy(zero_copy_only=False)
         whole = complete_steps(reader, rank, numbers)
         # the first step whose rows a left-out part held: a gap, not a step with no rows
-        self.first_left_out: int | None = None
-        if not whole.all():
-            self.first_left_out = int(numbers[~whole].min())
+        self.first_left_out = first_left_out(numbers, whole)
+        if self.first_left_out is not None:
             steps = steps.filter(pa.array(whole))
         self.step_numbers = steps.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
         self.step_info = {
@@ -392,6 +391,22 @@ def complete_steps(reader: TraceReader, rank: int, steps: np.ndarray) -> np.ndar
     for first, last in left_out(rank, REPLAY_TABLES) if left_out else ():
         keep &= (steps < first) | (steps > last)
     return keep
+
+
+def first_left_out(steps: np.ndarray, whole: np.ndarray) -> int | None:
+    """The first of ``steps`` that ``complete_steps`` found incomplete (None: none)."""
+    return None if whole.all() else int(steps[~whole].min())
+
+
+def first_gap(steps: np.ndarray) -> int | None:
+    """The first step missing from sorted ``steps``, which should run 0, 1, 2, ...; None
+    when none is (an empty list misses nothing)."""
+    if not len(steps):
+        return None
+    if steps[0] != 0:
+        return 0
+    jumps = np.flatnonzero(np.diff(steps) != 1)
+    return int(steps[jumps[0]]) + 1 if len(jumps) else None
 
 
 def ranks_of(reader: TraceReader) -> list[int]:

@@ -60,16 +60,9 @@ class RunMetadata:
     def from_dict(cls, data: dict[str, Any], where: str = MANIFEST_NAME) -> RunMetadata:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
-        states = kwargs.pop("states", [])
+        states = _list(kwargs.pop("states", []), "run.states", where)
         check_entries(cls, kwargs, where, "run.")
-        if not isinstance(states, list):
-            raise ValueError(f"{where}: run.states must be a list, not {states!r:.60}")
-        layouts = []
-        for i, s in enumerate(states):
-            if not isinstance(s, dict):
-                raise ValueError(f"{where}: run.states[{i}] must be an object, not {s!r:.60}")
-            check_entries(StateLayout, s, where, f"run.states[{i}].")
-            layouts.append(StateLayout(**s))
+        layouts = [_entry(StateLayout, s, where, f"run.states[{i}]") for i, s in enumerate(states)]
         run = cls(**kwargs, states=layouts)
         problem = run.problem()
         if problem:
@@ -161,11 +154,11 @@ class Manifest:
             )
         try:
             parts = [
-                _entry(PartInfo, p, where, f"parts[{i}].")
-                for i, p in enumerate(_list(data, "parts", where))
+                _entry(PartInfo, p, where, f"parts[{i}]")
+                for i, p in enumerate(_list(data.get("parts", []), "parts", where))
             ]
-            drops = _entry(Drops, data.get("drops", {}), where, "drops.")
-            run = RunMetadata.from_dict(_object(data, "run", where), where)
+            drops = _entry(Drops, data.get("drops", {}), where, "drops")
+            run = RunMetadata.from_dict(_object(data.get("run", {}), "run", where), where)
         except ValueError as exc:
             raise ManifestError(str(exc)) from None
         except TypeError as exc:
@@ -187,25 +180,21 @@ class Manifest:
         )
 
 
-def _object(data: dict[str, Any], name: str, where: str) -> dict[str, Any]:
-    value = data.get(name, {})
+def _object(value: Any, label: str, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: {name} must be an object, not {value!r:.60}")
+        raise ValueError(f"{where}: {label} must be an object, not {value!r:.60}")
     return value
 
 
-def _list(data: dict[str, Any], name: str, where: str) -> list[Any]:
-    value = data.get(name, [])
+def _list(value: Any, label: str, where: str) -> list[Any]:
     if not isinstance(value, list):
-        raise ValueError(f"{where}: {name} must be a list, not {value!r:.60}")
+        raise ValueError(f"{where}: {label} must be a list, not {value!r:.60}")
     return value
 
 
-def _entry(cls: Any, value: Any, where: str, prefix: str) -> Any:
+def _entry(cls: Any, value: Any, where: str, label: str) -> Any:
     """One dataclass from one JSON object, its entries type-checked."""
-    if not isinstance(value, dict):
-        raise ValueError(f"{where}: {prefix.rstrip('.')} must be an object, not {value!r:.60}")
-    check_entries(cls, value, where, prefix)
+    check_entries(cls, _object(value, label, where), where, f"{label}.")
     return cls(**value)
 
 
