@@ -123,12 +123,20 @@ def render_views(views: list[tuple[str, str, str, str]], console: Console) -> No
     console.print(t)
 
 
+def _replayed(result: Any) -> str:
+    """Steps replayed, counted per rank: a PP trace's steps run on every rank."""
+    ranks = len(result.ranks)
+    if ranks > 1:
+        return f"{result.steps} rank-steps ({ranks} ranks)"
+    return f"{result.steps} step{'s' if result.steps != 1 else ''}"
+
+
 def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str | None) -> None:
     """The replay summary: the first corrupt step, its requests, and the finding kinds."""
     rules = result.rules.canonical()
     if result.clean:
         console.print(
-            f"[green]clean[/]: {result.steps} steps replayed under {rules}; no request read "
+            f"[green]clean[/]: {_replayed(result)} replayed under {rules}; no request read "
             "state that is not its own"
         )
         return
@@ -152,7 +160,7 @@ def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str |
         t.add_row(kind, str(len(reqs)), str(step))
     console.print(t)
     console.print(
-        f"{len(result.findings)} findings over {result.steps} steps "
+        f"{len(result.findings)} findings over {_replayed(result)} "
         f"({result.repeats} repeats of the same finding for the same request not listed)",
         style="dim",
     )

@@ -131,8 +131,9 @@ def test_minimize_long_trace_to_a_small_repro(
     trace = sim_trace(bug, seed, 5000, scenario="pairs", **engine)
     first = replay_trace(TraceReader(trace), RuleSet())
     pinned = sorted({f.signature for f in first.findings if f.step == first.first_step})[0]
-    out = tmp_path / "repro"
+    out = tmp_path / "repro-1.min"  # not a module name: the test file's name must be one
     result = minimize(trace, out)
+    assert Path(result.test_file).name == "test_repro_1_min.py"
     assert result.signature == pinned
     assert result.steps <= 50 and len(result.requests) <= 4
     again = replay_trace(TraceReader(out), RuleSet())
@@ -145,6 +146,9 @@ def test_minimize_long_trace_to_a_small_repro(
     # step, undone by the same rule (they used to replay it from nothing: step 0, no fix)
     verdict = bisect(out)
     assert verdict.first_step == again.first_step and TOGGLES[bug][1] in verdict.fixes
+    # the reproducing commands stop at a step the repro has (the horizon ends with it)
+    last = max(TraceReader(out).table("steps").column("step").to_pylist())
+    assert verdict.commands["bad"].endswith(f"--to-step={last}"), verdict.commands
     d = diff_rules(TraceReader(out), RuleSet(), RuleSet.parse(TOGGLES[bug][1]))
     assert d.first_step == again.first_step
     # a repro minimizes to itself: its start state is read, and written again

@@ -83,6 +83,14 @@ def test_a_left_out_part_of_one_rank_leaves_the_other_rank(pp_trace: Path, tmp_p
     assert summary["steps"] == 60 and summary["clean"]  # rank 0's steps, all of them
 
 
+def test_a_pp_summary_counts_steps_per_rank(pp_trace: Path, buggy_trace: Path) -> None:
+    proc = run_cli("replay", str(pp_trace), "--no-save")
+    assert proc.returncode == 0, proc.stderr
+    assert "clean: 120 rank-steps (2 ranks) replayed" in proc.stdout  # 60 steps on each rank
+    one = run_cli("replay", str(buggy_trace), "--no-save")  # the control: one rank
+    assert "findings over 60 steps" in one.stdout and "rank-steps" not in one.stdout
+
+
 class _Reader:
     """Just what ``complete_steps`` asks of a reader."""
 

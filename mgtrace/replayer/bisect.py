@@ -227,7 +227,8 @@ class Bisector:
             | {f.writer_req_id for f in lead if f.kind == FOREIGN_BLOCK_WRITE and f.writer_req_id}
         )
         trace = self.traces[rank]
-        end = first + self.horizon
+        # a horizon past the trace's end would name a --to-step the trace does not have
+        end = min(first + self.horizon, int(trace.step_numbers.max()))
         delays: dict[str, int] = {}
         for cand in single_changes(self.base, trace.run.num_speculative_tokens):
             probe = self._probe(trace, checkpoints[rank], cand, end, first)

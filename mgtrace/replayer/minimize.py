@@ -16,6 +16,7 @@ The result is written as a trace plus a standalone pytest file that replays it.
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -512,6 +513,11 @@ def write_trace(trace: MemoryTrace, output: Path, manifest: Manifest) -> None:
     tmp.rename(output)
 
 
+def _module_name(name: str) -> str:
+    """``name`` as a Python identifier: pytest imports the test file by its stem."""
+    return re.sub(r"\W", "_", name)
+
+
 def write_minimized(
     trace: MemoryTrace,
     output: Path,
@@ -525,7 +531,7 @@ def write_minimized(
 ) -> Path:
     """Write the trace directory and ``test_<name>.py`` beside it; all or nothing."""
     output = Path(output)
-    test_file = output.parent / f"test_{output.name.replace('-', '_')}.py"
+    test_file = output.parent / f"test_{_module_name(output.name)}.py"
     if (output.exists() or test_file.exists()) and not force:
         raise OutputError(f"{output} (or {test_file.name}) already exists; pass --force")
     m = replace(manifest, complete=True, ground_truth=None)
