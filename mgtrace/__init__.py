@@ -6,6 +6,7 @@ Python API (the CLI is a thin layer over the same functions)::
     import mgtrace
     t = mgtrace.open("run.trace")          # or mgtrace.simulate("run.trace", bugs=[...])
     t.info(); t.sql("SELECT ..."); t.replay(); t.bisect(); t.minimize("repro")
+    t.history("req-000002")                 # one request, a line per step
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@
 >>> t.sql("SELECT mamba_split, count(*) FROM batch_rows GROUP BY ALL").fetchall()
 >>> t.replay().first_step, t.replay(reorder_threshold="1+k").clean
 >>> t.bisect().sentence()
+>>> t.history("req-000002", to_step=20).to_pylist()
 >>> t.minimize("repro").steps
 """
 
@@ -81,6 +82,23 @@ class Trace:
 
     def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
         return self.reader.table(name, columns=columns)
+
+    def history(
+        self,
+        request: str,
+        *,
+        from_step: int | None = None,
+        to_step: int | None = None,
+        rules: str | None = "as-recorded",
+    ) -> pa.Table:
+        """One request's lines, as ``mgtrace history`` shows them (``request``: the id, or
+        a unique part of it; ``rules=None``: findings of every saved replay)."""
+        from mgtrace.query.history import request_history, resolve_request
+
+        if self._con is None:
+            self._con = self.reader.connect()
+        req_id = resolve_request(self._con, request)
+        return request_history(self._con, req_id, from_step=from_step, to_step=to_step, rules=rules)
 
     # ------------------------------------------------------------------ analyses
     def replay(

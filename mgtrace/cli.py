@@ -161,6 +161,99 @@ def sql(
 
 @cli.command()
 @click.argument("trace", type=TRACE)
+@click.argument("request")
+@click.option("--from-step", type=click.IntRange(min=0), help="First step shown.")
+@click.option("--to-step", type=click.IntRange(min=0), help="Last step shown.")
+@click.option(
+    "--rules",
+    default="as-recorded",
+    show_default=True,
+    help="Findings of the saved replays under these rules (as `replay` names them), or 'any'.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "csv", "json", "parquet"]),
+    default="table",
+    show_default=True,
+)
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the lines here.")
+@click.option(
+    "--max-rows",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Lines shown by --format table.",
+)
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@SKIP_BAD_PARTS
+def history(
+    trace: Path,
+    request: str,
+    from_step: int | None,
+    to_step: int | None,
+    rules: str,
+    fmt: str,
+    output: Path | None,
+    max_rows: int,
+    force: bool,
+    skip_bad_parts: bool,
+) -> None:
+    """One REQUEST's life in TRACE, a line per step: scheduler events and new blocks, batch
+    row and slot, the counts its kernels consumed (the CPU-held accepted count where it
+    differs), its running column, the Mamba split, the row moves that carried it, and what
+    saved replays found about it. REQUEST may be any unique part of the id."""
+    from mgtrace.errors import UsageError
+    from mgtrace.query.export import check_output_path, export_table
+    from mgtrace.query.history import (
+        first_finding,
+        request_history,
+        request_span,
+        resolve_request,
+        saved_rules,
+    )
+    from mgtrace.render import render_history
+
+    if from_step is not None and to_step is not None and from_step > to_step:
+        raise UsageError(f"--from-step {from_step} is after --to-step {to_step}")
+    if fmt == "table" and output is not None:
+        raise UsageError(
+            "--format table prints to the terminal; choose csv, json or parquet for -o"
+        )
+    if output is not None:
+        check_output_path(output, force=force)
+    con = _open(trace, skip_bad_parts).connect()
+    req_id = resolve_request(con, request)
+    wanted = None if rules == "any" else rules
+    lines = request_history(con, req_id, from_step=from_step, to_step=to_step, rules=wanted)
+    if fmt != "table":
+        export_table(lines, fmt, output)
+        if output is not None:
+            _stderr().print(f"wrote {output}")
+        return
+    out = _stdout()
+    if not lines.num_rows:
+        lo, hi = request_span(con, req_id)
+        out.print(f"{req_id} is in steps {lo}..{hi} only; none of them is in the range asked")
+        return
+    out.print(f"history of {req_id} in {trace}", highlight=False)
+    render_history(lines, out, max_rows=max_rows)
+    first = first_finding(con, req_id, rules=wanted)
+    if first is not None:
+        step, rank, sentence = first
+        out.print(f"first finding at step {step} (rank {rank}): {sentence}", highlight=False)
+    saved = saved_rules(con)
+    if wanted is not None and wanted not in saved:
+        hint = f"saved replays: {', '.join(saved)}" if saved else "no replay is saved yet"
+        out.print(
+            f"no findings of a replay under {wanted} ({hint}); run: mgtrace replay {trace}",
+            style="dim",
+            highlight=False,
+        )
+
+
+@cli.command()
+@click.argument("trace", type=TRACE)
 @click.option(
     "-o", "--output", type=click.Path(path_type=Path), required=True, help="The HTML file to write."
 )

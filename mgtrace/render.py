@@ -112,6 +112,47 @@ def render_arrow(table: pa.Table, console: Console, *, more: bool) -> None:
     console.print(note, style="dim")
 
 
+# Short headers for `mgtrace history`'s terminal table (the exported columns keep the views'
+# names).
+_HISTORY_HEADERS = {
+    "scheduler": "scheduler",
+    "batch_row": "row",
+    "req_slot": "slot",
+    "num_computed": "computed",
+    "num_scheduled": "sched",
+    "num_draft": "drafts",
+    "accepted_prev": "acc prev",
+    "accepted": "acc",
+    "state_col": "col",
+    "mamba_split": "split",
+    "reorder_region": "region",
+    "row_moves": "row moves",
+    "findings": "findings",
+}
+
+
+def render_history(lines: pa.Table, console: Console, *, max_rows: int) -> None:
+    """One request's lines; empty cells for what a step did not have, and no column that
+    no line has (the rank only when there are several)."""
+    shown = lines.slice(0, max_rows)
+    names = [
+        n
+        for n in shown.column_names
+        if shown[n].null_count < shown.num_rows
+        and (n != "rank" or len(set(shown["rank"].to_pylist())) > 1)
+    ]
+    t = Table(show_lines=False)
+    for n in names:
+        t.add_column(_HISTORY_HEADERS.get(n, n), overflow="fold")
+    for row in shown.select(names).to_pylist():
+        t.add_row(*("" if v is None else str(v) for v in row.values()))
+    console.print(t)
+    note = f"{lines.num_rows} step line{'s' if lines.num_rows != 1 else ''}"
+    if lines.num_rows > max_rows:
+        note += f", {max_rows} shown (raise --max-rows, or use --format csv)"
+    console.print(note, style="dim")
+
+
 def render_views(views: list[tuple[str, str, str, str]], console: Console) -> None:
     t = Table(title="trace views", title_justify="left")
     for name in ("view", "column", "type", "meaning"):

@@ -83,6 +83,7 @@ def test_writing_and_querying_commands_never_import_pandas(buggy_trace: Path, tm
         ["simulate", "--steps", "40", "-o", str(tmp_path / "s")],
         ["info", trace],
         ["sql", trace, "SELECT count(*) FROM batch_rows"],
+        ["history", trace, "req-000002"],
     ]
     assert _heavy_modules_after(commands) == []
 

@@ -1,0 +1,158 @@
+"""One request's life in a trace, a line per rank and step: what the scheduler said of it,
+where it sat in the batch, the counts its kernels consumed, the row moves that carried it
+and what replays found about it, as reader and as the request whose state was involved.
+
+The question after "which requests came back as word salad": what happened to this one.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import pyarrow as pa
+
+from mgtrace.errors import UsageError
+from mgtrace.replayer.rules import AS_RECORDED
+
+# A scheduler row, a batch row, a row move or a finding of the request makes a line.
+# Parameters: $1 the request id, $2..$3 the step range, $4 the replays' rules.
+HISTORY_SQL = """
+WITH
+sched_r AS (
+  SELECT rank, step,
+         -- a cached request with no new block is every other step: left blank
+         string_agg(CASE
+             WHEN new_block_ids IS NULL OR len(flatten(new_block_ids)) = 0
+             THEN nullif(kind, 'cached')
+             ELSE kind || ' +blocks ' || array_to_string(flatten(new_block_ids), ',') END,
+           '; ') AS scheduler
+  FROM sched WHERE req_id = $1 GROUP BY rank, step
+),
+rows_r AS (
+  SELECT rank, step, batch_row, req_slot, num_computed, num_scheduled, num_draft,
+         CAST(accepted_prev AS VARCHAR)
+           || CASE WHEN accepted_prev_cpu IS NULL THEN ''
+                   ELSE ' (cpu ' || accepted_prev_cpu || ')' END AS accepted_prev,
+         accepted,
+         CASE WHEN prev_state_col IS NULL OR prev_state_col = state_col
+              THEN CAST(state_col AS VARCHAR)
+              ELSE prev_state_col || '->' || state_col END AS state_col,
+         mamba_split, reorder_region
+  FROM batch_rows WHERE req_id = $1
+),
+moves_r AS (
+  SELECT rank, step,
+         string_agg(CASE op
+             WHEN 'swap' THEN 'swap ' || row_a || '<->' || row_b
+             WHEN 'move' THEN 'move ' || row_a || '->' || row_b
+             ELSE op || ' ' || row_a END
+           || CASE WHEN req_id = $1 AND accepted_a IS NOT NULL
+                   THEN ' (carried accepted ' || accepted_a || ')'
+                   WHEN req_id_b = $1 AND accepted_b IS NOT NULL
+                   THEN ' (carried accepted ' || accepted_b || ')'
+                   ELSE '' END, '; ' ORDER BY seq) AS row_moves
+  FROM row_moves WHERE req_id = $1 OR req_id_b = $1 GROUP BY rank, step
+),
+found AS (
+  SELECT DISTINCT rank, step, rules, signature, req_id, writer_req_id, batch_row, block_id
+  FROM findings WHERE (req_id = $1 OR writer_req_id = $1) AND ({replays})
+),
+found_r AS (
+  SELECT rank, step,
+         string_agg(DISTINCT signature || CASE
+             WHEN req_id <> $1 THEN ' (with ' || req_id || ')'
+             WHEN writer_req_id IS NOT NULL AND writer_req_id <> $1
+             THEN ' (with ' || writer_req_id || ')'
+             ELSE '' END, '; ') AS findings
+  FROM found GROUP BY rank, step
+),
+lines AS (
+  SELECT rank, step FROM sched_r UNION SELECT rank, step FROM rows_r
+  UNION SELECT rank, step FROM moves_r UNION SELECT rank, step FROM found_r
+)
+SELECT l.rank, l.step, s.scheduler, r.batch_row, r.req_slot, r.num_computed,
+       r.num_scheduled, r.num_draft, r.accepted_prev, r.accepted, r.state_col,
+       r.mamba_split, r.reorder_region, m.row_moves, f.findings
+FROM lines l
+LEFT JOIN sched_r s USING (rank, step)
+LEFT JOIN rows_r r USING (rank, step)
+LEFT JOIN moves_r m USING (rank, step)
+LEFT JOIN found_r f USING (rank, step)
+WHERE l.step BETWEEN $2 AND $3
+ORDER BY l.step, l.rank
+"""
+
+NO_STEP_LIMIT = 2**62
+
+
+def resolve_request(con: duckdb.DuckDBPyConnection, wanted: str) -> str:
+    """The trace's request id for ``wanted``: itself, or the one id that contains it (a
+    load generator's log often holds only the number). One clear sentence otherwise."""
+    ids = [
+        r[0]
+        for r in con.execute(
+            "SELECT DISTINCT req_id FROM (SELECT req_id FROM batch_rows "
+            "UNION ALL SELECT req_id FROM sched) WHERE contains(req_id, $1) ORDER BY req_id",
+            [wanted],
+        ).fetchall()
+    ]
+    if wanted in ids:
+        return wanted
+    if len(ids) == 1:
+        return ids[0]
+    if not ids:
+        raise UsageError(
+            f"no request id in the trace contains {wanted!r} (the requests view of "
+            "`mgtrace sql` lists them)"
+        )
+    shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
+    raise UsageError(f"{wanted!r} matches {len(ids)} requests ({shown}); give the whole id")
+
+
+def request_history(
+    con: duckdb.DuckDBPyConnection,
+    req_id: str,
+    *,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    rules: str | None = AS_RECORDED,
+) -> pa.Table:
+    """The lines of ``req_id`` (an exact id; see ``resolve_request``), findings of replays
+    under ``rules`` only (None: every saved replay)."""
+    replays = "true" if rules is None else "rules = $4"
+    params: list[object] = [
+        req_id,
+        -1 if from_step is None else from_step,
+        NO_STEP_LIMIT if to_step is None else to_step,
+    ]
+    if rules is not None:
+        params.append(rules)
+    return con.sql(HISTORY_SQL.format(replays=replays), params=params).to_arrow_table()
+
+
+def first_finding(
+    con: duckdb.DuckDBPyConnection, req_id: str, *, rules: str | None = AS_RECORDED
+) -> tuple[int, int, str] | None:
+    """(step, rank, sentence) of the earliest saved finding that involves ``req_id``."""
+    where = "(req_id = $1 OR writer_req_id = $1)" + ("" if rules is None else " AND rules = $2")
+    params = [req_id] if rules is None else [req_id, rules]
+    row = con.execute(
+        f"SELECT step, rank, detail FROM findings WHERE {where} "
+        "ORDER BY step, rank, req_id <> $1 LIMIT 1",
+        params,
+    ).fetchone()
+    return None if row is None else (int(row[0]), int(row[1]), str(row[2]))
+
+
+def saved_rules(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The rule sets of the replays saved in the trace."""
+    return [r[0] for r in con.execute("SELECT DISTINCT rules FROM findings ORDER BY 1").fetchall()]
+
+
+def request_span(con: duckdb.DuckDBPyConnection, req_id: str) -> tuple[int, int]:
+    """First and last step at which the trace mentions ``req_id``."""
+    lo, hi = con.execute(
+        "SELECT min(step), max(step) FROM (SELECT step FROM batch_rows WHERE req_id = $1 "
+        "UNION ALL SELECT step FROM sched WHERE req_id = $1)",
+        [req_id],
+    ).fetchone()
+    return int(lo), int(hi)

@@ -1,0 +1,116 @@
+"""`mgtrace history`: one request's life, on simulated traces whose corruption is known."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mgtrace.schemas.reader import TraceReader
+from tests.conftest import assert_one_sentence_error, run_cli
+from tests.replay_helpers import set_root, toggle_trace
+
+
+@pytest.fixture(scope="module")
+def race(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    """An async-race trace, replayed (findings saved): its path, first step and request."""
+    set_root(tmp_path_factory.mktemp("sim"))
+    src = toggle_trace("async-accepted-race", 1, 300)
+    path = tmp_path_factory.mktemp("history") / "race"
+    shutil.copytree(src, path)
+    truth = TraceReader(path).manifest.ground_truth["bugs"]["async-accepted-race"]
+    assert truth["first_step"] is not None, "the control: the toggle fired"
+    assert run_cli("replay", str(path)).returncode == 1
+    return path, truth["first_step"], truth["first_requests"][0]
+
+
+def _rows(path: Path, *args: str) -> list[dict]:
+    proc = run_cli("history", str(path), *args, "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _lines(path: Path, *args: str) -> dict[int, dict]:
+    """Lines by step, of a one-rank trace."""
+    return {row["step"]: row for row in _rows(path, *args)}
+
+
+def test_the_injected_request_shows_the_move_the_stale_count_and_the_finding(
+    race: tuple[Path, int, str],
+) -> None:
+    path, first, req = race
+    lines = _lines(path, req)
+    bad = lines[first]
+    # the row move that overtook the accepted-count copy, and both counts
+    assert bad["row_moves"] and "carried accepted" in bad["row_moves"]
+    assert "(cpu " in bad["accepted_prev"]
+    assert bad["findings"] and "wrong_tokens" in bad["findings"]
+    # before the bug, the request's lines carry no finding and one accepted count each
+    before = [v for s, v in lines.items() if s < first and v["batch_row"] is not None]
+    assert before and all(v["findings"] is None for v in before)
+    assert all("cpu" not in v["accepted_prev"] for v in before)
+    # its first line is its arrival, with its blocks; the scheduler says little after that
+    from mgtrace.api import Trace
+
+    assert Trace(path).history(req).to_pylist() == _rows(path, req)  # the API's lines
+    arrival = lines[min(lines)]
+    assert arrival["scheduler"].startswith("new +blocks ")
+    assert sum(v["scheduler"] is not None for v in before) < len(before) / 2
+
+
+def test_table_output_step_range_and_first_finding(race: tuple[Path, int, str]) -> None:
+    path, first, req = race
+    proc = run_cli("history", str(path), req, "--from-step", str(first - 2))
+    assert proc.returncode == 0, proc.stderr
+    assert f"history of {req}" in proc.stdout and "carried accepted" in proc.stdout
+    assert f"first finding at step {first} (rank 0): request {req}" in proc.stdout
+    shown = _lines(path, req, "--from-step", str(first - 2), "--to-step", str(first))
+    assert sorted(shown) == [first - 2, first - 1, first]
+    # findings of replays under other rules are not mixed in: none was saved under this one
+    other = run_cli("history", str(path), req, "--rules", "accepted_source=cpu")
+    assert "first finding" not in other.stdout
+    assert "no findings of a replay under accepted_source=cpu" in other.stdout
+    assert any(v["findings"] for v in _lines(path, req, "--rules", "any").values())
+
+
+def test_a_part_of_the_id_is_enough_when_it_is_unique(race: tuple[Path, int, str]) -> None:
+    path, _, req = race
+    number = req.rsplit("-", 1)[1]
+    assert _lines(path, number) == _lines(path, req)
+    err = assert_one_sentence_error(run_cli("history", str(path), "req-0000"), 2)
+    assert "matches" in err and "give the whole id" in err
+    err = assert_one_sentence_error(run_cli("history", str(path), "nobody"), 2)
+    assert "no request id in the trace contains 'nobody'" in err
+    err = assert_one_sentence_error(
+        run_cli("history", str(path), req, "--from-step", "9", "--to-step", "3"), 2
+    )
+    assert "after --to-step" in err
+    gone = run_cli("history", str(path), req, "--to-step", "0")
+    assert gone.returncode == 0 and "none of them is in the range asked" in gone.stdout
+
+
+def test_a_block_owner_sees_who_wrote_onto_its_block(tmp_path: Path) -> None:
+    set_root(tmp_path)
+    src = toggle_trace("batch-row-block-table", 0, 300)
+    path = tmp_path / "pp"
+    shutil.copytree(src, path)
+    assert run_cli("replay", str(path)).returncode == 1
+    con = TraceReader(path).connect()
+    writer, owner, step = con.execute(
+        "SELECT req_id, writer_req_id, step FROM findings "
+        "WHERE kind = 'foreign_block_write' ORDER BY step LIMIT 1"
+    ).fetchone()
+    assert writer != owner
+    rows = _rows(path, owner)
+    on_owner = [v["findings"] for v in rows if v["step"] == step and v["findings"]]
+    assert any("foreign_block_write" in f and f"(with {writer})" in f for f in on_owner)
+    # both ranks' lines are there, and the table names the rank
+    assert {v["rank"] for v in rows} == {0, 1}
+    header = next(
+        line
+        for line in run_cli("history", str(path), owner).stdout.splitlines()
+        if line.startswith("┃")
+    )
+    assert "rank" in header.split("┃")[1]
