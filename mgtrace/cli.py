@@ -222,10 +222,18 @@ def history(
         )
     if output is not None:
         check_output_path(output, force=force)
-    con = _open(trace, skip_bad_parts).connect()
+    reader = _open(trace, skip_bad_parts)
+    con = reader.connect()
     req_id = resolve_request(con, request)
     wanted = None if rules == "any" else rules
-    lines = request_history(con, req_id, from_step=from_step, to_step=to_step, rules=wanted)
+    lines = request_history(
+        con,
+        req_id,
+        from_step=from_step,
+        to_step=to_step,
+        rules=wanted,
+        runner=reader.manifest.run.runner,
+    )
     if fmt != "table":
         export_table(lines, fmt, output)
         if output is not None:

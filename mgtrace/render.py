@@ -124,6 +124,7 @@ _HISTORY_HEADERS = {
     "accepted_prev": "acc prev",
     "accepted": "acc",
     "state_col": "col",
+    "block": "block",
     "mamba_split": "split",
     "reorder_region": "region",
     "row_moves": "row moves",

@@ -26,6 +26,18 @@ def race(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
     return path, truth["first_step"], truth["first_requests"][0]
 
 
+def _own_row(path: Path, rank: int, table: str, row: int, step: int) -> list[int]:
+    """Group 0's block ids of ``row`` of ``table`` as the latest change up to ``step`` left it."""
+    bt = TraceReader(path).table("block_tables").to_pylist()
+    changes = [
+        r
+        for r in bt
+        if (r["rank"], r["table"], r["row"], r["group"]) == (rank, table, row, 0)
+        and r["step"] <= step
+    ]
+    return max(changes, key=lambda r: r["step"])["block_ids"]
+
+
 def _rows(path: Path, *args: str) -> list[dict]:
     proc = run_cli("history", str(path), *args, "--format", "json")
     assert proc.returncode == 0, proc.stderr
@@ -50,6 +62,11 @@ def test_the_injected_request_shows_the_move_the_stale_count_and_the_finding(
     # before the bug, the request's lines carry no finding and one accepted count each
     before = [v for s, v in lines.items() if s < first and v["batch_row"] is not None]
     assert before and all(v["findings"] is None for v in before)
+    # the block column: the slot's latest recorded row at each step, read at the running
+    # column (worked out here row by row, apart from the query's as-of join)
+    for v in before:
+        own = _own_row(path, 0, "v1", v["req_slot"], v["step"])
+        assert v["block"] == own[int(v["state_col"].split("->")[-1])] > 0
     assert all("cpu" not in v["accepted_prev"] for v in before)
     # its first line is its arrival, with its blocks; the scheduler says little after that
     from mgtrace.api import Trace
@@ -98,14 +115,18 @@ def test_a_block_owner_sees_who_wrote_onto_its_block(tmp_path: Path) -> None:
     shutil.copytree(src, path)
     assert run_cli("replay", str(path)).returncode == 1
     con = TraceReader(path).connect()
-    writer, owner, step = con.execute(
-        "SELECT req_id, writer_req_id, step FROM findings "
+    owner, writer, step, block = con.execute(  # the finding names the owner, hit by the writer
+        "SELECT req_id, writer_req_id, step, block_id FROM findings "
         "WHERE kind = 'foreign_block_write' ORDER BY step LIMIT 1"
     ).fetchone()
     assert writer != owner
     rows = _rows(path, owner)
     on_owner = [v["findings"] for v in rows if v["step"] == step and v["findings"]]
     assert any("foreign_block_write" in f and f"(with {writer})" in f for f in on_owner)
+    on_writer = [v["findings"] for v in _rows(path, writer) if v["step"] == step]
+    assert any(f and f"(with {owner})" in f for f in on_writer)  # and the writer sees it too
+    slot = [v["req_slot"] for v in rows if v["step"] <= step and v["req_slot"] is not None][-1]
+    assert block in _own_row(path, 0, "source", slot, step)  # a block of the owner's row
     # both ranks' lines are there, and the table names the rank
     assert {v["rank"] for v in rows} == {0, 1}
     header = next(

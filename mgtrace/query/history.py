@@ -14,17 +14,20 @@ from mgtrace.errors import UsageError
 from mgtrace.replayer.rules import AS_RECORDED
 
 # A scheduler row, a batch row, a row move or a finding of the request makes a line.
-# Parameters: $1 the request id, $2..$3 the step range, $4 the replays' rules.
+# Parameters: $1 the request id, $2..$3 the step range, $4 the replays' rules, $5 the block
+# table that holds a request's own row (v1: InputBatch rows; V2: per-slot source tables).
 HISTORY_SQL = """
 WITH
 sched_r AS (
   SELECT rank, step,
-         -- a cached request with no new block is every other step: left blank
+         -- new block ids, null columns left out; a cached request with none is most
+         -- steps: left blank
          string_agg(CASE
-             WHEN new_block_ids IS NULL OR len(flatten(new_block_ids)) = 0
+             WHEN len(coalesce([b FOR b IN flatten(new_block_ids) IF b <> 0], [])) = 0
              THEN nullif(kind, 'cached')
-             ELSE kind || ' +blocks ' || array_to_string(flatten(new_block_ids), ',') END,
-           '; ') AS scheduler
+             ELSE kind || ' +blocks '
+                  || array_to_string([b FOR b IN flatten(new_block_ids) IF b <> 0], ',')
+             END, '; ') AS scheduler
   FROM sched WHERE req_id = $1 GROUP BY rank, step
 ),
 rows_r AS (
@@ -36,8 +39,19 @@ rows_r AS (
          CASE WHEN prev_state_col IS NULL OR prev_state_col = state_col
               THEN CAST(state_col AS VARCHAR)
               ELSE prev_state_col || '->' || state_col END AS state_col,
-         mamba_split, reorder_region
+         state_col AS col, mamba_split, reorder_region
   FROM batch_rows WHERE req_id = $1
+),
+-- the block at the running column (first Mamba group): the request's own table row as it
+-- stood at the step, i.e. its latest recorded content
+own_rows AS (
+  SELECT rank, step, "row", block_ids FROM block_tables
+  WHERE "table" = $5 AND "group" = 0
+),
+rows_b AS (
+  SELECT r.*, t.block_ids[r.col + 1] AS block
+  FROM rows_r r ASOF LEFT JOIN own_rows t
+    ON r.rank = t.rank AND r.req_slot = t."row" AND r.step >= t.step
 ),
 moves_r AS (
   SELECT rank, step,
@@ -54,7 +68,7 @@ moves_r AS (
 ),
 found AS (
   SELECT DISTINCT rank, step, rules, signature, req_id, writer_req_id, batch_row, block_id
-  FROM findings WHERE (req_id = $1 OR writer_req_id = $1) AND ({replays})
+  FROM findings WHERE (req_id = $1 OR writer_req_id = $1) AND ($4 IS NULL OR rules = $4)
 ),
 found_r AS (
   SELECT rank, step,
@@ -66,15 +80,15 @@ found_r AS (
   FROM found GROUP BY rank, step
 ),
 lines AS (
-  SELECT rank, step FROM sched_r UNION SELECT rank, step FROM rows_r
+  SELECT rank, step FROM sched_r UNION SELECT rank, step FROM rows_b
   UNION SELECT rank, step FROM moves_r UNION SELECT rank, step FROM found_r
 )
 SELECT l.rank, l.step, s.scheduler, r.batch_row, r.req_slot, r.num_computed,
-       r.num_scheduled, r.num_draft, r.accepted_prev, r.accepted, r.state_col,
+       r.num_scheduled, r.num_draft, r.accepted_prev, r.accepted, r.state_col, r.block,
        r.mamba_split, r.reorder_region, m.row_moves, f.findings
 FROM lines l
 LEFT JOIN sched_r s USING (rank, step)
-LEFT JOIN rows_r r USING (rank, step)
+LEFT JOIN rows_b r USING (rank, step)
 LEFT JOIN moves_r m USING (rank, step)
 LEFT JOIN found_r f USING (rank, step)
 WHERE l.step BETWEEN $2 AND $3
@@ -115,18 +129,18 @@ def request_history(
     from_step: int | None = None,
     to_step: int | None = None,
     rules: str | None = AS_RECORDED,
+    runner: str = "v1",
 ) -> pa.Table:
     """The lines of ``req_id`` (an exact id; see ``resolve_request``), findings of replays
     under ``rules`` only (None: every saved replay)."""
-    replays = "true" if rules is None else "rules = $4"
     params: list[object] = [
         req_id,
         -1 if from_step is None else from_step,
         NO_STEP_LIMIT if to_step is None else to_step,
+        rules,
+        "v1" if runner == "v1" else "source",
     ]
-    if rules is not None:
-        params.append(rules)
-    return con.sql(HISTORY_SQL.format(replays=replays), params=params).to_arrow_table()
+    return con.sql(HISTORY_SQL, params=params).to_arrow_table()
 
 
 def first_finding(
