@@ -209,6 +209,7 @@ def history(
         first_finding,
         request_history,
         request_span,
+        request_summary,
         resolve_request,
         saved_rules,
     )
@@ -245,13 +246,16 @@ def history(
         out.print(f"{req_id} is in steps {lo}..{hi} only; none of them is in the range asked")
         return
     out.print(f"history of {req_id} in {trace}", highlight=False)
+    about = request_summary(con, req_id)
+    if about:
+        out.print(about, highlight=False)
     render_history(lines, out, max_rows=max_rows)
     first = first_finding(con, req_id, rules=wanted)
     if first is not None:
         step, rank, sentence = first
         out.print(f"first finding at step {step} (rank {rank}): {sentence}", highlight=False)
     saved = saved_rules(con)
-    if wanted is not None and wanted not in saved:
+    if wanted is not None and wanted not in saved and reader.rows("launches"):
         hint = f"saved replays: {', '.join(saved)}" if saved else "no replay is saved yet"
         out.print(
             f"no findings of a replay under {wanted} ({hint}); run: mgtrace replay {trace}",

@@ -135,3 +135,21 @@ def test_a_block_owner_sees_who_wrote_onto_its_block(tmp_path: Path) -> None:
         if line.startswith("┃")
     )
     assert "rank" in header.split("┃")[1]
+
+
+def test_an_imported_probe_log_shows_the_client_label(tmp_path: Path) -> None:
+    from mgtrace.recorder.probe_import import import_probe
+    from tests.test_recorder_unit import _probe_logs
+
+    probe, burst, _ = _probe_logs(tmp_path)
+    import_probe(probe, burst, tmp_path / "imp")
+    con = TraceReader(tmp_path / "imp").connect()
+    labels = dict(con.execute("SELECT req_id, corrupt FROM requests").fetchall())
+    bad = next(r for r, c in labels.items() if c)
+    good = next(r for r, c in labels.items() if c is False)  # the control
+    for req, word in ((bad, "corrupt"), (good, "clean")):
+        proc = run_cli("history", str(tmp_path / "imp"), req)
+        assert proc.returncode == 0, proc.stderr
+        assert f"client saw it {word}" in proc.stdout
+        # a probe log holds no kernel launch: no replay to suggest
+        assert "mgtrace replay" not in proc.stdout

@@ -170,3 +170,29 @@ def request_span(con: duckdb.DuckDBPyConnection, req_id: str) -> tuple[int, int]
         [req_id],
     ).fetchone()
     return int(lo), int(hi)
+
+
+def request_summary(con: duckdb.DuckDBPyConnection, req_id: str) -> str:
+    """What the requests table says of ``req_id``, in one line ("" when nothing): its
+    lengths, prefix hit and finish, and the client's corruption label where one was given."""
+    row = con.execute(
+        "SELECT prompt_len, output_len, prefix_hit_tokens, finish_reason, corrupt, "
+        "corruption_marker, client_id FROM requests WHERE req_id = $1 LIMIT 1",
+        [req_id],
+    ).fetchone()
+    if row is None:
+        return ""
+    prompt, output, hit, finish, corrupt, marker, client = row
+    parts = []
+    if prompt is not None:
+        parts.append(f"prompt {prompt} tokens" + (f" ({hit} from the prefix cache)" if hit else ""))
+    if output is not None:
+        parts.append(f"output {output} tokens")
+    if finish is not None:
+        parts.append(f"finished: {finish}")
+    if corrupt is not None:
+        label = "corrupt" if corrupt else "clean"
+        parts.append(f"client saw it {label}" + (f" ({marker})" if marker else ""))
+    if client is not None:
+        parts.append(f"client id {client}")
+    return "; ".join(parts)
