@@ -1,7 +1,8 @@
 """`mgtrace report`: one self-contained HTML file (embedded PNG plots, tables) per trace.
 
 It shows the run metadata, the batch-composition timeline, the accepted-count distribution,
-the corruption onset, the findings, the field re-analysis cross-tab and the bisect verdict.
+the corruption onset, the findings, the field re-analysis cross-tab, the bisect verdict and
+the history of the first bad requests around the first bad step.
 Rendering takes data and figures; it never touches click.
 """
 
@@ -50,6 +51,34 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def _img(fig: Any, alt: str) -> str:
     data = base64.b64encode(plots.to_png(fig)).decode()
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+HISTORY_BEFORE, HISTORY_AFTER = 8, 2  # steps of each history shown around the first bad one
+
+
+def _histories(trace: Trace, findings: list, requests: list[str], first_bad: int) -> list[str]:
+    """``mgtrace history`` of each request around the first bad step, with this report's
+    findings (the replay is not saved in the trace)."""
+    from mgtrace.query.history import request_history
+    from mgtrace.replayer.findings import findings_table
+    from mgtrace.replayer.rules import AS_RECORDED
+
+    con = trace.reader.connect()
+    con.register("report_findings", findings_table(findings, replay_id="report", rules=AS_RECORDED))
+    con.execute("CREATE OR REPLACE VIEW findings AS SELECT * FROM report_findings")
+    out = []
+    for req in requests:
+        lines = request_history(
+            con,
+            req,
+            from_step=max(0, first_bad - HISTORY_BEFORE),
+            to_step=first_bad + HISTORY_AFTER,
+            runner=trace.run.runner,
+        )
+        names = [n for n in lines.column_names if lines[n].null_count < lines.num_rows]
+        rows = [list(r.values()) for r in lines.select(names).to_pylist()]
+        out += [f"<h3><code>{html.escape(req)}</code></h3>", _table(names, rows)]
+    return out
 
 
 def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -> str:
@@ -144,6 +173,8 @@ def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -
         parts += [
             "<h2>Block ownership of the first requests</h2>",
             _img(plots.block_ownership(trace, chosen), "block ownership"),
+            "<h2>History of the first requests</h2>",
+            *_histories(trace, result.findings, chosen, first_bad),
         ]
     parts.append(
         f"<p style='color:#888'>mgtrace {__version__}, "

@@ -46,6 +46,10 @@ def test_report_is_self_contained(report: Path) -> None:
     assert not re.search(r'(src|href)="(https?:|file:|/)', text)  # nothing fetched from outside
     for heading in ("Run", "Timeline", "Accepted counts", "Findings (replay as recorded)"):
         assert f"<h2>{heading}</h2>" in text
+    # the first bad request's history, with the report's own findings (nothing was saved)
+    history = text.split("<h2>History of the first requests</h2>")[1]
+    assert "<code>req-000002</code>" in history and "wrong_tokens:" in history
+    assert "<td>10</td>" in history  # the injected first step is one of its lines
 
 
 def _chromium() -> str | None:
