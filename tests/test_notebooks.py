@@ -27,7 +27,14 @@ def _text_outputs(nb) -> str:
 @pytest.mark.parametrize(
     ("name", "expect"),
     [
-        ("triage.ipynb", ["as recorded: first corrupt step", "--reorder-threshold=1+k: clean"]),
+        (
+            "triage.ipynb",
+            [
+                "as recorded: first corrupt step",
+                "--reorder-threshold=1+k: clean",
+                "history of req-",
+            ],
+        ),
         (
             "bisect.ipynb",
             ["corruption starts at step", "clean under --reorder-threshold=1+k", "1 passed"],
