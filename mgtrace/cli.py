@@ -129,12 +129,15 @@ def sql(
     force: bool,
     skip_bad_parts: bool,
 ) -> None:
-    """Run a DuckDB QUERY over the views of TRACE (steps, batch_rows, launches, ...)."""
+    """Run a DuckDB QUERY over the views of TRACE (steps, batch_rows, launches, ...).
+
+    QUERY may name a canned triage query as @NAME; --list lists them with the views."""
     from mgtrace.errors import UsageError
+    from mgtrace.query.canned import NAMED, named
     from mgtrace.query.export import check_output_path, export_table
     from mgtrace.query.views import list_views as views_of
     from mgtrace.query.views import run_query
-    from mgtrace.render import render_arrow, render_views
+    from mgtrace.render import render_arrow, render_canned, render_views
 
     if not list_views and not query:
         raise UsageError('give a QUERY, e.g. "SELECT * FROM steps LIMIT 5", or --list')
@@ -147,8 +150,9 @@ def sql(
     con = _open(trace, skip_bad_parts).connect()
     if list_views:
         render_views(views_of(con), _stdout())
+        render_canned([(f"@{name}", doc) for name, (_, doc) in NAMED.items()], _stdout())
         return
-    rel = run_query(con, query)
+    rel = run_query(con, named(query))
     if fmt == "table":
         shown = rel.limit(max_rows + 1).to_arrow_table()
         more = shown.num_rows > max_rows

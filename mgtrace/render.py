@@ -112,6 +112,15 @@ def render_arrow(table: pa.Table, console: Console, *, more: bool) -> None:
     console.print(note, style="dim")
 
 
+def render_canned(queries: list[tuple[str, str]], console: Console) -> None:
+    t = Table(title="canned queries (mgtrace sql TRACE @NAME)", title_justify="left")
+    t.add_column("query")
+    t.add_column("answers", overflow="fold")
+    for name, doc in queries:
+        t.add_row(name, doc)
+    console.print(t)
+
+
 # Short headers for `mgtrace history`'s terminal table (the exported columns keep the views'
 # names).
 _HISTORY_HEADERS = {

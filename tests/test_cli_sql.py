@@ -79,3 +79,24 @@ def test_info_table(sample_trace: Path, capsys) -> None:
 
 def test_unknown_command_is_usage_error(capsys) -> None:
     assert main(["frobnicate"]) == 2
+
+
+@pytest.mark.parametrize("name", ["batch-composition", "accepted-distribution"])
+def test_a_canned_query_by_name_runs_its_sql(sample_trace: Path, name: str, capsys) -> None:
+    from mgtrace.query.canned import NAMED
+
+    assert main(["sql", str(sample_trace), f"@{name}", "--format", "json"]) == 0
+    by_name = json.loads(capsys.readouterr().out)
+    assert main(["sql", str(sample_trace), NAMED[name][0], "--format", "json"]) == 0
+    assert by_name and by_name == json.loads(capsys.readouterr().out)  # its SQL's rows
+
+
+def test_canned_queries_are_listed_and_unknown_names_refused(sample_trace: Path, capsys) -> None:
+    from mgtrace.query.canned import NAMED
+
+    assert main(["sql", str(sample_trace), "--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"@{name}" in out for name in NAMED)
+    assert main(["sql", str(sample_trace), "@nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mgtrace: error: no canned query '@nope'") and len(err.splitlines()) == 1

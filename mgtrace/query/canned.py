@@ -61,3 +61,38 @@ def findings_filter(replay_id: str | None) -> str:
 
 def quoted(values: list[str]) -> str:
     return ", ".join("'" + v.replace("'", "''") + "'" for v in values) or "''"
+
+
+# The canned queries by name, as ``mgtrace sql TRACE @NAME`` runs them: (SQL, what it answers).
+NAMED: dict[str, tuple[str, str]] = {
+    "batch-composition": (
+        BATCH_COMPOSITION.format(rank=0),
+        "per step of rank 0: rows per reorder region, and drafts in the Mamba prefill split",
+    ),
+    "accepted-distribution": (
+        ACCEPTED_DISTRIBUTION,
+        "how many rows accepted how many tokens, over spec-decode rows",
+    ),
+    "findings-over-time": (
+        FINDINGS_OVER_TIME.format(where=""),
+        "per step and kind, the requests the saved replays found",
+    ),
+    "first-decode-in-prefill-split": (
+        FIRST_DECODE_IN_PREFILL_SPLIT.format(where=""),
+        "the field re-analysis: first spec-decode step in the Mamba prefill split vs findings",
+    ),
+}
+
+
+def named(query: str) -> str:
+    """``query`` itself, or the canned query it names as ``@NAME``."""
+    if not query.startswith("@"):
+        return query
+    found = NAMED.get(query[1:])
+    if found is None:
+        from mgtrace.errors import UsageError
+
+        raise UsageError(
+            f"no canned query {query!r}; there are: " + ", ".join("@" + n for n in NAMED)
+        )
+    return found[0]
