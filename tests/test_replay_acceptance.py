@@ -133,3 +133,38 @@ def test_control_without_the_boundary_check_the_loss_shows_only_later(monkeypatc
     truth = reader.manifest.ground_truth["bugs"][BOUNDARY_ONLY_BUG]
     monkeypatch.setattr(RankReplay, "_check_cached_state", lambda *args: None)
     assert replay_trace(reader, RuleSet()).first_step > truth["first_step"]
+
+
+# A V1 run (three toggles, none fires) in which padded rows write onto blocks whose owners
+# have moved two and three columns past them: align mode retired those blocks without a
+# scheduler delta, so the replay still names their last owners, and says where they sit.
+RETIRED = {
+    "runner": "v1",
+    "scenario": "pairs",
+    "k": 1,
+    "max_num_seqs": 128,
+    "mamba_block_size": 64,
+    "acceptance_rate": 0.3,
+    "prefix_hit_prob": 0.0,
+    "length_scale": 1.0,
+}
+RETIRED_BUGS = ("async-accepted-race", "reorder-threshold-mismatch", "stale-condense-row")
+
+
+def test_a_write_onto_a_block_behind_its_owner_says_so(tmp_path) -> None:
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    out = tmp_path / "retired"
+    simulate(SimConfig(steps=400, seed=60531, bugs=RETIRED_BUGS, output=out, **RETIRED))
+    truth = TraceReader(out).manifest.ground_truth["bugs"]
+    assert all(truth[b]["first_step"] is None for b in RETIRED_BUGS)  # no toggle fired
+    found = replay_trace(TraceReader(out)).findings
+    assert [f.step for f in found] == [351, 378]
+    assert all(f.kind == "foreign_block_write" for f in found)
+    assert "(its column 1; it now runs at column 4)" in found[0].detail
+    # the control: a padded row's write onto the block a live request runs at has no note
+    stale = replay_trace(TraceReader(toggle_trace("stale-condense-row", 0)))
+    first = [f for f in stale.findings if f.step == stale.first_step]
+    assert any(f.kind == "foreign_block_write" for f in first)
+    assert not any("now runs at column" in f.detail for f in first)

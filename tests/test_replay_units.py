@@ -60,6 +60,21 @@ def test_ownership_follows_scheduler_deltas() -> None:
     assert own.owner_of(0, 5) is None and own.owner_of(0, 7).uid == 2
 
 
+def test_ownership_says_which_blocks_lie_behind_the_running_column() -> None:
+    """The worker's row ends at the running column and k spec columns: with k=2, a row of
+    [A, B, S1, S2] runs at column 1; appending [0, S1, S2, N] moves it to column 5."""
+    own = BlockOwnership(num_groups=1, num_blocks=32)
+    own.apply(0, [1], ["new"], [[[3, 4, 8, 9]]])
+    assert own.column_behind(1, 0, 3, spec_blocks=2) == (0, 1)
+    assert own.column_behind(1, 0, 4, spec_blocks=2) is None  # the running column itself
+    assert own.column_behind(1, 0, 9, spec_blocks=2) is None  # a spec column
+    own.apply(1, [1], ["cached"], [[[0, 8, 9, 10]]])
+    assert own.column_behind(1, 0, 4, spec_blocks=2) == (1, 5)  # moved past
+    assert own.column_behind(1, 0, 8, spec_blocks=2) is None  # reused: its later column
+    assert own.column_behind(1, 0, 10, spec_blocks=2) is None
+    assert own.column_behind(2, 0, 3, spec_blocks=2) is None  # not its block
+
+
 # ---------------------------------------------------------------- tags
 def _run(conv_layout: str = "SD") -> RunMetadata:
     shape = [5, 64] if conv_layout == "SD" else [64, 5]

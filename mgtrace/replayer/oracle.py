@@ -94,6 +94,7 @@ class Oracle:
     pool: TagPool
     ownership: BlockOwnership
     conv_keep: int  # conv rows a read relies on (K-1)
+    spec_blocks: int = 0  # speculative state columns after the running one (k)
     # Check reads in bulk at ``flush`` (the tags are gathered at read time on the device):
     # the replay then waits for the device once per flush instead of once per read.
     defer_reads: bool = False
@@ -426,6 +427,17 @@ class Oracle:
         for i in bad.nonzero()[0].tolist() if np.count_nonzero(bad) else ():
             writer = self.ids.name(int(uid[i]))
             victim = self.ids.name(int(owner[i]))
+            # align mode retires a column's block without a scheduler delta: say when the
+            # block sits behind the column the owner now runs at (a retired block, or one a
+            # deferred post-process or the prefix cache may still read)
+            behind = self.ownership.column_behind(
+                int(owner[i]), group, int(blocks[i]), self.spec_blocks
+            )
+            note = (
+                ""
+                if behind is None
+                else f" (its column {behind[0]}; it now runs at column {behind[1]})"
+            )
             self._report(
                 int(owner[i]),
                 Finding(
@@ -438,7 +450,7 @@ class Oracle:
                     detail=(
                         f"{'a padded row' if uid[i] == DUMMY_REQUEST else 'request ' + writer} "
                         f"writes block {int(blocks[i])}, owned by request {victim} since step "
-                        f"{int(self.ownership.since[group, blocks[i]])}"
+                        f"{int(self.ownership.since[group, blocks[i]])}{note}"
                     ),
                     group=group,
                     block_id=int(blocks[i]),

@@ -88,6 +88,23 @@ class BlockOwnership:
             elif blocks and any(blocks):
                 self._acquire(uid, step, blocks)
 
+    def column_behind(
+        self, uid: int, group: int, block: int, spec_blocks: int
+    ) -> tuple[int, int] | None:
+        """(column, running column) when ``block`` sits in ``uid``'s row at a column behind its
+        running column, else None. The worker's row is the scheduler's rows appended, and in
+        align mode it ends at the running column and the ``spec_blocks`` columns after it; a
+        block that appears twice (a reused spec block) is at its later column."""
+        groups = self._held.get(uid)
+        if not groups or group >= len(groups):
+            return None
+        row = groups[group]
+        for col in range(len(row) - 1, -1, -1):
+            if row[col] == block:
+                running = len(row) - 1 - spec_blocks
+                return (col, running) if col < running else None
+        return None
+
     def owner_or_free(self, group: int, blocks: np.ndarray) -> np.ndarray:
         """Owner uid of each block id in ``0..num_blocks`` (num_blocks stands for any id
         outside the pool: free, like the null block)."""
