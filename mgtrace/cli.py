@@ -10,7 +10,9 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -24,6 +26,53 @@ TRACE = click.Path(path_type=Path)
 SKIP_BAD_PARTS = click.option(
     "--skip-bad-parts", is_flag=True, help="Read the valid parts and say which were skipped."
 )
+
+
+def tabular_output(max_rows: int, noun: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--format, -o, --max-rows and --force, for a command that prints a table or writes it."""
+    options = [
+        click.option(
+            "--format",
+            "fmt",
+            type=click.Choice(["table", "csv", "json", "parquet"]),
+            default="table",
+            show_default=True,
+        ),
+        click.option(
+            "-o",
+            "--output",
+            type=click.Path(path_type=Path),
+            help=f"Write the {noun.lower()} here.",
+        ),
+        click.option(
+            "--max-rows",
+            type=click.IntRange(min=1),
+            default=max_rows,
+            show_default=True,
+            help=f"{noun} shown by --format table.",
+        ),
+        click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file."),
+    ]
+
+    def apply(command: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
+def _check_output(fmt: str, output: Path | None, force: bool) -> None:
+    """A terminal table has no file; a file is written only where asked, or with --force."""
+    from mgtrace.errors import UsageError
+    from mgtrace.query.export import check_output_path
+
+    if fmt == "table" and output is not None:
+        raise UsageError(
+            "--format table prints to the terminal; choose csv, json or parquet for -o"
+        )
+    if output is not None:
+        check_output_path(output, force=force)
 
 
 def _stdout() -> Console:
@@ -102,22 +151,7 @@ def info(trace: Path, as_json: bool, skip_bad_parts: bool) -> None:
 @click.argument("trace", type=TRACE)
 @click.argument("query", required=False)
 @click.option("--list", "list_views", is_flag=True, help="List the views and their columns.")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["table", "csv", "json", "parquet"]),
-    default="table",
-    show_default=True,
-)
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the result here.")
-@click.option(
-    "--max-rows",
-    type=click.IntRange(min=1),
-    default=50,
-    show_default=True,
-    help="Rows shown by --format table.",
-)
-@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@tabular_output(max_rows=50, noun="Rows")
 @SKIP_BAD_PARTS
 def sql(
     trace: Path,
@@ -134,19 +168,14 @@ def sql(
     QUERY may name a canned triage query as @NAME; --list lists them with the views."""
     from mgtrace.errors import UsageError
     from mgtrace.query.canned import NAMED, named
-    from mgtrace.query.export import check_output_path, export_table
+    from mgtrace.query.export import export_table
     from mgtrace.query.views import list_views as views_of
     from mgtrace.query.views import run_query
     from mgtrace.render import render_arrow, render_canned, render_views
 
     if not list_views and not query:
         raise UsageError('give a QUERY, e.g. "SELECT * FROM steps LIMIT 5", or --list')
-    if fmt == "table" and output is not None:
-        raise UsageError(
-            "--format table prints to the terminal; choose csv, json or parquet for -o"
-        )
-    if output is not None:
-        check_output_path(output, force=force)
+    _check_output(fmt, output, force)
     con = _open(trace, skip_bad_parts).connect()
     if list_views:
         render_views(views_of(con), _stdout())
@@ -174,22 +203,7 @@ def sql(
     show_default=True,
     help="Findings of the saved replays under these rules (as `replay` names them), or 'any'.",
 )
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["table", "csv", "json", "parquet"]),
-    default="table",
-    show_default=True,
-)
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the lines here.")
-@click.option(
-    "--max-rows",
-    type=click.IntRange(min=1),
-    default=200,
-    show_default=True,
-    help="Lines shown by --format table.",
-)
-@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@tabular_output(max_rows=200, noun="Lines")
 @SKIP_BAD_PARTS
 def history(
     trace: Path,
@@ -208,7 +222,7 @@ def history(
     differs), its running column, the Mamba split, the row moves that carried it, and what
     saved replays found about it. REQUEST may be any unique part of the id."""
     from mgtrace.errors import UsageError
-    from mgtrace.query.export import check_output_path, export_table
+    from mgtrace.query.export import export_table
     from mgtrace.query.history import (
         first_finding,
         request_history,
@@ -221,12 +235,7 @@ def history(
 
     if from_step is not None and to_step is not None and from_step > to_step:
         raise UsageError(f"--from-step {from_step} is after --to-step {to_step}")
-    if fmt == "table" and output is not None:
-        raise UsageError(
-            "--format table prints to the terminal; choose csv, json or parquet for -o"
-        )
-    if output is not None:
-        check_output_path(output, force=force)
+    _check_output(fmt, output, force)
     reader = _open(trace, skip_bad_parts)
     con = reader.connect()
     req_id = resolve_request(con, request)
