@@ -98,7 +98,14 @@ class Trace:
         if self._con is None:
             self._con = self.reader.connect()
         req_id = resolve_request(self._con, request)
-        return request_history(self._con, req_id, from_step=from_step, to_step=to_step, rules=rules)
+        return request_history(
+            self._con,
+            req_id,
+            from_step=from_step,
+            to_step=to_step,
+            rules=rules,
+            runner=self.run.runner,
+        )
 
     # ------------------------------------------------------------------ analyses
     def replay(

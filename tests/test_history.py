@@ -127,6 +127,10 @@ def test_a_block_owner_sees_who_wrote_onto_its_block(tmp_path: Path) -> None:
     assert any(f and f"(with {owner})" in f for f in on_writer)  # and the writer sees it too
     slot = [v["req_slot"] for v in rows if v["step"] <= step and v["req_slot"] is not None][-1]
     assert block in _own_row(path, 0, "source", slot, step)  # a block of the owner's row
+    from mgtrace.api import Trace
+
+    api = Trace(path).history(owner).to_pylist()
+    assert api == rows and any(v["block"] for v in api)  # the API reads V2's own tables too
     # both ranks' lines are there, and the table names the rank
     assert {v["rank"] for v in rows} == {0, 1}
     header = next(
