@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mgtrace.api import Trace
 from mgtrace.schemas.reader import TraceReader
 from tests.conftest import assert_one_sentence_error, run_cli
 from tests.replay_helpers import set_root, toggle_trace
@@ -68,10 +69,8 @@ def test_the_injected_request_shows_the_move_the_stale_count_and_the_finding(
         own = _own_row(path, 0, "v1", v["req_slot"], v["step"])
         assert v["block"] == own[int(v["state_col"].split("->")[-1])] > 0
     assert all("cpu" not in v["accepted_prev"] for v in before)
-    # its first line is its arrival, with its blocks; the scheduler says little after that
-    from mgtrace.api import Trace
-
     assert Trace(path).history(req).to_pylist() == _rows(path, req)  # the API's lines
+    # its first line is its arrival, with its blocks; the scheduler says little after that
     arrival = lines[min(lines)]
     assert arrival["scheduler"].startswith("new +blocks ")
     assert sum(v["scheduler"] is not None for v in before) < len(before) / 2
@@ -127,8 +126,6 @@ def test_a_block_owner_sees_who_wrote_onto_its_block(tmp_path: Path) -> None:
     assert any(f and f"(with {owner})" in f for f in on_writer)  # and the writer sees it too
     slot = [v["req_slot"] for v in rows if v["step"] <= step and v["req_slot"] is not None][-1]
     assert block in _own_row(path, 0, "source", slot, step)  # a block of the owner's row
-    from mgtrace.api import Trace
-
     api = Trace(path).history(owner).to_pylist()
     assert api == rows and any(v["block"] for v in api)  # the API reads V2's own tables too
     # both ranks' lines are there, and the table names the rank
