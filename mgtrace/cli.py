@@ -42,7 +42,7 @@ def tabular_output(max_rows: int, noun: str) -> Callable[[Callable[..., Any]], C
             "-o",
             "--output",
             type=click.Path(path_type=Path),
-            help=f"Write the {noun.lower()} here.",
+            help=f"Write the {noun.lower()} here (format from .csv, .json, .parquet).",
         ),
         click.option(
             "--max-rows",
@@ -62,17 +62,26 @@ def tabular_output(max_rows: int, noun: str) -> Callable[[Callable[..., Any]], C
     return apply
 
 
-def _check_output(fmt: str, output: Path | None, force: bool) -> None:
-    """A terminal table has no file; a file is written only where asked, or with --force."""
+OUTPUT_FORMATS = {".csv": "csv", ".json": "json", ".parquet": "parquet"}
+
+
+def _output_format(fmt: str, output: Path | None, force: bool) -> str:
+    """The format to write: as given, or, for -o without --format, the file's suffix. A file
+    is written only where asked, or over an old one with --force."""
     from mgtrace.errors import UsageError
     from mgtrace.query.export import check_output_path
 
-    if fmt == "table" and output is not None:
-        raise UsageError(
-            "--format table prints to the terminal; choose csv, json or parquet for -o"
-        )
-    if output is not None:
-        check_output_path(output, force=force)
+    if output is None:
+        return fmt
+    if fmt == "table":
+        fmt = OUTPUT_FORMATS.get(output.suffix.lower(), "table")
+        if fmt == "table":
+            raise UsageError(
+                f"cannot tell a format from {output.name!r}; name a .csv, .json or .parquet "
+                "file, or pass --format"
+            )
+    check_output_path(output, force=force)
+    return fmt
 
 
 def _stdout() -> Console:
@@ -175,7 +184,7 @@ def sql(
 
     if not list_views and not query:
         raise UsageError('give a QUERY, e.g. "SELECT * FROM steps LIMIT 5", or --list')
-    _check_output(fmt, output, force)
+    fmt = _output_format(fmt, output, force)
     con = _open(trace, skip_bad_parts).connect()
     if list_views:
         render_views(views_of(con), _stdout())
@@ -235,7 +244,7 @@ def history(
 
     if from_step is not None and to_step is not None and from_step > to_step:
         raise UsageError(f"--from-step {from_step} is after --to-step {to_step}")
-    _check_output(fmt, output, force)
+    fmt = _output_format(fmt, output, force)
     reader = _open(trace, skip_bad_parts)
     con = reader.connect()
     req_id = resolve_request(con, request)

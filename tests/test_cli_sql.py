@@ -100,3 +100,21 @@ def test_canned_queries_are_listed_and_unknown_names_refused(sample_trace: Path,
     assert main(["sql", str(sample_trace), "@nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mgtrace: error: no canned query '@nope'") and len(err.splitlines()) == 1
+
+
+def test_output_format_follows_the_file_suffix(sample_trace: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "r.json"
+    assert main(["sql", str(sample_trace), QUERY, "-o", str(out)]) == 0
+    assert json.loads(out.read_text())[3] == {"step": 3, "n": 16}
+    assert main(["sql", str(sample_trace), QUERY, "-o", str(tmp_path / "r.parquet")]) == 0
+    assert pq.read_table(tmp_path / "r.parquet").column("n").to_pylist() == [16] * 4
+    capsys.readouterr()
+    assert main(["sql", str(sample_trace), QUERY, "-o", str(tmp_path / "r.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot tell a format from 'r.txt'" in err and not (tmp_path / "r.txt").exists()
+    # --format still decides when given (the control)
+    assert (
+        main(["sql", str(sample_trace), QUERY, "--format", "csv", "-o", str(tmp_path / "r.txt")])
+        == 0
+    )
+    assert (tmp_path / "r.txt").read_text().splitlines()[0] == '"step","n"'
