@@ -56,16 +56,27 @@ def _img(fig: Any, alt: str) -> str:
 HISTORY_BEFORE, HISTORY_AFTER = 8, 2  # steps of each history shown around the first bad one
 
 
-def _histories(trace: Trace, findings: list, requests: list[str], first_bad: int) -> list[str]:
-    """``mgtrace history`` of each request around the first bad step, with this report's
-    findings (the replay is not saved in the trace)."""
-    from mgtrace.query.history import request_history
+def _connection(trace: Trace, findings: list) -> Any:
+    """The trace's views, with this report's findings as ``findings`` (the report's replay
+    is not saved in the trace)."""
     from mgtrace.replayer.findings import findings_table
     from mgtrace.replayer.rules import AS_RECORDED
 
     con = trace.reader.connect()
     con.register("report_findings", findings_table(findings, replay_id="report", rules=AS_RECORDED))
-    con.execute("CREATE OR REPLACE VIEW findings AS SELECT * FROM report_findings")
+    con.sql("CREATE OR REPLACE VIEW findings AS SELECT * FROM report_findings")
+    return con
+
+
+def _query_table(con: Any, sql: str) -> str:
+    rel = con.sql(sql)
+    return _table(rel.columns, rel.fetchall())
+
+
+def _histories(con: Any, trace: Trace, requests: list[str], first_bad: int) -> list[str]:
+    """``mgtrace history`` of each request around the first bad step."""
+    from mgtrace.query.history import request_history
+
     out = []
     for req in requests:
         lines = request_history(
@@ -81,33 +92,8 @@ def _histories(trace: Trace, findings: list, requests: list[str], first_bad: int
     return out
 
 
-def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -> str:
-    """The report's HTML. Replays the trace as recorded (without saving) for its findings."""
-    info = trace.info()
-    try:
-        result, crossed = trace.replay(), False
-    except InconclusiveError:  # gaps: the findings still show, under a warning
-        result, crossed = trace.replay(allow_gaps=True), True
-    verdict = trace.bisect() if bisect else None
+def _run_section(info: dict[str, Any]) -> list[str]:
     run = info["run"]
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>mgtrace report: {html.escape(str(trace.path))}</title>",
-        f"<style>{STYLE}</style></head><body>",
-        f"<h1>mgtrace report: <code>{html.escape(str(trace.path))}</code></h1>",
-    ]
-    if verdict is not None:
-        parts.append(
-            f"<div class='verdict {verdict.status}' id='verdict'>"
-            f"{html.escape(verdict.sentence())}</div>"
-        )
-        if verdict.commands:
-            parts.append(_table(["side", "command"], sorted(verdict.commands.items())))
-    elif result.clean:
-        parts.append(
-            "<div class='verdict clean' id='verdict'>clean: the replay found nothing</div>"
-        )
-    parts.append("<h2>Run</h2>")
     meta = [
         ("status", "complete" if info["complete"] else "incomplete"),
         ("source", info["source"].get("kind")),
@@ -125,17 +111,13 @@ def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -
         ("ranks", info["ranks"]),
         ("dropped steps", info["drops"]["steps"] + info["drops"]["malformed_steps"]),
     ]
-    parts.append(_table(["field", "value"], meta))
-    first_bad = result.first_step
-    parts += [
-        "<h2>Timeline</h2>",
-        _img(plots.batch_composition(trace, first_bad=first_bad), "batch composition"),
-    ]
-    parts += [
-        "<h2>Accepted counts</h2>",
-        _img(plots.accepted_distribution(trace), "accepted-count distribution"),
-    ]
-    parts.append("<h2>Findings (replay as recorded)</h2>")
+    return ["<h2>Run</h2>", _table(["field", "value"], meta)]
+
+
+def _findings_section(
+    con: Any, trace: Trace, result: Any, crossed: bool, max_findings: int
+) -> list[str]:
+    parts = ["<h2>Findings (replay as recorded)</h2>"]
     if crossed:
         parts.append(
             "<p class='warn'>The trace has dropped or left-out steps; this replay crossed "
@@ -166,6 +148,7 @@ def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -
             "(query them with <code>mgtrace sql</code>).</p>"
         )
     if result.findings:
+        first_bad = result.first_step
         first = [f for f in result.findings if f.step == first_bad]
         chosen = sorted(
             {f.req_id for f in first} | {f.writer_req_id for f in first if f.writer_req_id}
@@ -174,8 +157,85 @@ def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -
             "<h2>Block ownership of the first requests</h2>",
             _img(plots.block_ownership(trace, chosen), "block ownership"),
             "<h2>History of the first requests</h2>",
-            *_histories(trace, result.findings, chosen, first_bad),
+            *_histories(con, trace, chosen, first_bad),
         ]
+    return parts
+
+
+def _reanalysis_section(con: Any, trace: Trace, replayed: bool) -> list[str]:
+    """The field re-analysis: first spec-decode step in the Mamba prefill split against the
+    replay's findings and, where the load generator labelled requests, against what the
+    client saw."""
+    from mgtrace.recorder.probe_import import crosstab_sql
+
+    parts = ["<h2>Field re-analysis</h2>"]
+    if replayed:
+        parts.append(_query_table(con, canned.FIRST_DECODE_IN_PREFILL_SPLIT.format(where="")))
+    ((labelled,),) = con.sql("SELECT count(*) FROM requests WHERE corrupt IS NOT NULL").fetchall()
+    if labelled:
+        window = 1 + trace.run.num_speculative_tokens if trace.run.num_speculative_tokens else 4
+        parts += [
+            f"<p>Client labels against the Mamba prefill region (window {window}):</p>",
+            _query_table(con, crosstab_sql(window)),
+        ]
+    elif not replayed:
+        parts.append("<p>Nothing to cross: no replay and no client labels.</p>")
+    return parts
+
+
+def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -> str:
+    """The report's HTML. Replays the trace as recorded (without saving) for its findings;
+    a trace that cannot be replayed (a probe import) gets the sections that apply."""
+    from mgtrace.errors import UsageError
+    from mgtrace.replayer.steps import require_replayable
+
+    info = trace.info()
+    try:
+        require_replayable(trace.reader)
+        unreplayable = None
+    except UsageError as exc:
+        unreplayable = exc.message
+    result, crossed, verdict = None, False, None
+    if unreplayable is None:
+        try:
+            result = trace.replay()
+        except InconclusiveError:  # gaps: the findings still show, under a warning
+            result, crossed = trace.replay(allow_gaps=True), True
+        verdict = trace.bisect() if bisect else None
+    con = _connection(trace, result.findings if result is not None else [])
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>mgtrace report: {html.escape(str(trace.path))}</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>mgtrace report: <code>{html.escape(str(trace.path))}</code></h1>",
+    ]
+    if verdict is not None:
+        parts.append(
+            f"<div class='verdict {verdict.status}' id='verdict'>"
+            f"{html.escape(verdict.sentence())}</div>"
+        )
+        if verdict.commands:
+            parts.append(_table(["side", "command"], sorted(verdict.commands.items())))
+    elif result is not None and result.clean:
+        parts.append(
+            "<div class='verdict clean' id='verdict'>clean: the replay found nothing</div>"
+        )
+    elif unreplayable is not None:
+        parts.append(
+            f"<div class='verdict inconclusive' id='verdict'>no replay: "
+            f"{html.escape(unreplayable)}</div>"
+        )
+    parts += _run_section(info)
+    first_bad = result.first_step if result is not None else None
+    parts += [
+        "<h2>Timeline</h2>",
+        _img(plots.batch_composition(trace, first_bad=first_bad), "batch composition"),
+        "<h2>Accepted counts</h2>",
+        _img(plots.accepted_distribution(trace), "accepted-count distribution"),
+    ]
+    if result is not None:
+        parts += _findings_section(con, trace, result, crossed, max_findings)
+    parts += _reanalysis_section(con, trace, result is not None)
     parts.append(
         f"<p style='color:#888'>mgtrace {__version__}, "
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p></body></html>"
@@ -189,4 +249,4 @@ def write_report(trace: Trace, output: Path, *, bisect: bool = True) -> Path:
     return output
 
 
-__all__ = ["build_report", "canned", "write_report"]
+__all__ = ["build_report", "write_report"]

@@ -109,3 +109,30 @@ def test_report_of_a_trace_with_a_left_out_part(report: Path, tmp_path: Path) ->
     text = out.read_text()
     assert "class='verdict inconclusive'" in text and "class='warn'" in text
     assert "class='warn'" not in report.read_text()  # the control: a whole trace, no warning
+
+
+def test_report_of_an_imported_probe_log(tmp_path: Path) -> None:
+    """A probe import holds no kernel launches: no replay, and the report says so, but the
+    run, the timeline and the client labels' cross-tab are there (it used to stop at the
+    replay's refusal, and said the pool size was missing)."""
+    from mgtrace.recorder.probe_import import import_probe
+    from tests.test_recorder_unit import _probe_logs
+
+    probe, burst, _ = _probe_logs(tmp_path)
+    import_probe(probe, burst, tmp_path / "imp")
+    out = tmp_path / "imp.html"
+    proc = run_cli("report", str(tmp_path / "imp"), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "no replay: the trace holds no align-kernel launches" in text
+    assert "<h2>Field re-analysis</h2>" in text and "FIRST decode step in Mamba prefill" in text
+    assert "<h2>Findings (replay as recorded)</h2>" not in text
+    err = assert_one_sentence_error(run_cli("replay", str(tmp_path / "imp")), 2)
+    assert "imported from a probe log" in err
+
+
+def test_report_crosses_the_first_decode_with_its_findings(report: Path) -> None:
+    text = report.read_text()
+    section = text.split("<h2>Field re-analysis</h2>")[1]
+    assert "first_decode_in_prefill_split" in section and "flagged_by_replay" in section
+    assert "Client labels" not in section  # a simulated run has no client labels

@@ -153,8 +153,8 @@ def first_finding(
         f"SELECT step, rank, detail FROM findings WHERE {where} "
         "ORDER BY step, rank, req_id <> $1 LIMIT 1",
         params,
-    ).fetchone()
-    return None if row is None else (int(row[0]), int(row[1]), str(row[2]))
+    ).fetchall()
+    return (int(row[0][0]), int(row[0][1]), str(row[0][2])) if row else None
 
 
 def saved_rules(con: duckdb.DuckDBPyConnection) -> list[str]:
@@ -164,11 +164,11 @@ def saved_rules(con: duckdb.DuckDBPyConnection) -> list[str]:
 
 def request_span(con: duckdb.DuckDBPyConnection, req_id: str) -> tuple[int, int]:
     """First and last step at which the trace mentions ``req_id``."""
-    lo, hi = con.execute(
+    ((lo, hi),) = con.execute(
         "SELECT min(step), max(step) FROM (SELECT step FROM batch_rows WHERE req_id = $1 "
         "UNION ALL SELECT step FROM sched WHERE req_id = $1)",
         [req_id],
-    ).fetchone()
+    ).fetchall()
     return int(lo), int(hi)
 
 
@@ -179,10 +179,10 @@ def request_summary(con: duckdb.DuckDBPyConnection, req_id: str) -> str:
         "SELECT prompt_len, output_len, prefix_hit_tokens, finish_reason, corrupt, "
         "corruption_marker, client_id FROM requests WHERE req_id = $1 LIMIT 1",
         [req_id],
-    ).fetchone()
-    if row is None:
+    ).fetchall()
+    if not row:
         return ""
-    prompt, output, hit, finish, corrupt, marker, client = row
+    prompt, output, hit, finish, corrupt, marker, client = row[0]
     parts = []
     if prompt is not None:
         parts.append(f"prompt {prompt} tokens" + (f" ({hit} from the prefix cache)" if hit else ""))

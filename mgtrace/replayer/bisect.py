@@ -29,7 +29,7 @@ from mgtrace.replayer.divergence import first_divergence
 from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, FOREIGN_STATE, Finding
 from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
 from mgtrace.replayer.rules import RuleSet, single_changes
-from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of
+from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
 from mgtrace.schemas.reader import TraceReader
 
 LOG_FORMAT = "mgtrace-bisect"
@@ -139,6 +139,7 @@ class Bisector:
     ) -> None:
         self.path = Path(trace_path)
         self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
+        require_replayable(self.reader)
         self.base = base or RuleSet()
         self.backend_name = backend
         self.device = device

@@ -20,7 +20,7 @@ import numpy as np
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.rules import RuleSet
-from mgtrace.replayer.steps import RankTrace, ranks_of
+from mgtrace.replayer.steps import RankTrace, ranks_of, require_replayable
 from mgtrace.schemas.reader import TraceReader
 
 INPUT_TABLES = ("steps", "batch_rows", "launches", "block_tables", "sched", "row_moves")
@@ -109,6 +109,7 @@ class RulesDiff:
 def diff_rules(
     reader: TraceReader, a: RuleSet, b: RuleSet, *, backend: str = "reference", device: str = "cpu"
 ) -> RulesDiff:
+    require_replayable(reader)
     run = load_backend(backend, device)
     ids, seed = ckpt.request_ids_for(reader)
     out = RulesDiff(None, None)

@@ -30,7 +30,7 @@ from mgtrace.replayer.oracle import READ_KINDS, Oracle, StateRead
 from mgtrace.replayer.ownership import BlockOwnership
 from mgtrace.replayer.requests import DUMMY_REQUEST
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
-from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of
+from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
 from mgtrace.replayer.tables import OutOfPool, TableStore
 from mgtrace.replayer.tags import DRAFTS_FOLDED, DUMMY, SPECULATIVE, TagPool
 from mgtrace.replayer.view import RowView, launch_under_rules, row_view
@@ -619,6 +619,7 @@ def replay_trace(
     from mgtrace.replayer import checkpoint as ckpt
 
     rules = rules or RuleSet()
+    require_replayable(reader)
     ids, seed = ckpt.request_ids_for(reader)
     if jobs > 1:
         if backend != "reference" or checkpoint_every or seed is not None:

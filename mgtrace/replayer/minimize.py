@@ -34,7 +34,7 @@ from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
 from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
 from mgtrace.replayer.rules import RuleSet
-from mgtrace.replayer.steps import RankTrace, ranks_of
+from mgtrace.replayer.steps import RankTrace, ranks_of, require_replayable
 from mgtrace.schemas.manifest import Manifest, save_manifest
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
@@ -384,6 +384,7 @@ def minimize(
     rules = rules or RuleSet()
     t0 = time.perf_counter()
     reader = TraceReader(trace_path)
+    require_replayable(reader)
     full = load_memory(reader)
     base = outcome(full, rules)
     if base.first_step is None:

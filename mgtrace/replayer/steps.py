@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mgtrace.errors import UsageError
 from mgtrace.kernels.launch import ROW_COLUMNS, AlignLaunch
 from mgtrace.replayer.requests import RequestIds
 from mgtrace.schemas.reader import TraceReader
@@ -407,6 +408,24 @@ def first_gap(steps: np.ndarray) -> int | None:
         return 0
     jumps = np.flatnonzero(np.diff(steps) != 1)
     return int(steps[jumps[0]]) + 1 if len(jumps) else None
+
+
+def require_replayable(reader: TraceReader) -> None:
+    """Refuse, in one sentence, a trace that holds nothing a replay can run: no align-kernel
+    launch (a probe import, say), or no pool size to hold the states in."""
+    imported = (reader.manifest.source or {}).get("kind") == "probe-import"
+    origin = " (it was imported from a probe log)" if imported else ""
+    left_out = any(s.table == "launches" for s in getattr(reader, "skipped", ()))
+    if not reader.rows("launches") and not left_out:  # a left-out part is a gap, said later
+        raise UsageError(
+            f"the trace holds no align-kernel launches{origin}, so there is nothing to "
+            "replay; query it with mgtrace sql or mgtrace history"
+        )
+    if reader.manifest.run.num_blocks is None:
+        raise UsageError(
+            f"the trace does not say how many state blocks the pool has{origin}, so it "
+            "cannot be replayed; query it with mgtrace sql or mgtrace history"
+        )
 
 
 def ranks_of(reader: TraceReader) -> list[int]:
