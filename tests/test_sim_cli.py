@@ -38,6 +38,10 @@ def test_simulate_writes_a_trace_with_ground_truth(tmp_path: Path) -> None:
     assert manifest["complete"] and manifest["source"]["config"]["seed"] == 2
     truth = manifest["ground_truth"]["bugs"]["reorder-threshold-mismatch"]
     assert truth["first_step"] is not None and truth["affected_requests"]
+    n = len(truth["affected_requests"])
+    said = res.output + (res.stderr if hasattr(res, "stderr") else "")
+    assert f"first corrupts step {truth['first_step']}, {n} request" in said
+    assert f", {n} requests affected" in said if n != 1 else ", 1 request affected" in said
 
 
 @pytest.mark.parametrize(

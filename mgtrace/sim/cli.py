@@ -110,7 +110,8 @@ def _simulate(
     for name, entry in truth.get("bugs", {}).items():
         first = entry["first_step"]
         where = f"first corrupts step {first}" if first is not None else "corrupted nothing"
-        err.print(f"  {name}: {where}, {len(entry['affected_requests'])} requests affected")
+        n = len(entry["affected_requests"])
+        err.print(f"  {name}: {where}, {n} request{'s' if n != 1 else ''} affected")
     err.print(f"next: mgtrace info {output}")
 
 
