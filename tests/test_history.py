@@ -116,7 +116,7 @@ def test_a_block_owner_sees_who_wrote_onto_its_block(tmp_path: Path) -> None:
     con = TraceReader(path).connect()
     owner, writer, step, block = con.execute(  # the finding names the owner, hit by the writer
         "SELECT req_id, writer_req_id, step, block_id FROM findings "
-        "WHERE kind = 'foreign_block_write' ORDER BY step LIMIT 1"
+        "WHERE kind = 'foreign_block_write' ORDER BY step, rank, batch_row, block_id LIMIT 1"
     ).fetchone()
     assert writer != owner
     rows = _rows(path, owner)

@@ -71,13 +71,16 @@ found AS (
   FROM findings WHERE (req_id = $1 OR writer_req_id = $1) AND ($4 IS NULL OR rules = $4)
 ),
 found_r AS (
-  SELECT rank, step,
-         string_agg(DISTINCT signature || CASE
+  -- one text per finding, joined in a fixed order (a line reads the same on every run)
+  SELECT rank, step, string_agg(DISTINCT text, '; ' ORDER BY text) AS findings
+  FROM (
+    SELECT rank, step, signature || CASE
              WHEN req_id <> $1 THEN ' (with ' || req_id || ')'
              WHEN writer_req_id IS NOT NULL AND writer_req_id <> $1
              THEN ' (with ' || writer_req_id || ')'
-             ELSE '' END, '; ') AS findings
-  FROM found GROUP BY rank, step
+             ELSE '' END AS text
+    FROM found
+  ) GROUP BY rank, step
 ),
 lines AS (
   SELECT rank, step FROM sched_r UNION SELECT rank, step FROM rows_b
