@@ -84,6 +84,14 @@ def _output_format(fmt: str, output: Path | None, force: bool) -> str:
     return fmt
 
 
+def check_step_window(from_step: int | None, to_step: int | None) -> None:
+    """--from-step and --to-step, when both are given, in order."""
+    from mgtrace.errors import UsageError
+
+    if from_step is not None and to_step is not None and from_step > to_step:
+        raise UsageError(f"--from-step {from_step} comes after --to-step {to_step}")
+
+
 def _stdout() -> Console:
     from mgtrace.render import stdout_console
 
@@ -230,7 +238,6 @@ def history(
     row and slot, the counts its kernels consumed (the CPU-held accepted count where it
     differs), its running column, the Mamba split, the row moves that carried it, and what
     saved replays found about it. REQUEST may be any unique part of the id."""
-    from mgtrace.errors import UsageError
     from mgtrace.query.export import export_table
     from mgtrace.query.history import (
         first_finding,
@@ -242,8 +249,7 @@ def history(
     )
     from mgtrace.render import render_history
 
-    if from_step is not None and to_step is not None and from_step > to_step:
-        raise UsageError(f"--from-step {from_step} is after --to-step {to_step}")
+    check_step_window(from_step, to_step)
     fmt = _output_format(fmt, output, force)
     reader = _open(trace, skip_bad_parts)
     con = reader.connect()

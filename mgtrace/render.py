@@ -124,7 +124,6 @@ def render_canned(queries: list[tuple[str, str]], console: Console) -> None:
 # Short headers for `mgtrace history`'s terminal table (the exported columns keep the views'
 # names).
 _HISTORY_HEADERS = {
-    "scheduler": "scheduler",
     "batch_row": "row",
     "req_slot": "slot",
     "num_computed": "computed",
@@ -133,11 +132,9 @@ _HISTORY_HEADERS = {
     "accepted_prev": "acc prev",
     "accepted": "acc",
     "state_col": "col",
-    "block": "block",
     "mamba_split": "split",
     "reorder_region": "region",
     "row_moves": "row moves",
-    "findings": "findings",
 }
 
 

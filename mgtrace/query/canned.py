@@ -5,6 +5,8 @@ Each returns SQL text, so a notebook can show it, edit it and run it with ``Trac
 
 from __future__ import annotations
 
+from mgtrace.errors import UsageError
+
 BATCH_COMPOSITION = """
 SELECT step,
        count(*) FILTER (WHERE reorder_region = 'decode')       AS decode,
@@ -90,8 +92,6 @@ def named(query: str) -> str:
         return query
     found = NAMED.get(query[1:])
     if found is None:
-        from mgtrace.errors import UsageError
-
         raise UsageError(
             f"no canned query {query!r}; there are: " + ", ".join("@" + n for n in NAMED)
         )

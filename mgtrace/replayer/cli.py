@@ -130,9 +130,10 @@ def replay(
         return EXIT_CLEAN
     if trace is None:
         raise UsageError("give a TRACE to replay (or --list-rules)")
-    if from_step is not None and to_step is not None and from_step > to_step:
-        raise UsageError(f"--from-step {from_step} comes after --to-step {to_step}")
+    from mgtrace.cli import check_step_window
     from mgtrace.render import render_replay
+
+    check_step_window(from_step, to_step)
     from mgtrace.replayer.findings import save_findings
     from mgtrace.replayer.loop import replay_trace
     from mgtrace.replayer.parallel import default_jobs
