@@ -136,8 +136,8 @@ def test_control_without_the_boundary_check_the_loss_shows_only_later(monkeypatc
 
 
 # A V1 run (three toggles, none fires) in which padded rows write onto blocks whose owners
-# have moved two and three columns past them: align mode retired those blocks without a
-# scheduler delta, so the replay still names their last owners, and says where they sit.
+# have moved two and three columns past them: align mode freed those blocks without a
+# scheduler delta. The replay retires them by the same rule, so it reports nothing.
 RETIRED = {
     "runner": "v1",
     "scenario": "pairs",
@@ -151,7 +151,8 @@ RETIRED = {
 RETIRED_BUGS = ("async-accepted-race", "reorder-threshold-mismatch", "stale-condense-row")
 
 
-def test_a_write_onto_a_block_behind_its_owner_says_so(tmp_path) -> None:
+def test_writes_onto_retired_blocks_are_no_finding(tmp_path, monkeypatch) -> None:
+    from mgtrace.replayer.ownership import BlockOwnership
     from mgtrace.sim.config import SimConfig
     from mgtrace.sim.engine import simulate
 
@@ -159,10 +160,15 @@ def test_a_write_onto_a_block_behind_its_owner_says_so(tmp_path) -> None:
     simulate(SimConfig(steps=400, seed=60531, bugs=RETIRED_BUGS, output=out, **RETIRED))
     truth = TraceReader(out).manifest.ground_truth["bugs"]
     assert all(truth[b]["first_step"] is None for b in RETIRED_BUGS)  # no toggle fired
+    assert replay_trace(TraceReader(out)).findings == []
+    # the failing control: ownership that never retires names the blocks' former owners,
+    # and says where the blocks sit in their rows
+    monkeypatch.setattr(BlockOwnership, "retire", lambda self, uids, processed: None)
     found = replay_trace(TraceReader(out)).findings
     assert [f.step for f in found] == [351, 378]
     assert all(f.kind == "foreign_block_write" for f in found)
     assert "(its column 1; it now runs at column 4)" in found[0].detail
+    monkeypatch.undo()
     # the control: a padded row's write onto the block a live request runs at has no note
     stale = replay_trace(TraceReader(toggle_trace("stale-condense-row", 0)))
     first = [f for f in stale.findings if f.step == stale.first_step]

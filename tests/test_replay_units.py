@@ -75,6 +75,61 @@ def test_ownership_says_which_blocks_lie_behind_the_running_column() -> None:
     assert own.column_behind(2, 0, 3, spec_blocks=2) is None  # not its block
 
 
+def test_ownership_retires_the_previous_state_block_as_align_mode_does() -> None:
+    """B=4, k=2: a row [3, 8, 9] runs at column 0; growing by [10] it runs at column 1 (the
+    reused spec block 8) and column 0 becomes its previous state column, freed once the
+    processed tokens pass it: 0 < cdiv(processed, 4) - 1."""
+    own = BlockOwnership(num_groups=1, num_blocks=32, block_size=4, spec_blocks=2)
+    own.apply(0, [1], ["new"], [[[3, 8, 9]]], [0])
+    own.retire(np.array([1]), np.array([100]))  # no previous state column yet
+    assert own.owner_of(0, 3).uid == 1
+    own.apply(1, [1], ["cached"], [[[10]]], [3])
+    own.retire(np.array([1]), np.array([4]))  # 0 < cdiv(4, 4) - 1 = 0 does not hold
+    assert own.owner_of(0, 3).uid == 1
+    own.retire(np.array([1]), np.array([5]))
+    assert own.owner_of(0, 3) is None
+    assert all(own.owner_of(0, b).uid == 1 for b in (8, 9, 10))
+    assert own.column_behind(1, 0, 3, spec_blocks=2) == (0, 1)  # still in the worker's row
+    own.apply(2, [2], ["cached"], [[[3]]])  # handed to another request: its block now
+    own.retire(np.array([1]), np.array([50]))  # retired once only
+    assert own.owner_of(0, 3).uid == 2
+
+
+def test_ownership_retires_a_prefix_hit_block_and_keeps_a_block_still_in_the_row() -> None:
+    own = BlockOwnership(num_groups=1, num_blocks=32, block_size=4, spec_blocks=1)
+    # a hit of 8 tokens: null column, boundary block 5 at column 1, then its new blocks
+    own.apply(0, [1], ["new"], [[[0, 5, 6, 7]]], [8])
+    own.retire(np.array([1]), np.array([8]))
+    assert own.owner_of(0, 5).uid == 1
+    own.retire(np.array([1]), np.array([9]))
+    assert own.owner_of(0, 5) is None
+    # a block that appears again later in the row is still in use: never freed
+    own.apply(1, [2], ["new"], [[[11, 12]]], [0])
+    own.apply(2, [2], ["cached"], [[[11, 13]]], [4])  # column 0 holds 11, so does column 2
+    own.retire(np.array([2]), np.array([100]))
+    assert own.owner_of(0, 11).uid == 2
+    own.apply(3, [2], ["finished"], [None])
+    own.retire(np.array([2]), np.array([100]))  # a finished request holds nothing
+    assert own.owner_of(0, 11) is None
+
+
+def test_processed_tokens_take_off_the_steps_still_in_flight() -> None:
+    from mgtrace.replayer.steps import processed_tokens
+    from mgtrace.schemas.tables import SCHED_KINDS
+
+    kind = np.array([SCHED_KINDS.index(k) for k in ("new", "cached", "cached", "new")])
+    args = (
+        np.array([1, 1, 1, 2]),  # uid
+        np.array([0, 1, 2, 1]),  # step
+        kind,
+        np.array([10, 4, 4, 7]),  # num_scheduled
+        np.array([0, 10, 14, 0]),  # num_computed
+    )
+    assert processed_tokens(*args, 0).tolist() == [0, 10, 14, 0]
+    assert processed_tokens(*args, 1).tolist() == [0, 0, 10, 0]
+    assert processed_tokens(*args, 2).tolist() == [0, 0, 0, 0]
+
+
 # ---------------------------------------------------------------- tags
 def _run(conv_layout: str = "SD") -> RunMetadata:
     shape = [5, 64] if conv_layout == "SD" else [64, 5]

@@ -40,11 +40,12 @@ def cache_dir(reader: TraceReader, rules: str, layout: str) -> Path:
 
 def save(directory: Path, rank: int, cp: Checkpoint) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    owner, since, held = cp.ownership
+    owner, since, held, last_col = cp.ownership
     arrays = {
         "pool": cp.pool,
         "owner": owner,
         "since": since,
+        "last_col": last_col,
         "wrote": cp.wrote,
         "meta": np.array(
             json.dumps(
@@ -140,7 +141,13 @@ def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
             step=meta["step"],
             pool=data["pool"],
             tables=tables,
-            ownership=(data["owner"], data["since"], {int(k): v for k, v in meta["held"].items()}),
+            ownership=(
+                data["owner"],
+                data["since"],
+                {int(k): v for k, v in meta["held"].items()},
+                # files written before previous state columns were kept: none known
+                data["last_col"] if "last_col" in data.files else np.full(1, -1, np.int64),
+            ),
             wrote=data["wrote"],
             repeats={(u, sig): n for u, sig, n in meta["repeats"]},
             findings=0,

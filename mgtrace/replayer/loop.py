@@ -106,7 +106,9 @@ class RankReplay:
         self.own_kind = kinds[0]
         rows, width = self.trace.table_dims(self.k)
         self.tables = TableStore(kinds, groups, rows, width, run.num_blocks)
-        self.ownership = BlockOwnership(groups, run.num_blocks or 1)
+        self.ownership = BlockOwnership(
+            groups, run.num_blocks or 1, block_size=self.block_size, spec_blocks=self.k
+        )
         width0 = self.pool.groups[0].width if self.pool.groups else 0
         conv_keep = width0 - self.k if width0 > self.k else width0
         self.oracle = Oracle(
@@ -247,9 +249,13 @@ class RankReplay:
         return view
 
     def _own(self, step: int) -> None:
+        # align mode frees previous state blocks as it schedules, before it allocates
+        self.ownership.retire(*self.trace.running(step))
         sched = self.trace.sched(step)
         if sched["uid"]:
-            self.ownership.apply(step, sched["uid"], sched["kind"], sched["new_block_ids"])
+            self.ownership.apply(
+                step, sched["uid"], sched["kind"], sched["new_block_ids"], sched["num_computed"]
+            )
 
     def _step(self, step: int) -> None:
         trace = self.trace

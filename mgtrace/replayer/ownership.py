@@ -1,9 +1,15 @@
 """Who owns each state block, rebuilt from the scheduler's block-id deltas alone.
 
 New and resumed requests get their block lists replaced, cached requests get ids appended,
-finished and preempted requests let theirs go. The latest assignment of a block wins: the
-scheduler frees a request's previous state block without saying so (the worker's rows are
-append-only), so when that block is handed to another request the new holder takes it over.
+finished and preempted requests let theirs go. The latest assignment of a block wins.
+
+Align mode also frees a request's previous state block without a delta (the worker's rows are
+append-only, so the id stays in the row): when a row grows, the column the request ran at
+before the growth becomes its previous state column (on a prefix hit, the hit's boundary
+column), and once a scheduled request's processed tokens (its computed count less the tokens
+still in flight) pass that column's end, the scheduler frees it, as vLLM's MambaManager does
+in ``remove_skipped_blocks``. ``retire`` mirrors that rule, so a stray write onto a block
+nobody holds any longer is not taken for an attack on its former owner.
 Block 0 is the null block and belongs to nobody.
 """
 
@@ -22,6 +28,10 @@ NULL_BLOCK = 0
 SHORT_LIST = 32
 
 
+# owner, since, the rows held, the previous state columns
+OwnershipSnapshot = tuple[np.ndarray, np.ndarray, dict[int, list[list[int]]], np.ndarray]
+
+
 @dataclass
 class Assignment:
     uid: int
@@ -29,8 +39,14 @@ class Assignment:
 
 
 class BlockOwnership:
-    def __init__(self, num_groups: int, num_blocks: int) -> None:
+    def __init__(
+        self, num_groups: int, num_blocks: int, block_size: int = 16, spec_blocks: int = 0
+    ) -> None:
         self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.spec_blocks = spec_blocks
+        # uid -> the column of its previous state block, -1 when it holds none
+        self._last_col = np.full(64, -1, dtype=np.int64)
         # uid, 0 = free; one column past the pool, never owned, for ids outside it.
         self.owner = np.zeros((num_groups, num_blocks + 1), dtype=np.int32)
         self.since = np.full((num_groups, num_blocks), -1, dtype=np.int64)  # step assigned
@@ -71,22 +87,65 @@ class BlockOwnership:
             owner[ids] = uid
             since[ids] = step
 
+    def _set_last_col(self, uid: int, col: int) -> None:
+        if uid >= len(self._last_col):
+            grown = np.full(max(2 * len(self._last_col), uid + 1), -1, dtype=np.int64)
+            grown[: len(self._last_col)] = self._last_col
+            self._last_col = grown
+        self._last_col[uid] = col
+
+    def _row_length(self, uid: int) -> int:
+        rows = self._held.get(uid)
+        return max((len(r) for r in rows), default=0) if rows else 0
+
     def apply(
         self,
         step: int,
         uids: Sequence[int],
         kinds: Sequence[str],
         new_block_ids: Sequence[Sequence[Sequence[int]] | None],
+        num_computed: Sequence[int] | None = None,
     ) -> None:
-        """One step's ``sched`` rows, in the order the scheduler emitted them."""
-        for uid, kind, blocks in zip(uids, kinds, new_block_ids, strict=True):
+        """One step's ``sched`` rows, in the order the scheduler emitted them; ``num_computed``
+        (the rows' computed counts) places a new request's prefix-hit block."""
+        for i, (uid, kind, blocks) in enumerate(zip(uids, kinds, new_block_ids, strict=True)):
             if kind in ("finished", "preempted"):
                 self._release(uid)
+                self._set_last_col(uid, -1)
             elif kind in ("new", "resumed"):
                 self._release(uid)
                 self._acquire(uid, step, blocks or [])
+                # a prefix hit's row is its null columns and the boundary block; the first
+                # allocation keeps that block as the previous state
+                hit_cols = int(num_computed[i]) // self.block_size if num_computed else 0
+                self._set_last_col(uid, hit_cols - 1 if hit_cols > 0 else -1)
             elif blocks and any(blocks):
+                # a row grows: the column it ran at becomes its previous state column
+                self._set_last_col(uid, self._row_length(uid) - 1 - self.spec_blocks)
                 self._acquire(uid, step, blocks)
+
+    def retire(self, uids: np.ndarray, processed: np.ndarray) -> None:
+        """Free the previous state block of each scheduled running request whose processed
+        tokens passed it: ``column < cdiv(processed, B) - 1``."""
+        uids = np.asarray(uids, dtype=np.int64)
+        known = uids < len(self._last_col)
+        cols = np.where(known, self._last_col[np.where(known, uids, 0)], -1)
+        B = self.block_size
+        due = (cols >= 0) & (cols < (np.asarray(processed) + B - 1) // B - 1)
+        if not np.count_nonzero(due):
+            return
+        for uid, col in zip(uids[due].tolist(), cols[due].tolist(), strict=True):
+            self._last_col[uid] = -1
+            for group, row in enumerate(self._held.get(uid, ())):
+                if col >= len(row):
+                    continue
+                block = row[col]
+                # a spec block the row relocated sits at a later column too: still in use
+                if not NULL_BLOCK < block < self.num_blocks or block in row[col + 1 :]:
+                    continue
+                if self.owner[group, block] == uid:
+                    self.owner[group, block] = NO_REQUEST
+                    self.since[group, block] = -1
 
     def column_behind(
         self, uid: int, group: int, block: int, spec_blocks: int
@@ -116,16 +175,18 @@ class BlockOwnership:
         uid = int(self.owner[group, block])
         return None if uid == NO_REQUEST else Assignment(uid, int(self.since[group, block]))
 
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray, dict[int, list[list[int]]]]:
+    def snapshot(self) -> OwnershipSnapshot:
         return (
             self.owner[:, : self.num_blocks].copy(),
             self.since.copy(),
             {u: [list(g) for g in groups] for u, groups in self._held.items()},
+            self._last_col.copy(),
         )
 
-    def restore(self, snap: tuple[np.ndarray, np.ndarray, dict[int, list[list[int]]]]) -> None:
-        owner, since, held = snap
+    def restore(self, snap: OwnershipSnapshot) -> None:
+        owner, since, held, last_col = snap
         self.owner = np.zeros((owner.shape[0], self.num_blocks + 1), dtype=np.int32)
         self.owner[:, : self.num_blocks] = owner
         self.since = since.copy()
         self._held = {u: [list(g) for g in groups] for u, groups in held.items()}
+        self._last_col = last_col.copy()

@@ -28,6 +28,42 @@ from mgtrace.schemas.tables import (
 )
 
 
+def steps_in_flight(run: Any) -> int:
+    """Steps whose results the scheduler has not folded in when it schedules the next one:
+    the pipeline's depth less one, else one under async scheduling, else none."""
+    if run.pp_size > 1:
+        return run.pp_size - 1
+    return 1 if run.async_scheduling else 0
+
+
+def processed_tokens(
+    uid: np.ndarray,
+    step: np.ndarray,
+    kind: np.ndarray,
+    num_scheduled: np.ndarray,
+    num_computed: np.ndarray,
+    in_flight: int,
+) -> np.ndarray:
+    """Per ``sched`` row, the computed count less the tokens the same request was scheduled
+    in the ``in_flight`` steps before (their results are still pending): what vLLM's align
+    mode compares with the previous state column before freeing it."""
+    processed = num_computed.astype(np.int64)
+    if not in_flight or not len(uid):
+        return processed
+    scheduled = np.isin(kind, [SCHED_KINDS.index(k) for k in ("new", "cached", "resumed")])
+    span = int(step.max() - step.min()) + in_flight + 2
+    key = uid.astype(np.int64) * span + (step - step.min() + in_flight + 1)
+    if not np.count_nonzero(scheduled):
+        return processed
+    keys, tokens = key[scheduled], num_scheduled[scheduled].astype(np.int64)
+    order = np.argsort(keys, kind="stable")
+    keys, tokens = keys[order], tokens[order]
+    for back in range(1, in_flight + 1):
+        at = np.minimum(np.searchsorted(keys, key - back), len(keys) - 1)
+        processed -= np.where(keys[at] == key - back, tokens[at], 0)
+    return processed
+
+
 def _numpy(col: pa.ChunkedArray, fill: int = -1) -> np.ndarray:
     """An integer column as int64 numpy, nulls replaced by ``fill``."""
     if pa.types.is_boolean(col.type):
@@ -165,6 +201,16 @@ class RankTrace:
         self._sched_pos[matters] = np.arange(len(matters))
         self._sched_blocks = (
             st.column("new_block_ids").take(pa.array(matters)).to_pylist() if len(matters) else []
+        )
+        self._sched_computed = _numpy(st.column("num_computed"), fill=0)
+        self._sched_running = self._sched_kind == SCHED_KINDS.index("cached")
+        self._sched_processed = processed_tokens(
+            self._sched_uid,
+            self._sched.steps.astype(np.int64),
+            self._sched_kind,
+            _numpy(st.column("num_scheduled"), fill=0),
+            self._sched_computed,
+            steps_in_flight(self.run),
         )
         self._batch_cols = {c: _numpy(self._batch.table.column(c)) for c in BATCH_INT_COLUMNS}
         bt = self._batch.table
@@ -360,12 +406,19 @@ class RankTrace:
         lo, hi = self._sched.bounds(step)
         sel = self._sched_matters[lo:hi].nonzero()[0] + lo
         if not len(sel):
-            return {"uid": [], "kind": [], "new_block_ids": []}
+            return {"uid": [], "kind": [], "new_block_ids": [], "num_computed": []}
         return {
             "uid": self._sched_uid[sel].tolist(),
             "kind": [SCHED_KINDS[k] for k in self._sched_kind[sel].tolist()],
             "new_block_ids": [self._sched_blocks[i] for i in self._sched_pos[sel].tolist()],
+            "num_computed": self._sched_computed[sel].tolist(),
         }
+
+    def running(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """uids of the running requests scheduled in ``step`` and their processed tokens."""
+        lo, hi = self._sched.bounds(step)
+        sel = self._sched_running[lo:hi].nonzero()[0] + lo
+        return self._sched_uid[sel], self._sched_processed[sel]
 
 
 _REGIONS = pa.array(list(REORDER_REGIONS), pa.string())
