@@ -78,38 +78,39 @@ def test_ownership_says_which_blocks_lie_behind_the_running_column() -> None:
 def test_ownership_retires_the_previous_state_block_as_align_mode_does() -> None:
     """B=4, k=2: a row [3, 8, 9] runs at column 0; growing by [10] it runs at column 1 (the
     reused spec block 8) and column 0 becomes its previous state column, freed once the
-    processed tokens pass it: 0 < cdiv(processed, 4) - 1."""
+    processed tokens pass it: 0 < cdiv(processed, 4) - 1, the column ``retire`` is given."""
     own = BlockOwnership(num_groups=1, num_blocks=32, block_size=4, spec_blocks=2)
     own.apply(0, [1], ["new"], [[[3, 8, 9]]], [0])
-    own.retire(np.array([1]), np.array([100]))  # no previous state column yet
+    own.retire(np.array([1]), np.array([24]))  # no previous state column yet
     assert own.owner_of(0, 3).uid == 1
     own.apply(1, [1], ["cached"], [[[10]]], [3])
-    own.retire(np.array([1]), np.array([4]))  # 0 < cdiv(4, 4) - 1 = 0 does not hold
+    own.retire(np.array([1]), np.array([0]))  # processed 4: 0 < cdiv(4, 4) - 1 fails
     assert own.owner_of(0, 3).uid == 1
-    own.retire(np.array([1]), np.array([5]))
+    own.retire(np.array([1]), np.array([1]))  # processed 5
     assert own.owner_of(0, 3) is None
     assert all(own.owner_of(0, b).uid == 1 for b in (8, 9, 10))
     assert own.column_behind(1, 0, 3, spec_blocks=2) == (0, 1)  # still in the worker's row
     own.apply(2, [2], ["cached"], [[[3]]])  # handed to another request: its block now
-    own.retire(np.array([1]), np.array([50]))  # retired once only
+    own.retire(np.array([1]), np.array([12]))  # retired once only
     assert own.owner_of(0, 3).uid == 2
+    own.retire(np.array([1, 500]), np.array([12, 12]))  # a uid past the table it starts with
 
 
 def test_ownership_retires_a_prefix_hit_block_and_keeps_a_block_still_in_the_row() -> None:
     own = BlockOwnership(num_groups=1, num_blocks=32, block_size=4, spec_blocks=1)
     # a hit of 8 tokens: null column, boundary block 5 at column 1, then its new blocks
     own.apply(0, [1], ["new"], [[[0, 5, 6, 7]]], [8])
-    own.retire(np.array([1]), np.array([8]))
+    own.retire(np.array([1]), np.array([1]))
     assert own.owner_of(0, 5).uid == 1
-    own.retire(np.array([1]), np.array([9]))
+    own.retire(np.array([1]), np.array([2]))
     assert own.owner_of(0, 5) is None
     # a block that appears again later in the row is still in use: never freed
     own.apply(1, [2], ["new"], [[[11, 12]]], [0])
     own.apply(2, [2], ["cached"], [[[11, 13]]], [4])  # column 0 holds 11, so does column 2
-    own.retire(np.array([2]), np.array([100]))
+    own.retire(np.array([2]), np.array([24]))
     assert own.owner_of(0, 11).uid == 2
     own.apply(3, [2], ["finished"], [None])
-    own.retire(np.array([2]), np.array([100]))  # a finished request holds nothing
+    own.retire(np.array([2]), np.array([24]))  # a finished request holds nothing
     assert own.owner_of(0, 11) is None
 
 

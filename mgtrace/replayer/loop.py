@@ -107,7 +107,11 @@ class RankReplay:
         rows, width = self.trace.table_dims(self.k)
         self.tables = TableStore(kinds, groups, rows, width, run.num_blocks)
         self.ownership = BlockOwnership(
-            groups, run.num_blocks or 1, block_size=self.block_size, spec_blocks=self.k
+            groups,
+            run.num_blocks or 1,
+            block_size=self.block_size,
+            spec_blocks=self.k,
+            num_uids=len(self.trace.ids.names) + 1,
         )
         width0 = self.pool.groups[0].width if self.pool.groups else 0
         conv_keep = width0 - self.k if width0 > self.k else width0

@@ -427,9 +427,8 @@ class Oracle:
         for i in bad.nonzero()[0].tolist() if np.count_nonzero(bad) else ():
             writer = self.ids.name(int(uid[i]))
             victim = self.ids.name(int(owner[i]))
-            # align mode retires a column's block without a scheduler delta: say when the
-            # block sits behind the column the owner now runs at (a retired block, or one a
-            # deferred post-process or the prefix cache may still read)
+            # say when the block sits behind the column the owner now runs at: not yet freed,
+            # but a deferred post-process or the prefix cache is its only possible reader
             behind = self.ownership.column_behind(
                 int(owner[i]), group, int(blocks[i]), self.spec_blocks
             )

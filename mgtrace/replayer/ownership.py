@@ -40,13 +40,18 @@ class Assignment:
 
 class BlockOwnership:
     def __init__(
-        self, num_groups: int, num_blocks: int, block_size: int = 16, spec_blocks: int = 0
+        self,
+        num_groups: int,
+        num_blocks: int,
+        block_size: int = 16,
+        spec_blocks: int = 0,
+        num_uids: int = 64,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.spec_blocks = spec_blocks
         # uid -> the column of its previous state block, -1 when it holds none
-        self._last_col = np.full(64, -1, dtype=np.int64)
+        self._last_col = np.full(num_uids, -1, dtype=np.int64)
         # uid, 0 = free; one column past the pool, never owned, for ids outside it.
         self.owner = np.zeros((num_groups, num_blocks + 1), dtype=np.int32)
         self.since = np.full((num_groups, num_blocks), -1, dtype=np.int64)  # step assigned
@@ -124,14 +129,16 @@ class BlockOwnership:
                 self._set_last_col(uid, self._row_length(uid) - 1 - self.spec_blocks)
                 self._acquire(uid, step, blocks)
 
-    def retire(self, uids: np.ndarray, processed: np.ndarray) -> None:
+    def retire(self, uids: np.ndarray, freed_below: np.ndarray) -> None:
         """Free the previous state block of each scheduled running request whose processed
-        tokens passed it: ``column < cdiv(processed, B) - 1``."""
-        uids = np.asarray(uids, dtype=np.int64)
-        known = uids < len(self._last_col)
-        cols = np.where(known, self._last_col[np.where(known, uids, 0)], -1)
-        B = self.block_size
-        due = (cols >= 0) & (cols < (np.asarray(processed) + B - 1) // B - 1)
+        tokens passed it: the scheduler frees columns below ``cdiv(processed, B) - 1``."""
+        try:
+            cols = self._last_col[uids]
+        except IndexError:  # a uid never given a column yet
+            self._set_last_col(int(np.max(uids)), -1)
+            cols = self._last_col[uids]
+        due = cols >= 0
+        due &= cols < freed_below
         if not np.count_nonzero(due):
             return
         for uid, col in zip(uids[due].tolist(), cols[due].tolist(), strict=True):

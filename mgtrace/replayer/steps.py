@@ -204,7 +204,7 @@ class RankTrace:
         )
         self._sched_computed = _numpy(st.column("num_computed"), fill=0)
         self._sched_running = self._sched_kind == SCHED_KINDS.index("cached")
-        self._sched_processed = processed_tokens(
+        processed = processed_tokens(
             self._sched_uid,
             self._sched.steps.astype(np.int64),
             self._sched_kind,
@@ -212,6 +212,8 @@ class RankTrace:
             self._sched_computed,
             steps_in_flight(self.run),
         )
+        block = max(self.run.mamba_block_size, 1)
+        self._sched_freed_below = (processed + block - 1) // block - 1
         self._batch_cols = {c: _numpy(self._batch.table.column(c)) for c in BATCH_INT_COLUMNS}
         bt = self._batch.table
         self._batch_uid = ids.uids_of_column(bt.column("req_id"))
@@ -415,10 +417,11 @@ class RankTrace:
         }
 
     def running(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """uids of the running requests scheduled in ``step`` and their processed tokens."""
+        """uids of the running requests scheduled in ``step``, and per request the column
+        below which align mode has freed its state blocks: ``cdiv(processed, B) - 1``."""
         lo, hi = self._sched.bounds(step)
         sel = self._sched_running[lo:hi].nonzero()[0] + lo
-        return self._sched_uid[sel], self._sched_processed[sel]
+        return self._sched_uid[sel], self._sched_freed_below[sel]
 
 
 _REGIONS = pa.array(list(REORDER_REGIONS), pa.string())
