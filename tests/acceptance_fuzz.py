@@ -7,7 +7,7 @@ must report the earliest injected step first, naming the injected requests when 
 runs; the rules that undo the toggles must replay clean; a run without toggles must replay
 clean. The tests run a few seeded cases; longer sweeps run from the command line:
 
-    python -m tests.acceptance_fuzz --runs 400 --seed 1 [--keep DIR] [--out FILE]
+    python -m tests.acceptance_fuzz --runs 400 --seed 1 [--jobs N] [--keep DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -120,29 +121,37 @@ def summary(records: list[dict], command: str) -> dict:
     }
 
 
+def _check_run(job: tuple[int, Case, Path, Path | None]) -> dict:
+    """One run, in a worker process: its record; a failing run's trace kept if asked."""
+    i, case, tmp, keep = job
+    out = tmp / f"run-{i}"
+    problems = check(case, out)
+    if problems and keep is not None:
+        shutil.copytree(out, keep / f"run-{i}", dirs_exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return {"run": i, "case": asdict(case), "problems": problems}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=1, help="Check runs on this many processes.")
     ap.add_argument("--keep", type=Path, help="Keep the traces of failing runs here.")
     ap.add_argument("--out", type=Path, help="Write the sweep's summary here as JSON.")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    failed = refused = 0
+    cases = [random_case(rng) for _ in range(args.runs)]  # drawn in order: jobs change nothing
+    keep = args.keep / f"seed-{args.seed}" if args.keep is not None else None
     records = []
     with tempfile.TemporaryDirectory(prefix="mgtrace-fuzz-") as tmp:
-        for i in range(args.runs):
-            case = random_case(rng)
-            out = Path(tmp) / f"run-{i}"
-            problems = check(case, out)
-            records.append({"run": i, "case": asdict(case), "problems": problems})
-            print(json.dumps(records[-1]), flush=True)
-            refused += problems is None
-            if problems:
-                failed += 1
-                if args.keep is not None:
-                    shutil.copytree(out, args.keep / f"run-{args.seed}-{i}", dirs_exist_ok=True)
-            shutil.rmtree(out, ignore_errors=True)
+        jobs = [(i, case, Path(tmp), keep) for i, case in enumerate(cases)]
+        with ProcessPoolExecutor(max(args.jobs, 1)) as pool:
+            for record in pool.map(_check_run, jobs):
+                records.append(record)
+                print(json.dumps(record), flush=True)
+    failed = sum(bool(r["problems"]) for r in records)
+    refused = sum(r["problems"] is None for r in records)
     print(
         f"{failed} of {args.runs} runs disagree with the ground truth "
         f"({refused} shapes refused by the simulator, not checked)",
