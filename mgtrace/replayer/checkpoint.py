@@ -19,6 +19,7 @@ import numpy as np
 from mgtrace import __version__
 from mgtrace.atomic import atomic_write
 from mgtrace.replayer.loop import Checkpoint, RankReplay
+from mgtrace.replayer.ownership import NO_COLUMN
 from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.view import row_view
 from mgtrace.schemas.reader import TraceReader
@@ -146,7 +147,7 @@ def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
                 data["since"],
                 {int(k): v for k, v in meta["held"].items()},
                 # files written before previous state columns were kept: none known
-                data["last_col"] if "last_col" in data.files else np.full(1, -1, np.int64),
+                data["last_col"] if "last_col" in data.files else np.full(1, NO_COLUMN),
             ),
             wrote=data["wrote"],
             repeats={(u, sig): n for u, sig, n in meta["repeats"]},

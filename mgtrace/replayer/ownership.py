@@ -23,6 +23,9 @@ import numpy as np
 from mgtrace.replayer.requests import NO_REQUEST
 
 NULL_BLOCK = 0
+# the previous state column of a request that holds none: past every column, so that one
+# comparison finds the columns due (``retire``)
+NO_COLUMN = np.iinfo(np.int64).max
 # Block lists up to this long are walked in Python: a step adds a few ids per request, and
 # for those, element-wise updates cost less than building and masking numpy arrays.
 SHORT_LIST = 32
@@ -50,8 +53,8 @@ class BlockOwnership:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.spec_blocks = spec_blocks
-        # uid -> the column of its previous state block, -1 when it holds none
-        self._last_col = np.full(num_uids, -1, dtype=np.int64)
+        # uid -> the column of its previous state block, NO_COLUMN when it holds none
+        self._last_col = np.full(num_uids, NO_COLUMN, dtype=np.int64)
         # uid, 0 = free; one column past the pool, never owned, for ids outside it.
         self.owner = np.zeros((num_groups, num_blocks + 1), dtype=np.int32)
         self.since = np.full((num_groups, num_blocks), -1, dtype=np.int64)  # step assigned
@@ -94,10 +97,10 @@ class BlockOwnership:
 
     def _set_last_col(self, uid: int, col: int) -> None:
         if uid >= len(self._last_col):
-            grown = np.full(max(2 * len(self._last_col), uid + 1), -1, dtype=np.int64)
+            grown = np.full(max(2 * len(self._last_col), uid + 1), NO_COLUMN, dtype=np.int64)
             grown[: len(self._last_col)] = self._last_col
             self._last_col = grown
-        self._last_col[uid] = col
+        self._last_col[uid] = col if col >= 0 else NO_COLUMN
 
     def _row_length(self, uid: int) -> int:
         rows = self._held.get(uid)
@@ -116,14 +119,14 @@ class BlockOwnership:
         for i, (uid, kind, blocks) in enumerate(zip(uids, kinds, new_block_ids, strict=True)):
             if kind in ("finished", "preempted"):
                 self._release(uid)
-                self._set_last_col(uid, -1)
+                self._set_last_col(uid, NO_COLUMN)
             elif kind in ("new", "resumed"):
                 self._release(uid)
                 self._acquire(uid, step, blocks or [])
                 # a prefix hit's row is its null columns and the boundary block; the first
                 # allocation keeps that block as the previous state
                 hit_cols = int(num_computed[i]) // self.block_size if num_computed else 0
-                self._set_last_col(uid, hit_cols - 1 if hit_cols > 0 else -1)
+                self._set_last_col(uid, hit_cols - 1 if hit_cols > 0 else NO_COLUMN)
             elif blocks and any(blocks):
                 # a row grows: the column it ran at becomes its previous state column
                 self._set_last_col(uid, self._row_length(uid) - 1 - self.spec_blocks)
@@ -135,24 +138,24 @@ class BlockOwnership:
         try:
             cols = self._last_col[uids]
         except IndexError:  # a uid never given a column yet
-            self._set_last_col(int(np.max(uids)), -1)
+            self._set_last_col(int(np.max(uids)), NO_COLUMN)
             cols = self._last_col[uids]
-        due = cols >= 0
-        due &= cols < freed_below
+        due = cols < freed_below
         if not np.count_nonzero(due):
             return
+        owner, since, num_blocks = self.owner, self.since, self.num_blocks
         for uid, col in zip(uids[due].tolist(), cols[due].tolist(), strict=True):
-            self._last_col[uid] = -1
+            self._last_col[uid] = NO_COLUMN
             for group, row in enumerate(self._held.get(uid, ())):
                 if col >= len(row):
                     continue
                 block = row[col]
                 # a spec block the row relocated sits at a later column too: still in use
-                if not NULL_BLOCK < block < self.num_blocks or block in row[col + 1 :]:
+                if not NULL_BLOCK < block < num_blocks or block in row[col + 1 :]:
                     continue
-                if self.owner[group, block] == uid:
-                    self.owner[group, block] = NO_REQUEST
-                    self.since[group, block] = -1
+                if owner[group, block] == uid:
+                    owner[group, block] = NO_REQUEST
+                    since[group, block] = -1
 
     def column_behind(
         self, uid: int, group: int, block: int, spec_blocks: int
