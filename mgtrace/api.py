@@ -104,7 +104,7 @@ class Trace:
             from_step=from_step,
             to_step=to_step,
             rules=rules,
-            runner=self.run.runner,
+            run=self.run,
         )
 
     # ------------------------------------------------------------------ analyses

@@ -236,8 +236,9 @@ def history(
 ) -> None:
     """One REQUEST's life in TRACE, a line per step: scheduler events and new blocks, batch
     row and slot, the counts its kernels consumed (the CPU-held accepted count where it
-    differs), its running column, the Mamba split, the row moves that carried it, and what
-    saved replays found about it. REQUEST may be any unique part of the id."""
+    differs), its running column, where align mode frees its previous state block, the Mamba
+    split, the row moves that carried it, and what saved replays found about it. REQUEST may
+    be any unique part of the id."""
     from mgtrace.query.export import export_table
     from mgtrace.query.history import (
         first_finding,
@@ -261,7 +262,7 @@ def history(
         from_step=from_step,
         to_step=to_step,
         rules=wanted,
-        runner=reader.manifest.run.runner,
+        run=reader.manifest.run,
     )
     if fmt != "table":
         export_table(lines, fmt, output)

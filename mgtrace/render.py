@@ -132,6 +132,7 @@ _HISTORY_HEADERS = {
     "accepted_prev": "acc prev",
     "accepted": "acc",
     "state_col": "col",
+    "freed": "frees",
     "mamba_split": "split",
     "reorder_region": "region",
     "row_moves": "row moves",

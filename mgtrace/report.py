@@ -84,7 +84,7 @@ def _histories(con: Any, trace: Trace, requests: list[str], first_bad: int) -> l
             req,
             from_step=max(0, first_bad - HISTORY_BEFORE),
             to_step=first_bad + HISTORY_AFTER,
-            runner=trace.run.runner,
+            run=trace.run,
         )
         names = [n for n in lines.column_names if lines[n].null_count < lines.num_rows]
         rows = [list(r.values()) for r in lines.select(names).to_pylist()]

@@ -115,7 +115,7 @@ def test_ownership_retires_a_prefix_hit_block_and_keeps_a_block_still_in_the_row
 
 
 def test_processed_tokens_take_off_the_steps_still_in_flight() -> None:
-    from mgtrace.replayer.steps import processed_tokens
+    from mgtrace.replayer.ownership import processed_tokens
     from mgtrace.schemas.tables import SCHED_KINDS
 
     kind = np.array([SCHED_KINDS.index(k) for k in ("new", "cached", "cached", "new")])

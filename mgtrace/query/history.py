@@ -1,6 +1,7 @@
 """One request's life in a trace, a line per rank and step: what the scheduler said of it,
-where it sat in the batch, the counts its kernels consumed, the row moves that carried it
-and what replays found about it, as reader and as the request whose state was involved.
+where it sat in the batch, the counts its kernels consumed, where align mode freed its
+previous state blocks, the row moves that carried it and what replays found about it, as
+reader and as the request whose state was involved.
 
 The question after "which requests came back as word salad": what happened to this one.
 """
@@ -8,14 +9,24 @@ The question after "which requests came back as word salad": what happened to th
 from __future__ import annotations
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from mgtrace.errors import UsageError
+from mgtrace.replayer.ownership import (
+    BlockOwnership,
+    freed_below,
+    processed_tokens,
+    steps_in_flight,
+)
 from mgtrace.replayer.rules import AS_RECORDED
+from mgtrace.schemas.manifest import RunMetadata
+from mgtrace.schemas.tables import SCHED_KINDS
 
-# A scheduler row, a batch row, a row move or a finding of the request makes a line.
-# Parameters: $1 the request id, $2..$3 the step range, $4 the replays' rules, $5 the block
-# table that holds a request's own row (v1: InputBatch rows; V2: per-slot source tables).
+# A scheduler row, a batch row, a row move, a freed state block or a finding of the request
+# makes a line. Parameters: $1 the request id, $2..$3 the step range, $4 the replays' rules,
+# $5 the block table that holds a request's own row (v1: InputBatch rows; V2: per-slot source
+# tables). ``history_frees`` (rank, step, freed) is registered beside the trace's views.
 HISTORY_SQL = """
 WITH
 sched_r AS (
@@ -85,13 +96,15 @@ found_r AS (
 lines AS (
   SELECT rank, step FROM sched_r UNION SELECT rank, step FROM rows_b
   UNION SELECT rank, step FROM moves_r UNION SELECT rank, step FROM found_r
+  UNION SELECT rank, step FROM history_frees
 )
 SELECT l.rank, l.step, s.scheduler, r.batch_row, r.req_slot, r.num_computed,
        r.num_scheduled, r.num_draft, r.accepted_prev, r.accepted, r.state_col, r.block,
-       r.mamba_split, r.reorder_region, m.row_moves, f.findings
+       a.freed, r.mamba_split, r.reorder_region, m.row_moves, f.findings
 FROM lines l
 LEFT JOIN sched_r s USING (rank, step)
 LEFT JOIN rows_b r USING (rank, step)
+LEFT JOIN history_frees a USING (rank, step)
 LEFT JOIN moves_r m USING (rank, step)
 LEFT JOIN found_r f USING (rank, step)
 WHERE l.step BETWEEN $2 AND $3
@@ -99,6 +112,7 @@ ORDER BY l.step, l.rank
 """
 
 NO_STEP_LIMIT = 2**62
+HISTORY_FREES = pa.schema([("rank", pa.int32()), ("step", pa.int64()), ("freed", pa.string())])
 
 
 def resolve_request(con: duckdb.DuckDBPyConnection, wanted: str) -> str:
@@ -125,6 +139,50 @@ def resolve_request(con: duckdb.DuckDBPyConnection, wanted: str) -> str:
     raise UsageError(f"{wanted!r} matches {len(ids)} requests ({shown}); give the whole id")
 
 
+def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -> pa.Table:
+    """(rank, step, freed): where align mode frees ``req_id``'s previous state block (first
+    Mamba group), by the rule the replay's block ownership applies; the scheduler's deltas
+    never say so, and a write onto the block is harmless only from that step on."""
+    rows = con.execute(
+        "SELECT rank, step, kind, num_scheduled, num_computed, "
+        "coalesce(new_block_ids[1], []) FROM sched WHERE req_id = $1 ORDER BY rank, step",
+        [req_id],
+    ).fetchall()
+    out: dict[str, list] = {"rank": [], "step": [], "freed": []}
+    for rank in sorted({r[0] for r in rows}):
+        mine = [r for r in rows if r[0] == rank]
+        steps = np.array([r[1] for r in mine], dtype=np.int64)
+        kinds = np.array([SCHED_KINDS.index(r[2]) for r in mine], dtype=np.int64)
+        computed = np.array([r[4] or 0 for r in mine], dtype=np.int64)
+        below = freed_below(
+            processed_tokens(
+                np.ones(len(mine), dtype=np.int64),
+                steps,
+                kinds,
+                np.array([r[3] or 0 for r in mine], dtype=np.int64),
+                computed,
+                steps_in_flight(run),
+            ),
+            run.mamba_block_size,
+        )
+        largest = max((b for r in mine for b in r[5]), default=0)
+        own = BlockOwnership(
+            1,
+            max(run.num_blocks or 0, largest + 1),
+            run.mamba_block_size,
+            run.num_speculative_tokens,
+        )
+        one = np.ones(1, dtype=np.int64)
+        for i, (_, step, kind, _, nc, blocks) in enumerate(mine):
+            if kind == "cached":  # as the replay: frees first, then this step's blocks
+                for _, _, col, block in own.retire(one, below[i : i + 1]):
+                    out["rank"].append(rank)
+                    out["step"].append(step)
+                    out["freed"].append(f"col {col} (block {block})")
+            own.apply(step, [1], [kind], [[blocks]], [nc or 0])
+    return pa.table(out, schema=HISTORY_FREES)
+
+
 def request_history(
     con: duckdb.DuckDBPyConnection,
     req_id: str,
@@ -132,7 +190,7 @@ def request_history(
     from_step: int | None = None,
     to_step: int | None = None,
     rules: str | None = AS_RECORDED,
-    runner: str = "v1",
+    run: RunMetadata,
 ) -> pa.Table:
     """The lines of ``req_id`` (an exact id; see ``resolve_request``), findings of replays
     under ``rules`` only (None: every saved replay)."""
@@ -141,9 +199,13 @@ def request_history(
         -1 if from_step is None else from_step,
         NO_STEP_LIMIT if to_step is None else to_step,
         rules,
-        "v1" if runner == "v1" else "source",
+        "v1" if run.runner == "v1" else "source",
     ]
-    return con.sql(HISTORY_SQL, params=params).to_arrow_table()
+    con.register("history_frees", align_frees(con, req_id, run))
+    try:
+        return con.sql(HISTORY_SQL, params=params).to_arrow_table()
+    finally:
+        con.unregister("history_frees")
 
 
 def first_finding(

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mgtrace.replayer.requests import NO_REQUEST
+from mgtrace.schemas.manifest import RunMetadata
+from mgtrace.schemas.tables import SCHED_KINDS
 
 NULL_BLOCK = 0
 # the previous state column of a request that holds none: past every column, so that one
@@ -33,6 +35,49 @@ SHORT_LIST = 32
 
 # owner, since, the rows held, the previous state columns
 OwnershipSnapshot = tuple[np.ndarray, np.ndarray, dict[int, list[list[int]]], np.ndarray]
+
+
+def steps_in_flight(run: RunMetadata) -> int:
+    """Steps whose results the scheduler has not folded in when it schedules the next one:
+    the pipeline's depth less one, else one under async scheduling, else none."""
+    if run.pp_size > 1:
+        return run.pp_size - 1
+    return 1 if run.async_scheduling else 0
+
+
+def processed_tokens(
+    uid: np.ndarray,
+    step: np.ndarray,
+    kind: np.ndarray,
+    num_scheduled: np.ndarray,
+    num_computed: np.ndarray,
+    in_flight: int,
+) -> np.ndarray:
+    """Per ``sched`` row, the computed count less the tokens the same request was scheduled
+    in the ``in_flight`` steps before (their results are still pending): what vLLM's align
+    mode compares with the previous state column before freeing it."""
+    processed = num_computed.astype(np.int64)
+    if not in_flight or not len(uid):
+        return processed
+    scheduled = np.isin(kind, [SCHED_KINDS.index(k) for k in ("new", "cached", "resumed")])
+    span = int(step.max() - step.min()) + in_flight + 2
+    key = uid.astype(np.int64) * span + (step - step.min() + in_flight + 1)
+    if not np.count_nonzero(scheduled):
+        return processed
+    keys, tokens = key[scheduled], num_scheduled[scheduled].astype(np.int64)
+    order = np.argsort(keys, kind="stable")
+    keys, tokens = keys[order], tokens[order]
+    for back in range(1, in_flight + 1):
+        at = np.minimum(np.searchsorted(keys, key - back), len(keys) - 1)
+        processed -= np.where(keys[at] == key - back, tokens[at], 0)
+    return processed
+
+
+def freed_below(processed: np.ndarray, block_size: int) -> np.ndarray:
+    """The column below which align mode has freed a request's state blocks once it has
+    processed ``processed`` tokens: ``cdiv(processed, B) - 1``."""
+    block = max(block_size, 1)
+    return (processed + block - 1) // block - 1
 
 
 @dataclass
@@ -132,9 +177,10 @@ class BlockOwnership:
                 self._set_last_col(uid, self._row_length(uid) - 1 - self.spec_blocks)
                 self._acquire(uid, step, blocks)
 
-    def retire(self, uids: np.ndarray, freed_below: np.ndarray) -> None:
+    def retire(self, uids: np.ndarray, freed_below: np.ndarray) -> list[tuple[int, int, int, int]]:
         """Free the previous state block of each scheduled running request whose processed
-        tokens passed it: the scheduler frees columns below ``cdiv(processed, B) - 1``."""
+        tokens passed it: the scheduler frees columns below ``cdiv(processed, B) - 1``.
+        Returns (uid, group, column, block) of each block freed."""
         try:
             cols = self._last_col[uids]
         except IndexError:  # a uid never given a column yet
@@ -142,7 +188,8 @@ class BlockOwnership:
             cols = self._last_col[uids]
         due = cols < freed_below
         if not np.count_nonzero(due):
-            return
+            return []
+        freed = []
         owner, since, num_blocks = self.owner, self.since, self.num_blocks
         for uid, col in zip(uids[due].tolist(), cols[due].tolist(), strict=True):
             self._last_col[uid] = NO_COLUMN
@@ -156,6 +203,8 @@ class BlockOwnership:
                 if owner[group, block] == uid:
                     owner[group, block] = NO_REQUEST
                     since[group, block] = -1
+                    freed.append((uid, group, col, block))
+        return freed
 
     def column_behind(
         self, uid: int, group: int, block: int, spec_blocks: int

@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from mgtrace.errors import UsageError
 from mgtrace.kernels.launch import ROW_COLUMNS, AlignLaunch
+from mgtrace.replayer.ownership import freed_below, processed_tokens, steps_in_flight
 from mgtrace.replayer.requests import RequestIds
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import (
@@ -26,42 +27,6 @@ from mgtrace.schemas.tables import (
     ROW_RULES,
     SCHED_KINDS,
 )
-
-
-def steps_in_flight(run: Any) -> int:
-    """Steps whose results the scheduler has not folded in when it schedules the next one:
-    the pipeline's depth less one, else one under async scheduling, else none."""
-    if run.pp_size > 1:
-        return run.pp_size - 1
-    return 1 if run.async_scheduling else 0
-
-
-def processed_tokens(
-    uid: np.ndarray,
-    step: np.ndarray,
-    kind: np.ndarray,
-    num_scheduled: np.ndarray,
-    num_computed: np.ndarray,
-    in_flight: int,
-) -> np.ndarray:
-    """Per ``sched`` row, the computed count less the tokens the same request was scheduled
-    in the ``in_flight`` steps before (their results are still pending): what vLLM's align
-    mode compares with the previous state column before freeing it."""
-    processed = num_computed.astype(np.int64)
-    if not in_flight or not len(uid):
-        return processed
-    scheduled = np.isin(kind, [SCHED_KINDS.index(k) for k in ("new", "cached", "resumed")])
-    span = int(step.max() - step.min()) + in_flight + 2
-    key = uid.astype(np.int64) * span + (step - step.min() + in_flight + 1)
-    if not np.count_nonzero(scheduled):
-        return processed
-    keys, tokens = key[scheduled], num_scheduled[scheduled].astype(np.int64)
-    order = np.argsort(keys, kind="stable")
-    keys, tokens = keys[order], tokens[order]
-    for back in range(1, in_flight + 1):
-        at = np.minimum(np.searchsorted(keys, key - back), len(keys) - 1)
-        processed -= np.where(keys[at] == key - back, tokens[at], 0)
-    return processed
 
 
 def _numpy(col: pa.ChunkedArray, fill: int = -1) -> np.ndarray:
@@ -212,8 +177,7 @@ class RankTrace:
             self._sched_computed,
             steps_in_flight(self.run),
         )
-        block = max(self.run.mamba_block_size, 1)
-        self._sched_freed_below = (processed + block - 1) // block - 1
+        self._sched_freed_below = freed_below(processed, self.run.mamba_block_size)
         self._batch_cols = {c: _numpy(self._batch.table.column(c)) for c in BATCH_INT_COLUMNS}
         bt = self._batch.table
         self._batch_uid = ids.uids_of_column(bt.column("req_id"))
