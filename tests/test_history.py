@@ -156,59 +156,23 @@ def test_an_imported_probe_log_shows_the_client_label(tmp_path: Path) -> None:
         assert "mgtrace replay" not in proc.stdout
 
 
-def _simulate_recording_frees(
-    out: Path, monkeypatch: pytest.MonkeyPatch, engine: dict
-) -> set[tuple]:
-    """A small-block run; the (request, step, block) of every previous state block the
-    simulator's allocator frees, taken from the allocator itself."""
-    from mgtrace.sim.block_pool import AlignAllocator
-    from mgtrace.sim.config import SimConfig
-    from mgtrace.sim.engine import simulate
-    from mgtrace.sim.scheduler import Scheduler
-
-    frees: set[tuple] = set()
-    now = {"step": -1}
-    schedule, retire = Scheduler.schedule, AlignAllocator.retire
-
-    def timed_schedule(self, step):
-        now["step"] = step
-        return schedule(self, step)
-
-    def noted_retire(self, req, processed_tokens):
-        block = retire(self, req, processed_tokens)
-        if block is not None:
-            frees.add((req, now["step"], block))
-        return block
-
-    monkeypatch.setattr(Scheduler, "schedule", timed_schedule)
-    monkeypatch.setattr(AlignAllocator, "retire", noted_retire)
-    cfg = dict(scenario="pairs", k=1, mamba_block_size=16, prefix_hit_prob=0.5, **engine)
-    simulate(SimConfig(steps=120, seed=3, length_scale=0.2, output=out, **cfg))
-    monkeypatch.undo()
-    return frees
-
-
-def _history_frees(path: Path) -> set[tuple]:
-    trace = Trace(path)
-    found = set()
-    for (req,) in trace.sql("SELECT DISTINCT req_id FROM sched ORDER BY 1").fetchall():
-        for line in trace.history(req).to_pylist():
-            if line["freed"]:
-                found.add((req, line["step"], int(line["freed"].split("block ")[1].rstrip(")"))))
-    return found
-
-
 @pytest.mark.parametrize("engine", [{"runner": "v1"}, {"runner": "v2", "pp": 3}])
 def test_history_frees_are_the_simulators(tmp_path, monkeypatch, engine: dict) -> None:
     """The history names the steps at which align mode frees a request's previous state
     block, as the simulator's allocator does: under async scheduling with the tokens of the
     step still in flight taken off; in a pipeline, where a request waits for its result
     before it is scheduled again, with nothing in flight."""
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+    from tests.frees_sweep import allocator_frees, history_frees
+
     out = tmp_path / "frees"
-    frees = _simulate_recording_frees(out, monkeypatch, engine)
+    shape = dict(scenario="pairs", k=1, mamba_block_size=16, prefix_hit_prob=0.5, **engine)
+    with allocator_frees() as frees:
+        simulate(SimConfig(steps=120, seed=3, length_scale=0.2, output=out, **shape))
     assert len(frees) > 20
-    assert _history_frees(out) == frees
+    assert history_frees(out) == frees
     if engine["runner"] == "v1":
         # the failing control: ignoring the in-flight tokens frees some blocks a step early
         monkeypatch.setattr("mgtrace.query.history.steps_in_flight", lambda run: 0)
-        assert _history_frees(out) != frees
+        assert history_frees(out) != frees
