@@ -142,7 +142,7 @@ def resolve_request(con: duckdb.DuckDBPyConnection, wanted: str) -> str:
 def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -> pa.Table:
     """(rank, step, freed): where align mode frees ``req_id``'s previous state block (first
     Mamba group), by the rule the replay's block ownership applies; the scheduler's deltas
-    never say so, and a write onto the block is harmless only from that step on."""
+    never say so. From that step on a write onto the block no longer harms the request."""
     rows = con.execute(
         "SELECT rank, step, kind, num_scheduled, num_computed, "
         "coalesce(new_block_ids[1], []) FROM sched WHERE req_id = $1 ORDER BY rank, step",
@@ -153,24 +153,23 @@ def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -
         mine = [r for r in rows if r[0] == rank]
         steps = np.array([r[1] for r in mine], dtype=np.int64)
         kinds = np.array([SCHED_KINDS.index(r[2]) for r in mine], dtype=np.int64)
-        computed = np.array([r[4] or 0 for r in mine], dtype=np.int64)
         below = freed_below(
             processed_tokens(
                 np.ones(len(mine), dtype=np.int64),
                 steps,
                 kinds,
                 np.array([r[3] or 0 for r in mine], dtype=np.int64),
-                computed,
+                np.array([r[4] or 0 for r in mine], dtype=np.int64),
                 steps_in_flight(run),
             ),
             run.mamba_block_size,
         )
         largest = max((b for r in mine for b in r[5]), default=0)
         own = BlockOwnership(
-            1,
-            max(run.num_blocks or 0, largest + 1),
-            run.mamba_block_size,
-            run.num_speculative_tokens,
+            num_groups=1,
+            num_blocks=max(run.num_blocks or 0, largest + 1),
+            block_size=run.mamba_block_size,
+            spec_blocks=run.num_speculative_tokens,
         )
         one = np.ones(1, dtype=np.int64)
         for i, (_, step, kind, _, nc, blocks) in enumerate(mine):

@@ -57,13 +57,12 @@ def processed_tokens(
     in the ``in_flight`` steps before (their results are still pending): what vLLM's align
     mode compares with the previous state column before freeing it."""
     processed = num_computed.astype(np.int64)
-    if not in_flight or not len(uid):
-        return processed
     scheduled = np.isin(kind, [SCHED_KINDS.index(k) for k in ("new", "cached", "resumed")])
+    if not in_flight or not np.count_nonzero(scheduled):
+        return processed
+    # one sortable key per (request, step), the steps of a request contiguous
     span = int(step.max() - step.min()) + in_flight + 2
     key = uid.astype(np.int64) * span + (step - step.min() + in_flight + 1)
-    if not np.count_nonzero(scheduled):
-        return processed
     keys, tokens = key[scheduled], num_scheduled[scheduled].astype(np.int64)
     order = np.argsort(keys, kind="stable")
     keys, tokens = keys[order], tokens[order]
