@@ -63,16 +63,16 @@ def test_ownership_follows_scheduler_deltas() -> None:
 def test_ownership_says_which_blocks_lie_behind_the_running_column() -> None:
     """The worker's row ends at the running column and k spec columns: with k=2, a row of
     [A, B, S1, S2] runs at column 1; appending [0, S1, S2, N] moves it to column 5."""
-    own = BlockOwnership(num_groups=1, num_blocks=32)
+    own = BlockOwnership(num_groups=1, num_blocks=32, spec_blocks=2)
     own.apply(0, [1], ["new"], [[[3, 4, 8, 9]]])
-    assert own.column_behind(1, 0, 3, spec_blocks=2) == (0, 1)
-    assert own.column_behind(1, 0, 4, spec_blocks=2) is None  # the running column itself
-    assert own.column_behind(1, 0, 9, spec_blocks=2) is None  # a spec column
+    assert own.column_behind(1, 0, 3) == (0, 1)
+    assert own.column_behind(1, 0, 4) is None  # the running column itself
+    assert own.column_behind(1, 0, 9) is None  # a spec column
     own.apply(1, [1], ["cached"], [[[0, 8, 9, 10]]])
-    assert own.column_behind(1, 0, 4, spec_blocks=2) == (1, 5)  # moved past
-    assert own.column_behind(1, 0, 8, spec_blocks=2) is None  # reused: its later column
-    assert own.column_behind(1, 0, 10, spec_blocks=2) is None
-    assert own.column_behind(2, 0, 3, spec_blocks=2) is None  # not its block
+    assert own.column_behind(1, 0, 4) == (1, 5)  # moved past
+    assert own.column_behind(1, 0, 8) is None  # reused: its later column
+    assert own.column_behind(1, 0, 10) is None
+    assert own.column_behind(2, 0, 3) is None  # not its block
 
 
 def test_ownership_retires_the_previous_state_block_as_align_mode_does() -> None:
@@ -89,7 +89,7 @@ def test_ownership_retires_the_previous_state_block_as_align_mode_does() -> None
     own.retire(np.array([1]), np.array([1]))  # processed 5
     assert own.owner_of(0, 3) is None
     assert all(own.owner_of(0, b).uid == 1 for b in (8, 9, 10))
-    assert own.column_behind(1, 0, 3, spec_blocks=2) == (0, 1)  # still in the worker's row
+    assert own.column_behind(1, 0, 3) == (0, 1)  # still in the worker's row
     own.apply(2, [2], ["cached"], [[[3]]])  # handed to another request: its block now
     own.retire(np.array([1]), np.array([12]))  # retired once only
     assert own.owner_of(0, 3).uid == 2

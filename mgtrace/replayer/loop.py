@@ -121,7 +121,6 @@ class RankReplay:
             pool=self.pool,
             ownership=self.ownership,
             conv_keep=conv_keep,
-            spec_blocks=self.k,
             defer_reads=(
                 self.device != "cpu" and not self.mirror
                 if self.defer_reads is None

@@ -94,7 +94,6 @@ class Oracle:
     pool: TagPool
     ownership: BlockOwnership
     conv_keep: int  # conv rows a read relies on (K-1)
-    spec_blocks: int = 0  # speculative state columns after the running one (k)
     # Check reads in bulk at ``flush`` (the tags are gathered at read time on the device):
     # the replay then waits for the device once per flush instead of once per read.
     defer_reads: bool = False
@@ -429,9 +428,7 @@ class Oracle:
             victim = self.ids.name(int(owner[i]))
             # say when the block sits behind the column the owner now runs at: not yet freed,
             # but a deferred post-process or the prefix cache is its only possible reader
-            behind = self.ownership.column_behind(
-                int(owner[i]), group, int(blocks[i]), self.spec_blocks
-            )
+            behind = self.ownership.column_behind(int(owner[i]), group, int(blocks[i]))
             note = (
                 ""
                 if behind is None

@@ -205,9 +205,7 @@ class BlockOwnership:
                     freed.append((uid, group, col, block))
         return freed
 
-    def column_behind(
-        self, uid: int, group: int, block: int, spec_blocks: int
-    ) -> tuple[int, int] | None:
+    def column_behind(self, uid: int, group: int, block: int) -> tuple[int, int] | None:
         """(column, running column) when ``block`` sits in ``uid``'s row at a column behind its
         running column, else None. The worker's row is the scheduler's rows appended, and in
         align mode it ends at the running column and the ``spec_blocks`` columns after it; a
@@ -218,7 +216,7 @@ class BlockOwnership:
         row = groups[group]
         for col in range(len(row) - 1, -1, -1):
             if row[col] == block:
-                running = len(row) - 1 - spec_blocks
+                running = len(row) - 1 - self.spec_blocks
                 return (col, running) if col < running else None
         return None
 
