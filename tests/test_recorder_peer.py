@@ -82,13 +82,20 @@ def _truth(eng: standin.StandinEngine, result: dict[str, Any]) -> dict[str, Any]
 
 
 def _run(
-    v: Any, agent: Any, out: Path, steps: int = STEPS, spy: list[tuple[int, int, int]] | None = None
+    v: Any,
+    agent: Any,
+    out: Path,
+    steps: int = STEPS,
+    spy: list[tuple[int, int, int]] | None = None,
+    condensed: list[tuple[int, int, int]] | None = None,
 ) -> list[dict[str, Any]]:
+    """Run the stand-in engine recorded; ``spy`` collects the real swaps (step, row a, row
+    b) and ``condensed`` the real condense moves (step, from row, to row)."""
     truths = []
     with standin.StandinRunnerMethods(v.gmr):
         eng = standin.StandinEngine(v)
         cls = v.gib.InputBatch
-        orig_swap = cls.swap_states
+        orig_swap, orig_condense = cls.swap_states, cls.condense
         if spy is not None:
 
             def swap(self: Any, i1: int, i2: int) -> None:
@@ -96,13 +103,27 @@ def _run(
                 orig_swap(self, i1, i2)
 
             cls.swap_states = swap
+        if condensed is not None:
+
+            def condense(self: Any) -> None:
+                before = list(self._req_ids)
+                orig_condense(self)
+                rows = {r: i for i, r in enumerate(before) if r is not None}
+                step = eng.sched.step - 1
+                condensed.extend(
+                    (step, rows[r], j)
+                    for j, r in enumerate(self._req_ids)
+                    if r is not None and rows[r] != j
+                )
+
+            cls.condense = condense
         try:
             agent.start(str(out))
             for _ in range(steps):
                 truths.append(_truth(eng, eng.step()))
             agent.stop()
         finally:
-            cls.swap_states = orig_swap
+            cls.swap_states, cls.condense = orig_swap, orig_condense
     return truths
 
 
@@ -144,14 +165,18 @@ def mismatches(trace: Path, truths: list[dict[str, Any]]) -> list[str]:
 
 def test_recorded_rows_equal_the_real_objects(v: Any, agent: Any, tmp_path: Path) -> None:
     spy: list[tuple[int, int, int]] = []
-    truths = _run(v, agent, tmp_path / "t", spy=spy)
+    condensed: list[tuple[int, int, int]] = []
+    truths = _run(v, agent, tmp_path / "t", spy=spy, condensed=condensed)
     trace = tmp_path / "t"
     assert mismatches(trace, truths) == []
     # the reorder really swapped rows (threshold 1 < 1+k) and every swap is in the trace
-    swaps = [
-        (r["step"], r["row_a"], r["row_b"]) for r in _read(trace, "row_moves") if r["op"] == "swap"
-    ]
+    moves = _read(trace, "row_moves")
+    swaps = [(r["step"], r["row_a"], r["row_b"]) for r in moves if r["op"] == "swap"]
     assert spy and sorted(swaps) == sorted(spy)
+    # finished requests left holes that condense really filled, and every such move is in
+    # the trace (steps without holes record nothing and copy nothing)
+    moved = [(r["step"], r["row_a"], r["row_b"]) for r in moves if r["op"] == "move"]
+    assert condensed and sorted(moved) == sorted(condensed)
     steps = _read(trace, "steps")
     assert [s["step"] for s in steps] == list(range(STEPS))
     assert all(s["reorder_threshold"] == 1 and s["postprocess_step"] == s["step"] for s in steps)

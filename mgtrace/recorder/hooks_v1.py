@@ -80,14 +80,19 @@ def _swap(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 def _condense_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ib = args[0]
-    ids = list(ib._req_ids)
+    ids = ib._req_ids
+    # Condense only fills holes below the last live row: with the first num_reqs rows all
+    # live there is none, and nothing is copied (most steps of a busy engine).
+    if None not in ids[: len(ib.req_id_to_index)]:
+        return None
+    ids = list(ids)
     return ids, raw(ib.num_accepted_tokens_cpu[: len(ids)])
 
 
 def _condense_after(
     sess: Session, token: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
-    if sess.rec is None:
+    if sess.rec is None or token is None:
         return
     before, acc = token
     after = list(args[0]._req_ids)
