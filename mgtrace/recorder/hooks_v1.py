@@ -81,9 +81,12 @@ def _swap(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 def _condense_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ib = args[0]
     ids = ib._req_ids
-    # Condense only fills holes below the last live row: with the first num_reqs rows all
-    # live there is none, and nothing is copied (most steps of a busy engine).
-    if None not in ids[: len(ib.req_id_to_index)]:
+    # Condense only fills holes below the last live row. When every row past the first
+    # num_reqs is empty, the live rows are exactly those and there is no hole: nothing is
+    # copied (most steps). Only that short tail is scanned: ``None in`` a list of strings
+    # costs a rich comparison per element.
+    tail = ids[len(ib.req_id_to_index) :]
+    if tail.count(None) == len(tail):
         return None
     ids = list(ids)
     return ids, raw(ib.num_accepted_tokens_cpu[: len(ids)])
