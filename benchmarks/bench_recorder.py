@@ -341,6 +341,17 @@ def json_log_post_only(fh: Any, runner: Any, so: Any, step: int) -> None:
     fh.write(json.dumps({"step": step, "t": time.time(), "rows": rows}) + "\n")
 
 
+# (field, align-context buffer): each is logged as the CPU staged it and as the device holds it
+ALIGN_BUFFERS = (
+    ("state_idx", "mamba_state_idx_buf"),
+    ("src_col", "precopy_src_col_buf"),
+    ("token_bias", "precopy_token_bias_buf"),
+    ("num_scheduled", "num_scheduled_tokens_buf"),
+    ("num_computed", "num_computed_tokens_buf"),
+    ("num_draft", "num_draft_tokens_buf"),
+)
+
+
 def json_log(fh: Any, runner: Any, so: Any, step: int) -> None:
     """A probe-style logger of the fields the recorder keeps, serialised synchronously
     every step: per row the batch order, computed and prompt counts, accepted counts, the
@@ -355,30 +366,15 @@ def json_log(fh: Any, runner: Any, so: Any, step: int) -> None:
     bt = ib.block_table[0]
     widths = bt.num_blocks_per_row[:n].tolist()
     table = bt.block_table.np[:n, : max(widths, default=0)].tolist()
-    cpu = {
-        "state_idx_cpu": ctx.mamba_state_idx_buf.np[:n].tolist(),
-        "src_col_cpu": ctx.precopy_src_col_buf.np[:n].tolist(),
-        "token_bias_cpu": ctx.precopy_token_bias_buf.np[:n].tolist(),
-        "num_scheduled_cpu": ctx.num_scheduled_tokens_buf.np[:n].tolist(),
-        "num_computed_cpu": ctx.num_computed_tokens_buf.np[:n].tolist(),
-        "num_draft_cpu": ctx.num_draft_tokens_buf.np[:n].tolist(),
-    }
-    dev = {
-        "state_idx_dev": ctx.mamba_state_idx_buf.gpu[:n].tolist(),
-        "src_col_dev": ctx.precopy_src_col_buf.gpu[:n].tolist(),
-        "token_bias_dev": ctx.precopy_token_bias_buf.gpu[:n].tolist(),
-        "num_scheduled_dev": ctx.num_scheduled_tokens_buf.gpu[:n].tolist(),
-        "num_computed_dev": ctx.num_computed_tokens_buf.gpu[:n].tolist(),
-        "num_draft_dev": ctx.num_draft_tokens_buf.gpu[:n].tolist(),
-        "accepted_dev": acc_dev[:n].tolist(),
-    }
-    columns = {
-        "num_computed": ib.num_computed_tokens_cpu[:n].tolist(),
-        "num_prompt": ib.num_prompt_tokens[:n].tolist(),
-        "accepted_prev": ib.num_accepted_tokens_cpu[:n].tolist(),
-        **cpu,
-        **dev,
-    }
+    columns: dict[str, list[int]] = {}
+    for name, attr in ALIGN_BUFFERS:
+        buf = getattr(ctx, attr)
+        columns[f"{name}_cpu"] = buf.np[:n].tolist()
+        columns[f"{name}_dev"] = buf.gpu[:n].tolist()
+    columns["accepted_dev"] = acc_dev[:n].tolist()
+    columns["num_computed"] = ib.num_computed_tokens_cpu[:n].tolist()
+    columns["num_prompt"] = ib.num_prompt_tokens[:n].tolist()
+    columns["accepted_prev"] = ib.num_accepted_tokens_cpu[:n].tolist()
     cols = runner.mamba_state_idx
     rows = []
     for i, r in enumerate(ib.req_ids):
