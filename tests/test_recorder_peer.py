@@ -174,7 +174,7 @@ def test_recorded_rows_equal_the_real_objects(v: Any, agent: Any, tmp_path: Path
     swaps = [(r["step"], r["row_a"], r["row_b"]) for r in moves if r["op"] == "swap"]
     assert spy and sorted(swaps) == sorted(spy)
     # finished requests left holes that condense really filled, and every such move is in
-    # the trace (steps without holes record nothing and copy nothing)
+    # the trace, although the hook skips the steps without holes
     moved = [(r["step"], r["row_a"], r["row_b"]) for r in moves if r["op"] == "move"]
     assert condensed and sorted(moved) == sorted(condensed)
     steps = _read(trace, "steps")
