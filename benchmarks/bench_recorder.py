@@ -3,12 +3,13 @@ synchronous JSON logger of the same fields (the ad-hoc probe approach).
 
 The step is a stand-in with vLLM's V1 call structure and names (``execute_model``,
 ``_update_states`` with a reorder that swaps rows and a condense, ``preprocess_mamba``,
-the post-process staging, the two align launchers, ``_update_states_after_model_execute``
-and the Mamba builder's split), built from plain numpy arrays and torch tensors so that it
-runs where vLLM is not installed. The recorder's real hook functions are installed on it
-through the same patch machinery as on vLLM; the capture ring, the recorder thread and the
-assembler process (row assembly, Arrow, Parquet) all run; the run starts timing once the
-assembler process has started (a one-off second, reported as ``assembler_startup_s``).
+the post-process staging, the two align launchers, ``sample_tokens`` calling
+``_update_states_after_model_execute``, and the Mamba builder's split), built from plain
+numpy arrays and torch tensors so that it runs where vLLM is not installed. The recorder's
+real hook functions are installed on it through the same patch machinery as on vLLM; the
+capture ring, the recorder thread and the assembler process (row assembly, Arrow, Parquet)
+all run; the run starts timing once the assembler process has started (a one-off second,
+reported as ``assembler_startup_s``).
 On a CUDA machine the launch inputs live on the GPU and each
 "launch" is a small device op; the JSON logger then has to read them back (``tolist``),
 which synchronizes, exactly as a host-side logger would. Two JSON loggers run: ``json``
@@ -261,6 +262,10 @@ def build_runner(device: torch.device) -> tuple[Any, dict[features.Target, Any]]
             split = self.builder._compute_common_metadata(None, num_accepted_tokens=accepted)
             self.num_decodes = split.num_decodes
 
+        def sample_tokens(self, grammar_output: Any) -> Any:
+            self._update_states_after_model_execute(None, None)
+            return grammar_output
+
         def _update_states_after_model_execute(self, out: Any, so: Any) -> None:
             n = self.input_batch.num_reqs
             ctx.run_fused_postprocess(
@@ -472,7 +477,7 @@ def run(
     cls = type(runner)
     for warm in range(50):  # the ring, the writer and the caches warm up
         cls.execute_model(runner, so)
-        runner._update_states_after_model_execute(out, so)
+        cls.sample_tokens(runner, out)
         if fh is not None:
             log_step(fh, runner, so, warm)
     if device.type == "cuda":
@@ -487,7 +492,7 @@ def run(
         cls.execute_model(runner, so)
         if device_wait_s:
             time.sleep(device_wait_s)  # the forward on the device: the GIL is free meanwhile
-        runner._update_states_after_model_execute(out, so)
+        cls.sample_tokens(runner, out)
         if fh is not None:
             log_step(fh, runner, so, step)
         now = clock()

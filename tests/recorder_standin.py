@@ -5,9 +5,9 @@ condense, swap), the runner's ``_may_reorder_batch`` and the module-level reorde
 ``mamba_utils.preprocess_mamba`` and ``stage_postprocess_inputs_to_gpu``, the runner's
 ``_update_states_after_model_execute`` and ``MambaSpecDecodeGPUContext``'s launchers with
 vLLM's Triton kernels under ``TRITON_INTERPRET=1``. Only the parts that need a model and a
-scheduler are replaced: ``execute_model`` and ``_update_states`` are small functions here
-that call the real pieces in vLLM's order, installed on the real runner class so that the
-recorder wraps them exactly as it would wrap vLLM's own.
+scheduler are replaced: ``execute_model``, ``_update_states`` and ``sample_tokens`` are
+small functions here that call the real pieces in vLLM's order, installed on the real runner
+class so that the recorder wraps them exactly as it would wrap vLLM's own.
 
 Run as a program it is a stand-in engine process: it loads the mgtrace plugin through a
 ``vllm.general_plugins`` entry point object, like vLLM does, then steps forever (or
@@ -286,10 +286,11 @@ class StandinEngine:
         """One engine step through the runner class's (possibly hooked) methods."""
         so = self.sched.schedule(self.finished)
         runner = self.runner
-        type(runner).execute_model(runner, so)
+        type(runner).execute_model(runner, so)  # returns None: sample_tokens ends the step
         req_ids = list(runner.input_batch.req_ids)
         out, self.finished = self.sched.accepted(req_ids, so)
-        runner._update_states_after_model_execute(out, so)
+        runner.standin_sampled = (out, so)
+        type(runner).sample_tokens(runner, None)
         return {
             "so": so,
             "req_ids": req_ids,
@@ -362,10 +363,16 @@ def standin_execute_model(self: Any, so: Any, intermediate_tensors: Any = None) 
     )
 
 
+def standin_sample_tokens(self: Any, grammar_output: Any) -> None:
+    """vLLM's second half of a step: the sampled output, then the align post-process."""
+    out, so = self.standin_sampled
+    self._update_states_after_model_execute(out, so)
+
+
 class StandinRunnerMethods:
     """Swap the model-dependent runner methods for the stand-in ones, and back."""
 
-    NAMES = ("execute_model", "_update_states")
+    NAMES = ("execute_model", "_update_states", "sample_tokens")
 
     def __init__(self, gmr: Any) -> None:
         self.cls = gmr.GPUModelRunner
@@ -374,6 +381,7 @@ class StandinRunnerMethods:
     def __enter__(self) -> StandinRunnerMethods:
         self.cls.execute_model = standin_execute_model
         self.cls._update_states = standin_update_states
+        self.cls.sample_tokens = standin_sample_tokens
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -338,11 +338,11 @@ def test_crashing_writer_and_hooks_do_not_disturb_the_engine(
     # the writer runs in this process only with the in-thread fallback, chosen explicitly
     monkeypatch.setenv("MGTRACE_RECORDER_ASSEMBLER", "thread")
 
-    def outcome(record: bool) -> list[Any]:
+    def outcome(record: str | None) -> list[Any]:
         with standin.StandinRunnerMethods(v.gmr):
             eng = standin.StandinEngine(v)
-            if record:
-                agent.start(str(tmp_path / "crash"))
+            if record is not None:
+                agent.start(str(tmp_path / record))
             out = []
             for _ in range(6):
                 r = eng.step()
@@ -354,11 +354,11 @@ def test_crashing_writer_and_hooks_do_not_disturb_the_engine(
                         eng.temporal.sum().item(),
                     )
                 )
-            if record:
+            if record is not None:
                 agent.stop()
         return out
 
-    clean = outcome(False)
+    clean = outcome(None)
     from mgtrace.recorder import hooks_v1
     from mgtrace.schemas.writer import TraceWriter
 
@@ -368,17 +368,22 @@ def test_crashing_writer_and_hooks_do_not_disturb_the_engine(
     def broken(sess: Any, *args: Any) -> None:
         raise RuntimeError("hook bug")
 
-    monkeypatch.setattr(TraceWriter, "_write_part", disk_full)
-    monkeypatch.setattr(hooks_v1, "_swap", broken)
-    assert outcome(True) == clean
     import json
 
+    # a writer that fails: the recording ends itself (nothing more can be written), the
+    # engine goes on as if never recorded
+    with monkeypatch.context() as m:
+        m.setattr(TraceWriter, "_write_part", disk_full)
+        assert outcome("crash") == clean
     manifest = json.loads((tmp_path / "crash" / "manifest.json").read_text())
     assert not manifest["complete"]
     assert "writer" in manifest["errors"]
+    # hooks that fail: counted, the engine untouched
+    monkeypatch.setattr(hooks_v1, "_swap", broken)
+    assert outcome("hooks") == clean
     assert agent.last_result["hook_errors"] > 0
     # failing control: the comparison does see an engine whose results changed
-    assert outcome(False)[1:] != clean[:-1]
+    assert outcome(None)[1:] != clean[:-1]
 
 
 def test_dying_assembler_process_does_not_disturb_the_engine(

@@ -374,6 +374,28 @@ def test_import_probe_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     assert not (tmp_path / "t2").exists()
 
 
+def test_import_probe_counts_values_no_trace_column_holds(tmp_path: Path) -> None:
+    """A row number past int32 or a token count that is a word is a malformed entry, counted;
+    it once ended the import with an internal error and a trace of no parts marked
+    complete. Control: the same logs without them import every entry."""
+    pp, bp, _ = _probe_logs(tmp_path)
+    clean = import_probe(pp, bp, tmp_path / "clean")
+    bad_pp, bad_bp = tmp_path / "bad_probe.jsonl", tmp_path / "bad_burst.jsonl"
+    swap = {"event": "swap", "pid": 1, "t": 0.2, "step": 2, "early": False}
+    swap["swaps"] = [[4_000_000_000, 1, "req-a-1", "req-b-2", 1, 2]]
+    bad_pp.write_text(pp.read_text() + json.dumps(swap) + "\n")
+    row = {"i": 10_000, "req_id": "r", "completion_tokens": "many", "text": "hi", "t_start": 1}
+    bad_bp.write_text(bp.read_text() + json.dumps(row) + "\n")
+    report = import_probe(bad_pp, bad_bp, tmp_path / "bad")
+    assert report.malformed_total == clean.malformed_total + 2
+    assert (report.steps, report.requests) == (clean.steps, clean.requests)
+    assert TraceReader(tmp_path / "bad").manifest.complete
+    # an output that is the input is refused whatever --force says, and the log survives
+    with pytest.raises(UsageError, match="is \\(or holds\\) the input"):
+        import_probe(pp, None, pp, force=True)
+    assert pp.is_file()
+
+
 def test_engine_id_maps_to_the_client_id_like_the_reanalysis() -> None:
     # the re-analysis joins on the engine id minus its last "-suffix"
     assert re.sub(r"-[^-]*$", "", "chatcmpl-abc-123-deadbeef") == "chatcmpl-abc-123"

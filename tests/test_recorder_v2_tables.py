@@ -133,6 +133,7 @@ def record(
             if launch is not None:
                 launch(sess, step)
             truths.append(_snapshot(bt))
+            sess.step_done()  # where the runner's sample_tokens ends the step
     finally:
         patches.remove()
     assert sess.close()["complete"]

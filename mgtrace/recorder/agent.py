@@ -30,6 +30,8 @@ log = logging.getLogger("mgtrace.recorder")
 
 WATCH_POLL_S = 0.25
 STOP_WAIT_S = 2.0
+STEP_WAIT_S = 20.0  # within the 60 s a stop request may take
+CLOSE_WAIT_S = 30.0  # a close flushes the assembler: seconds on a loaded host
 
 
 class Agent:
@@ -52,8 +54,11 @@ class Agent:
     def start(
         self, out: str, max_steps: int | None = None, duration_s: float | None = None
     ) -> dict[str, Any]:
+        self._await_close()
         with self._lock:
-            if self.state in ("armed", "recording", "waiting"):
+            # "stopping": the close of the previous recording still runs; arming now would
+            # let that close reset the state under the new arm hook
+            if self.state in ("armed", "recording", "waiting", "stopping"):
                 return self.status()
             self._config = {"out": out, "max_steps": max_steps, "duration_s": duration_s}
             self.refusal = None
@@ -70,15 +75,21 @@ class Agent:
                 self.state = "idle"
                 return self.status()
             sess = self.session
-            if sess is None:
-                return self.status()
-            sess.stop_requested = True
+            if sess is not None:
+                sess.stop_requested = True
+        if sess is None:  # nothing recording; a close the engine thread began may still run
+            self._await_close()
+            return self.status()
         deadline = time.monotonic() + STOP_WAIT_S
         while sess.live and time.monotonic() < deadline:
             time.sleep(0.01)
+        # no step boundary yet: an idle engine (its last step is whole) or a long step,
+        # which gets a while to finish; one still running then is dropped, counted
+        deadline = time.monotonic() + STEP_WAIT_S
+        while sess.live and sess.in_step and time.monotonic() < deadline:
+            time.sleep(0.01)
         self._finish(sess, inline=True)
-        if self._closer is not None:
-            self._closer.join(30.0)
+        self._await_close()
         return self.status()
 
     def shutdown(self) -> None:
@@ -86,8 +97,28 @@ class Agent:
         sess = self.session
         if sess is not None:
             self._finish(sess, inline=True)
-        elif self._closer is not None:
-            self._closer.join(30.0)
+        else:
+            self._await_close()
+
+    def abandon_after_fork(self) -> None:
+        """In a forked child, where this (the parent's) agent has no threads: take its
+        patches and its import finder out, so that only the child's own agent records.
+        Takes no lock: one held by a parent thread at the fork stays held here."""
+        sess, self.session = self.session, None
+        if sess is not None:
+            sess.abandon_after_fork()
+        self._hooks.remove()
+        self._arm.remove()
+        self.state = "abandoned"
+        sys.meta_path[:] = [
+            f for f in sys.meta_path if not (isinstance(f, _ArmOnImport) and f.agent is self)
+        ]
+
+    def _await_close(self) -> None:
+        """Wait (never on the engine thread's own close) for a close in progress."""
+        closer = self._closer
+        if closer is not None and closer is not threading.current_thread():
+            closer.join(CLOSE_WAIT_S)
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -147,7 +178,11 @@ class Agent:
         def make(orig: Any) -> Any:
             def execute_model(runner: Any, *args: Any, **kwargs: Any) -> Any:
                 agent._activate(runner)
-                return owner.execute_model(runner, *args, **kwargs)
+                # the step goes through the hook just installed, when there is one; never
+                # through whatever the class attribute holds now, which may be this very
+                # wrapper (not activated) or a patch stacked on it
+                step = agent._hooks.wrapper_for(owner, "execute_model") or orig
+                return step(runner, *args, **kwargs)
 
             execute_model.__wrapped__ = orig  # type: ignore[attr-defined]
             return execute_model
@@ -220,12 +255,20 @@ class Agent:
 
     def _finish(self, sess: Any, *, inline: bool) -> None:
         """Unpatch and close once; on the engine thread the close goes to another thread,
-        started before the lock is released: ``stop`` takes the lock, then joins it."""
+        started before the lock is released, so a ``stop`` or ``start`` that finds the state
+        "stopping" finds the thread to wait for."""
         with self._lock:
             if self.session is not sess:
                 return
             sess.live = False
-            self._hooks.remove()
+            covered = self._hooks.remove()
+            if covered:
+                message = (
+                    f"{', '.join(covered)} patched over by another tool while recording; "
+                    "its hooks stay in place as pass-throughs"
+                )
+                sess.count_error("patched_over", message)
+                log.warning("mgtrace: %s", message)
             self.session = None
             self.state = "stopping"
             if not inline:
@@ -238,10 +281,13 @@ class Agent:
 
     def _close(self, sess: Any) -> None:
         try:
-            self.last_result = sess.close()
+            result = sess.close()
         except Exception as exc:
-            self.last_result = {"error": f"{exc.__class__.__name__}: {exc}"}
-        self.state = "idle"
+            result = {"error": f"{exc.__class__.__name__}: {exc}"}
+        with self._lock:
+            self.last_result = result
+            if self.state == "stopping" and self.session is None:
+                self.state = "idle"
 
 
 class _ArmOnImport(importlib.abc.MetaPathFinder):

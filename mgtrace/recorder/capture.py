@@ -100,8 +100,12 @@ class CaptureRing:
                 self.dropped += 1
                 return False
             i = self._free.popleft()
-            self._torch.cat(parts, out=self._slot(i, total))
-            self.events[i].record()
+            try:
+                self._torch.cat(parts, out=self._slot(i, total))
+                self.events[i].record()
+            except BaseException:
+                self._free.appendleft(i)  # the next capture takes it: slots stay in order
+                raise
         else:
             total = sum(lengths)
             if total > self.slot_elems:
@@ -110,8 +114,12 @@ class CaptureRing:
             i = self._free.popleft()
             # Host tensors: numpy views of them are free and a numpy copy costs a fraction
             # of a torch op, which matters on a busy engine thread.
-            views = [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)]
-            np.concatenate(views, out=self._host_view()[i, :total], casting="unsafe")
+            try:
+                views = [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)]
+                np.concatenate(views, out=self._host_view()[i, :total], casting="unsafe")
+            except BaseException:
+                self._free.appendleft(i)
+                raise
         self._pending.append([i, tuple(lengths), tag, None])
         self.captured += 1
         return True

@@ -53,6 +53,8 @@ _SPLIT = Target(
 
 V1_TARGETS: tuple[Target, ...] = (
     Target(V1_RUNNER_MODULE, "GPUModelRunner", "execute_model"),
+    # where present, a step whose execute_model returned None ends here
+    Target(V1_RUNNER_MODULE, "GPUModelRunner", "sample_tokens", required=False),
     Target(V1_RUNNER_MODULE, "GPUModelRunner", "_update_states"),
     Target(V1_RUNNER_MODULE, "GPUModelRunner", "_update_states_after_model_execute"),
     Target(V1_RUNNER_MODULE, None, "reorder_batch_to_split_decodes_and_prefills"),
@@ -68,6 +70,7 @@ V1_TARGETS: tuple[Target, ...] = (
 
 V2_TARGETS: tuple[Target, ...] = (
     Target(V2_RUNNER_MODULE, "GPUModelRunner", "execute_model"),
+    Target(V2_RUNNER_MODULE, "GPUModelRunner", "sample_tokens", required=False),
     Target(V2_RUNNER_MODULE, "GPUModelRunner", "prepare_inputs"),
     Target(
         "vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState", "preprocess_state"

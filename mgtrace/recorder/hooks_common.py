@@ -77,6 +77,30 @@ def hook(
     return make
 
 
+def _executed(
+    sess: Session, _t: Any, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    if result is not None:  # None: sample_tokens finishes the step
+        sess.step_done()
+
+
+def _sampled(
+    sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    sess.step_done()
+
+
+def runner_step_patches(sess: Session, runner: Any, begin: Before) -> list[Patch]:
+    """``execute_model`` opens a step (``begin``) and, when it returns an output, ends it;
+    otherwise ``sample_tokens``, where the runner has it, ends it. A stop that finds a
+    step running waits for its end rather than record half of it."""
+    sess.step_ends_observed = True
+    patches = [Patch(runner, "execute_model", hook(sess, "execute_model", begin, _executed))]
+    if callable(getattr(runner, "sample_tokens", None)):
+        patches.append(Patch(runner, "sample_tokens", hook(sess, "sample_tokens", after=_sampled)))
+    return patches
+
+
 def arg(
     args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None
 ) -> Any:

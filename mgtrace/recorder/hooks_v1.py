@@ -18,7 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 from mgtrace.recorder.features import Target, owner_of
-from mgtrace.recorder.hooks_common import arg, hook, launcher_patches, split_patch
+from mgtrace.recorder.hooks_common import (
+    arg,
+    hook,
+    launcher_patches,
+    runner_step_patches,
+    split_patch,
+)
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
 from mgtrace.recorder.wire import raw
@@ -170,7 +176,7 @@ def v1_patches(sess: Session, owners: dict[Target, Any], mamba_groups: list[int]
     ib = owner_of(owners, "InputBatch", "swap_states")
     mu = owner_of(owners, None, "preprocess_mamba")
     patches = [
-        Patch(runner, "execute_model", hook(sess, "execute_model", before=_begin)),
+        *runner_step_patches(sess, runner, _begin),
         Patch(
             runner,
             "_update_states",

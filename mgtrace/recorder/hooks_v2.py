@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from mgtrace.recorder.features import Target, owner_of
-from mgtrace.recorder.hooks_common import arg, hook, launcher_patches, split_patch
+from mgtrace.recorder.hooks_common import (
+    arg,
+    hook,
+    launcher_patches,
+    runner_step_patches,
+    split_patch,
+)
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
 from mgtrace.recorder.v2_tables import Gather
@@ -191,7 +197,7 @@ def v2_patches(
     state = owner_of(owners, "MambaHybridModelState", "preprocess_state")
     pp = owner_of(owners, "PPHandler", "receive")
     patches = [
-        Patch(runner, "execute_model", hook(sess, "execute_model", before=_begin)),
+        *runner_step_patches(sess, runner, _begin),
         Patch(runner, "prepare_inputs", hook(sess, "prepare_inputs", after=_inputs_after)),
         Patch(state, "preprocess_state", hook(sess, "preprocess_state", before=_pre_state)),
         Patch(

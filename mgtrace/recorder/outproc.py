@@ -64,7 +64,13 @@ class ThreadSink:
     def __init__(self, writer: TraceWriter, *, rank: int, kind: str, block_size: int) -> None:
         self.writer = writer
         self.assembler = Assembler(writer, rank=rank, kind=kind, block_size=block_size)
-        self.failed: str | None = None
+
+    @property
+    def failed(self) -> str | None:
+        return self.writer.stats().failed
+
+    def abandon(self) -> None:
+        """In a forked child: the writer's thread stayed in the parent; nothing to release."""
 
     def send(self, messages: list[tuple[Any, ...]], *, essential: bool = False) -> bool:
         for m in messages:
@@ -190,6 +196,14 @@ class ProcessSink:
                 self._out.popleft()
             else:
                 self._out[0] = view[n:]
+
+    def abandon(self) -> None:
+        """In a forked child: let go of the parent's pipes to its assembler (held open here,
+        they would keep that assembler from ever seeing the end of its input)."""
+        for fd in (self._to_child, self._from_child):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.failed = "abandoned in a forked process"
 
     def tick(self) -> None:
         self._flush()

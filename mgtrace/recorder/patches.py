@@ -2,7 +2,10 @@
 
 Every target is resolved before anything is replaced, so a missing target refuses the whole
 set and leaves vLLM untouched; removal restores exactly what was there, including "nothing"
-for an attribute that was inherited rather than defined on the patched class.
+for an attribute that was inherited rather than defined on the patched class. Removal only
+touches an attribute that still holds this set's wrapper: one patched over since (by another
+tool, or another agent) keeps the patch on top, and the wrapper it calls stays in place as a
+pass-through (a hook of a stopped session does nothing but call its original).
 """
 
 from __future__ import annotations
@@ -79,19 +82,37 @@ class PatchSet:
                 raise
             self._applied = done
 
-    def remove(self) -> None:
+    def wrapper_for(self, owner: Any, name: str) -> Any:
+        """The wrapper this set installed as ``owner.name``, or None."""
+        for o, n, _own, wrapper in self._applied:
+            if o is owner and n == name:
+                return wrapper
+        return None
+
+    def remove(self) -> list[str]:
+        """Restore every attribute still holding this set's wrapper; the labels of those
+        patched over since, left as they are."""
         with no_thread_switch():
             applied, self._applied = self._applied, []
-            _restore(applied)
+            return _restore(applied)
 
 
-def _restore(applied: list[tuple[Any, str, Any, Any]]) -> None:
-    for owner, name, own, _wrapper in reversed(applied):
+def _restore(applied: list[tuple[Any, str, Any, Any]]) -> list[str]:
+    covered = []
+    for owner, name, own, wrapper in reversed(applied):
+        if hasattr(owner, "__dict__"):
+            current = vars(owner).get(name, _MISSING)
+        else:
+            current = getattr(owner, name, _MISSING)
+        if current is not wrapper:
+            covered.append(f"{getattr(owner, '__name__', '?')}.{name}")
+            continue
         if own is _MISSING:
             with contextlib.suppress(AttributeError):
                 delattr(owner, name)
         else:
             setattr(owner, name, own)
+    return covered
 
 
 def original_of(fn: Any) -> Any:

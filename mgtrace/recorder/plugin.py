@@ -63,12 +63,21 @@ def _armed_from_env() -> dict[str, Any] | None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked engine process gets its own agent and socket; the parent's threads are gone."""
-    global _SERVER
+    """A forked engine process gets its own agent and socket; the parent's threads are gone,
+    and the parent's agent, copied here, is taken out (its patches, its import finder) so
+    that it never arms or records beside the child's own."""
+    global _SERVER, _LOCK
     _SERVER = None
+    _LOCK = threading.Lock()
     from mgtrace.recorder import agent
 
-    agent._AGENT = None
+    inherited, agent._AGENT = agent._AGENT, None
+    agent._AGENT_LOCK = threading.Lock()  # a parent thread may have held it at the fork
+    if inherited is not None:
+        try:
+            inherited.abandon_after_fork()
+        except Exception as exc:  # the child engine must start regardless
+            log.warning("mgtrace: could not retire the parent's agent after fork: %s", exc)
     _activate()
 
 

@@ -20,8 +20,10 @@ first ``prefill`` event, as the re-analysis does (several builders log the same 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from mgtrace.errors import OutputError, UsageError
+from mgtrace.outputs import refuse_overwriting_inputs
 from mgtrace.schemas.manifest import RunMetadata
 from mgtrace.schemas.tables import MAMBA_SPLITS, ROW_MOVE_OPS
 from mgtrace.schemas.writer import TraceWriter
@@ -105,14 +108,20 @@ class _Malformed(ValueError):
     pass
 
 
+INT_LIMIT = 2**31  # every count, row, step and threshold of a trace is an int32
+
+
 def _int(value: Any, what: str) -> int:
     if type(value) is not int:
         raise _Malformed(f"{what} is not an integer")
+    if not -INT_LIMIT <= value < INT_LIMIT:
+        raise _Malformed(f"{what} {value} is out of range")
     return value
 
 
 def _opt_int(value: Any) -> int | None:
-    return value if type(value) is int else None
+    """An optional integer; anything else (or one no trace column holds) is absent."""
+    return value if type(value) is int and -INT_LIMIT <= value < INT_LIMIT else None
 
 
 def corruption(row: dict[str, Any]) -> tuple[bool, str | None]:
@@ -301,8 +310,13 @@ class ProbeImporter:
                     continue
                 try:
                     row = json.loads(line)
-                    if not isinstance(row, dict) or type(row.get("i")) is not int:
+                    if not isinstance(row, dict) or _opt_int(row.get("i")) is None:
                         raise _Malformed("not a request object with an integer i")
+                    if "text" in row and not isinstance(row["text"], str):
+                        raise _Malformed("text is not a string")
+                    tokens = row.get("completion_tokens")
+                    if tokens is not None and _opt_int(tokens) is None:
+                        raise _Malformed("completion_tokens is not an integer")
                     rows.append(row)
                 except ValueError as exc:
                     self.malformed("burst_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
@@ -347,6 +361,7 @@ def import_probe(
     for p in (probe, burst_path):
         if p is not None and not p.is_file():
             raise UsageError(f"{p} does not exist or is not a file")
+    refuse_overwriting_inputs(Path(out), probe, burst_path)
     imp = ProbeImporter()
     try:
         imp.read_probe(probe)
@@ -381,10 +396,7 @@ def import_probe(
         "last_tick": imp.last_tick,
         "crosstab_sql": crosstab_sql(),
     }
-    try:
-        writer = TraceWriter(out, run=run, source=source, overwrite=force)
-    except OutputError:
-        raise
+    writer = TraceWriter(out, run=run, source=source, overwrite=force)
     try:
         imp.write_steps(writer)
         if requests:
@@ -395,6 +407,18 @@ def import_probe(
             for _ in range(count):
                 writer.count_error(f"import:{kind}", first)
         writer.update_source(malformed=dict(imp.report.malformed))
-    finally:
         writer.close()
+        failed = writer.stats().failed
+    except BaseException:
+        _discard(writer, Path(out))
+        raise
+    if failed is not None:  # never leave a trace that holds less than was imported
+        _discard(writer, Path(out))
+        raise OutputError(f"cannot write {out}: {failed}")
     return imp.report
+
+
+def _discard(writer: TraceWriter, out: Path) -> None:
+    with contextlib.suppress(Exception):
+        writer.close()
+    shutil.rmtree(out, ignore_errors=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mgtrace.recorder import outproc, wire
+from mgtrace.recorder.assemble import BOUND_PTRS
 from mgtrace.recorder.capture import CaptureRing
 from mgtrace.recorder.failures import count_failure
 from mgtrace.schemas.manifest import RunMetadata
@@ -82,6 +83,9 @@ class Session:
         self.step = -1
         self.steps_recorded = 0
         self.rec: dict[str, Any] | None = None
+        # between a step's execute_model and its end (step_done), where hooks see that end
+        self.step_ends_observed = False
+        self.in_step = False
         self.deferred_batch_step: int | None = None  # V2 PP: batch step of a deferred postprocess
         self.pp_origin: dict[int, int] = {}  # id(PendingRecv) -> step that pushed it
         # V2: data_ptrs of the Mamba groups' source and input tables, and the align contexts
@@ -96,6 +100,9 @@ class Session:
         self._lost_sent = 0  # how many of _lost_steps the assembler has been told of
         self._error_totals: dict[str, dict[str, Any]] = {}  # for a manifest the child missed
         self._lost_steps: list[int] = []  # dropped here: queue full or sink gone
+        # steps whose captures went out in a frame the sink refused: dropped when their
+        # record comes up, never written without their launches
+        self._doomed: set[int] = set()
         self._packer = wire.Packer()  # recorder thread only
         self._closing = threading.Event()
         self._force = False  # set on close when the device never finished: stop waiting
@@ -131,6 +138,7 @@ class Session:
                     self.hook_failed("stop", exc)
             return False
         self.step += 1
+        self.in_step = self.step_ends_observed
         self.rec = {
             "step": self.step,
             "wall_ns": time.monotonic_ns(),
@@ -139,9 +147,19 @@ class Session:
         }
         return True
 
+    def step_done(self) -> None:
+        """The runner finished the open step: a stop may close it from now on."""
+        self.in_step = False
+
     def end_step(self) -> None:
         """Close the open step without opening another (a batch that is not a step)."""
         self._close_rec()
+
+    def abandon_after_fork(self) -> None:
+        """In a forked child (the recorder thread stayed in the parent): go inert and let go
+        of the sink's pipes."""
+        self.live = False
+        self.sink.abandon()
 
     def grab(self, tensors: list[Any], lengths: list[int], tag: dict[str, Any]) -> None:
         ring = self.ring
@@ -187,8 +205,15 @@ class Session:
         return self.sink.wait_ready(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Flush: the open step, captures still in flight, the sink. Not the engine thread."""
+        """Flush: the open step, captures still in flight, the sink. Not the engine thread.
+        A step the runner has not finished is dropped and counted, never written in half."""
         self.live = False
+        if self.in_step and self.rec is not None:
+            rec, self.rec = self.rec, None
+            self._lost_steps.append(rec["step"])
+            self.count_error(
+                "stopped_mid_step", f"step {rec['step']} was still running at the stop"
+            )
         self._close_rec()
         self._closing.set()
         self._thread.join(timeout_s)
@@ -221,8 +246,11 @@ class Session:
             except Exception as exc:  # never let the thread die silently
                 self.hook_failed("recorder", exc)
                 busy = False
-            if self.sink.failed is not None:
-                self._log_once("sink", "mgtrace: %s; further steps are dropped", self.sink.failed)
+            if self.sink.failed is not None and not self.stop_requested:
+                # nothing more can reach the trace: stop at the next step boundary rather
+                # than hook, copy and drop every step until somebody notices
+                self.stop_requested = True
+                self._log_once("sink", "mgtrace: %s; recording stops", self.sink.failed)
             if (
                 self._closing.is_set()
                 and not self._records
@@ -264,6 +292,10 @@ class Session:
             if oldest is not None and oldest["step"] <= rec["step"] and not self._force:
                 break
             self._records.popleft()
+            if rec["step"] in self._doomed:
+                self._doomed.discard(rec["step"])
+                self._lost_steps.append(rec["step"])
+                continue
             steps += 1
             try:
                 messages.append(("step", self._packer.record(rec)))
@@ -284,6 +316,16 @@ class Session:
             self.hook_failed("forward", exc)
             sent = False
         if not sent:
-            self._lost_steps += [m[1]["step"] for m in messages if m[0] == "step"]
+            lost = [m[1]["step"] for m in messages if m[0] == "step"]
+            self._lost_steps += lost
             self._packer.reset()  # the assembler never saw these values: resend in full
+            captured = {m[3]["step"] for m in messages if m[0] == "cap"}
+            if captured - set(lost):
+                self._doomed |= captured - set(lost)
+                self.count_error(
+                    "captures_dropped",
+                    "launch captures went out with a dropped frame: their steps are dropped",
+                )
+            if any(m[3].get("kernel") == BOUND_PTRS for m in messages if m[0] == "cap"):
+                self.ptrs_grabbed.clear()  # captured once per context: capture them again
         return sent

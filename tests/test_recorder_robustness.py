@@ -1,0 +1,387 @@
+"""The recorder's contract with the engine it lives in, at its edges: a start that meets a
+close, a fork, a stacked patch, a capture that fails, a frame the assembler never gets, a
+dead assembler and a stop in the middle of a long step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mgtrace.recorder import agent as agent_mod
+from mgtrace.recorder import features
+from mgtrace.recorder.capture import CaptureRing
+from mgtrace.recorder.hooks_common import _tag, runner_step_patches
+from mgtrace.recorder.patches import Patch, PatchSet
+from mgtrace.recorder.session import Session
+from mgtrace.schemas.manifest import RunMetadata
+
+pytestmark = pytest.mark.unit
+
+
+class _Runner:
+    def execute_model(self, so: Any) -> Any:
+        return ("ran", so)
+
+
+@pytest.fixture
+def runner_module(monkeypatch: pytest.MonkeyPatch) -> type[_Runner]:
+    """A V1 runner module as the agent finds it in ``sys.modules`` (not a real vLLM runner:
+    activation refuses it, and the step runs unrecorded)."""
+
+    class GPUModelRunner(_Runner):
+        pass
+
+    mod = types.ModuleType(features.V1_RUNNER_MODULE)
+    mod.GPUModelRunner = GPUModelRunner  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, features.V1_RUNNER_MODULE, mod)
+    return GPUModelRunner
+
+
+class _SlowClose:
+    """A session whose close flushes for a while, as on a loaded host."""
+
+    live = True
+    stop_requested = False
+    in_step = False
+
+    def close(self) -> dict[str, Any]:
+        time.sleep(0.4)
+        return {"complete": True}
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+    def count_error(self, kind: str, message: str) -> None:
+        pass
+
+
+def test_a_start_during_a_close_waits_for_it_and_the_step_runs_once(
+    runner_module: type[_Runner], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A limit stops a recording on the engine thread (its close runs on a thread); a start
+    arriving meanwhile waits for that close, then arms; the next step runs the engine's own
+    method once. Control: without the wait the start is refused while the close runs."""
+    agent = agent_mod.Agent()
+    sess = _SlowClose()
+    agent.session, agent.state = sess, "recording"
+    agent._finish(sess, inline=False)
+    assert agent.state == "stopping"
+    assert agent.start("/tmp/mgtrace-never-written")["state"] == "armed"
+    time.sleep(0.1)
+    assert agent.state == "armed"  # the close that ended did not reset it
+    assert runner_module().execute_model(1) == ("ran", 1)
+    assert agent.state == "refused"  # not a real vLLM runner: nothing was patched
+    assert "execute_model" not in vars(runner_module)
+
+    monkeypatch.setattr(agent_mod.Agent, "_await_close", lambda self: None)
+    other = agent_mod.Agent()
+    sess = _SlowClose()
+    other.session, other.state = sess, "recording"
+    other._finish(sess, inline=False)
+    assert other.start("/tmp/mgtrace-never-written")["state"] == "stopping"
+    other._closer.join(5)  # type: ignore[union-attr]
+
+
+def test_an_arm_hook_left_behind_calls_the_original_not_itself(
+    runner_module: type[_Runner],
+) -> None:
+    """The arm hook runs the step through the hook set it installed, else the original it
+    wrapped; never through the class attribute, which may be the arm hook itself (the state
+    a close used to leave: armed patch, agent idle). Control: armed as meant, it activates."""
+    agent = agent_mod.Agent()
+    assert agent._arm_now()
+    agent.state = "idle"
+    assert runner_module().execute_model(2) == ("ran", 2)  # was a RecursionError
+    agent.stop()
+    agent._arm.remove()
+    assert "execute_model" not in vars(runner_module)
+    agent.state = "idle"
+    agent.start("/tmp/mgtrace-never-written")
+    assert agent.state == "armed"
+    assert runner_module().execute_model(3) == ("ran", 3)
+    assert agent.state == "refused"
+
+
+class _Target:
+    def own(self) -> str:
+        return "own"
+
+
+def test_removal_leaves_a_patch_stacked_on_top_in_place() -> None:
+    own = _Target.__dict__["own"]
+    ps = PatchSet()
+    ps.install([Patch(_Target, "own", lambda orig: lambda self: orig(self) + "+")])
+    ours = _Target.__dict__["own"]
+    _Target.own = lambda self: ours(self) + "!"  # type: ignore[method-assign]
+    try:
+        assert ps.remove() == ["_Target.own"]
+        assert _Target().own() == "own+!"  # theirs still calls ours, ours the original
+    finally:
+        _Target.own = own  # type: ignore[method-assign]
+    # control: not stacked on, the original comes back and nothing is reported
+    ps.install([Patch(_Target, "own", lambda orig: lambda self: orig(self) + "+")])
+    assert ps.remove() == [] and _Target.__dict__["own"] is own
+
+
+FORK_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time, types
+    from mgtrace.recorder import agent as agent_mod, features, plugin
+    from mgtrace.recorder.patches import Patch
+
+    features.RUNNER_MODULES = ("fake_runner_module",)
+    seen = []
+
+    def install(self, runner):  # the agent's hook set, reduced to one marked wrapper
+        def make(orig):
+            def execute_model(r, *a, **k):
+                seen.append(id(self))
+                return orig(r, *a, **k)
+            return execute_model
+        self._hooks.install([Patch(type(runner), "execute_model", make)])
+        self.state = "recording"
+
+    agent_mod.Agent._install = install
+    plugin.register()  # armed from the environment, no runner module yet: waiting
+    parent = agent_mod.get_agent()
+    pid = os.fork()
+    if pid == 0:
+        child = agent_mod.get_agent()
+        mod = types.ModuleType("fake_runner_module")
+        class GPUModelRunner:
+            def execute_model(self, so):
+                return so
+        mod.GPUModelRunner = GPUModelRunner
+        sys.modules["fake_runner_module"] = mod
+        deadline = time.monotonic() + 10
+        while child.state != "armed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results = [GPUModelRunner().execute_model(i) for i in range(3)]
+        child._hooks.remove()
+        results.append(GPUModelRunner().execute_model(9))
+        print("RESULT", results, parent.state, child.state,
+              sorted(set(seen)) == [id(child)], len(seen))
+        sys.stdout.flush()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    """
+)
+
+
+def test_a_forked_engine_records_with_its_own_agent_only(tmp_path: Path) -> None:
+    """vLLM forks its engine processes: the parent's agent, copied into the child, is
+    retired there, so only the child's agent arms, its hook sees every step, and removing it
+    gives the engine back its own method (it once restored the orphan's arm hook, which
+    called itself). Control: the script's own check compares hook owners, and a second
+    agent hooking the same steps would make that comparison fail."""
+    env = {
+        **os.environ,
+        "MGTRACE_RECORD_DIR": str(tmp_path / "rec"),
+        "XDG_RUNTIME_DIR": str(tmp_path / "run"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    (tmp_path / "run").mkdir(mode=0o700)
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line is not None, done.stdout + done.stderr
+    assert line == "RESULT [0, 1, 2, 9] abandoned recording True 3"
+
+
+def test_a_failed_capture_gives_its_slot_back() -> None:
+    import torch
+
+    ring = CaptureRing(torch.device("cpu"), slots=2, slot_elems=16)
+    good = torch.arange(4, dtype=torch.int32)
+    for _ in range(5):
+        with pytest.raises(AttributeError):  # what the hook's guard would catch and count
+            ring.grab([good, "not a tensor"], [4, 4], {"step": 0})  # type: ignore[list-item]
+    assert ring.grab([good], [4], {"step": 1}) and ring.grab([good], [4], {"step": 2})
+    assert [tag["step"] for _, tag in ring.reap()] == [1, 2]
+    # control: a ring that really is full refuses and counts it
+    assert ring.grab([good], [4], {}) and ring.grab([good], [4], {})
+    assert not ring.grab([good], [4], {}) and ring.dropped == 1
+
+
+def _so() -> SimpleNamespace:
+    return SimpleNamespace(
+        total_num_scheduled_tokens=0,
+        num_scheduled_tokens={},
+        scheduled_spec_decode_tokens={},
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+    )
+
+
+def _steps_and_launches(out: Path) -> tuple[list[int], list[int]]:
+    import pyarrow.parquet as pq
+
+    steps = sorted(set(pq.read_table(out / "steps").column("step").to_pylist()))
+    launches = sorted(set(pq.read_table(out / "launches").column("step").to_pylist()))
+    return steps, launches
+
+
+@pytest.mark.parametrize("refuse", [1, 0])
+def test_captures_in_a_refused_frame_drop_their_step_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse: int
+) -> None:
+    """The recorder thread forwards a step's captures before its record; when the sink
+    refuses that frame, the step is dropped and counted when its record comes up, never
+    written without its launches. Control (``refuse=0``): every step, every launch."""
+    import torch
+
+    monkeypatch.setattr(Session, "_loop", lambda self: None)  # its _drain, driven by hand
+    out = tmp_path / "t"
+    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="thread")
+    real_send = sess.sink.send
+    left = {"n": refuse}
+
+    def send(messages: list[Any], *, essential: bool = False) -> bool:
+        if not essential and left["n"]:
+            left["n"] -= 1
+            return False
+        return real_send(messages, essential=essential)
+
+    sess.sink.send = send  # type: ignore[method-assign]
+    ctx = SimpleNamespace()
+    vec = torch.arange(4, dtype=torch.int32)
+    for _ in range(4):
+        sess.begin_step(_so())
+        names = ["state_idx", "src_col", "token_bias"]
+        sess.grab([vec] * 3, [4] * 3, _tag(sess, ctx, "precopy", 4, names))
+        sess._drain()  # while the step is still open
+    sess.end_step()
+    sess._drain()
+    result = sess.close(5.0)
+    manifest = json.loads((out / "manifest.json").read_text())
+    steps, launches = _steps_and_launches(out)
+    assert steps == launches
+    if refuse:
+        assert steps == [1, 2, 3] and result["drops"] == 1
+        assert manifest["drops"]["steps"] == 1 and "captures_dropped" in manifest["errors"]
+    else:
+        assert steps == [0, 1, 2, 3] and result["drops"] == 0
+
+
+def test_a_dead_assembler_stops_the_recording_at_the_next_step(tmp_path: Path) -> None:
+    """Nothing can reach the trace once the assembler process is gone: the recording stops
+    at the next step boundary instead of hooking and dropping every step. Control: with
+    the assembler alive, the same wait changes nothing."""
+    for kill in (True, False):
+        sess = Session(tmp_path / str(kill), rank=0, kind="v1", run=RunMetadata())
+        assert sess.wait_ready(60.0)
+        assert sess.begin_step(_so())
+        if kill:
+            sess.sink.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+        deadline = time.monotonic() + (10.0 if kill else 0.5)
+        while not sess.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sess.begin_step(_so()) is not kill and sess.live is not kill
+        result = sess.close(10.0)
+        assert result["complete"] is not kill
+
+
+def test_a_stop_waits_for_a_long_step_and_never_writes_half_of_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop that meets no step boundary waits for the running step to end (the runner's
+    sample_tokens) and closes with it whole; a step still running when that wait runs out is
+    dropped and counted. Control: an idle engine's last step is whole and is kept."""
+    monkeypatch.setattr(agent_mod, "STOP_WAIT_S", 0.05)
+
+    class Runner:
+        def execute_model(self, so: Any) -> None:
+            return None  # sample_tokens ends the step
+
+        def sample_tokens(self, grammar: Any) -> Any:
+            return grammar
+
+    def recording(name: str) -> tuple[agent_mod.Agent, Session, PatchSet]:
+        sess = Session(tmp_path / name, rank=0, kind="v1", run=RunMetadata(), assembler="thread")
+        hooks = PatchSet()
+        hooks.install(runner_step_patches(sess, Runner, lambda s, a, k: s.begin_step(a[1])))
+        agent = agent_mod.Agent()
+        agent.session, agent.state, agent._hooks = sess, "recording", hooks
+        return agent, sess, hooks
+
+    def dropped(name: str) -> int:
+        return json.loads((tmp_path / name / "manifest.json").read_text())["drops"]["steps"]
+
+    # a long step: it ends while the stop waits
+    agent, sess, _ = recording("long")
+    Runner().execute_model(_so())
+    assert sess.in_step
+    ender = threading.Timer(0.3, Runner().sample_tokens, args=(None,))
+    ender.start()
+    agent.stop()
+    ender.join()
+    assert dropped("long") == 0 and _written_steps(tmp_path / "long") == [0]
+
+    # a step that outlasts the wait: dropped, counted
+    monkeypatch.setattr(agent_mod, "STEP_WAIT_S", 0.1)
+    agent, _, _ = recording("cut")
+    Runner().execute_model(_so())
+    agent.stop()
+    manifest = json.loads((tmp_path / "cut" / "manifest.json").read_text())
+    assert manifest["drops"]["steps"] == 1 and "stopped_mid_step" in manifest["errors"]
+    assert _written_steps(tmp_path / "cut") is None
+
+    # control: an idle engine, its last step ended long ago
+    agent, sess, _ = recording("idle")
+    Runner().execute_model(_so())
+    Runner().sample_tokens(None)
+    agent.stop()
+    assert dropped("idle") == 0 and _written_steps(tmp_path / "idle") == [0]
+
+
+def _written_steps(out: Path) -> list[int] | None:
+    import pyarrow.parquet as pq
+
+    if not (out / "steps").exists():
+        return None
+    return sorted(set(pq.read_table(out / "steps").column("step").to_pylist()))
+
+
+def test_step_end_hooks_mark_only_real_ends() -> None:
+    """execute_model returning an output ends the step; returning None leaves it to
+    sample_tokens (vLLM's split). Control: a session whose hooks see no ends never waits."""
+    sess = Session.__new__(Session)
+    sess.live, sess.step_ends_observed, sess.in_step = True, False, False
+
+    class Runner:
+        def execute_model(self, so: Any) -> Any:
+            return so
+
+    patches = runner_step_patches(sess, Runner, lambda s, a, k: setattr(s, "in_step", True))
+    assert sess.step_ends_observed and len(patches) == 1  # no sample_tokens on this runner
+    ps = PatchSet()
+    ps.install(patches)
+    try:
+        Runner().execute_model(None)
+        assert sess.in_step  # None: the step goes on
+        Runner().execute_model(np.zeros(1))
+        assert not sess.in_step
+    finally:
+        ps.remove()
