@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+from mgtrace.errors import OutputError
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -21,6 +24,9 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         with open(tmp, "xb") as fh:
             write(fh)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # named by the file asked for, not the temporary one
+            raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
         raise

@@ -18,7 +18,7 @@ import click
 from rich.console import Console
 
 from mgtrace import __version__
-from mgtrace.errors import MgtraceError
+from mgtrace.errors import EXIT_USAGE, MgtraceError
 
 EXIT_INTERNAL = 70  # sysexits EX_SOFTWARE: a bug in mgtrace, not in the input
 
@@ -65,14 +65,16 @@ def tabular_output(max_rows: int, noun: str) -> Callable[[Callable[..., Any]], C
 OUTPUT_FORMATS = {".csv": "csv", ".json": "json", ".parquet": "parquet"}
 
 
-def _output_format(fmt: str, output: Path | None, force: bool) -> str:
+def _output_format(fmt: str, output: Path | None, force: bool, trace: Path) -> str:
     """The format to write: as given, or, for -o without --format, the file's suffix. A file
-    is written only where asked, or over an old one with --force."""
+    is written only where asked, or over an old one with --force, never over the trace."""
     from mgtrace.errors import UsageError
+    from mgtrace.outputs import refuse_overwriting_inputs
     from mgtrace.query.export import check_output_path
 
     if output is None:
         return fmt
+    refuse_overwriting_inputs(output, trace)
     if fmt == "table":
         fmt = OUTPUT_FORMATS.get(output.suffix.lower(), "table")
         if fmt == "table":
@@ -144,7 +146,7 @@ def cli() -> None:
     """Record vLLM hybrid-model align bookkeeping, replay it offline, find the first corrupt step.
 
     Exit codes: 0 clean, 1 corruption found, 2 usage error, 3 unreadable trace,
-    125 inconclusive.
+    125 inconclusive, 70 internal error (a bug in mgtrace).
     """
 
 
@@ -186,13 +188,13 @@ def sql(
     from mgtrace.errors import UsageError
     from mgtrace.query.canned import NAMED, named
     from mgtrace.query.export import export_table
+    from mgtrace.query.views import fetch_arrow, run_query
     from mgtrace.query.views import list_views as views_of
-    from mgtrace.query.views import run_query
     from mgtrace.render import render_arrow, render_canned, render_views
 
     if not list_views and not query:
         raise UsageError('give a QUERY, e.g. "SELECT * FROM steps LIMIT 5", or --list')
-    fmt = _output_format(fmt, output, force)
+    fmt = _output_format(fmt, output, force, trace)
     con = _open(trace, skip_bad_parts).connect()
     if list_views:
         render_views(views_of(con), _stdout())
@@ -200,11 +202,11 @@ def sql(
         return
     rel = run_query(con, named(query))
     if fmt == "table":
-        shown = rel.limit(max_rows + 1).to_arrow_table()
+        shown = fetch_arrow(rel, max_rows + 1)
         more = shown.num_rows > max_rows
         render_arrow(shown.slice(0, max_rows), _stdout(), more=more)
         return
-    export_table(rel.to_arrow_table(), fmt, output)
+    export_table(fetch_arrow(rel), fmt, output)
     if output is not None:
         _stderr().print(f"wrote {output}")
 
@@ -249,13 +251,15 @@ def history(
         saved_rules,
     )
     from mgtrace.render import render_history
+    from mgtrace.replayer.rules import RuleSet
 
     check_step_window(from_step, to_step)
-    fmt = _output_format(fmt, output, force)
+    fmt = _output_format(fmt, output, force, trace)
     reader = _open(trace, skip_bad_parts)
     con = reader.connect()
     req_id = resolve_request(con, request)
-    wanted = None if rules == "any" else rules
+    # named as replay names them (a typo is an error, not a silently empty column)
+    wanted = None if rules == "any" else RuleSet.parse(rules).canonical()
     lines = request_history(
         con,
         req_id,
@@ -304,9 +308,11 @@ def history(
 def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_parts: bool) -> None:
     """Write one self-contained HTML report of TRACE: run, timeline, findings, verdict."""
     from mgtrace.api import Trace
+    from mgtrace.outputs import refuse_overwriting_inputs
     from mgtrace.query.export import check_output_path
     from mgtrace.report import write_report
 
+    refuse_overwriting_inputs(output, trace)
     check_output_path(output, force=force)
     write_report(Trace(trace, skip_bad_parts=skip_bad_parts), output, bisect=not no_bisect)
     _stderr().print(f"wrote {output}")
@@ -336,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except OSError as exc:  # the file system said no (read-only, full, permissions)
+        where = f" ({exc.filename})" if exc.filename else ""
+        click.echo(f"mgtrace: error: {exc.strerror or exc}{where}", err=True)
+        return EXIT_USAGE
     except Exception as exc:
         if os.environ.get("MGTRACE_DEBUG"):
             raise

@@ -6,6 +6,7 @@ from typing import Any
 
 import pyarrow as pa
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -132,7 +133,6 @@ _HISTORY_HEADERS = {
     "accepted_prev": "acc prev",
     "accepted": "acc",
     "state_col": "col",
-    "freed": "frees",
     "mamba_split": "split",
     "reorder_region": "region",
     "row_moves": "row moves",
@@ -167,7 +167,8 @@ def render_views(views: list[tuple[str, str, str, str]], console: Console) -> No
         t.add_column(name, overflow="fold")
     last = None
     for view, column, type_, doc in views:
-        t.add_row(view if view != last else "", column, type_, doc)
+        # the meanings say idx_mapping[batch_row]: text, not console markup
+        t.add_row(view if view != last else "", column, type_, escape(doc))
         last = view
     console.print(t)
 

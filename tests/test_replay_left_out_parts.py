@@ -65,10 +65,40 @@ def test_a_left_out_part_makes_the_replay_inconclusive(
     assert "lacks rows of step 0" in assert_one_sentence_error(proc, 125)
     # across the gap nothing is left to replay: no verdict, rather than "clean" or findings
     proc = run_cli("replay", str(trace), "--skip-bad-parts", "--allow-gaps", "--no-save")
-    assert "none of the 60 steps" in assert_one_sentence_error(proc, 125)
+    assert "no step of" in assert_one_sentence_error(proc, 125)
     proc = run_cli("bisect", str(trace), "--skip-bad-parts")
     assert proc.returncode == 125, proc.stdout + proc.stderr
     assert "left-out steps" in proc.stdout
+
+
+def test_a_left_out_steps_part_is_no_clean_verdict(buggy_trace: Path, tmp_path: Path) -> None:
+    """Without its steps part no step of the trace is known: replay and bisect once called
+    that clean (exit 0). Control: the whole trace is found bad (test above)."""
+    trace = tmp_path / "t"
+    shutil.copytree(buggy_trace, trace)
+    _damage(trace, "steps", 0)
+    proc = run_cli("replay", str(trace), "--skip-bad-parts", "--no-save")
+    assert "no step of" in assert_one_sentence_error(proc, 125)
+    proc = run_cli("bisect", str(trace), "--skip-bad-parts")
+    assert proc.returncode == 125 and "left-out steps" in proc.stdout, proc.stdout
+
+
+def test_a_clean_replay_of_an_unfinished_recording_is_inconclusive(
+    pp_trace: Path, tmp_path: Path
+) -> None:
+    """As bisect says: corruption may lie in the steps never recorded. Control: the same
+    trace, finished, is clean."""
+    proc = run_cli("replay", str(pp_trace), "--no-save")
+    assert proc.returncode == 0 and "inconclusive" not in proc.stdout, proc.stdout
+    trace = tmp_path / "t"
+    shutil.copytree(pp_trace, trace)
+    path = trace / MANIFEST_NAME
+    path.write_text(json.dumps({**json.loads(path.read_text()), "complete": False}))
+    proc = run_cli("replay", str(trace), "--no-save")
+    assert proc.returncode == 125, proc.stdout + proc.stderr
+    assert "clean" in proc.stdout and "did not finish" in proc.stdout
+    proc = run_cli("replay", str(trace), "--no-save", "--json")
+    assert proc.returncode == 125 and "did not finish" in json.loads(proc.stdout)["inconclusive"]
 
 
 def test_a_left_out_part_of_one_rank_leaves_the_other_rank(pp_trace: Path, tmp_path: Path) -> None:
@@ -78,9 +108,10 @@ def test_a_left_out_part_of_one_rank_leaves_the_other_rank(pp_trace: Path, tmp_p
     err = assert_one_sentence_error(run_cli("replay", str(trace), "--skip-bad-parts"), 125)
     assert "rank 1 of the trace lacks rows of step 0" in err
     proc = run_cli("replay", str(trace), "--skip-bad-parts", "--allow-gaps", "--json", "--no-save")
-    assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["steps"] == 60 and summary["clean"]  # rank 0's steps, all of them
+    # clean where it could look, but rank 1's launches are missing: no clean verdict
+    assert proc.returncode == 125 and "left-out steps" in summary["inconclusive"]
 
 
 def test_a_pp_summary_counts_steps_per_rank(pp_trace: Path, buggy_trace: Path) -> None:

@@ -43,7 +43,7 @@ def test_missing_manifest(tmp_path: Path) -> None:
 def test_corrupt_manifest(fresh_trace: Path) -> None:
     (fresh_trace / MANIFEST_NAME).write_text('{"format": "mgtrace-trace", "schema_')
     err = assert_one_sentence_error(run_cli("info", str(fresh_trace)), 3)
-    assert "cannot be parsed" in err
+    assert "is not valid JSON" in err and "Decode" not in err
 
 
 def test_unknown_schema_version(fresh_trace: Path) -> None:
@@ -87,6 +87,11 @@ def _edit_manifest(trace: Path, edit) -> None:
             lambda m: m["drops"].update(step_ranges=[[0, "a", 2]]),
             "drops.step_ranges must be a list",
         ),
+        (lambda m: m.update(created_unix="yesterday"), "created_unix must be a number"),
+        (lambda m: m.update(source=[1, 2]), "source must be an object"),
+        (lambda m: m.update(complete="no"), "complete must be true or false"),
+        (lambda m: m["parts"][0].pop("sha256"), "parts[0] lacks sha256"),
+        (lambda m: m["parts"][0].update(extra=1), "parts[0] has unknown entries extra"),
     ],
 )
 def test_manifest_entry_of_the_wrong_type(fresh_trace: Path, edit, said: str) -> None:
@@ -192,3 +197,71 @@ def test_replay_window_that_ends_before_it_starts(fresh_trace: Path) -> None:
     assert "--from-step 50 comes after --to-step 10" in assert_one_sentence_error(proc, 2)
     proc = run_cli("replay", str(fresh_trace), "--from-step", "10", "--to-step", "50")
     assert proc.returncode in (0, 1), proc.stderr  # the control: a window in order replays
+
+
+def test_sql_that_fails_while_running_is_a_usage_error(fresh_trace: Path) -> None:
+    """DuckDB meets some errors only while running a query (a failed cast, error()); they
+    are the query's fault too. Control: the same query with a good value runs."""
+    proc = run_cli("sql", str(fresh_trace), "SELECT CAST('a' AS INTEGER) AS x")
+    assert "the query failed: Conversion Error" in assert_one_sentence_error(proc, 2)
+    proc = run_cli("sql", str(fresh_trace), "--format", "csv", "SELECT CAST('7' AS INTEGER) AS x")
+    assert proc.returncode == 0 and proc.stdout.splitlines() == ['"x"', "7"]
+
+
+def test_an_output_never_replaces_the_trace_it_reads(fresh_trace: Path, tmp_path: Path) -> None:
+    """--force overwrites an old output, never the input (a slip once turned a trace into
+    a CSV file). Control: the same command with another output path writes it."""
+    before = sorted(p.name for p in fresh_trace.iterdir())
+    for args in (
+        ("sql", str(fresh_trace), "SELECT 1 AS x", "--format", "csv", "-o", str(fresh_trace)),
+        ("report", str(fresh_trace), "--no-bisect", "-o", str(fresh_trace)),
+        ("minimize", str(fresh_trace), "-o", str(fresh_trace)),
+        ("minimize", str(fresh_trace), "-o", str(fresh_trace.parent)),
+    ):
+        err = assert_one_sentence_error(run_cli(*args, "--force"), 2)
+        assert "is (or holds) the input" in err, err
+    assert sorted(p.name for p in fresh_trace.iterdir()) == before
+    out = tmp_path / "x.csv"
+    args = ("sql", str(fresh_trace), "SELECT 1 AS x", "--format", "csv", "-o", str(out))
+    assert run_cli(*args, "--force").returncode == 0 and out.is_file()
+
+
+def test_replay_from_a_step_past_the_end(fresh_trace: Path) -> None:
+    """Once a clean verdict on a window holding no step at all. Control: the last step."""
+    proc = run_cli("replay", str(fresh_trace), "--no-save", "--from-step", "5000")
+    assert "past the last step" in assert_one_sentence_error(proc, 2)
+    proc = run_cli("replay", str(fresh_trace), "--no-save", "--from-step", "59")
+    assert proc.returncode in (0, 1), proc.stderr
+
+
+def test_history_rules_are_checked(fresh_trace: Path) -> None:
+    """A misspelt rule set once showed an empty findings column. Control: a good one."""
+    req = "req-0"
+    for rules in ("garbage", "reorder_threshold=banana"):
+        proc = run_cli("history", str(fresh_trace), req, "--rules", rules)
+        assert_one_sentence_error(proc, 2)
+    proc = run_cli("history", str(fresh_trace), req, "--rules", "reorder-threshold=1+k")
+    assert proc.returncode in (0, 2), proc.stderr
+    assert "rule" not in proc.stderr
+
+
+def test_a_full_disk_leaves_no_simulated_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A simulated trace the disk refused is removed, not left half written; the user gets
+    one sentence. Control: with room, the same command writes the trace."""
+    from mgtrace.cli import main
+    from mgtrace.schemas.writer import TraceWriter
+
+    def disk_full(self: TraceWriter, rel: str, table: object) -> object:
+        raise OSError(28, "No space left on device")
+
+    out = tmp_path / "sim.trace"
+    args = ["simulate", "--steps", "200", "-o", str(out)]
+    with monkeypatch.context() as m:
+        m.setattr(TraceWriter, "_write_part", disk_full)
+        assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mgtrace: error: cannot write") and "No space left" in err
+    assert not out.exists()
+    assert main(args) == 0 and (out / MANIFEST_NAME).is_file()

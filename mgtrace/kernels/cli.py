@@ -26,7 +26,11 @@ if TYPE_CHECKING:
     "--cases", default=200, show_default=True, type=click.IntRange(min=1), help="Random cases."
 )
 @click.option(
-    "--seed", default=0, show_default=True, type=int, help="Seed of case 0; case i uses seed+i."
+    "--seed",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Seed of case 0; case i uses seed+i.",
 )
 @click.option(
     "--device",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import duckdb
+import pyarrow as pa
 
 from mgtrace.errors import UsageError
 from mgtrace.schemas.tables import TABLES
@@ -47,6 +48,16 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRela
     if rel is None:
         raise UsageError("the query returned no result set; mgtrace sql runs SELECT-like queries")
     return rel
+
+
+def fetch_arrow(rel: duckdb.DuckDBPyRelation, limit: int | None = None) -> pa.Table:
+    """The rows of a query; an error DuckDB meets only while running it (a failed cast,
+    ``error()``) becomes one sentence and a usage exit code too."""
+    try:
+        return (rel if limit is None else rel.limit(limit)).to_arrow_table()
+    except duckdb.Error as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise UsageError(f"the query failed: {first}") from None
 
 
 def list_views(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, str, str]]:

@@ -25,6 +25,7 @@ import numpy as np
 
 from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, EXIT_INCONCLUSIVE, MgtraceError
 from mgtrace.replayer import checkpoint as ckpt
+from mgtrace.replayer.coverage import unseen_reason
 from mgtrace.replayer.divergence import first_divergence
 from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, FOREIGN_STATE, Finding
 from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
@@ -163,7 +164,6 @@ class Bisector:
             base_rules=self.base.canonical(),
             horizon=self.horizon,
         )
-        m = self.reader.manifest
         gaps = {r: _gaps(t) for r, t in self.traces.items()}
         checkpoints: dict[int, dict[int, Checkpoint]] = {}
         firsts: dict[int, int] = {}
@@ -195,17 +195,9 @@ class Bisector:
             if first is not None:
                 firsts[rank] = first
         if not firsts:
-            problems = []
-            if any(g is not None for g in gaps.values()) or m.drops.total_steps:
-                problems.append("the trace has dropped or left-out steps")
-            if not m.complete:
-                problems.append("the recording did not finish (complete=false)")
-            if problems:
-                v.status = "inconclusive"
-                v.reason = (
-                    f"the replay is clean, but {' and '.join(problems)}, so corruption may lie "
-                    "in what is missing"
-                )
+            reason = unseen_reason(self.reader, any(g is not None for g in gaps.values()))
+            if reason is not None:
+                v.status, v.reason = "inconclusive", reason
             v.wall_s = time.perf_counter() - t0
             return v
         first = min(firsts.values())
@@ -306,8 +298,10 @@ def recheck_log(path: Path, **kwargs: Any) -> tuple[bool, Verdict, Verdict]:
     """Run the bisect again on the trace a log names; True when the verdict still holds."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise MgtraceError(f"cannot read the bisect log {path}: {exc}") from None
+    except OSError as exc:
+        raise MgtraceError(f"cannot read the bisect log {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise MgtraceError(f"{path} is not an mgtrace bisect log (not JSON)") from None
     if not isinstance(data, dict) or data.get("format") != LOG_FORMAT:
         raise MgtraceError(f"{path} is not an mgtrace bisect log")
     old = Verdict(**{k: data[k] for k in Verdict.__dataclass_fields__ if k in data})

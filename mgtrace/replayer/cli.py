@@ -11,7 +11,14 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, InconclusiveError, UsageError
+from mgtrace.errors import (
+    EXIT_CLEAN,
+    EXIT_CORRUPTION,
+    EXIT_INCONCLUSIVE,
+    InconclusiveError,
+    OutputError,
+    UsageError,
+)
 from mgtrace.replayer.rules import RULES, RuleSet
 
 
@@ -134,6 +141,7 @@ def replay(
     from mgtrace.render import render_replay
 
     check_step_window(from_step, to_step)
+    from mgtrace.replayer.coverage import unseen_reason
     from mgtrace.replayer.findings import save_findings
     from mgtrace.replayer.loop import replay_trace
     from mgtrace.replayer.parallel import default_jobs
@@ -141,6 +149,12 @@ def replay(
 
     rules = rules_from_options(rule_values, rules_text)
     reader = TraceReader(trace, skip_bad_parts=skip_bad_parts)
+    last = max(
+        (p.max_step for p in reader.parts if p.table == "steps" and p.max_step is not None),
+        default=None,
+    )
+    if from_step is not None and last is not None and from_step > last:
+        raise UsageError(f"--from-step {from_step} is past the last step of {trace} ({last})")
     err = Console(stderr=True)
     total = reader.rows("steps")
     if to_step is not None:
@@ -161,24 +175,33 @@ def replay(
             progress=lambda n: bar.advance(task, n),
             jobs=jobs or default_jobs(),
         )
-    if result.steps == 0 and reader.rows("steps"):
+    if result.steps == 0:
         raise InconclusiveError(
-            f"none of the {reader.rows('steps')} steps of {trace} could be replayed (all in "
-            "left-out parts, or outside --to-step), so nothing can be said about them"
+            f"no step of {trace} could be replayed (all in left-out parts, or outside "
+            "--to-step), so nothing can be said about them"
         )
+    unseen = None if result.findings else unseen_reason(reader, allow_gaps)
     replay_id = replay_id_for(rules)
     saved = False
     if not no_save:
         try:
             save_findings(trace, result.findings, replay_id=replay_id, rules=rules.canonical())
             saved = True
-        except OSError as exc:
-            err.print(f"mgtrace: could not add the findings to {trace}: {exc.strerror}")
+        except (OSError, OutputError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else exc.message
+            err.print(f"mgtrace: could not add the findings to {trace}: {why}")
     if as_json:
-        click.echo(json.dumps(summary_json(result, replay_id, saved), indent=1, default=str))
+        summary = summary_json(result, replay_id, saved)
+        if unseen is not None:
+            summary["inconclusive"] = unseen
+        click.echo(json.dumps(summary, indent=1, default=str))
     else:
         render_replay(result, out, trace=trace, replay_id=replay_id if saved else None)
-    return EXIT_CORRUPTION if result.findings else EXIT_CLEAN
+        if unseen is not None:
+            out.print(f"[yellow]inconclusive[/]: {unseen}")
+    if result.findings:
+        return EXIT_CORRUPTION
+    return EXIT_CLEAN if unseen is None else EXIT_INCONCLUSIVE
 
 
 def summary_json(result, replay_id: str, saved: bool) -> dict:
@@ -293,8 +316,9 @@ def bisect_cmd(
     log = log_path or Path(trace) / "bisect.json"
     try:
         save_log(verdict, log)
-    except OSError as exc:
-        Console(stderr=True).print(f"mgtrace: could not write the bisect log {log}: {exc}")
+    except (OSError, OutputError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else exc.message
+        Console(stderr=True).print(f"mgtrace: could not write the bisect log {log}: {why}")
         log = None
     if as_json:
         click.echo(json.dumps(verdict.to_json(), indent=1, default=str))

@@ -38,6 +38,8 @@ class TraceDiff:
             return f"{a} and {b} record the same inputs at every step"
         if self.only_in is not None:
             side = a if self.only_in == "a" else b
+            if self.first_step == 0:
+                return f"only {side} has steps"
             return f"the traces agree up to step {self.first_step - 1}; only {side} goes on"
         return (
             f"the traces first differ at step {self.first_step} (rank {self.rank}) in "

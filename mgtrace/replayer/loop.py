@@ -14,13 +14,14 @@ ownership and the oracle. Per step, in the engine's order:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from mgtrace.errors import InconclusiveError, UsageError
+from mgtrace.errors import InconclusiveError, OutputError, UsageError
 from mgtrace.kernels.launch import AlignLaunch
 from mgtrace.kernels.plan import RowPlan
 from mgtrace.kernels.reference import LaunchResult, run_reference
@@ -41,6 +42,8 @@ DECODE_READ, PREFILL_READ, NEXT_STATE, CACHED_STATE = (
     READ_KINDS.index(k) for k in ("decode-read", "prefill-read", "next-state", "cached-state")
 )
 BACKENDS = ("reference", "triton")
+
+log = logging.getLogger("mgtrace")
 
 
 def load_backend(name: str, device: str) -> Backend:
@@ -602,6 +605,9 @@ class ReplayResult:
         )
 
 
+_UNWRITABLE_CACHES: set[Path] = set()  # checkpoint directories a save failed in
+
+
 def replay_trace(
     reader: TraceReader,
     rules: RuleSet | None = None,
@@ -663,7 +669,13 @@ def replay_trace(
         if checkpoint_every and cache is not None:
 
             def save(cp: Checkpoint, rank: int = rank, cache: Path = cache) -> None:
-                ckpt.save(cache, rank, cp)
+                if cache in _UNWRITABLE_CACHES:
+                    return
+                try:
+                    ckpt.save(cache, rank, cp)
+                except (OSError, OutputError) as exc:  # a cache: the replay goes on without
+                    _UNWRITABLE_CACHES.add(cache)
+                    log.warning("mgtrace: checkpoints are not cached (%s)", exc)
 
         last = rep.run(
             start=start,

@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 
 from mgtrace.errors import InconclusiveError, OutputError
 from mgtrace.kernels.reference import run_reference
+from mgtrace.outputs import refuse_overwriting_inputs
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
 from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
@@ -382,6 +383,7 @@ def minimize(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> MinimizeResult:
     rules = rules or RuleSet()
+    refuse_overwriting_inputs(output, trace_path)
     t0 = time.perf_counter()
     reader = TraceReader(trace_path)
     require_replayable(reader)

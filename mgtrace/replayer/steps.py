@@ -446,6 +446,11 @@ def require_replayable(reader: TraceReader) -> None:
             f"the trace does not say how many state blocks the pool has{origin}, so it "
             "cannot be replayed; query it with mgtrace sql or mgtrace history"
         )
+    if not reader.manifest.run.states:
+        raise UsageError(
+            f"the trace's manifest names no state tensors (run.states){origin}, so no state "
+            "pool can be laid out and it cannot be replayed; query it with mgtrace sql"
+        )
 
 
 def ranks_of(reader: TraceReader) -> list[int]:

@@ -8,7 +8,7 @@ each part, so a crashed writer leaves a manifest that lists only whole parts.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +159,9 @@ class Manifest:
             ]
             drops = _entry(Drops, data.get("drops", {}), where, "drops")
             run = RunMetadata.from_dict(_object(data.get("run", {}), "run", where), where)
+            # the top-level entries, as their annotations say (a float for a timestamp, ...)
+            top = {k: data[k] for k in _TOP_LEVEL if k in data}
+            check_entries(cls, top, where, "")
         except ValueError as exc:
             raise ManifestError(str(exc)) from None
         except TypeError as exc:
@@ -168,16 +171,27 @@ class Manifest:
                 raise ManifestError(f"{where} lists a part of unknown table {part.table!r}")
         return cls(
             run=run,
-            source=dict(data.get("source", {})),
+            source=dict(top.get("source", {})),
             parts=parts,
             drops=drops,
-            errors=dict(data.get("errors", {})),
-            ground_truth=data.get("ground_truth"),
-            complete=bool(data.get("complete", False)),
-            created_unix=float(data.get("created_unix", 0.0)),
-            closed_unix=data.get("closed_unix"),
-            mgtrace_version=str(data.get("mgtrace_version", "")),
+            errors=dict(top.get("errors", {})),
+            ground_truth=top.get("ground_truth"),
+            complete=top.get("complete", False),
+            created_unix=float(top.get("created_unix", 0.0)),
+            closed_unix=top.get("closed_unix"),
+            mgtrace_version=top.get("mgtrace_version", ""),
         )
+
+
+_TOP_LEVEL = (
+    "source",
+    "errors",
+    "ground_truth",
+    "complete",
+    "created_unix",
+    "closed_unix",
+    "mgtrace_version",
+)
 
 
 def _object(value: Any, label: str, where: str) -> dict[str, Any]:
@@ -193,8 +207,18 @@ def _list(value: Any, label: str, where: str) -> list[Any]:
 
 
 def _entry(cls: Any, value: Any, where: str, label: str) -> Any:
-    """One dataclass from one JSON object, its entries type-checked."""
+    """One dataclass from one JSON object, its entries type-checked and none missing or
+    unknown."""
     check_entries(cls, _object(value, label, where), where, f"{label}.")
+    known = {f.name for f in fields(cls)}
+    required = {
+        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+    }
+    missing, unknown = sorted(required - set(value)), sorted(set(value) - known)
+    if missing:
+        raise ValueError(f"{where}: {label} lacks {', '.join(missing)}")
+    if unknown:
+        raise ValueError(f"{where}: {label} has unknown entries {', '.join(unknown)}")
     return cls(**value)
 
 
@@ -212,8 +236,15 @@ def read_manifest_file(path: Path) -> Manifest:
     """One ``manifest.json``, parsed and checked."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{path} cannot be parsed ({exc.__class__.__name__}: {exc})") from None
+    except OSError as exc:
+        raise ManifestError(f"{path} cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path} is not text; it is not an mgtrace manifest") from None
+    except json.JSONDecodeError as exc:
+        raise ManifestError(
+            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+            "it may have been cut short"
+        ) from None
     return Manifest.from_dict(data, where=str(path))
 
 

@@ -451,7 +451,11 @@ class TraceWriter:
             created_unix=time.time(),
             mgtrace_version=__version__,
         )
-        save_manifest(self.path, self.manifest)
+        try:
+            save_manifest(self.path, self.manifest)
+        except OutputError:  # nothing of the trace exists yet: leave no empty directory
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
         self._max_queue = max_queue_steps
         self._rows_per_part = rows_per_part
         self._flush_seconds = flush_seconds

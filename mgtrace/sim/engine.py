@@ -8,16 +8,18 @@ before it is scheduled again.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from mgtrace.errors import UsageError
+from mgtrace.errors import OutputError, UsageError
 from mgtrace.schemas.manifest import Manifest
 from mgtrace.schemas.writer import TraceWriter
 from mgtrace.sim.bugs import GroundTruth
@@ -216,6 +218,8 @@ def simulate(
             num_requests=len(engine.requests),
             requests_finished=sum(r.status == "finished" for r in engine.requests),
         )
+    except (OSError, OutputError) as exc:
+        _discard(writer, cfg, exc)
     except BaseException:
         # an interrupted run keeps the steps it wrote and says where it stopped
         if buf is not None:
@@ -225,8 +229,27 @@ def simulate(
         writer.set_ground_truth(engine.truth.to_dict())
         writer.close()
         raise
-    manifest = writer.close()
+    try:
+        manifest = writer.close()
+    except (OSError, OutputError) as exc:
+        _discard(writer, cfg, exc)
+    failed = writer.stats().failed
+    if failed is not None:  # the writer's thread met the disk's refusal
+        _discard(writer, cfg, failed)
     return manifest
+
+
+def _discard(writer: TraceWriter, cfg: SimConfig, why: Exception | str) -> NoReturn:
+    """The disk said no: a simulated trace is made again at will, and part of one is of no
+    use, so none is left behind."""
+    with contextlib.suppress(Exception):
+        writer.close()
+    shutil.rmtree(writer.path, ignore_errors=True)
+    if isinstance(why, OutputError):
+        raise OutputError(f"{why.message}; nothing of {cfg.output} was kept") from None
+    if isinstance(why, OSError):
+        why = why.strerror or str(why)
+    raise OutputError(f"cannot write {cfg.output}: {why}; nothing was kept") from None
 
 
 def run_engine(cfg: SimConfig, observe: Callable[[int, StepView], None]) -> Engine:

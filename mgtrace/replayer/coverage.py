@@ -1,0 +1,27 @@
+"""Whether a clean replay speaks for the whole run: not when steps are missing from the trace
+(dropped, left out with a damaged part) or the recording never finished."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mgtrace.schemas.tables import TABLES
+
+
+def unseen_reason(reader: Any, gaps: bool = False) -> str | None:
+    """Why a clean replay of ``reader``'s trace is inconclusive, or None when it is not.
+    ``gaps``: the replay met steps missing from the trace."""
+    problems = []
+    left_out = any(
+        s.table not in TABLES or TABLES[s.table].per_step for s in getattr(reader, "skipped", ())
+    )
+    if gaps or left_out or reader.manifest.drops.total_steps:
+        problems.append("the trace has dropped or left-out steps")
+    if not reader.manifest.complete:
+        problems.append("the recording did not finish (complete=false)")
+    if not problems:
+        return None
+    return (
+        f"the replay is clean, but {' and '.join(problems)}, so corruption may lie in what "
+        "is missing"
+    )
