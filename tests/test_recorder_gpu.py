@@ -208,3 +208,27 @@ def test_session_records_what_the_launch_read_on_the_device(tmp_path: Any) -> No
     rows = pq.read_table(next((tmp_path / "t" / "launches").glob("*.parquet"))).to_pylist()
     assert [r["num_accepted"] for r in rows] == want.cpu().tolist()
     assert [r["num_computed"] for r in rows] == list(range(100, 100 + n))
+
+
+def test_a_failed_device_capture_gives_its_slot_back() -> None:
+    """On the device a capture is a cat into the staging slot and an event; when the cat
+    fails (here a vector of another dtype), the slot goes back and the next capture takes
+    it. Control: a ring that is really full refuses and counts it."""
+    from mgtrace.recorder.capture import CaptureRing
+
+    ring = CaptureRing(torch.device("cuda"), slots=2, slot_elems=16)
+    good = torch.arange(4, dtype=torch.int32, device="cuda")
+    bad = torch.arange(4, dtype=torch.float64, device="cuda")
+    for _ in range(4):
+        with pytest.raises((RuntimeError, TypeError)):  # what the hook's guard counts
+            ring.grab([good, bad], [4, 4], {"step": 0})
+    assert ring.grab([good], [4], {"step": 1}) and ring.grab([good], [4], {"step": 2})
+    torch.cuda.synchronize()
+    got = []
+    deadline = time.monotonic() + 10
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += ring.reap()
+    assert [tag["step"] for _, tag in got] == [1, 2]
+    assert all(arrays[0].tolist() == [0, 1, 2, 3] for arrays, _ in got)
+    assert ring.grab([good], [4], {}) and ring.grab([good], [4], {})
+    assert not ring.grab([good], [4], {}) and ring.dropped == 1
