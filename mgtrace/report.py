@@ -20,6 +20,7 @@ from mgtrace.api import Trace
 from mgtrace.atomic import atomic_write
 from mgtrace.errors import InconclusiveError
 from mgtrace.query import canned, plots
+from mgtrace.replayer.coverage import unseen_reason
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -217,9 +218,16 @@ def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -
         if verdict.commands:
             parts.append(_table(["side", "command"], sorted(verdict.commands.items())))
     elif result is not None and result.clean:
-        parts.append(
-            "<div class='verdict clean' id='verdict'>clean: the replay found nothing</div>"
-        )
+        unseen = unseen_reason(trace.reader, crossed)
+        if unseen is None:
+            parts.append(
+                "<div class='verdict clean' id='verdict'>clean: the replay found nothing</div>"
+            )
+        else:  # as replay says it: no clean verdict on what was never seen
+            parts.append(
+                f"<div class='verdict inconclusive' id='verdict'>inconclusive: "
+                f"{html.escape(unseen)}</div>"
+            )
     elif unreplayable is not None:
         parts.append(
             f"<div class='verdict inconclusive' id='verdict'>no replay: "

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from mgtrace.errors import TraceError
 from mgtrace.replayer.bisect import bisect, recheck_log, save_log
 from mgtrace.replayer.diff import diff_rules, diff_traces
 from mgtrace.replayer.loop import replay_trace
@@ -67,6 +68,32 @@ def test_bisect_clean_trace_and_log_recheck(tmp_path: Path) -> None:
     log.write_text(json.dumps(data))
     same, _, _ = recheck_log(log)
     assert not same
+
+
+def test_a_log_inside_its_trace_rechecks_from_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default log sits in the trace; a log written from one directory re-checks from
+    another, and after the trace (with its log) moved. Control: a log naming only the path
+    the bisect was given, from elsewhere, finds no trace."""
+    import shutil
+
+    trace = tmp_path / "run" / "t.trace"
+    shutil.copytree(toggle_trace("reorder-threshold-mismatch", 0), trace)
+    monkeypatch.chdir(tmp_path / "run")
+    save_log(bisect(Path("t.trace")), Path("t.trace") / "bisect.json")
+    moved = tmp_path / "shared" / "repro.trace"
+    moved.parent.mkdir()
+    shutil.move(trace, moved)
+    monkeypatch.chdir(tmp_path)
+    same, _, new = recheck_log(moved / "bisect.json")
+    assert same and new.status == "bad"
+    log = moved / "bisect.json"
+    data = json.loads(log.read_text())
+    del data["trace_from_log"]
+    log.write_text(json.dumps(data))
+    with pytest.raises(TraceError, match="does not exist"):
+        recheck_log(log)
 
 
 def _with_steps_removed(src: Path, dst: Path, drop: set[int], *, complete: bool = True) -> Path:
@@ -130,11 +157,11 @@ def test_minimize_long_trace_to_a_small_repro(
 ) -> None:
     trace = sim_trace(bug, seed, 5000, scenario="pairs", **engine)
     first = replay_trace(TraceReader(trace), RuleSet())
-    pinned = sorted({f.signature for f in first.findings if f.step == first.first_step})[0]
+    pinned = first.findings[0].signature  # the first finding, as replay lists it
     out = tmp_path / "repro-1.min"  # not a module name: the test file's name must be one
     result = minimize(trace, out)
     assert Path(result.test_file).name == "test_repro_1_min.py"
-    assert result.signature == pinned
+    assert result.signature == pinned and result.original_first_step == first.first_step
     assert result.steps <= 50 and len(result.requests) <= 4
     again = replay_trace(TraceReader(out), RuleSet())
     assert pinned in {f.signature for f in again.findings if f.step == again.first_step}

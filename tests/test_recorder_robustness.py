@@ -115,6 +115,35 @@ def test_an_arm_hook_left_behind_calls_the_original_not_itself(
     assert agent.state == "refused"
 
 
+def test_an_arm_hook_patched_over_starts_nothing_and_the_step_runs_once(
+    runner_module: type[_Runner],
+) -> None:
+    """Another tool wraps execute_model while the agent waits armed: hooks installed then
+    would wrap that tool's wrapper, which calls the arm hook again (a RecursionError in the
+    engine). The agent refuses, saying why, and every step runs the engine's method once.
+    Control: armed and left alone, activation goes on to the runner check."""
+    calls: list[int] = []
+    original = runner_module.execute_model
+
+    def counted(self: Any, so: Any) -> Any:
+        calls.append(so)
+        return original(self, so)
+
+    runner_module.execute_model = counted  # type: ignore[method-assign]
+    agent = agent_mod.Agent()
+    assert agent._arm_now()
+    arm = vars(runner_module)["execute_model"]
+    runner_module.execute_model = lambda self, so: arm(self, so)  # type: ignore[method-assign]
+    assert runner_module().execute_model(1) == ("ran", 1) and calls == [1]
+    assert agent.state == "refused" and "patched over by another tool" in agent.refusal
+    assert runner_module().execute_model(2) == ("ran", 2) and calls == [1, 2]
+    runner_module.execute_model = counted  # type: ignore[method-assign]
+    alone = agent_mod.Agent()
+    alone.start("/tmp/mgtrace-never-written")
+    assert runner_module().execute_model(3) == ("ran", 3) and calls == [1, 2, 3]
+    assert alone.state == "refused" and "neither vLLM's V1 nor V2" in alone.refusal
+
+
 class _Target:
     def own(self) -> str:
         return "own"
@@ -339,21 +368,33 @@ def test_a_stop_waits_for_a_long_step_and_never_writes_half_of_one(
     ender.join()
     assert dropped("long") == 0 and _written_steps(tmp_path / "long") == [0]
 
-    # a step that outlasts the wait: dropped, counted
+    # a step that outlasts the wait: dropped, counted, its launch captures not written
     monkeypatch.setattr(agent_mod, "STEP_WAIT_S", 0.1)
-    agent, _, _ = recording("cut")
+    agent, sess, _ = recording("cut")
     Runner().execute_model(_so())
+    _capture(sess)
     agent.stop()
     manifest = json.loads((tmp_path / "cut" / "manifest.json").read_text())
     assert manifest["drops"]["steps"] == 1 and "stopped_mid_step" in manifest["errors"]
     assert _written_steps(tmp_path / "cut") is None
+    assert not (tmp_path / "cut" / "launches").exists()
 
-    # control: an idle engine, its last step ended long ago
+    # control: an idle engine, its last step ended long ago, is written with its launches
     agent, sess, _ = recording("idle")
     Runner().execute_model(_so())
+    _capture(sess)
     Runner().sample_tokens(None)
     agent.stop()
     assert dropped("idle") == 0 and _written_steps(tmp_path / "idle") == [0]
+    assert _steps_and_launches(tmp_path / "idle") == ([0], [0])
+
+
+def _capture(sess: Session) -> None:
+    import torch
+
+    vec = torch.arange(4, dtype=torch.int32)
+    names = ["state_idx", "src_col", "token_bias"]
+    sess.grab([vec] * 3, [4] * 3, _tag(sess, SimpleNamespace(), "precopy", 4, names))
 
 
 def _written_steps(out: Path) -> list[int] | None:
@@ -365,23 +406,36 @@ def _written_steps(out: Path) -> list[int] | None:
 
 
 def test_step_end_hooks_mark_only_real_ends() -> None:
-    """execute_model returning an output ends the step; returning None leaves it to
-    sample_tokens (vLLM's split). Control: a session whose hooks see no ends never waits."""
+    """execute_model returning an output ends the step; None (sample_tokens follows) and a
+    pipeline stage's IntermediateTensors do not; an execute_model that raises does (no step
+    runs on). Control: a session whose hooks see no step ends never counts one as running."""
     sess = Session.__new__(Session)
     sess.live, sess.step_ends_observed, sess.in_step = True, False, False
 
+    class IntermediateTensors:
+        pass
+
     class Runner:
         def execute_model(self, so: Any) -> Any:
+            if so == "boom":
+                raise ValueError(so)
             return so
 
-    patches = runner_step_patches(sess, Runner, lambda s, a, k: setattr(s, "in_step", True))
+    opened = lambda s, a, k: setattr(s, "in_step", True)  # noqa: E731
+    patches = runner_step_patches(sess, Runner, opened)
     assert sess.step_ends_observed and len(patches) == 1  # no sample_tokens on this runner
     ps = PatchSet()
     ps.install(patches)
     try:
-        Runner().execute_model(None)
-        assert sess.in_step  # None: the step goes on
-        Runner().execute_model(np.zeros(1))
+        for result, running in ((None, True), (IntermediateTensors(), True), (np.ones(1), False)):
+            Runner().execute_model(result)
+            assert sess.in_step is running
+        with pytest.raises(ValueError):
+            Runner().execute_model("boom")
         assert not sess.in_step
     finally:
         ps.remove()
+    plain = Session.__new__(Session)
+    plain.step_ends_observed, plain.step, plain.rec = False, -1, None
+    plain.stop_requested, plain.max_steps, plain.deadline = False, None, None
+    assert plain.begin_step(None) and not plain.in_step

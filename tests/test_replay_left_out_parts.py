@@ -101,6 +101,23 @@ def test_a_clean_replay_of_an_unfinished_recording_is_inconclusive(
     assert proc.returncode == 125 and "did not finish" in json.loads(proc.stdout)["inconclusive"]
 
 
+def test_only_what_a_replay_reads_can_make_it_inconclusive(pp_trace: Path, tmp_path: Path) -> None:
+    """--allow-gaps on a whole trace, and a left-out part of a table the replay never
+    reads (row moves), leave a clean replay clean. Control: a left-out launches part does
+    not (the test above)."""
+    proc = run_cli("replay", str(pp_trace), "--no-save", "--allow-gaps")
+    assert proc.returncode == 0 and "inconclusive" not in proc.stdout, proc.stdout
+    trace = tmp_path / "t"
+    shutil.copytree(pp_trace, trace)
+    parts = json.loads((trace / MANIFEST_NAME).read_text())["parts"]
+    moves = [p["path"] for p in parts if p["table"] == "row_moves"]
+    if not moves:
+        pytest.skip("this run moved no rows")
+    (trace / moves[0]).write_bytes(b"PAR1 garbage")
+    proc = run_cli("replay", str(trace), "--no-save", "--skip-bad-parts")
+    assert proc.returncode == 0 and "inconclusive" not in proc.stdout, proc.stdout
+
+
 def test_a_left_out_part_of_one_rank_leaves_the_other_rank(pp_trace: Path, tmp_path: Path) -> None:
     trace = tmp_path / "t"
     shutil.copytree(pp_trace, trace)

@@ -195,7 +195,17 @@ class Agent:
         with self._lock:
             if self.state != "armed":
                 return
-            self._arm.remove()
+            covered = self._arm.remove()
+            if covered:
+                # another tool wrapped the arm hook: hooks installed now would wrap that
+                # tool's wrapper, which calls the arm hook again; start nothing instead
+                self.state = "refused"
+                self.refusal = (
+                    f"{', '.join(covered)} was patched over by another tool while mgtrace "
+                    "waited for the next step; recording did not start"
+                )
+                log.warning("mgtrace: %s", self.refusal)
+                return
             try:
                 self._install(runner)
             except Exception as exc:

@@ -54,6 +54,7 @@ class Assembler:
         self._tables = StepTables(kind, block_size)
         self._wire = wire.Unpacker()
         self._bound_table: str | None = None  # V2: the table the copy kernels were bound to
+        self._dropped: set[int] = set()  # steps the engine process dropped
 
     # ------------------------------------------------------------ input
     def apply(self, message: tuple[Any, ...]) -> None:
@@ -68,8 +69,11 @@ class Assembler:
             self.drop_step(message[1])
 
     def drop_step(self, step: int) -> None:
-        """A step the engine process could not forward: counted with the writer's drops."""
+        """A step the engine process could not forward: counted with the writer's drops, and
+        none of its launches written, whether they came before this notice or come after."""
         self.writer.count_dropped_step(self.rank, step)
+        self._dropped.add(step)
+        self._launches.pop(step, None)
 
     def tick(self) -> None:
         """Hand over a batch that has waited long enough."""
@@ -101,6 +105,8 @@ class Assembler:
     def _on_capture(self, arrays: list[np.ndarray], tag: dict[str, Any]) -> None:
         if tag["kernel"] == asm.BOUND_PTRS:
             self._name_bound_table(arrays[0], tag["tables"], tag["step"])
+            return
+        if tag["step"] in self._dropped:
             return
         got = dict(zip(tag["names"], arrays, strict=True))
         kernel = tag["kernel"]
@@ -179,6 +185,8 @@ class Assembler:
         self._launches.setdefault(tag["step"], []).append(out)
 
     def _on_step(self, rec: dict[str, Any]) -> None:
+        if len(self._dropped) > 4096:  # a capture comes at most a few steps after its drop
+            self._dropped = {s for s in self._dropped if s >= rec["step"] - 64}
         captured = self._by_step.pop(rec["step"], {})
         for stale in [s for s in self._by_step if s < rec["step"] - 64]:
             del self._by_step[stale]  # deferred (PP) captures that no step will claim

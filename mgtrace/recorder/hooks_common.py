@@ -77,11 +77,38 @@ def hook(
     return make
 
 
-def _executed(
-    sess: Session, _t: Any, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
-    if result is not None:  # None: sample_tokens finishes the step
-        sess.step_done()
+def _ends_step(result: Any) -> bool:
+    """Whether execute_model's return ends the step: an output does; None (sample_tokens
+    follows) and a pipeline stage's IntermediateTensors (its sample_tokens still runs the
+    receive and the post-process) do not."""
+    return result is not None and type(result).__name__ != "IntermediateTensors"
+
+
+def _execute_hook(sess: Session, begin: Before) -> Callable[[Callable[..., Any]], Any]:
+    """execute_model: opens the step, and ends it where the return says so, or when the
+    original raises (no step runs on after that: a stop must not wait for it)."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not sess.live:
+                return orig(*args, **kwargs)
+            try:
+                begin(sess, args, kwargs)
+            except Exception as exc:
+                sess.hook_failed("execute_model", exc)
+            try:
+                result = orig(*args, **kwargs)
+            except BaseException:
+                sess.step_done()
+                raise
+            if _ends_step(result):
+                sess.step_done()
+            return result
+
+        functools.update_wrapper(wrapper, orig)
+        return wrapper
+
+    return make
 
 
 def _sampled(
@@ -95,7 +122,7 @@ def runner_step_patches(sess: Session, runner: Any, begin: Before) -> list[Patch
     otherwise ``sample_tokens``, where the runner has it, ends it. A stop that finds a
     step running waits for its end rather than record half of it."""
     sess.step_ends_observed = True
-    patches = [Patch(runner, "execute_model", hook(sess, "execute_model", begin, _executed))]
+    patches = [Patch(runner, "execute_model", _execute_hook(sess, begin))]
     if callable(getattr(runner, "sample_tokens", None)):
         patches.append(Patch(runner, "sample_tokens", hook(sess, "sample_tokens", after=_sampled)))
     return patches

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
@@ -291,7 +292,21 @@ def bisect(trace: Path, **kwargs: Any) -> Verdict:
 def save_log(v: Verdict, path: Path) -> None:
     from mgtrace.schemas.manifest import write_json_atomic
 
-    write_json_atomic(path, v.to_json())
+    data = v.to_json()
+    # the trace as seen from the log, so the log re-checks from any directory, and after
+    # the trace and its log (it sits inside by default) move together
+    data["trace_from_log"] = os.path.relpath(Path(v.trace).resolve(), Path(path).resolve().parent)
+    write_json_atomic(path, data)
+
+
+def _logged_trace(log: Path, data: dict[str, Any]) -> Path:
+    """The trace a log names: beside the log as recorded there, else as given when run."""
+    relative = data.get("trace_from_log")
+    if isinstance(relative, str):
+        beside = Path(log).resolve().parent / relative
+        if beside.is_dir():
+            return beside
+    return Path(data["trace"])
 
 
 def recheck_log(path: Path, **kwargs: Any) -> tuple[bool, Verdict, Verdict]:
@@ -306,7 +321,8 @@ def recheck_log(path: Path, **kwargs: Any) -> tuple[bool, Verdict, Verdict]:
         raise MgtraceError(f"{path} is not an mgtrace bisect log")
     old = Verdict(**{k: data[k] for k in Verdict.__dataclass_fields__ if k in data})
     old.probes = [Probe(**p) for p in data.get("probes", [])]
-    new = bisect(Path(old.trace), base=RuleSet.parse(old.base_rules), horizon=old.horizon, **kwargs)
+    trace = _logged_trace(Path(path), data)
+    new = bisect(trace, base=RuleSet.parse(old.base_rules), horizon=old.horizon, **kwargs)
     same = (
         new.status == old.status
         and new.first_step == old.first_step

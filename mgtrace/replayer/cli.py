@@ -180,7 +180,9 @@ def replay(
             f"no step of {trace} could be replayed (all in left-out parts, or outside "
             "--to-step), so nothing can be said about them"
         )
-    unseen = None if result.findings else unseen_reason(reader, allow_gaps)
+    # gaps a replay crosses with --allow-gaps are dropped or left-out steps, which the
+    # manifest and the reader say
+    unseen = None if result.findings else unseen_reason(reader)
     replay_id = replay_id_for(rules)
     saved = False
     if not no_save:
@@ -438,7 +440,11 @@ def minimize_cmd(
         f"{_count(result.table_updates, 'block-table change')}",
         highlight=False,
     )
-    out.print(f"pinned finding: {result.signature} at step {result.first_step}", highlight=False)
+    out.print(
+        f"pinned finding: {result.signature} at step {result.first_step} of the repro "
+        f"(step {result.original_first_step} of {trace}; the repro's steps start at 0)",
+        highlight=False,
+    )
     out.print(f"{result.queries} replays in {result.wall_s:.1f} s", style="dim")
     out.print(f"wrote {result.output} and {result.test_file}", highlight=False)
     out.print(f"next: python -m pytest {result.test_file}", highlight=False)

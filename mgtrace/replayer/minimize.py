@@ -78,12 +78,13 @@ def load_memory(reader: TraceReader) -> MemoryTrace:
 class Outcome:
     first_step: int | None
     signatures: set[str]
+    lead: str | None = None  # the first finding as replay lists it (step, rank, batch row)
 
 
 def outcome(trace: MemoryTrace, rules: RuleSet) -> Outcome:
     result = replay_trace(trace, rules)  # type: ignore[arg-type]
     first = [f.signature for f in result.findings if f.step == result.first_step]
-    return Outcome(result.first_step, set(first))
+    return Outcome(result.first_step, set(first), first[0] if first else None)
 
 
 # ------------------------------------------------------------------ reductions
@@ -360,7 +361,8 @@ def ddmin(
 @dataclass
 class MinimizeResult:
     signature: str
-    first_step: int
+    first_step: int  # in the repro, whose steps are renumbered from 0
+    original_first_step: int  # the same finding's step in the trace minimized
     original_steps: int
     original_requests: int
     steps: int
@@ -393,7 +395,9 @@ def minimize(
         raise InconclusiveError(
             f"{trace_path} replays clean under {rules.canonical()}; there is nothing to minimize"
         )
-    pin = signature or sorted(base.signatures)[0]
+    # a repro keeps the finding it was made for; any other trace pins its first finding
+    own = (reader.manifest.source or {}).get("signature")
+    pin = signature or (own if own in base.signatures else base.lead)
     if pin not in base.signatures:
         known = ", ".join(sorted(base.signatures))
         raise InconclusiveError(f"signature {pin!r} is not among the first findings ({known})")
@@ -440,11 +444,20 @@ def minimize(
             )
     final = outcome(current, rules)
     test_file = write_minimized(
-        current, output, full.manifest, trace_path, pin, final.first_step, rules, force=force
+        current,
+        output,
+        full.manifest,
+        trace_path,
+        pin,
+        final.first_step,
+        rules,
+        force=force,
+        original_step=base.first_step,
     )
     return MinimizeResult(
         signature=pin,
         first_step=int(final.first_step),
+        original_first_step=int(base.first_step),
         original_steps=_num_steps(full),
         original_requests=len(set(full.tables_["batch_rows"].column("req_id").to_pylist())),
         steps=_num_steps(current),
@@ -465,7 +478,7 @@ def _num_steps(trace: MemoryTrace) -> int:
 TEST_TEMPLATE = '''"""Standalone repro, minimized by mgtrace from {source}.
 
 Replaying the trace beside this file under {rules} must report {signature!r}
-first, at step {step}. Run with: python -m pytest {name}
+at its first corrupt step, step {step}. Run with: python -m pytest {name}
 """
 
 from pathlib import Path
@@ -531,6 +544,7 @@ def write_minimized(
     rules: RuleSet,
     *,
     force: bool,
+    original_step: int | None = None,
 ) -> Path:
     """Write the trace directory and ``test_<name>.py`` beside it; all or nothing."""
     output = Path(output)
@@ -543,6 +557,8 @@ def write_minimized(
         "from": str(source),
         "signature": signature,
         "first_step": first_step,
+        # steps are renumbered from 0: where the finding was in the trace minimized
+        "original_first_step": original_step,
         "rules": rules.canonical(),
     }
     write_trace(trace, output, m)

@@ -52,7 +52,11 @@ def _part_problem(trace_dir: Path, part: PartInfo) -> str | None:
     size = path.stat().st_size
     if size != part.bytes:
         return f"it has {size} bytes, the manifest says {part.bytes} (truncated or rewritten)"
-    if _sha256(path) != part.sha256:
+    try:
+        digest = _sha256(path)
+    except OSError as exc:  # permissions, an I/O error: the part cannot be used either
+        return f"it cannot be read ({exc.strerror or exc})"
+    if digest != part.sha256:
         return "its checksum does not match the manifest"
     try:
         meta = pq.read_metadata(path)

@@ -453,8 +453,9 @@ class TraceWriter:
         )
         try:
             save_manifest(self.path, self.manifest)
-        except OutputError:  # nothing of the trace exists yet: leave no empty directory
-            shutil.rmtree(self.path, ignore_errors=True)
+        except OutputError:  # nothing of the trace exists yet: leave no directory it made
+            if self._made_directory:
+                shutil.rmtree(self.path, ignore_errors=True)
             raise
         self._max_queue = max_queue_steps
         self._rows_per_part = rows_per_part
@@ -576,6 +577,7 @@ class TraceWriter:
             if p.is_dir() and not (p / MANIFEST_NAME).is_file():
                 raise OutputError(f"{p} is not an mgtrace trace; refusing to overwrite it")
             shutil.rmtree(p) if p.is_dir() else p.unlink()
+        self._made_directory = not p.exists()
         try:
             p.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -698,7 +700,11 @@ class TraceWriter:
                 self._fold_drops()
                 self.manifest.parts.append(info)
                 self._bytes_written += info.bytes
-                save_manifest(self.path, self.manifest)
+                try:
+                    save_manifest(self.path, self.manifest)
+                except Exception as exc:  # as a part that fails: stop writing, say so
+                    self._failed = f"updating the manifest failed: {exc}"
+                    log.error("mgtrace: %s; further steps are dropped and counted", self._failed)
 
     def _write_part(self, rel_path: str, table: pa.Table) -> PartInfo:
         return write_part_file(self.path, rel_path, table)
