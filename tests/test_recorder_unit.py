@@ -517,6 +517,23 @@ def test_stop_waits_for_a_close_the_engine_thread_began(monkeypatch: pytest.Monk
     assert result["state"] == "idle" and result["complete"] is True
 
 
+def test_run_metadata_says_whether_prefills_store_checkpoints() -> None:
+    """vLLM 0.33's Mamba2 spec keeps a block per request for the boundary state the prefill
+    forward stores itself; the manifest says so, for the replay to warn. Control: a spec
+    without the field (older vLLM) says nothing, one with 0 says none."""
+    from mgtrace.recorder.runinfo import prefill_checkpoint_blocks
+
+    def runner(*specs: Any) -> Any:
+        groups = [SimpleNamespace(kv_cache_spec=spec) for spec in specs]
+        return SimpleNamespace(kv_cache_config=SimpleNamespace(kv_cache_groups=groups))
+
+    with_field = SimpleNamespace(num_prefill_checkpoint_blocks=1)
+    zero = SimpleNamespace(num_prefill_checkpoint_blocks=0)
+    assert prefill_checkpoint_blocks(runner(zero, with_field), [0, 1]) == 1
+    assert prefill_checkpoint_blocks(runner(zero), [0]) == 0
+    assert prefill_checkpoint_blocks(runner(SimpleNamespace()), [0]) is None
+
+
 def test_recorded_run_metadata_is_always_readable() -> None:
     """Whatever odd values an engine's config holds, the manifest the recorder writes passes
     its own reader's checks: unknowns become null, a path-like model name a string."""

@@ -118,6 +118,23 @@ def test_only_what_a_replay_reads_can_make_it_inconclusive(pp_trace: Path, tmp_p
     assert proc.returncode == 0 and "inconclusive" not in proc.stdout, proc.stdout
 
 
+def test_a_replay_says_what_it_does_not_model(pp_trace: Path, tmp_path: Path) -> None:
+    """A recording whose prefills stored checkpoints (vLLM 0.33's Mamba2) gets a caveat with
+    its verdict. Control: the same trace without the flag gets none."""
+    trace = tmp_path / "t"
+    shutil.copytree(pp_trace, trace)
+    path = trace / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    data["run"]["prefill_checkpoint_blocks"] = 1
+    path.write_text(json.dumps(data))
+    proc = run_cli("replay", str(trace), "--no-save")
+    assert proc.returncode == 0 and "caveat: this engine's Mamba prefills" in proc.stdout
+    proc = run_cli("replay", str(trace), "--no-save", "--json")
+    assert "prefill checkpoints" in json.loads(proc.stdout)["caveat"]
+    proc = run_cli("replay", str(pp_trace), "--no-save", "--json")
+    assert proc.returncode == 0 and "caveat" not in json.loads(proc.stdout)
+
+
 def test_a_left_out_part_of_one_rank_leaves_the_other_rank(pp_trace: Path, tmp_path: Path) -> None:
     trace = tmp_path / "t"
     shutil.copytree(pp_trace, trace)

@@ -245,6 +245,41 @@ def test_a_block_id_past_the_pool_is_a_finding_not_a_crash(tmp_path) -> None:
     assert first.step >= 50 and first.block_id == reader.run.num_blocks + 7
 
 
+def test_a_trace_without_the_mamba_split_decodes_only_rows_past_their_prompt(
+    tmp_path,
+) -> None:
+    """A GDN model's builder has no position split for the recorder to hook: its rows come
+    without one. A row still prefilling then runs the prefill kernels, the others decode,
+    and a clean run replays clean. Control: every row taken for a decode, as once, reads
+    windows the prefills never had."""
+    import pyarrow as pa
+
+    from mgtrace.replayer.loop import replay_trace
+    from mgtrace.replayer.minimize import load_memory, write_trace
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    src = tmp_path / "src"
+    simulate(SimConfig(scenario="mixed", steps=300, seed=1, output=src).validate())
+
+    def with_split(out, value: str | None) -> TraceReader:
+        mem = load_memory(TraceReader(src))
+        rows = mem.tables_["batch_rows"]
+        i = rows.schema.get_field_index("mamba_split")
+        field = rows.schema.field(i)
+        column = pa.nulls(rows.num_rows, field.type)
+        if value is not None:
+            column = pa.array([value] * rows.num_rows, field.type)
+        mem.tables_["batch_rows"] = rows.set_column(i, field, column)
+        write_trace(mem, out, mem.manifest)
+        return TraceReader(out)
+
+    assert replay_trace(TraceReader(src)).clean
+    assert replay_trace(with_split(tmp_path / "unrecorded", None)).clean
+    assert not replay_trace(with_split(tmp_path / "all-decode", "decode")).clean
+
+
 def test_checkpoints_let_a_replay_start_mid_trace(tmp_path) -> None:
     """A replay resumed from a cached checkpoint reports what the full replay reports."""
     from mgtrace.replayer.checkpoint import cache_dir

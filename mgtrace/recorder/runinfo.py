@@ -73,6 +73,17 @@ def _conv_layout() -> str:
         return "SD"
 
 
+def prefill_checkpoint_blocks(runner: Any, groups: list[int]) -> int | None:
+    """The most prefill checkpoint blocks a Mamba group's spec asks for (0: none); None
+    where this vLLM's spec has no such field or the groups cannot be read."""
+    try:
+        cfg_groups = runner.kv_cache_config.kv_cache_groups
+        values = [cfg_groups[g].kv_cache_spec.num_prefill_checkpoint_blocks for g in groups]
+    except Exception:
+        return None
+    return max((_whole(v) or 0 for v in values), default=None)
+
+
 def state_layout(runner: Any, groups: list[int]) -> list[StateLayout]:
     """Per Mamba group (local order) and layer, the state tensors a block holds."""
     out: list[StateLayout] = []
@@ -147,5 +158,6 @@ def run_metadata(runner: Any, kind: str, groups: list[int], row_rule: str | None
         runner_reorder_threshold=_whole(getattr(runner, "reorder_batch_threshold", None)),
         builder_reorder_thresholds=builder_thresholds(runner),
         row_rule=row_rule,
+        prefill_checkpoint_blocks=prefill_checkpoint_blocks(runner, groups),
         states=state_layout(runner, groups),
     )

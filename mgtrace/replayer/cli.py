@@ -141,7 +141,7 @@ def replay(
     from mgtrace.render import render_replay
 
     check_step_window(from_step, to_step)
-    from mgtrace.replayer.coverage import unseen_reason
+    from mgtrace.replayer.coverage import unmodelled_writes, unseen_reason
     from mgtrace.replayer.findings import save_findings
     from mgtrace.replayer.loop import replay_trace
     from mgtrace.replayer.parallel import default_jobs
@@ -192,15 +192,20 @@ def replay(
         except (OSError, OutputError) as exc:
             why = exc.strerror if isinstance(exc, OSError) else exc.message
             err.print(f"mgtrace: could not add the findings to {trace}: {why}")
+    caveat = unmodelled_writes(reader.manifest.run)
     if as_json:
         summary = summary_json(result, replay_id, saved)
         if unseen is not None:
             summary["inconclusive"] = unseen
+        if caveat is not None:
+            summary["caveat"] = caveat
         click.echo(json.dumps(summary, indent=1, default=str))
     else:
         render_replay(result, out, trace=trace, replay_id=replay_id if saved else None)
         if unseen is not None:
             out.print(f"[yellow]inconclusive[/]: {unseen}")
+        if caveat is not None:
+            out.print(f"[yellow]caveat[/]: {caveat}", highlight=False)
     if result.findings:
         return EXIT_CORRUPTION
     return EXIT_CLEAN if unseen is None else EXIT_INCONCLUSIVE

@@ -1,5 +1,6 @@
-"""Whether a clean replay speaks for the whole run: not when steps are missing from the trace
-(dropped, left out with a damaged part) or the recording never finished."""
+"""Whether a replay speaks for the whole run: a clean one not when steps are missing from the
+trace (dropped, left out with a damaged part) or the recording never finished; none fully
+where the engine wrote state the forward model does not write."""
 
 from __future__ import annotations
 
@@ -24,3 +25,16 @@ def unseen_reason(reader: Any, gaps: bool = False) -> str | None:
         f"the replay is clean, but {' and '.join(problems)}, so corruption may lie in what "
         "is missing"
     )
+
+
+def unmodelled_writes(run: Any) -> str | None:
+    """What the engine wrote that the replay's forward model does not, when the run says
+    so; None otherwise."""
+    if run.prefill_checkpoint_blocks:
+        return (
+            "this engine's Mamba prefills also stored block-boundary states themselves "
+            "(prefill checkpoints), which the replay does not model: a later prefix-cache "
+            "hit on such a block can be reported as foreign_state or wrong_tokens where the "
+            "engine was right, and a wrong checkpoint write goes unseen"
+        )
+    return None

@@ -181,8 +181,17 @@ class RankTrace:
         self._batch_cols = {c: _numpy(self._batch.table.column(c)) for c in BATCH_INT_COLUMNS}
         bt = self._batch.table
         self._batch_uid = ids.uids_of_column(bt.column("req_id"))
+        # The Mamba builder's split where it was recorded; where not (a GDN model, whose
+        # builder splits by spec-decode rows, not by position), a row still prefilling its
+        # prompt runs the prefill kernels and the others decode, as GDN splits them
+        # (never every row a decode: a fresh prefill would read a window it has not got)
+        split = bt.column("mamba_split")
         self._batch_prefill = (
-            pc.fill_null(pc.equal(bt.column("mamba_split"), "prefill"), False)
+            pc.if_else(
+                pc.is_null(split),
+                pc.fill_null(bt.column("is_prefilling"), False),
+                pc.equal(split, "prefill"),
+            )
             .to_numpy(zero_copy_only=False)
             .astype(bool)
         )

@@ -54,6 +54,9 @@ class RunMetadata:
     runner_reorder_threshold: int | None = None
     builder_reorder_thresholds: dict[str, int | None] = field(default_factory=dict)
     row_rule: str | None = None  # block-table row rule of the align kernels, req_slot | batch_row
+    # state blocks a Mamba group keeps per request for the boundary states its prefill
+    # forward stores itself (vLLM's prefill checkpoints); the replay does not model them
+    prefill_checkpoint_blocks: int | None = None
     states: list[StateLayout] = field(default_factory=list)
 
     @classmethod
