@@ -4,9 +4,11 @@ States: ``idle`` → ``armed`` (a one-shot hook waits for the runner's next step
 ``recording`` → back to ``idle`` (or ``refused`` when the running vLLM lacks a hook target).
 Activation and the limit-triggered stop both happen on the engine thread inside
 ``execute_model``, i.e. between two steps, so a trace never holds half a step. A stop from
-the control socket flips the session off at once (every hook becomes a pass-through) and
-removes the patches at the next step boundary, or itself after a short wait when the
-engine is idle.
+the control socket asks for the same at the next step boundary; when none comes within a
+short wait it closes itself: at once when the engine is idle (its last step is whole), else
+once the running step ends, or, when that takes too long, dropping that step, counted.
+States ``stopping`` (a close runs) and ``abandoned`` (a parent's agent in a forked child)
+are passed through on the way.
 """
 
 from __future__ import annotations
