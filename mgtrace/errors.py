@@ -69,3 +69,12 @@ class InconclusiveError(MgtraceError):
     """The question cannot be answered from this trace (gaps, drops, incomplete run)."""
 
     exit_code = EXIT_INCONCLUSIVE
+
+
+def reason(exc: BaseException) -> str:
+    """An error's own words: an MgtraceError's sentence, an OSError's strerror."""
+    if isinstance(exc, MgtraceError):
+        return exc.message
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)

@@ -20,10 +20,8 @@ first ``prefill`` event, as the re-analysis does (several builders log the same 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -410,15 +408,9 @@ def import_probe(
         writer.close()
         failed = writer.stats().failed
     except BaseException:
-        _discard(writer, Path(out))
+        writer.discard()
         raise
     if failed is not None:  # never leave a trace that holds less than was imported
-        _discard(writer, Path(out))
+        writer.discard()
         raise OutputError(f"cannot write {out}: {failed}")
     return imp.report
-
-
-def _discard(writer: TraceWriter, out: Path) -> None:
-    with contextlib.suppress(Exception):
-        writer.close()
-    shutil.rmtree(out, ignore_errors=True)

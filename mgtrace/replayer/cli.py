@@ -18,6 +18,7 @@ from mgtrace.errors import (
     InconclusiveError,
     OutputError,
     UsageError,
+    reason,
 )
 from mgtrace.replayer.rules import RULES, RuleSet
 
@@ -190,8 +191,7 @@ def replay(
             save_findings(trace, result.findings, replay_id=replay_id, rules=rules.canonical())
             saved = True
         except (OSError, OutputError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) else exc.message
-            err.print(f"mgtrace: could not add the findings to {trace}: {why}")
+            err.print(f"mgtrace: could not add the findings to {trace}: {reason(exc)}")
     caveat = unmodelled_writes(reader.manifest.run)
     if as_json:
         summary = summary_json(result, replay_id, saved)
@@ -324,8 +324,7 @@ def bisect_cmd(
     try:
         save_log(verdict, log)
     except (OSError, OutputError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else exc.message
-        Console(stderr=True).print(f"mgtrace: could not write the bisect log {log}: {why}")
+        Console(stderr=True).print(f"mgtrace: could not write the bisect log {log}: {reason(exc)}")
         log = None
     if as_json:
         click.echo(json.dumps(verdict.to_json(), indent=1, default=str))

@@ -12,6 +12,7 @@ buffers must hand over copies.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -561,6 +562,13 @@ class TraceWriter:
                 self.manifest.errors.setdefault("writer", {"count": 1, "first": self._failed})
             save_manifest(self.path, self.manifest)
         return self.manifest
+
+    def discard(self) -> None:
+        """Stop and remove the trace directory: for a writer whose trace cannot be whole
+        (the disk refused it), where part of one is worse than none."""
+        with contextlib.suppress(Exception):
+            self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def __enter__(self) -> TraceWriter:
         return self

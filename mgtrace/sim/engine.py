@@ -8,8 +8,6 @@ before it is scheduled again.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,7 +17,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from mgtrace.errors import OutputError, UsageError
+from mgtrace.errors import OutputError, UsageError, reason
 from mgtrace.schemas.manifest import Manifest
 from mgtrace.schemas.writer import TraceWriter
 from mgtrace.sim.bugs import GroundTruth
@@ -242,13 +240,11 @@ def simulate(
 def _discard(writer: TraceWriter, cfg: SimConfig, why: Exception | str) -> NoReturn:
     """The disk said no: a simulated trace is made again at will, and part of one is of no
     use, so none is left behind."""
-    with contextlib.suppress(Exception):
-        writer.close()
-    shutil.rmtree(writer.path, ignore_errors=True)
+    writer.discard()
     if isinstance(why, OutputError):
         raise OutputError(f"{why.message}; nothing of {cfg.output} was kept") from None
-    if isinstance(why, OSError):
-        why = why.strerror or str(why)
+    if isinstance(why, Exception):
+        why = reason(why)
     raise OutputError(f"cannot write {cfg.output}: {why}; nothing was kept") from None
 
 
