@@ -46,6 +46,18 @@ def test_toggle_found_exactly_and_undone(bug: str, seed: int) -> None:
     assert undone.clean, undone.findings[:3]
 
 
+@pytest.mark.parametrize("bug", list(TOGGLES))
+def test_toggle_found_exactly_with_prefill_checkpoints(bug: str) -> None:
+    engine, undo = TOGGLES[bug]
+    reader = TraceReader(sim_trace(bug, 0, 1500, prefill_checkpoints=True, **engine))
+    truth = reader.manifest.ground_truth["bugs"][bug]
+    assert truth["first_step"] is not None
+    recorded = replay_trace(reader, RuleSet())
+    assert recorded.first_step == truth["first_step"]
+    assert set(truth["first_requests"]) <= involved(recorded.findings, recorded.first_step)
+    assert replay_trace(reader, RuleSet.parse(undo)).clean
+
+
 def test_every_toggle_fires_for_some_seed() -> None:
     """Control for the skip above: each toggle must actually inject corruption."""
     for bug in TOGGLES:
@@ -57,7 +69,7 @@ def test_every_toggle_fires_for_some_seed() -> None:
 
 
 # Clean runs: V1 and V2 (with and without PP), every scenario, several seeds;
-# 10 runs x 10,000 steps = 100,000 simulated steps replayed without a finding.
+# 12 runs x 10,000 steps = 120,000 simulated steps replayed without a finding.
 CLEAN_RUNS = [
     ("pairs", {"runner": "v1"}, 0),
     ("pairs", {"runner": "v1"}, 1),
@@ -69,6 +81,9 @@ CLEAN_RUNS = [
     ("pairs", {"runner": "v2", "pp": 2}, 7),
     ("steady", {"runner": "v2", "pp": 2}, 8),
     ("mixed", {"runner": "v2", "pp": 3}, 9),
+    # vLLM 0.33's prefill checkpoints: prefix hits read blocks the prefill stored itself
+    ("pairs", {"runner": "v1", "prefill_checkpoints": True}, 10),
+    ("mixed", {"runner": "v2", "pp": 2, "prefill_checkpoints": True}, 11),
 ]
 
 

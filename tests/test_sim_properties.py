@@ -166,9 +166,16 @@ SHAPES = st.sampled_from([("v1", 1), ("v2", 1), ("v2", 2), ("v2", 3)])
     k=st.integers(1, 4),
     tight=st.booleans(),
     sync=st.booleans(),
+    checkpoints=st.booleans(),
 )
 def test_invariants_hold_on_every_step(
-    seed: int, scenario: str, shape: tuple[str, int], k: int, tight: bool, sync: bool
+    seed: int,
+    scenario: str,
+    shape: tuple[str, int],
+    k: int,
+    tight: bool,
+    sync: bool,
+    checkpoints: bool,
 ) -> None:
     runner, pp = shape
     cfg = SimConfig(
@@ -184,6 +191,7 @@ def test_invariants_hold_on_every_step(
         length_scale=0.05,
         async_scheduling=not sync,
         num_blocks=32 * (k + 2) // 2 if tight else None,
+        prefill_checkpoints=checkpoints,
     )
     tally = run_checked(cfg)
     assert tally.steps == 500 and not tally.violations

@@ -232,6 +232,9 @@ class Agent:
         ctx_cls = features.owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy")
         rule, _table = binding(ctx_cls, kind)
         run = runinfo.run_metadata(runner, kind, groups, rule)
+        run.prefill_checkpoints_recorded = (
+            features.owner_of(owners, "MambaPrefillCheckpointBuilder", "build") is not None
+        )
         cfg = self._config
         out = Path(cfg["out"])
         if world > 1:

@@ -63,6 +63,21 @@ def mamba_split(num_rows: int, num_decodes: int | None) -> np.ndarray | None:
     return split
 
 
+def prefill_checkpoints(
+    num_rows: int, stored: list[tuple[int, int, int]] | None
+) -> dict[str, list[int | None]]:
+    """batch_rows' checkpoint columns from the hook's (batch row, tokens, column) triples;
+    nothing when no row of the step stored a checkpoint."""
+    if not stored:
+        return {}
+    tokens: list[int | None] = [None] * num_rows
+    cols: list[int | None] = [None] * num_rows
+    for row, covered, col in stored:
+        if 0 <= row < num_rows:
+            tokens[row], cols[row] = covered, col
+    return {"checkpoint_tokens": tokens, "checkpoint_col": cols}
+
+
 class Nullable:
     """Values with a null mask, kept apart until many steps are joined: building a numpy
     masked array costs more than the step it describes."""

@@ -50,6 +50,12 @@ _SPLIT = Target(
     "_compute_common_metadata",
     required=False,
 )
+_CHECKPOINTS = Target(
+    "vllm.model_executor.layers.mamba.checkpoint",
+    "MambaPrefillCheckpointBuilder",
+    "build",
+    required=False,
+)
 
 V1_TARGETS: tuple[Target, ...] = (
     Target(V1_RUNNER_MODULE, "GPUModelRunner", "execute_model"),
@@ -66,6 +72,7 @@ V1_TARGETS: tuple[Target, ...] = (
     Target(_MU, None, "stage_postprocess_inputs_to_gpu"),
     *_LAUNCHERS,
     _SPLIT,
+    _CHECKPOINTS,
 )
 
 V2_TARGETS: tuple[Target, ...] = (
@@ -87,6 +94,7 @@ V2_TARGETS: tuple[Target, ...] = (
     ),
     *_LAUNCHERS,
     _SPLIT,
+    _CHECKPOINTS,
 )
 
 # Attributes a live runner instance must carry for the hooks to read what they record.

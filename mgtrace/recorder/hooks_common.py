@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mgtrace.recorder.assemble import BOUND_PTRS
+from mgtrace.recorder.features import Target, owner_of
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
 from mgtrace.recorder.wire import raw
@@ -380,7 +381,50 @@ def launcher_patches(sess: Session, ctx_cls: Any) -> list[Patch]:
     ]
 
 
-def split_patch(sess: Session, builder_cls: Any) -> Patch:
-    return Patch(
-        builder_cls, "_compute_common_metadata", hook(sess, "mamba_split", after=_mamba_split)
-    )
+def _prefill_checkpoints(
+    sess: Session, _token: Any, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Where a Mamba prefill also stored a state mid-query: per batch row, the tokens that
+    state covers and its block-table column. Only prefill steps return metadata; the host
+    lists it carries are read, never a device tensor."""
+    rec = sess.rec
+    offsets = getattr(result, "offsets", None)
+    if rec is None or not offsets or "ckpt" in rec:  # every builder of a step says the same
+        return
+    meta = arg(args, kwargs, 1, "m")
+    seq_lens = meta.seq_lens_cpu_upper_bound
+    if seq_lens is None or seq_lens.device.type != "cpu":
+        return
+    rows = arg(args, kwargs, 2, "request_rows")
+    query_lens = result.query_lens
+    block_size = int(args[0].kv_cache_spec.block_size)
+    stored = []
+    for i, offset in enumerate(offsets):
+        if offset > 0:
+            row = int(rows[i])
+            seq = int(seq_lens[row])
+            # the builder's column rule: cdiv(seq_len, B) - 2
+            stored.append((row, seq - int(query_lens[i]) + int(offset), -(-seq // block_size) - 2))
+    rec["ckpt"] = stored
+
+
+def optional_patches(sess: Session, owners: dict[Target, Any]) -> list[Patch]:
+    """Hooks that only enrich a trace: the Mamba builder's split, the prefill checkpoints."""
+    patches = []
+    builder = owner_of(owners, "BaseMambaAttentionMetadataBuilder", "_compute_common_metadata")
+    if builder is not None:
+        patches.append(
+            Patch(
+                builder,
+                "_compute_common_metadata",
+                hook(sess, "mamba_split", after=_mamba_split),
+            )
+        )
+    checkpoints = owner_of(owners, "MambaPrefillCheckpointBuilder", "build")
+    if checkpoints is not None:
+        patches.append(
+            Patch(
+                checkpoints, "build", hook(sess, "prefill_checkpoints", after=_prefill_checkpoints)
+            )
+        )
+    return patches

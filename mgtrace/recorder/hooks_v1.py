@@ -22,8 +22,8 @@ from mgtrace.recorder.hooks_common import (
     arg,
     hook,
     launcher_patches,
+    optional_patches,
     runner_step_patches,
-    split_patch,
 )
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
@@ -210,7 +210,5 @@ def v1_patches(sess: Session, owners: dict[Target, Any], mamba_groups: list[int]
         ),
         *launcher_patches(sess, owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy")),
     ]
-    builder = owner_of(owners, "BaseMambaAttentionMetadataBuilder", "_compute_common_metadata")
-    if builder is not None:
-        patches.append(split_patch(sess, builder))
+    patches += optional_patches(sess, owners)
     return patches

@@ -24,8 +24,8 @@ from mgtrace.recorder.hooks_common import (
     arg,
     hook,
     launcher_patches,
+    optional_patches,
     runner_step_patches,
-    split_patch,
 )
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
@@ -210,7 +210,5 @@ def v2_patches(
         *launcher_patches(sess, owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy")),
         *_table_patches(sess, owner_of(owners, "BlockTables", "append_block_ids"), mamba_groups),
     ]
-    builder = owner_of(owners, "BaseMambaAttentionMetadataBuilder", "_compute_common_metadata")
-    if builder is not None:
-        patches.append(split_patch(sess, builder))
+    patches += optional_patches(sess, owners)
     return patches

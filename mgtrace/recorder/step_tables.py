@@ -81,6 +81,7 @@ class StepTables:
         split = asm.mamba_split(n, tables["steps"]["num_mamba_decodes"])
         if split is not None:
             rows["mamba_split"] = split
+        rows.update(asm.prefill_checkpoints(n, rec.get("ckpt")))
         tables["batch_rows"] = rows
         bt = self._block_tables(rec, "v1", n)
         if bt:
@@ -195,6 +196,7 @@ class StepTables:
         split = asm.mamba_split(n, tables["steps"]["num_mamba_decodes"])
         if split is not None:
             rows["mamba_split"] = split
+        rows.update(asm.prefill_checkpoints(n, rec.get("ckpt")))
         tables["batch_rows"] = rows
         return tables
 

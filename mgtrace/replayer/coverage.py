@@ -30,11 +30,12 @@ def unseen_reason(reader: Any, gaps: bool = False) -> str | None:
 def unmodelled_writes(run: Any) -> str | None:
     """What the engine wrote that the replay's forward model does not, when the run says
     so; None otherwise."""
-    if run.prefill_checkpoint_blocks:
+    if run.prefill_checkpoint_blocks and not run.prefill_checkpoints_recorded:
         return (
             "this engine's Mamba prefills also stored block-boundary states themselves "
-            "(prefill checkpoints), which the replay does not model: a later prefix-cache "
-            "hit on such a block can be reported as foreign_state or wrong_tokens where the "
-            "engine was right, and a wrong checkpoint write goes unseen"
+            "(prefill checkpoints), and the recording did not say where (this vLLM has no "
+            "MambaPrefillCheckpointBuilder.build to hook): a later prefix-cache hit on such a "
+            "block can be reported as foreign_state or wrong_tokens where the engine was "
+            "right, and a wrong checkpoint write goes unseen"
         )
     return None

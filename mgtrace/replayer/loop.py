@@ -532,7 +532,34 @@ class RankReplay:
                 self.pool.write_conv(g, cblocks, uid_c, last)
             else:
                 self.pool.write_conv(g, cblocks[okc], uid_c[okc], last[okc])
+        self._prefill_checkpoints(step, view, live & prefill, width - 1 - keep)
         self.oracle.mark_written(uid_c)  # = live_uids(view.uid, view.slot)
+
+    def _prefill_checkpoints(
+        self, step: int, view: RowView, prefill: np.ndarray, conv_lead: int
+    ) -> None:
+        """A prefill that also stored its state mid-query (vLLM's prefill checkpoint) wrote
+        it into its block at the recorded column: temporal state and conv window, covering
+        ``checkpoint_tokens``. A null column takes the write nowhere the engine keeps state."""
+        rows = (prefill & (view.checkpoint_col >= 0)).nonzero()[0]
+        if not len(rows):
+            return
+        tokens = view.checkpoint_tokens[rows].astype(np.int64)
+        blocks_g = self.tables.gather_groups(
+            self.own_kind, view.slot64[rows], view.checkpoint_col[rows].astype(np.int64)
+        )
+        uids, brow = view.uid64[rows], view.batch_row[rows]
+        for g in range(len(self.pool.groups)):
+            blocks = blocks_g[g]
+            ok = blocks > 0
+            if not np.count_nonzero(ok):
+                continue
+            self._touched_after_forward.append(blocks[ok])
+            self.oracle.check_writes(step, "checkpoint-write", g, blocks[ok], uids[ok], brow[ok])
+            self.pool.write_temporal(
+                g, blocks[ok], uids[ok], tokens[ok], step, np.zeros(len(tokens[ok]), np.int64)
+            )
+            self.pool.write_conv(g, blocks[ok], uids[ok], tokens[ok] + conv_lead)
 
     def _padded_rows(self, step: int, launch: AlignLaunch, view: RowView) -> None:
         """Padded rows of a CUDA-graph batch run the decode kernel on the state indices their

@@ -84,6 +84,8 @@ BATCH_INT_COLUMNS = (
     "accepted",
     "prev_state_col",
     "state_col",
+    "checkpoint_tokens",
+    "checkpoint_col",
 )
 
 

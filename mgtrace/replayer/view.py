@@ -37,6 +37,10 @@ class RowView:
     accepted_prev: np.ndarray  # as this step consumed it, after accepted_source
     accepted: np.ndarray  # produced this step, -1 when the row sampled nothing
     prefill_split: np.ndarray  # bool: the Mamba builder ran the row through prefill kernels
+    # a prefill's mid-query state (vLLM's prefill checkpoint): tokens it covers and its
+    # absolute block-table column; -1 where the row stored none
+    checkpoint_tokens: np.ndarray
+    checkpoint_col: np.ndarray
 
     @property
     def num_rows(self) -> int:
@@ -124,6 +128,8 @@ def row_view(
         accepted_prev=accepted_prev,
         accepted=c["accepted"],
         prefill_split=prefill,
+        checkpoint_tokens=c["checkpoint_tokens"],
+        checkpoint_col=c["checkpoint_col"],
     )
 
 

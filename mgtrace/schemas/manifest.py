@@ -55,8 +55,11 @@ class RunMetadata:
     builder_reorder_thresholds: dict[str, int | None] = field(default_factory=dict)
     row_rule: str | None = None  # block-table row rule of the align kernels, req_slot | batch_row
     # state blocks a Mamba group keeps per request for the boundary states its prefill
-    # forward stores itself (vLLM's prefill checkpoints); the replay does not model them
+    # forward stores itself (vLLM's prefill checkpoints)
     prefill_checkpoint_blocks: int | None = None
+    # whether batch_rows.checkpoint_tokens/checkpoint_col say where those states went; the
+    # replay writes them only then
+    prefill_checkpoints_recorded: bool = False
     states: list[StateLayout] = field(default_factory=list)
 
     @classmethod

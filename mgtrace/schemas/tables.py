@@ -179,6 +179,17 @@ BATCH_ROWS = _table(
             "Where the Mamba builder put the row: decode | prefill.",
             categories=MAMBA_SPLITS,
         ),
+        col(
+            "checkpoint_tokens",
+            I32,
+            "Prefill checkpoint: tokens folded into the state the prefill also stored mid-query "
+            "(query start + the builder's offset); null when the row stored none.",
+        ),
+        col(
+            "checkpoint_col",
+            I32,
+            "Block-table column that checkpoint state went to: cdiv(computed+scheduled, B)-2.",
+        ),
     ],
 )
 

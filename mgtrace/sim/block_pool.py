@@ -112,27 +112,33 @@ class AlignAllocator:
         self.rows[req] = row
         return list(row)
 
-    def blocks_needed(self, req: str, num_tokens: int) -> int:
+    def blocks_needed(self, req: str, num_tokens: int, checkpoint: bool = False) -> int:
         """Fresh blocks ``allocate`` would take (a dry run of its column arithmetic)."""
         row = self.rows.get(req, [])
         prev_len = len(row)
         required = cdiv(num_tokens, self.B) + self.S
-        if required <= prev_len:
+        if required <= prev_len and not checkpoint:
             return 0
-        skipped = required - self.S - 1
+        # the column behind the running one keeps a block for a prefill checkpoint
+        skipped = required - self.S - 1 - int(checkpoint)
         length = max(prev_len, skipped)
         if req in self.allocated:
             # the spec columns prev_len - S .. prev_len - 1 below ``skipped`` (relocated)
             length += max(min(prev_len, skipped) - (prev_len - self.S), 0)
         return max(required - length, 0)
 
-    def allocate(self, req: str, num_tokens: int, need: int | None = None) -> list[int]:
+    def allocate(
+        self, req: str, num_tokens: int, need: int | None = None, checkpoint: bool = False
+    ) -> list[int]:
         """Grow the row to cover ``num_tokens``; return the appended tail (the new block ids
         a SchedulerOutput carries, nulls and relocated spec blocks included). ``need`` is
-        ``blocks_needed(req, num_tokens)`` where the caller has it already."""
+        ``blocks_needed(req, num_tokens, checkpoint)`` where the caller has it already.
+        ``checkpoint``: the prefill exports a checkpoint into the column behind the running
+        one, so that column gets a block instead of a null (a spec block already there
+        stays), as MambaManager reserves it."""
         row = self.rows.setdefault(req, [])
         required = cdiv(num_tokens, self.B) + self.S
-        if required <= len(row):
+        if required <= len(row) and not checkpoint:
             self.allocated.add(req)
             return []
         prev_len = len(row)
@@ -141,9 +147,9 @@ class AlignAllocator:
             self.last_state_idx[req] = prev_len - 1 - self.S
         elif prev_len > 0:
             self.last_state_idx[req] = prev_len - 1  # the prefix-hit boundary block
-        skipped = required - self.S - 1
+        skipped = required - self.S - 1 - int(checkpoint)
         if need is None:
-            need = self.blocks_needed(req, num_tokens)
+            need = self.blocks_needed(req, num_tokens, checkpoint)
         if need > self.pool.num_free:
             raise PoolExhausted(need)
         if prev_len < skipped:
@@ -155,10 +161,21 @@ class AlignAllocator:
                 row.append(row[i])
                 row[i] = NULL_BLOCK
         n_new = max(required - len(row), 0)
-        assert n_new <= (1 + self.S if first else 1), (req, n_new)
+        assert n_new <= (1 + self.S if first else 1) + int(checkpoint), (req, n_new)
         row.extend(self.pool.take(n_new))
         self.allocated.add(req)
         return row[prev_len:]
+
+    def wants_checkpoint_block(self, req: str, col: int) -> bool:
+        """Whether a checkpoint into ``col`` needs a block reserved: the column is past the
+        row, null, or one of the spec columns the allocation would move away
+        (``_needs_internal_checkpoint``)."""
+        row = self.rows.get(req, [])
+        return (
+            col >= len(row)
+            or row[col] == NULL_BLOCK
+            or (req in self.allocated and col >= len(row) - self.S)
+        )
 
     def retire(self, req: str, processed_tokens: int) -> int | None:
         """Free the previous running block once the runner has copied past it."""

@@ -51,6 +51,12 @@ from mgtrace.sim.engine import simulate as run_simulation
 )
 @click.option("--sync", is_flag=True, help="Synchronous scheduling (default: async).")
 @click.option(
+    "--prefill-checkpoints",
+    is_flag=True,
+    help="Model vLLM 0.33's Mamba prefill checkpoints (the prefill stores the state at the "
+    "prompt's last block boundary itself) instead of ending chunks on cached boundaries.",
+)
+@click.option(
     "-o",
     "--output",
     type=click.Path(path_type=Path),
@@ -71,6 +77,7 @@ def _simulate(
     block_size: int,
     num_blocks: int | None,
     sync: bool,
+    prefill_checkpoints: bool,
     output: Path | None,
     force: bool,
 ) -> None:
@@ -95,6 +102,7 @@ def _simulate(
         mamba_block_size=block_size,
         num_blocks=num_blocks,
         async_scheduling=not sync,
+        prefill_checkpoints=prefill_checkpoints,
         output=output,
         overwrite=force,
     ).validate()

@@ -41,6 +41,9 @@ class SimConfig:
     output: Path | None = None
     overwrite: bool = False
     cudagraph_padding: bool = True  # pad uniform decode batches to a capture size
+    # vLLM >= 0.33's Mamba prefill checkpoints (mgtrace.sim.checkpoints); off: the older
+    # rule, where the scheduler ends a prefill chunk on the boundary it wants cached
+    prefill_checkpoints: bool = False
 
     @property
     def spec_blocks(self) -> int:
@@ -57,8 +60,10 @@ class SimConfig:
         if self.num_blocks is not None:
             return self.num_blocks
         # Each running request holds its running block, k spec blocks, the previous state
-        # block until it is retired, and a few prefix-cache boundary blocks stay pinned.
-        return 1 + self.max_num_seqs * (self.k + 3) + 64
+        # block until it is retired (and its prefill checkpoint block, where there are
+        # any), and a few prefix-cache boundary blocks stay pinned.
+        per_request = self.k + 3 + int(self.prefill_checkpoints)
+        return 1 + self.max_num_seqs * per_request + 64
 
     def validate(self) -> SimConfig:
         """Raise UsageError (one sentence) on any value the simulator cannot run."""

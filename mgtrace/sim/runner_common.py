@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from mgtrace.sim.checkpoints import checkpoints_of
+
 
 def running_cols(num_computed: np.ndarray, num_scheduled: np.ndarray, B: int) -> np.ndarray:
     """Running-state column after the step's tokens: cdiv(computed + scheduled, B) - 1
@@ -87,6 +89,22 @@ def where_valid(values: np.ndarray, valid: np.ndarray) -> np.ndarray | Nullable:
     if np.count_nonzero(valid) == len(valid):
         return out
     return Nullable(out, ~valid)
+
+
+def checkpoint_columns(
+    computed: np.ndarray, scheduled: np.ndarray, prefill: np.ndarray, block_size: int
+) -> dict[str, np.ndarray | Nullable]:
+    """batch_rows' prefill checkpoint columns: the builder gives one to each prefill-split
+    row whose query crosses a reusable boundary (mgtrace.sim.checkpoints); nothing when no
+    row of the step has one."""
+    tokens, cols = checkpoints_of(computed, scheduled, block_size)
+    has = prefill & (cols >= 0)
+    if not np.count_nonzero(has):
+        return {}
+    return {
+        "checkpoint_tokens": where_valid(tokens, has),
+        "checkpoint_col": where_valid(cols, has),
+    }
 
 
 class PerRequest:

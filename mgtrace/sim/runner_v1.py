@@ -24,6 +24,7 @@ from mgtrace.sim.runner_common import (
     PerRequest,
     StepResult,
     capture_size,
+    checkpoint_columns,
     row_moves_table,
     sparse,
     where_valid,
@@ -359,6 +360,12 @@ class RunnerV1:
         }
         if cols.differs is not None:
             batch_rows["accepted_prev_cpu"] = cols.differs
+        if self.cfg.prefill_checkpoints:
+            batch_rows.update(
+                checkpoint_columns(
+                    cols.nc, cols.sched_n, split_col.view(bool), self.cfg.mamba_block_size
+                )
+            )
         tables: dict[str, Any] = {
             "steps": {
                 "num_reqs": n,

@@ -25,6 +25,7 @@ from mgtrace.sim.config import BUG_BATCH_ROW, SimConfig
 from mgtrace.sim.reorder import mamba_split, regions, v2_order
 from mgtrace.sim.runner_common import (
     StepResult,
+    checkpoint_columns,
     copy_boundary,
     row_moves_table,
     running_cols,
@@ -396,6 +397,10 @@ class RunnerV2:
                 "mamba_split": (~is_dec).view(np.int8),
             },
         }
+        if self.cfg.prefill_checkpoints:
+            tables["batch_rows"].update(
+                checkpoint_columns(nc, sched_n, ~is_dec, self.cfg.mamba_block_size)
+            )
         if moves:
             tables["row_moves"] = row_moves_table(moves)
         if dirty_source or dirty_input:

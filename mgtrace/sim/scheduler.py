@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mgtrace.sim.block_pool import AlignAllocator, BlockPool, PoolExhausted, PrefixCache
+from mgtrace.sim.checkpoints import checkpoint_of, checkpoints_of
 from mgtrace.sim.config import SimConfig
 from mgtrace.sim.workload import Arrival
 
@@ -384,10 +385,11 @@ class Scheduler:
             if n == 0:
                 break
             end = int(st.nc[req.idx]) + n
+            checkpoint = self._reserves_checkpoint(req, end)
             try:
-                need = self.alloc.blocks_needed(req.req_id, end)
+                need = self.alloc.blocks_needed(req.req_id, end, checkpoint)
                 self._make_room(need)
-                self._allocate(req, end, need)
+                self._allocate(req, end, need, checkpoint)
             except PoolExhausted:
                 break
             self.waiting.popleft()
@@ -566,10 +568,40 @@ class Scheduler:
             if n <= 0:
                 return 0, 0
         boundary = int(st.boundary[req.idx])
-        if boundary > 0 and self.cache.lookup(req.family) is None and nc < boundary < nc + n:
+        if (
+            boundary > 0
+            and self.cache.lookup(req.family) is None
+            and nc < boundary < nc + n
+            and not self._checkpoint_stores(req, nc, n, boundary)
+        ):
             # stop the chunk at the family's boundary so its state can be cached
             n = boundary - nc
         return n, 0
+
+    def _checkpoint_stores(self, req: Request, nc: int, n: int, boundary: int) -> bool:
+        """Whether the prompt's last chunk, ``nc`` .. ``nc + n``, stores the state at
+        ``boundary`` as its prefill checkpoint (then it need not stop there)."""
+        return (
+            self.cfg.prefill_checkpoints
+            and self._prefill_end(req) <= nc + n
+            and checkpoint_of(nc, n, self.B)[0] == boundary
+        )
+
+    def _prefill_end(self, req: Request) -> int:
+        """Where the prefill ends: the prompt, or for a resumed request replaying its
+        output, all but the last token."""
+        return max(int(self.store.prompt[req.idx]), int(self.store.ntok[req.idx]) - 1)
+
+    def _reserves_checkpoint(self, req: Request, end: int) -> bool:
+        """Whether the chunk up to ``end`` is the prompt's last one with a prefill checkpoint
+        whose column needs a block (MambaManager reserves it then)."""
+        if not self.cfg.prefill_checkpoints:
+            return False
+        nc = int(self.store.nc[req.idx])
+        if end < self._prefill_end(req) or nc >= end:
+            return False
+        _tokens, col = checkpoint_of(nc, end - nc, self.B)
+        return col >= 0 and self.alloc.wants_checkpoint_block(req.req_id, col)
 
     def _maybe_hit(self, req: Request) -> None:
         if req.family < 0 or not req.wants_hit:
@@ -591,9 +623,11 @@ class Scheduler:
         if need > self.pool.num_free:
             raise PoolExhausted(need)
 
-    def _allocate(self, req: Request, num_tokens: int, need: int) -> list[int]:
+    def _allocate(
+        self, req: Request, num_tokens: int, need: int, checkpoint: bool = False
+    ) -> list[int]:
         """Allocate after ``_make_room(need)``: eviction changes no row, so ``need`` holds."""
-        ids = self.alloc.allocate(req.req_id, num_tokens, need)
+        ids = self.alloc.allocate(req.req_id, num_tokens, need, checkpoint)
         self._set_row_len(req, len(self.alloc.rows[req.req_id]))
         self._note_last(req)
         return ids
@@ -618,15 +652,16 @@ class Scheduler:
         if nc - st.inflight_tok[i] > st.keep_until[i]:
             self._retire(req)
         end = nc + n
-        if end <= st.cover[i]:
+        checkpoint = self._reserves_checkpoint(req, end)
+        if end <= st.cover[i] and not checkpoint:
             # the row already covers ``end`` (cdiv(end, B) + S <= row length): nothing to
             # take, and a running request is in ``allocated`` already
             return []
         while True:
             try:
-                need = self.alloc.blocks_needed(rid, end)
+                need = self.alloc.blocks_needed(rid, end, checkpoint)
                 self._make_room(need)
-                return self._allocate(req, end, need)
+                return self._allocate(req, end, need, checkpoint)
             except PoolExhausted:
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -722,6 +757,10 @@ class Scheduler:
         nout = st.nout[idx] + sampled
         st.nout[idx] = nout
         seeds = (st.boundary[idx] == nc_before + n).nonzero()[0]
+        if self.cfg.prefill_checkpoints:
+            # a last prefill chunk whose checkpoint stored the family's boundary state
+            stored, _cols = checkpoints_of(nc_before, n, self.B)
+            seeds = np.union1d(seeds, ((stored == st.boundary[idx]) & (stored > 0)).nonzero()[0])
         for p in seeds.tolist():
             req = reqs[p if pos is None else pos[p]]
             boundary = int(st.boundary[req.idx])

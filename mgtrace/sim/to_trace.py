@@ -53,6 +53,8 @@ def run_metadata(
         runner_reorder_threshold=runner_threshold,
         builder_reorder_thresholds=dict(builder_thresholds),
         row_rule=row_rule,
+        prefill_checkpoint_blocks=int(cfg.prefill_checkpoints),
+        prefill_checkpoints_recorded=cfg.prefill_checkpoints,
         states=states,
     )
 
@@ -80,6 +82,7 @@ def source_info(cfg: SimConfig, argv: list[str] | None) -> dict[str, Any]:
             "d2h_early_prob": cfg.d2h_early_prob,
             "length_scale": cfg.length_scale,
             "cudagraph_padding": cfg.cudagraph_padding,
+            "prefill_checkpoints": cfg.prefill_checkpoints,
         },
         "notes": (
             "Padded rows of a CUDA-graph uniform decode batch are recorded as aligned_indices "

@@ -1,0 +1,49 @@
+"""vLLM's prefill checkpoints: a Mamba prefill that also stores its state mid-query.
+
+Since vLLM 0.33 a Mamba group's spec may ask for a prefill checkpoint block: the metadata
+builder gives every prefill row whose query crosses a reusable boundary the offset of that
+boundary, and the prefill forward exports the state there into the column behind the
+running one, so that the prefix cache can serve it without the scheduler splitting the
+prefill at the boundary. The scheduler reserves a block for that column only on the
+prompt's last chunk; on other chunks the column is null and the export goes nowhere.
+
+Modelled here with the hash block equal to the Mamba block, a checkpoint alignment of one
+token, no EAGLE block drop and no hash lookahead tokens (Mamba2's settings):
+``get_mamba_prefill_checkpoint_position`` and ``is_mamba_prefill_checkpoint_valid`` in
+vllm/v1/kv_cache_interface.py, ``compute_mamba_prefill_checkpoints`` in
+vllm/model_executor/layers/mamba/checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NONE = -1
+
+
+def checkpoint_of(computed: int, scheduled: int, block_size: int) -> tuple[int, int]:
+    """(tokens the checkpoint covers, its block-table column) of one prefill row, or
+    (-1, -1) when the builder gives it none."""
+    tokens, cols = checkpoints_of(np.array([computed]), np.array([scheduled]), block_size)
+    return int(tokens[0]), int(cols[0])
+
+
+def checkpoints_of(
+    computed: np.ndarray, scheduled: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per prefill row (query ``computed`` .. ``computed + scheduled``): the tokens its
+    checkpoint covers and the column it goes to, -1 where it has none."""
+    b = block_size
+    start = computed.astype(np.int64)
+    end = start + scheduled.astype(np.int64)
+    # the last boundary that leaves at least one token to recompute the logits from
+    position = np.maximum((end - 1) // b * b, 0)
+    col = -(-end // b) - 2  # the column behind the running one: cdiv(end, B) - 2
+    valid = (
+        (start % b == 0)
+        & (col > (start - 1) // b)  # past the column the prefill starts from
+        & (start + b <= position)
+        & (start < position)
+        & (position < end)
+    )
+    return np.where(valid, position, NONE), np.where(valid, col, NONE)
