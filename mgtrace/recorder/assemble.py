@@ -54,13 +54,22 @@ def reorder_regions(
     return regions
 
 
-def mamba_split(num_rows: int, num_decodes: int | None) -> np.ndarray | None:
-    """Rows before the builder's split index are its decodes; every row after is prefill."""
-    if num_decodes is None:
+def mamba_split(
+    num_rows: int, split: tuple[int, int | None, np.ndarray | None] | None
+) -> np.ndarray | None:
+    """Per row, decode or prefill: from the builder's decode mask where it has one (GDN),
+    else rows before its split index decode and every row after is a prefill."""
+    if split is None:
         return None
-    split = np.full(num_rows, SPLIT_PREFILL, dtype=I32)
-    split[: max(0, min(num_decodes, num_rows))] = SPLIT_DECODE
-    return split
+    num_decodes, _threshold, mask = split
+    out = np.full(num_rows, SPLIT_PREFILL, dtype=I32)
+    if mask is not None:
+        if len(mask) < num_rows:
+            return None
+        out[mask[:num_rows]] = SPLIT_DECODE
+    else:
+        out[: max(0, min(num_decodes, num_rows))] = SPLIT_DECODE
+    return out
 
 
 def prefill_checkpoints(

@@ -50,6 +50,12 @@ _SPLIT = Target(
     "_compute_common_metadata",
     required=False,
 )
+_GDN_SPLIT = Target(
+    "vllm.v1.attention.backends.gdn_attn",
+    "GDNAttentionMetadataBuilder",
+    "build",
+    required=False,
+)
 _CHECKPOINTS = Target(
     "vllm.model_executor.layers.mamba.checkpoint",
     "MambaPrefillCheckpointBuilder",
@@ -72,6 +78,7 @@ V1_TARGETS: tuple[Target, ...] = (
     Target(_MU, None, "stage_postprocess_inputs_to_gpu"),
     *_LAUNCHERS,
     _SPLIT,
+    _GDN_SPLIT,
     _CHECKPOINTS,
 )
 
@@ -94,6 +101,7 @@ V2_TARGETS: tuple[Target, ...] = (
     ),
     *_LAUNCHERS,
     _SPLIT,
+    _GDN_SPLIT,
     _CHECKPOINTS,
 )
 

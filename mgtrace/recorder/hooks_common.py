@@ -362,7 +362,24 @@ def _mamba_split(
     builder = args[0]
     spec = kwargs.get("num_accepted_tokens") is not None
     threshold = getattr(builder, "reorder_batch_threshold", None) if spec else 1
-    rec["mamba"] = (int(result.num_decodes), threshold)
+    rec["mamba"] = (int(result.num_decodes), threshold, None)
+
+
+def _gdn_split(
+    sess: Session, _token: Any, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """GDN's split: with spec decode, the rows its mask marks run the spec-decode kernels
+    and every other row the prefill ones (plain decodes are folded into the prefills);
+    without, the first ``num_decodes`` rows decode. The mask is a host tensor."""
+    rec = sess.rec
+    if rec is None or "mamba" in rec:
+        return
+    mask = getattr(result, "spec_sequence_masks_cpu", None)
+    if mask is None:
+        rec["mamba"] = (int(result.num_decodes), 1, None)
+    elif mask.device.type == "cpu":
+        decodes = mask.numpy().astype(bool)  # a copy: the builder may reuse its buffer
+        rec["mamba"] = (int(decodes.sum()), None, decodes)
 
 
 def launcher_patches(sess: Session, ctx_cls: Any) -> list[Patch]:
@@ -409,7 +426,8 @@ def _prefill_checkpoints(
 
 
 def optional_patches(sess: Session, owners: dict[Target, Any]) -> list[Patch]:
-    """Hooks that only enrich a trace: the Mamba builder's split, the prefill checkpoints."""
+    """Hooks that only enrich a trace: the Mamba and GDN builders' split, the prefill
+    checkpoints."""
     patches = []
     builder = owner_of(owners, "BaseMambaAttentionMetadataBuilder", "_compute_common_metadata")
     if builder is not None:
@@ -420,6 +438,9 @@ def optional_patches(sess: Session, owners: dict[Target, Any]) -> list[Patch]:
                 hook(sess, "mamba_split", after=_mamba_split),
             )
         )
+    gdn = owner_of(owners, "GDNAttentionMetadataBuilder", "build")
+    if gdn is not None:
+        patches.append(Patch(gdn, "build", hook(sess, "gdn_split", after=_gdn_split)))
     checkpoints = owner_of(owners, "MambaPrefillCheckpointBuilder", "build")
     if checkpoints is not None:
         patches.append(

@@ -78,7 +78,7 @@ class StepTables:
         regions = asm.reorder_regions(scheduled, computed_reorder, prompt, rec.get("threshold"))
         if regions is not None:
             rows["reorder_region"] = regions
-        split = asm.mamba_split(n, tables["steps"]["num_mamba_decodes"])
+        split = asm.mamba_split(n, rec.get("mamba"))
         if split is not None:
             rows["mamba_split"] = split
         rows.update(asm.prefill_checkpoints(n, rec.get("ckpt")))
@@ -193,7 +193,7 @@ class StepTables:
         if post is not None and len(post.get("num_accepted", ())) == n:
             acc = post["num_accepted"]
             rows["accepted"] = asm.positive_or_null(acc)
-        split = asm.mamba_split(n, tables["steps"]["num_mamba_decodes"])
+        split = asm.mamba_split(n, rec.get("mamba"))
         if split is not None:
             rows["mamba_split"] = split
         rows.update(asm.prefill_checkpoints(n, rec.get("ckpt")))
@@ -217,7 +217,7 @@ class StepTables:
 
 def _step_columns(rec: dict[str, Any], n: int) -> dict[str, Any]:
     """The ``steps`` columns both runners record the same way."""
-    mamba = rec.get("mamba")  # (decodes, threshold) from the Mamba builder's split
+    mamba = rec.get("mamba")  # (decodes, threshold, mask) from the builder's split
     return {
         "wall_ns": rec["wall_ns"],
         "num_reqs": n,
