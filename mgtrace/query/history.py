@@ -50,7 +50,11 @@ rows_r AS (
          CASE WHEN prev_state_col IS NULL OR prev_state_col = state_col
               THEN CAST(state_col AS VARCHAR)
               ELSE prev_state_col || '->' || state_col END AS state_col,
-         state_col AS col, mamba_split, reorder_region
+         state_col AS col,
+         mamba_split || CASE WHEN checkpoint_col IS NULL THEN ''
+                             ELSE ', checkpoint ' || checkpoint_tokens || ' tokens at col '
+                                  || checkpoint_col END AS mamba_split,
+         reorder_region
   FROM batch_rows WHERE req_id = $1
 ),
 -- the block at the running column (first Mamba group): the request's own table row as it
