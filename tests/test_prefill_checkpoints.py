@@ -198,3 +198,14 @@ def test_a_checkpoint_written_into_the_running_column_is_found(tmp_path: Path) -
     result = replay_trace(TraceReader(bad), RuleSet())
     assert result.first_step is not None and step <= result.first_step <= step + 1
     assert req in {f.req_id for f in result.findings if f.step == result.first_step}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mirror", [True, False])
+def test_prefill_checkpoints_on_the_gpu(mirror: bool) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reader = TraceReader(_trace("v2"))
+    on_gpu = {"backend": "triton", "device": "cuda", "mirror": mirror}
+    assert replay_trace(reader, RuleSet(), **on_gpu).clean

@@ -218,7 +218,11 @@ class StepTables:
 def _step_columns(rec: dict[str, Any], n: int) -> dict[str, Any]:
     """The ``steps`` columns both runners record the same way."""
     mamba = rec.get("mamba")  # (decodes, threshold, mask) from the builder's split
+    copies = getattr(rec["so"], "kv_cache_block_copies", None)
     return {
+        # one row: a list holding the step's one list value
+        "block_copy_src": [[c[0] for c in copies]] if copies else None,
+        "block_copy_dst": [[c[1] for c in copies]] if copies else None,
         "wall_ns": rec["wall_ns"],
         "num_reqs": n,
         "num_scheduled_tokens": getattr(rec["so"], "total_num_scheduled_tokens", None),

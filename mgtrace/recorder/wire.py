@@ -178,6 +178,9 @@ class Packer:
         preempted = getattr(so, "preempted_req_ids", None)
         ids, blocks, computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         resumed = getattr(cached, "resumed_req_ids", None)
+        # (source, destination) pairs; a NamedTuple each in vLLM, plain tuples here
+        copies = getattr(so, "kv_cache_block_copies", None)
+        copies = [(int(c[0]), int(c[1])) for c in copies] if copies else None
         same = self._same  # nothing below can fail: a record that fails changes nothing
         if pair:
             pair = (same("so.drafts.ids", pair[0]), same("so.drafts.counts", pair[1]))
@@ -192,6 +195,7 @@ class Packer:
             computed,
             finished,
             preempted,
+            copies,
         )
 
 
@@ -228,7 +232,7 @@ class Unpacker:
 
     def _sched(self, fields: tuple[Any, ...]) -> SimpleNamespace:
         """The scheduler-output view the tables read, from ``Packer._sched``'s tuple."""
-        total, nst, pair, new, ids, resumed, blocks, computed, finished, preempted = fields
+        total, nst, pair, new, ids, resumed, blocks, computed, finished, preempted, copies = fields
         same = self._same
         if pair:
             pair = drafts_of(same("so.drafts.ids", pair[0]), same("so.drafts.counts", pair[1]))
@@ -245,6 +249,7 @@ class Unpacker:
             ),
             finished_req_ids=finished,
             preempted_req_ids=preempted,
+            kv_cache_block_copies=copies,
         )
 
     @staticmethod

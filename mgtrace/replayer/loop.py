@@ -266,6 +266,7 @@ class RankReplay:
     def _step(self, step: int) -> None:
         trace = self.trace
         view = self._enter(step)
+        self._copy_blocks(step)
         launches = [
             launch_under_rules(launch, self.rules, runner=self.runner)
             for launch in trace.launches(step)
@@ -286,6 +287,36 @@ class RankReplay:
         for launch in current:
             if launch.kernel == "postprocess":
                 self._run_copy(step, launch)
+
+    def _copy_blocks(self, step: int) -> None:
+        """The scheduler's whole-block copies (copy-on-write of partially hit prefix blocks),
+        which the engine runs before the step's kernels. A pair naming no block of the pool,
+        or lists of different lengths, is malformed and not copied."""
+        copies = self.trace.block_copies(step)
+        if copies is None:
+            return
+        src, dst = copies
+        n = min(len(src), len(dst))
+        num_blocks = self.ownership.num_blocks
+        ok = (src[:n] > 0) & (src[:n] < num_blocks) & (dst[:n] > 0) & (dst[:n] < num_blocks)
+        if n < max(len(src), len(dst)) or np.count_nonzero(ok) < n:
+            self.oracle._report(
+                DUMMY_REQUEST,
+                Finding(
+                    kind=MALFORMED,
+                    mechanism="block-copy:bad-pair",
+                    rank=self.trace.rank,
+                    step=step,
+                    req_id="<scheduler>",
+                    batch_row=None,
+                    detail=(
+                        f"the step's block copies ({len(src)} sources, {len(dst)} "
+                        f"destinations) name blocks outside 1..{num_blocks - 1} or do not "
+                        "pair up; those are not copied"
+                    ),
+                ),
+            )
+        self.pool.copy_blocks(src[:n][ok], dst[:n][ok])
 
     # ----------------------------------------------------------------- kernels
     def _run_copy(self, step: int, launch: AlignLaunch) -> None:

@@ -112,9 +112,28 @@ class RankTrace:
         if self.first_left_out is not None:
             steps = steps.filter(pa.array(whole))
         self.step_numbers = steps.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+        copies = ("block_copy_src", "block_copy_dst")
         self.step_info = {
-            name: _numpy(steps.column(name)) for name in steps.column_names if name != "rank"
+            name: _numpy(steps.column(name))
+            for name in steps.column_names
+            if name != "rank" and name not in copies
         }
+        # the few steps with whole-block copies: step -> (sources, destinations)
+        self._block_copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        has = pc.is_valid(steps.column("block_copy_src"))
+        if pc.any(has).as_py():
+            some = steps.filter(has)
+            for s, src, dst in zip(
+                some.column("step").to_pylist(),
+                some.column("block_copy_src").to_pylist(),
+                some.column("block_copy_dst").to_pylist(),
+                strict=True,
+            ):
+                if src or dst:  # the replay reports sources and destinations that differ
+                    self._block_copies[int(s)] = (
+                        np.asarray(src or [], dtype=np.int64),
+                        np.asarray(dst or [], dtype=np.int64),
+                    )
         # Row of each step in step_info (its first row, should a step repeat): a dict lookup
         # per step instead of a binary search.
         self._step_index: dict[int, int] = {}
@@ -262,6 +281,10 @@ class RankTrace:
             return None
         v = int(self.step_info[name][i])
         return None if v == -1 else v
+
+    def block_copies(self, step: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The whole-block copies (sources, destinations) run before the step's forward."""
+        return self._block_copies.get(step)
 
     def batch(self, step: int) -> StepBatch:
         lo, hi = self._batch.bounds(step)

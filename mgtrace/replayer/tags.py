@@ -395,6 +395,20 @@ class TagPool:
     def discard_gathered(self) -> None:
         self._ints.discard()
 
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy whole blocks, every state of every group, ``src[i]`` onto ``dst[i]`` in
+        order: the scheduler's copy-on-write block copies. Tags move with the bytes."""
+        if not len(src):
+            return
+        self.settle()  # the tags written so far are what gets copied
+        page = self.pool.page_bytes
+        for pool in (self.pool, self.device_pool):
+            if pool is None:
+                continue
+            pages = pool.buffer[: pool.num_blocks * page].view(pool.num_blocks, page)
+            for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+                pages[d].copy_(pages[s])
+
     # ----------------------------------------------------------------- temporal
     def write_temporal(
         self,

@@ -121,6 +121,13 @@ STEPS = _table(
             "Whether the previous step's accepted-count copy to host had landed before "
             "this step's row moves (async scheduling).",
         ),
+        col(
+            "block_copy_src",
+            I32_LIST,
+            "Whole-block copies the scheduler queued for this step, run before its forward "
+            "(kv_cache_block_copies: copy-on-write of partially hit prefix blocks): sources.",
+        ),
+        col("block_copy_dst", I32_LIST, "Destinations of those copies, in the same order."),
     ],
 )
 
