@@ -3,7 +3,7 @@ injected against what the replay as recorded finds first, and whether the undoin
 clean; per runner shape, toggle-off runs and their findings (there should be none).
 
     python -m tests.acceptance_table [--steps 2000] [--seeds 5] [--clean-steps 5000]
-        [--out benchmarks/results/acceptance-table.json]
+        [--prefill-checkpoints] [--out benchmarks/results/acceptance-table.json]
 
 Prints a Markdown table; with ``--out`` also writes every row as JSON with the command.
 """
@@ -33,8 +33,11 @@ def _shape(engine: dict) -> str:
     return engine["runner"] + (f" + PP{engine['pp']}" if engine.get("pp", 1) > 1 else "")
 
 
-def toggle_row(bug: str, scenario: str, seed: int, steps: int, out: Path) -> dict:
+def toggle_row(
+    bug: str, scenario: str, seed: int, steps: int, out: Path, checkpoints: bool = False
+) -> dict:
     engine = {k: v for k, v in TOGGLES[bug][0].items() if k != "scenario"}
+    engine["prefill_checkpoints"] = checkpoints
     cfg = SimConfig(
         steps=steps, seed=seed, bugs=(bug,), scenario=scenario, output=out, overwrite=True, **engine
     )
@@ -73,8 +76,18 @@ def toggle_row(bug: str, scenario: str, seed: int, steps: int, out: Path) -> dic
     }
 
 
-def clean_row(engine: dict, scenario: str, seed: int, steps: int, out: Path) -> dict:
-    cfg = SimConfig(steps=steps, seed=seed, scenario=scenario, output=out, overwrite=True, **engine)
+def clean_row(
+    engine: dict, scenario: str, seed: int, steps: int, out: Path, checkpoints: bool = False
+) -> dict:
+    cfg = SimConfig(
+        steps=steps,
+        seed=seed,
+        scenario=scenario,
+        output=out,
+        overwrite=True,
+        prefill_checkpoints=checkpoints,
+        **engine,
+    )
     simulate(cfg)
     result = replay_trace(TraceReader(out), RuleSet())
     return {
@@ -126,8 +139,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--clean-steps", type=int, default=5000)
+    ap.add_argument(
+        "--prefill-checkpoints", action="store_true", help="Simulate vLLM 0.33's checkpoints."
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    ck = args.prefill_checkpoints
     t0 = time.time()
     rows = []
     with tempfile.TemporaryDirectory(prefix="mgtrace-acceptance-") as tmp:
@@ -135,11 +152,11 @@ def main() -> int:
         for bug in TOGGLES:
             for scenario in SCENARIOS:
                 for seed in range(args.seeds):
-                    rows.append(toggle_row(bug, scenario, seed, args.steps, out))
+                    rows.append(toggle_row(bug, scenario, seed, args.steps, out, ck))
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         for engine in CLEAN_SHAPES:
             for i, scenario in enumerate(SCENARIOS):
-                rows.append(clean_row(engine, scenario, 100 + i, args.clean_steps, out))
+                rows.append(clean_row(engine, scenario, 100 + i, args.clean_steps, out, ck))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         shutil.rmtree(out, ignore_errors=True)
     print(_markdown(rows))

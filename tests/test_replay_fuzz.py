@@ -34,6 +34,7 @@ def test_random_engine_shapes_agree_with_the_ground_truth(case: Case, tmp_path: 
 def test_the_sample_has_clean_single_and_combined_toggles() -> None:
     sizes = {min(len(c.bugs), 2) for c in CASES}
     assert sizes == {0, 1, 2}
+    assert {c.engine["prefill_checkpoints"] for c in CASES} == {False, True}
 
 
 def test_control_a_check_turned_off_is_caught_as_a_late_first_step(
