@@ -120,6 +120,9 @@ def summary(records: list[dict], command: str) -> dict:
         "disagree": sum(bool(r["problems"]) for r in records),
         "refused_by_simulator": sum(r["problems"] is None for r in records),
         "steps_total": sum(r["case"]["steps"] for r in records if r["problems"] is not None),
+        "runs_with_prefill_checkpoints": sum(
+            bool(r["case"]["engine"].get("prefill_checkpoints")) for r in records
+        ),
         "shapes": dict(shapes.most_common()),
         "disagreements": [r for r in records if r["problems"]],
     }
