@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from mgtrace.errors import UsageError
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.sim import SimConfig, simulate
-from mgtrace.sim.block_pool import NULL_BLOCK, AlignAllocator, BlockPool, PoolExhausted
+from mgtrace.sim.block_pool import (
+    NULL_BLOCK,
+    AlignAllocator,
+    BlockPool,
+    PoolExhausted,
+    PrefixCache,
+)
 from mgtrace.sim.reorder import (
     apply_swaps,
     mamba_split,
@@ -59,6 +65,45 @@ def test_long_chunk_relocates_all_spec_blocks_behind_null_columns() -> None:
     row = alloc.rows["r"]
     assert row[9:12] == spec and row[1:4] == [NULL_BLOCK] * 3 and len(row) == 13
     assert alloc.blocks_needed("r", 41) == 1
+
+
+def test_a_checkpoint_keeps_the_spec_block_in_its_column_and_is_freed_behind() -> None:
+    # B=4, k=1: chunk 0..4 runs at column 0 with its spec block at column 1; the next
+    # chunk 4..12 checkpoints at 8 tokens into column 1 (cdiv(12, 4) - 2), as vLLM reserves
+    pool = BlockPool(32)
+    alloc = AlignAllocator(pool, block_size=4, spec_blocks=1)
+    alloc.allocate("r", 4)
+    spec = alloc.rows["r"][1]
+    assert alloc.wants_checkpoint_block("r", 1)
+    need = alloc.blocks_needed("r", 12, checkpoint=True)
+    tail = alloc.allocate("r", 12, need, checkpoint=True)
+    row = alloc.rows["r"]
+    assert row[1] == spec and row[2] not in (NULL_BLOCK, spec) and len(tail) == need == 2
+    assert len(set(row) - {NULL_BLOCK}) == 4  # running 0 (previous), checkpoint, running, spec
+    assert alloc.checkpoint_cols["r"] == [1] and alloc.first_held_col("r") == 0
+    alloc.retire("r", 8)  # past column 0, not yet past column 1
+    assert row[0] == NULL_BLOCK and row[1] == spec and alloc.first_held_col("r") == 1
+    alloc.retire("r", 13)
+    assert row[1] == NULL_BLOCK and spec in pool.free and alloc.first_held_col("r") is None
+    # control: the same chunk without a checkpoint moves the spec block to the running column
+    plain = AlignAllocator(BlockPool(32), block_size=4, spec_blocks=1)
+    plain.allocate("r", 4)
+    moved = plain.rows["r"][1]
+    plain.allocate("r", 12)
+    assert plain.rows["r"][1] == NULL_BLOCK and plain.rows["r"][2] == moved
+
+
+def test_a_cached_checkpoint_block_outlives_its_request_s_retire() -> None:
+    pool = BlockPool(32)
+    alloc = AlignAllocator(pool, block_size=4, spec_blocks=1)
+    cache = PrefixCache(pool)
+    alloc.allocate("r", 4)
+    alloc.allocate("r", 12, checkpoint=True)
+    block = alloc.rows["r"][1]
+    cache.insert(0, 8, block)
+    alloc.retire("r", 13)
+    assert alloc.rows["r"][1] == NULL_BLOCK and block not in pool.free
+    assert cache.lookup(0) == (8, block)
 
 
 def test_pool_exhaustion_is_reported_before_any_change() -> None:

@@ -100,6 +100,8 @@ class AlignAllocator:
         self.rows: dict[str, list[int]] = {}
         self.allocated: set[str] = set()
         self.last_state_idx: dict[str, int] = {}
+        # columns of the prefill checkpoint blocks a request still holds
+        self.checkpoint_cols: dict[str, list[int]] = {}
 
     def row(self, req: str) -> list[int]:
         return self.rows.setdefault(req, [])
@@ -164,6 +166,8 @@ class AlignAllocator:
         assert n_new <= (1 + self.S if first else 1) + int(checkpoint), (req, n_new)
         row.extend(self.pool.take(n_new))
         self.allocated.add(req)
+        if checkpoint and row[skipped] != NULL_BLOCK:
+            self.checkpoint_cols.setdefault(req, []).append(skipped)
         return row[prev_len:]
 
     def wants_checkpoint_block(self, req: str, col: int) -> bool:
@@ -178,9 +182,27 @@ class AlignAllocator:
         )
 
     def retire(self, req: str, processed_tokens: int) -> int | None:
-        """Free the previous running block once the runner has copied past it."""
+        """Free the previous running block once the runner has copied past it, and the
+        prefill checkpoint blocks behind that point (the base class's skipped-block rule;
+        a checkpoint the prefix cache holds stays in the pool for it). Returns the previous
+        running block if it was freed."""
+        due = cdiv(processed_tokens, self.B) - 1
+        cols = self.checkpoint_cols.get(req)
+        if cols and cols[0] < due:
+            row = self.rows[req]
+            keep = []
+            for col in cols:
+                if col < due:
+                    self.pool.release(row[col])
+                    row[col] = NULL_BLOCK
+                else:
+                    keep.append(col)
+            if keep:
+                self.checkpoint_cols[req] = keep
+            else:
+                del self.checkpoint_cols[req]
         idx = self.last_state_idx.get(req)
-        if idx is None or idx >= cdiv(processed_tokens, self.B) - 1:
+        if idx is None or idx >= due:
             return None
         # done with this state block either way; the next allocation records a new one
         del self.last_state_idx[req]
@@ -192,11 +214,21 @@ class AlignAllocator:
         row[idx] = NULL_BLOCK
         return block
 
+    def first_held_col(self, req: str) -> int | None:
+        """The lowest column ``retire`` will free: the previous running block's or a
+        checkpoint block's; None when the request holds neither."""
+        cols = self.checkpoint_cols.get(req)
+        idx = self.last_state_idx.get(req)
+        if not cols:
+            return idx
+        return cols[0] if idx is None else min(idx, cols[0])
+
     def free(self, req: str) -> list[int]:
         """Release every block of a finished or preempted request."""
         row = self.rows.pop(req, [])
         self.allocated.discard(req)
         self.last_state_idx.pop(req, None)
+        self.checkpoint_cols.pop(req, None)
         seen = set()
         for b in reversed(row):
             if b != NULL_BLOCK and b not in seen:

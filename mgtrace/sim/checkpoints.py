@@ -4,8 +4,10 @@ Since vLLM 0.33 a Mamba group's spec may ask for a prefill checkpoint block: the
 builder gives every prefill row whose query crosses a reusable boundary the offset of that
 boundary, and the prefill forward exports the state there into the column behind the
 running one, so that the prefix cache can serve it without the scheduler splitting the
-prefill at the boundary. The scheduler reserves a block for that column only on the
-prompt's last chunk; on other chunks the column is null and the export goes nowhere.
+prefill at the boundary. Under dense retention (vLLM's default) the scheduler reserves a
+block for that column on every chunk that has one, keeping a spec block already there in
+place; the block is freed like any column the request has moved past, unless the prefix
+cache holds it. (Under sparse retention only the prompt's last chunk gets one.)
 
 Modelled here with the hash block equal to the Mamba block, a checkpoint alignment of one
 token, no EAGLE block drop and no hash lookahead tokens (Mamba2's settings):

@@ -502,11 +502,14 @@ class Scheduler:
         return r
 
     def _retire(self, req: Request) -> None:
-        """Free the previous state block of ``req``: its processed tokens passed
-        ``keep_until``."""
+        """Free the previous state block of ``req`` (and checkpoint blocks behind it): its
+        processed tokens passed ``keep_until``."""
         st = self.store
         self.alloc.retire(req.req_id, int(st.nc[req.idx] - st.inflight_tok[req.idx]))
-        st.keep_until[req.idx] = NO_LIMIT  # retire dropped the record
+        if self.cfg.prefill_checkpoints:
+            self._note_last(req)  # checkpoint blocks further on may remain
+        else:
+            st.keep_until[req.idx] = NO_LIMIT  # retire dropped the record
 
     def _commit_simple(
         self,
@@ -593,12 +596,13 @@ class Scheduler:
         return max(int(self.store.prompt[req.idx]), int(self.store.ntok[req.idx]) - 1)
 
     def _reserves_checkpoint(self, req: Request, end: int) -> bool:
-        """Whether the chunk up to ``end`` is the prompt's last one with a prefill checkpoint
-        whose column needs a block (MambaManager reserves it then)."""
+        """Whether the chunk up to ``end`` has a prefill checkpoint whose column needs a
+        block: MambaManager reserves one for every chunk under dense retention (the
+        default; only sparse retention keeps just the prompt's last one)."""
         if not self.cfg.prefill_checkpoints:
             return False
         nc = int(self.store.nc[req.idx])
-        if end < self._prefill_end(req) or nc >= end:
+        if nc >= end:
             return False
         _tokens, col = checkpoint_of(nc, end - nc, self.B)
         return col >= 0 and self.alloc.wants_checkpoint_block(req.req_id, col)
@@ -637,8 +641,8 @@ class Scheduler:
         self.store.cover[req.idx] = (length - self.S) * self.B
 
     def _note_last(self, req: Request) -> None:
-        """Mirror the allocator's previous-state record of ``req`` into the store."""
-        col = self.alloc.last_state_idx.get(req.req_id)
+        """Mirror the first column the allocator will free for ``req`` into the store."""
+        col = self.alloc.first_held_col(req.req_id)
         self.store.keep_until[req.idx] = NO_LIMIT if col is None else (col + 1) * self.B
 
     def _allocate_or_preempt(self, req: Request, n: int) -> list[int] | None:
