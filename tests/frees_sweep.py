@@ -28,8 +28,8 @@ from mgtrace.sim.scheduler import Scheduler
 
 @contextmanager
 def allocator_frees() -> Iterator[set[tuple[str, int, int]]]:
-    """While open, the (request, step, block) of every previous state block the simulator's
-    allocator frees, taken from the allocator itself."""
+    """While open, the (request, step, block) of every block the simulator's allocator frees
+    behind a running request, taken from the allocator itself."""
     frees: set[tuple[str, int, int]] = set()
     now = {"step": -1}
     schedule, retire = Scheduler.schedule, AlignAllocator.retire
@@ -39,10 +39,9 @@ def allocator_frees() -> Iterator[set[tuple[str, int, int]]]:
         return schedule(self, step)
 
     def noted_retire(self, req, processed_tokens):
-        block = retire(self, req, processed_tokens)
-        if block is not None:
-            frees.add((req, now["step"], block))
-        return block
+        blocks = retire(self, req, processed_tokens)
+        frees.update((req, now["step"], block) for block in blocks)
+        return blocks
 
     Scheduler.schedule, AlignAllocator.retire = timed_schedule, noted_retire
     try:

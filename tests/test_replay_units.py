@@ -80,10 +80,10 @@ def test_ownership_retires_the_previous_state_block_as_align_mode_does() -> None
     reused spec block 8) and column 0 becomes its previous state column, freed once the
     processed tokens pass it: 0 < cdiv(processed, 4) - 1, the column ``retire`` is given."""
     own = BlockOwnership(num_groups=1, num_blocks=32, block_size=4, spec_blocks=2)
-    own.apply(0, [1], ["new"], [[[3, 8, 9]]], [0])
-    own.retire(np.array([1]), np.array([24]))  # no previous state column yet
+    own.apply(0, [1], ["new"], [[[3, 8, 9]]])
+    own.retire(np.array([1]), np.array([0]))  # nothing behind column 0 yet
     assert own.owner_of(0, 3).uid == 1
-    own.apply(1, [1], ["cached"], [[[10]]], [3])
+    own.apply(1, [1], ["cached"], [[[10]]])
     own.retire(np.array([1]), np.array([0]))  # processed 4: 0 < cdiv(4, 4) - 1 fails
     assert own.owner_of(0, 3).uid == 1
     own.retire(np.array([1]), np.array([1]))  # processed 5
@@ -99,19 +99,32 @@ def test_ownership_retires_the_previous_state_block_as_align_mode_does() -> None
 def test_ownership_retires_a_prefix_hit_block_and_keeps_a_block_still_in_the_row() -> None:
     own = BlockOwnership(num_groups=1, num_blocks=32, block_size=4, spec_blocks=1)
     # a hit of 8 tokens: null column, boundary block 5 at column 1, then its new blocks
-    own.apply(0, [1], ["new"], [[[0, 5, 6, 7]]], [8])
+    own.apply(0, [1], ["new"], [[[0, 5, 6, 7]]])
     own.retire(np.array([1]), np.array([1]))
     assert own.owner_of(0, 5).uid == 1
     own.retire(np.array([1]), np.array([2]))
     assert own.owner_of(0, 5) is None
     # a block that appears again later in the row is still in use: never freed
-    own.apply(1, [2], ["new"], [[[11, 12]]], [0])
-    own.apply(2, [2], ["cached"], [[[11, 13]]], [4])  # column 0 holds 11, so does column 2
-    own.retire(np.array([2]), np.array([24]))
+    own.apply(1, [2], ["new"], [[[11, 12]]])
+    own.apply(2, [2], ["cached"], [[[11, 13]]])  # column 0 holds 11, so does column 2
+    own.retire(np.array([2]), np.array([1]))
     assert own.owner_of(0, 11).uid == 2
     own.apply(3, [2], ["finished"], [None])
     own.retire(np.array([2]), np.array([24]))  # a finished request holds nothing
     assert own.owner_of(0, 11) is None
+
+
+def test_ownership_frees_a_checkpoint_block_behind_the_previous_state() -> None:
+    """B=4, k=1: [3, 4] runs at column 0; a chunk to 12 tokens keeps spec block 4 at column
+    1 as its prefill checkpoint and appends [8, 9] (running 8 at column 2). Every column the
+    processed tokens pass is freed, the checkpoint's too, as vLLM's skipped-block rule does."""
+    own = BlockOwnership(num_groups=1, num_blocks=32, block_size=4, spec_blocks=1)
+    own.apply(0, [1], ["new"], [[[3, 4]]])
+    own.apply(1, [1], ["cached"], [[[8, 9]]])
+    assert [b for *_, b in own.retire(np.array([1]), np.array([1]))] == [3]
+    assert own.owner_of(0, 4).uid == 1
+    assert [b for *_, b in own.retire(np.array([1]), np.array([2]))] == [4]
+    assert all(own.owner_of(0, b).uid == 1 for b in (8, 9))
 
 
 def test_processed_tokens_take_off_the_steps_still_in_flight() -> None:

@@ -51,10 +51,25 @@ def test_decode_crossing_reuses_spec_blocks_and_retires_the_old_state() -> None:
     row = alloc.rows["r"]
     assert row[1] == first[1] and row[2] == first[2]  # spec block 1 becomes the running one
     assert len(tail) == 1 and tail[0] == row[3] and row[3] not in first
-    assert alloc.last_state_idx["r"] == 0
-    assert alloc.retire("r", 4) is None  # not copied past yet
+    assert alloc.first_held_col("r") == 0
+    assert alloc.retire("r", 4) == []  # not copied past yet
     freed = alloc.retire("r", 9)
-    assert freed == first[0] and row[0] == NULL_BLOCK and first[0] in pool.free
+    assert freed == [first[0]] and row[0] == NULL_BLOCK and first[0] in pool.free
+
+
+def test_two_growths_before_a_retire_free_both_earlier_running_blocks() -> None:
+    # async scheduling: the second chunk allocates before the first one's tokens are
+    # processed; vLLM's skipped-block rule still frees both earlier running blocks
+    pool = BlockPool(32)
+    alloc = AlignAllocator(pool, block_size=4, spec_blocks=1)
+    alloc.allocate("r", 4)
+    a = alloc.rows["r"][0]
+    alloc.allocate("r", 8)
+    b = alloc.rows["r"][1]
+    alloc.allocate("r", 12)
+    assert alloc.behind["r"] == [0, 1]
+    assert sorted(alloc.retire("r", 12)) == sorted([a, b])
+    assert a in pool.free and b in pool.free and alloc.first_held_col("r") is None
 
 
 def test_long_chunk_relocates_all_spec_blocks_behind_null_columns() -> None:
@@ -80,7 +95,7 @@ def test_a_checkpoint_keeps_the_spec_block_in_its_column_and_is_freed_behind() -
     row = alloc.rows["r"]
     assert row[1] == spec and row[2] not in (NULL_BLOCK, spec) and len(tail) == need == 2
     assert len(set(row) - {NULL_BLOCK}) == 4  # running 0 (previous), checkpoint, running, spec
-    assert alloc.checkpoint_cols["r"] == [1] and alloc.first_held_col("r") == 0
+    assert alloc.behind["r"] == [0, 1] and alloc.first_held_col("r") == 0
     alloc.retire("r", 8)  # past column 0, not yet past column 1
     assert row[0] == NULL_BLOCK and row[1] == spec and alloc.first_held_col("r") == 1
     alloc.retire("r", 13)

@@ -144,8 +144,9 @@ def resolve_request(con: duckdb.DuckDBPyConnection, wanted: str) -> str:
 
 
 def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -> pa.Table:
-    """(rank, step, freed): where align mode frees ``req_id``'s previous state block (first
-    Mamba group), by the rule the replay's block ownership applies; the scheduler's deltas
+    """(rank, step, freed): where align mode frees the blocks ``req_id`` moved past (first
+    Mamba group: its previous running block, a prefix hit's or a checkpoint's block), by the
+    rule the replay's block ownership applies; the scheduler's deltas
     never say so. From that step on a write onto the block no longer harms the request."""
     rows = con.execute(
         "SELECT rank, step, kind, num_scheduled, num_computed, "
@@ -176,13 +177,13 @@ def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -
             spec_blocks=run.num_speculative_tokens,
         )
         one = np.ones(1, dtype=np.int64)
-        for i, (_, step, kind, _, nc, blocks) in enumerate(mine):
+        for i, (_, step, kind, _, _, blocks) in enumerate(mine):
             if kind == "cached":  # as the replay: frees first, then this step's blocks
                 for _, _, col, block in own.retire(one, below[i : i + 1]):
                     out["rank"].append(rank)
                     out["step"].append(step)
                     out["freed"].append(f"col {col} (block {block})")
-            own.apply(step, [1], [kind], [[blocks]], [nc or 0])
+            own.apply(step, [1], [kind], [[blocks]])
     return pa.table(out, schema=HISTORY_FREES)
 
 

@@ -19,7 +19,6 @@ import numpy as np
 from mgtrace import __version__
 from mgtrace.atomic import atomic_write
 from mgtrace.replayer.loop import Checkpoint, RankReplay
-from mgtrace.replayer.ownership import NO_COLUMN
 from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.view import row_view
 from mgtrace.schemas.reader import TraceReader
@@ -41,12 +40,12 @@ def cache_dir(reader: TraceReader, rules: str, layout: str) -> Path:
 
 def save(directory: Path, rank: int, cp: Checkpoint) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    owner, since, held, last_col = cp.ownership
+    owner, since, held, retired = cp.ownership
     arrays = {
         "pool": cp.pool,
         "owner": owner,
         "since": since,
-        "last_col": last_col,
+        "retired": retired,
         "wrote": cp.wrote,
         "meta": np.array(
             json.dumps(
@@ -146,8 +145,8 @@ def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
                 data["owner"],
                 data["since"],
                 {int(k): v for k, v in meta["held"].items()},
-                # files written before previous state columns were kept: none known
-                data["last_col"] if "last_col" in data.files else np.full(1, NO_COLUMN),
+                # older files: every column not yet freed (the next retire frees what is due)
+                data["retired"] if "retired" in data.files else np.zeros(1, dtype=np.int64),
             ),
             wrote=data["wrote"],
             repeats={(u, sig): n for u, sig, n in meta["repeats"]},

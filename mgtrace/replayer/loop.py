@@ -255,13 +255,11 @@ class RankReplay:
         return view
 
     def _own(self, step: int) -> None:
-        # align mode frees previous state blocks as it schedules, before it allocates
+        # align mode frees the blocks a request moved past as it schedules, before it allocates
         self.ownership.retire(*self.trace.running(step))
         sched = self.trace.sched(step)
         if sched["uid"]:
-            self.ownership.apply(
-                step, sched["uid"], sched["kind"], sched["new_block_ids"], sched["num_computed"]
-            )
+            self.ownership.apply(step, sched["uid"], sched["kind"], sched["new_block_ids"])
 
     def _step(self, step: int) -> None:
         trace = self.trace

@@ -3,13 +3,14 @@
 New and resumed requests get their block lists replaced, cached requests get ids appended,
 finished and preempted requests let theirs go. The latest assignment of a block wins.
 
-Align mode also frees a request's previous state block without a delta (the worker's rows are
-append-only, so the id stays in the row): when a row grows, the column the request ran at
-before the growth becomes its previous state column (on a prefix hit, the hit's boundary
-column), and once a scheduled request's processed tokens (its computed count less the tokens
-still in flight) pass that column's end, the scheduler frees it, as vLLM's MambaManager does
-in ``remove_skipped_blocks``. ``retire`` mirrors that rule, so a stray write onto a block
-nobody holds any longer is not taken for an attack on its former owner.
+Align mode also frees blocks without a delta (the worker's rows are append-only, so the ids
+stay in the row): once a scheduled request's processed tokens (its computed count less the
+tokens still in flight) reach column ``c + 1``'s end, every block at columns up to ``c`` is
+freed: its previous running block, a prefix hit's boundary block, prefill checkpoint blocks
+(the base class's skipped-block rule in vLLM's MambaManager, ``remove_skipped_blocks``). A
+spec block the scheduler moved to a later column stays in use there. ``retire`` mirrors the
+rule, so a stray write onto a block nobody holds any longer is not taken for an attack on its
+former owner.
 Block 0 is the null block and belongs to nobody.
 """
 
@@ -25,15 +26,12 @@ from mgtrace.schemas.manifest import RunMetadata
 from mgtrace.schemas.tables import SCHED_KINDS
 
 NULL_BLOCK = 0
-# the previous state column of a request that holds none: past every column, so that one
-# comparison finds the columns due (``retire``)
-NO_COLUMN = np.iinfo(np.int64).max
 # Block lists up to this long are walked in Python: a step adds a few ids per request, and
 # for those, element-wise updates cost less than building and masking numpy arrays.
 SHORT_LIST = 32
 
 
-# owner, since, the rows held, the previous state columns
+# owner, since, the rows held, the first column not yet freed
 OwnershipSnapshot = tuple[np.ndarray, np.ndarray, dict[int, list[list[int]]], np.ndarray]
 
 
@@ -97,8 +95,8 @@ class BlockOwnership:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.spec_blocks = spec_blocks
-        # uid -> the column of its previous state block, NO_COLUMN when it holds none
-        self._last_col = np.full(num_uids, NO_COLUMN, dtype=np.int64)
+        # uid -> the first column of its row ``retire`` has not freed yet
+        self._retired = np.zeros(num_uids, dtype=np.int64)
         # uid, 0 = free; one column past the pool, never owned, for ids outside it.
         self.owner = np.zeros((num_groups, num_blocks + 1), dtype=np.int32)
         self.since = np.full((num_groups, num_blocks), -1, dtype=np.int64)  # step assigned
@@ -139,16 +137,11 @@ class BlockOwnership:
             owner[ids] = uid
             since[ids] = step
 
-    def _set_last_col(self, uid: int, col: int) -> None:
-        if uid >= len(self._last_col):
-            grown = np.full(max(2 * len(self._last_col), uid + 1), NO_COLUMN, dtype=np.int64)
-            grown[: len(self._last_col)] = self._last_col
-            self._last_col = grown
-        self._last_col[uid] = col if col >= 0 else NO_COLUMN
-
-    def _row_length(self, uid: int) -> int:
-        rows = self._held.get(uid)
-        return max((len(r) for r in rows), default=0) if rows else 0
+    def _grow(self, uid: int) -> None:
+        if uid >= len(self._retired):
+            grown = np.zeros(max(2 * len(self._retired), uid + 1), dtype=np.int64)
+            grown[: len(self._retired)] = self._retired
+            self._retired = grown
 
     def apply(
         self,
@@ -156,53 +149,45 @@ class BlockOwnership:
         uids: Sequence[int],
         kinds: Sequence[str],
         new_block_ids: Sequence[Sequence[Sequence[int]] | None],
-        num_computed: Sequence[int] | None = None,
     ) -> None:
-        """One step's ``sched`` rows, in the order the scheduler emitted them; ``num_computed``
-        (the rows' computed counts) places a new request's prefix-hit block."""
-        for i, (uid, kind, blocks) in enumerate(zip(uids, kinds, new_block_ids, strict=True)):
+        """One step's ``sched`` rows, in the order the scheduler emitted them."""
+        for uid, kind, blocks in zip(uids, kinds, new_block_ids, strict=True):
             if kind in ("finished", "preempted"):
                 self._release(uid)
-                self._set_last_col(uid, NO_COLUMN)
             elif kind in ("new", "resumed"):
                 self._release(uid)
                 self._acquire(uid, step, blocks or [])
-                # a prefix hit's row is its null columns and the boundary block; the first
-                # allocation keeps that block as the previous state
-                hit_cols = int(num_computed[i]) // self.block_size if num_computed else 0
-                self._set_last_col(uid, hit_cols - 1 if hit_cols > 0 else NO_COLUMN)
+                self._grow(uid)
+                self._retired[uid] = 0  # a new row: nothing of it freed yet
             elif blocks and any(blocks):
-                # a row grows: the column it ran at becomes its previous state column
-                self._set_last_col(uid, self._row_length(uid) - 1 - self.spec_blocks)
                 self._acquire(uid, step, blocks)
 
     def retire(self, uids: np.ndarray, freed_below: np.ndarray) -> list[tuple[int, int, int, int]]:
-        """Free the previous state block of each scheduled running request whose processed
-        tokens passed it: the scheduler frees columns below ``cdiv(processed, B) - 1``.
+        """Free, for each scheduled running request, the blocks at the columns its processed
+        tokens passed: the scheduler frees every column below ``cdiv(processed, B) - 1``.
         Returns (uid, group, column, block) of each block freed."""
-        try:
-            cols = self._last_col[uids]
-        except IndexError:  # a uid never given a column yet
-            self._set_last_col(int(np.max(uids)), NO_COLUMN)
-            cols = self._last_col[uids]
-        due = cols < freed_below
+        if len(uids) and int(np.max(uids)) >= len(self._retired):
+            self._grow(int(np.max(uids)))
+        due = self._retired[uids] < freed_below
         if not np.count_nonzero(due):
             return []
         freed = []
         owner, since, num_blocks = self.owner, self.since, self.num_blocks
-        for uid, col in zip(uids[due].tolist(), cols[due].tolist(), strict=True):
-            self._last_col[uid] = NO_COLUMN
-            for group, row in enumerate(self._held.get(uid, ())):
-                if col >= len(row):
-                    continue
-                block = row[col]
-                # a spec block the row relocated sits at a later column too: still in use
-                if not NULL_BLOCK < block < num_blocks or block in row[col + 1 :]:
-                    continue
-                if owner[group, block] == uid:
-                    owner[group, block] = NO_REQUEST
-                    since[group, block] = -1
-                    freed.append((uid, group, col, block))
+        for uid, below in zip(uids[due].tolist(), freed_below[due].tolist(), strict=True):
+            start = int(self._retired[uid])
+            rows = self._held.get(uid, ())
+            end = min(below, max((len(r) for r in rows), default=0))
+            self._retired[uid] = max(start, end)
+            for group, row in enumerate(rows):
+                for col in range(start, min(end, len(row))):
+                    block = row[col]
+                    # a spec block the row relocated sits at a later column too: in use
+                    if not NULL_BLOCK < block < num_blocks or block in row[col + 1 :]:
+                        continue
+                    if owner[group, block] == uid:
+                        owner[group, block] = NO_REQUEST
+                        since[group, block] = -1
+                        freed.append((uid, group, col, block))
         return freed
 
     def column_behind(self, uid: int, group: int, block: int) -> tuple[int, int] | None:
@@ -236,13 +221,13 @@ class BlockOwnership:
             self.owner[:, : self.num_blocks].copy(),
             self.since.copy(),
             {u: [list(g) for g in groups] for u, groups in self._held.items()},
-            self._last_col.copy(),
+            self._retired.copy(),
         )
 
     def restore(self, snap: OwnershipSnapshot) -> None:
-        owner, since, held, last_col = snap
+        owner, since, held, retired = snap
         self.owner = np.zeros((owner.shape[0], self.num_blocks + 1), dtype=np.int32)
         self.owner[:, : self.num_blocks] = owner
         self.since = since.copy()
         self._held = {u: [list(g) for g in groups] for u, groups in held.items()}
-        self._last_col = last_col.copy()
+        self._retired = retired.copy()

@@ -99,9 +99,9 @@ class AlignAllocator:
         self.S = spec_blocks
         self.rows: dict[str, list[int]] = {}
         self.allocated: set[str] = set()
-        self.last_state_idx: dict[str, int] = {}
-        # columns of the prefill checkpoint blocks a request still holds
-        self.checkpoint_cols: dict[str, list[int]] = {}
+        # per request, ascending, the columns behind its running one that still hold a
+        # block: previous running blocks, a prefix hit's block, prefill checkpoint blocks
+        self.behind: dict[str, list[int]] = {}
 
     def row(self, req: str) -> list[int]:
         return self.rows.setdefault(req, [])
@@ -146,9 +146,9 @@ class AlignAllocator:
         prev_len = len(row)
         first = req not in self.allocated
         if not first:
-            self.last_state_idx[req] = prev_len - 1 - self.S
+            self._hold_behind(req, prev_len - 1 - self.S)  # the running block until now
         elif prev_len > 0:
-            self.last_state_idx[req] = prev_len - 1  # the prefix-hit boundary block
+            self._hold_behind(req, prev_len - 1)  # the prefix-hit boundary block
         skipped = required - self.S - 1 - int(checkpoint)
         if need is None:
             need = self.blocks_needed(req, num_tokens, checkpoint)
@@ -167,8 +167,13 @@ class AlignAllocator:
         row.extend(self.pool.take(n_new))
         self.allocated.add(req)
         if checkpoint and row[skipped] != NULL_BLOCK:
-            self.checkpoint_cols.setdefault(req, []).append(skipped)
+            self._hold_behind(req, skipped)
         return row[prev_len:]
+
+    def _hold_behind(self, req: str, col: int) -> None:
+        cols = self.behind.setdefault(req, [])
+        if not cols or cols[-1] < col:
+            cols.append(col)
 
     def wants_checkpoint_block(self, req: str, col: int) -> bool:
         """Whether a checkpoint into ``col`` needs a block reserved: the column is past the
@@ -181,54 +186,39 @@ class AlignAllocator:
             or (req in self.allocated and col >= len(row) - self.S)
         )
 
-    def retire(self, req: str, processed_tokens: int) -> int | None:
-        """Free the previous running block once the runner has copied past it, and the
-        prefill checkpoint blocks behind that point (the base class's skipped-block rule;
-        a checkpoint the prefix cache holds stays in the pool for it). Returns the previous
-        running block if it was freed."""
+    def retire(self, req: str, processed_tokens: int) -> list[int]:
+        """Free every block at the columns the request's processed tokens have passed, all
+        but the last column they reach (vLLM's skipped-block rule, ``cdiv(processed, B) - 1``):
+        its previous running blocks once the runner has copied past them, a prefix hit's
+        block, prefill checkpoint blocks (one the prefix cache holds stays in the pool for
+        it). Returns the blocks released."""
+        cols = self.behind.get(req)
         due = cdiv(processed_tokens, self.B) - 1
-        cols = self.checkpoint_cols.get(req)
-        if cols and cols[0] < due:
-            row = self.rows[req]
-            keep = []
-            for col in cols:
-                if col < due:
-                    self.pool.release(row[col])
-                    row[col] = NULL_BLOCK
-                else:
-                    keep.append(col)
-            if keep:
-                self.checkpoint_cols[req] = keep
-            else:
-                del self.checkpoint_cols[req]
-        idx = self.last_state_idx.get(req)
-        if idx is None or idx >= due:
-            return None
-        # done with this state block either way; the next allocation records a new one
-        del self.last_state_idx[req]
+        if not cols or cols[0] >= due:
+            return []
         row = self.rows[req]
-        block = row[idx]
-        if block == NULL_BLOCK:
-            return None
-        self.pool.release(block)
-        row[idx] = NULL_BLOCK
-        return block
+        freed = []
+        n = 0
+        while n < len(cols) and cols[n] < due:
+            col = cols[n]
+            n += 1
+            if col < len(row) and row[col] != NULL_BLOCK:
+                freed.append(row[col])
+                self.pool.release(row[col])
+                row[col] = NULL_BLOCK
+        del cols[:n]
+        return freed
 
     def first_held_col(self, req: str) -> int | None:
-        """The lowest column ``retire`` will free: the previous running block's or a
-        checkpoint block's; None when the request holds neither."""
-        cols = self.checkpoint_cols.get(req)
-        idx = self.last_state_idx.get(req)
-        if not cols:
-            return idx
-        return cols[0] if idx is None else min(idx, cols[0])
+        """The lowest column ``retire`` will free; None when the request holds none."""
+        cols = self.behind.get(req)
+        return cols[0] if cols else None
 
     def free(self, req: str) -> list[int]:
         """Release every block of a finished or preempted request."""
         row = self.rows.pop(req, [])
         self.allocated.discard(req)
-        self.last_state_idx.pop(req, None)
-        self.checkpoint_cols.pop(req, None)
+        self.behind.pop(req, None)
         seen = set()
         for b in reversed(row):
             if b != NULL_BLOCK and b not in seen:

@@ -502,14 +502,10 @@ class Scheduler:
         return r
 
     def _retire(self, req: Request) -> None:
-        """Free the previous state block of ``req`` (and checkpoint blocks behind it): its
-        processed tokens passed ``keep_until``."""
+        """Free the blocks ``req``'s processed tokens have passed (``keep_until``)."""
         st = self.store
         self.alloc.retire(req.req_id, int(st.nc[req.idx] - st.inflight_tok[req.idx]))
-        if self.cfg.prefill_checkpoints:
-            self._note_last(req)  # checkpoint blocks further on may remain
-        else:
-            st.keep_until[req.idx] = NO_LIMIT  # retire dropped the record
+        self._note_last(req)  # blocks further on may remain
 
     def _commit_simple(
         self,
