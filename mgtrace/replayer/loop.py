@@ -298,21 +298,13 @@ class RankReplay:
         num_blocks = self.ownership.num_blocks
         ok = (src[:n] > 0) & (src[:n] < num_blocks) & (dst[:n] > 0) & (dst[:n] < num_blocks)
         if n < max(len(src), len(dst)) or np.count_nonzero(ok) < n:
-            self.oracle._report(
-                DUMMY_REQUEST,
-                Finding(
-                    kind=MALFORMED,
-                    mechanism="block-copy:bad-pair",
-                    rank=self.trace.rank,
-                    step=step,
-                    req_id="<scheduler>",
-                    batch_row=None,
-                    detail=(
-                        f"the step's block copies ({len(src)} sources, {len(dst)} "
-                        f"destinations) name blocks outside 1..{num_blocks - 1} or do not "
-                        "pair up; those are not copied"
-                    ),
-                ),
+            self._malformed(
+                step,
+                "block-copy:bad-pair",
+                (DUMMY_REQUEST, "<scheduler>"),
+                None,
+                f"the step's block copies ({len(src)} sources, {len(dst)} destinations) name "
+                f"blocks outside 1..{num_blocks - 1} or do not pair up; those are not copied",
             )
         self.pool.copy_blocks(src[:n][ok], dst[:n][ok])
 
@@ -325,19 +317,13 @@ class RankReplay:
         result = self.backend(launch, self.pool.pool, self.tables.block_tables(kind))
         view = self.views.get(launch.batch_step if launch.batch_step is not None else step)
         for p in result.validation.problems:
-            uid, name = self._row_owner(view, p.batch_row)
-            self.oracle._report(
-                uid,
-                Finding(
-                    kind=MALFORMED,
-                    mechanism=f"{launch.kernel}:{p.what}",
-                    rank=self.trace.rank,
-                    step=step,
-                    req_id=name,
-                    batch_row=p.batch_row,
-                    detail=p.sentence(),
-                    group=p.group,
-                ),
+            self._malformed(
+                step,
+                f"{launch.kernel}:{p.what}",
+                self._row_owner(view, p.batch_row),
+                p.batch_row,
+                p.sentence(),
+                group=p.group,
             )
         copies = result.validation.copies
         if copies.rows.size and view is not None:
@@ -356,27 +342,45 @@ class RankReplay:
         if entry.kind == "source":  # V2 source tables are indexed by request slot
             hit = np.flatnonzero(view.slot == entry.row)
             batch_row = int(view.batch_row[hit[0]]) if len(hit) else None
-        uid, name = (
+        who = (
             self._row_owner(view, batch_row)
             if batch_row is not None
             else (DUMMY_REQUEST, f"<slot {entry.row}>")
         )
+        self._malformed(
+            step,
+            "block-table:block-id-out-of-pool",
+            who,
+            batch_row,
+            f"row {entry.row} of the {entry.kind} block table (group {entry.group}) holds "
+            f"block id {entry.block_id}, past the pool of {self.tables.num_blocks} blocks; "
+            "it is replayed as no block",
+            group=entry.group,
+            block_id=entry.block_id,
+        )
+
+    def _malformed(
+        self,
+        step: int,
+        mechanism: str,
+        who: tuple[int, str],
+        batch_row: int | None,
+        detail: str,
+        **where: int | None,
+    ) -> None:
+        """Report malformed input at ``step``; ``who`` is the (uid, name) it is filed under."""
+        uid, name = who
         self.oracle._report(
             uid,
             Finding(
                 kind=MALFORMED,
-                mechanism="block-table:block-id-out-of-pool",
+                mechanism=mechanism,
                 rank=self.trace.rank,
                 step=step,
                 req_id=name,
                 batch_row=batch_row,
-                detail=(
-                    f"row {entry.row} of the {entry.kind} block table (group {entry.group}) "
-                    f"holds block id {entry.block_id}, past the pool of "
-                    f"{self.tables.num_blocks} blocks; it is replayed as no block"
-                ),
-                group=entry.group,
-                block_id=entry.block_id,
+                detail=detail,
+                **where,
             ),
         )
 
