@@ -9,27 +9,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.hook_helpers import optional_hook
+
 
 def _gdn_hooked(result: object) -> dict:
     """The GDN split hook around a builder returning ``result``; the step record it left."""
-    from mgtrace.recorder import features
-    from mgtrace.recorder.hooks_common import optional_patches
-    from mgtrace.recorder.patches import PatchSet
 
     class GDNAttentionMetadataBuilder:
         def build(self, common_prefix_len: int, m: object, **kwargs: object) -> object:
             return result
 
-    target = next(t for t in features.V1_TARGETS if t.owner == "GDNAttentionMetadataBuilder")
-    sess = SimpleNamespace(live=True, rec={}, failures=[])
-    sess.hook_failed = lambda name, exc: sess.failures.append((name, exc))
-    patches = PatchSet()
-    patches.install(optional_patches(sess, {target: GDNAttentionMetadataBuilder}))
-    try:
+    with optional_hook("GDNAttentionMetadataBuilder", GDNAttentionMetadataBuilder) as sess:
         assert GDNAttentionMetadataBuilder().build(0, None) is result
-    finally:
-        patches.remove()
-    assert sess.failures == []
     return sess.rec
 
 

@@ -25,6 +25,7 @@ from mgtrace.replayer.rules import RuleSet
 from mgtrace.schemas.manifest import RunMetadata
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.sim.checkpoints import checkpoints_of
+from tests.hook_helpers import optional_hook
 from tests.replay_helpers import set_root, sim_trace
 
 B = 16
@@ -91,8 +92,6 @@ def test_the_hook_records_what_the_real_builder_returns() -> None:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     from mgtrace.recorder import features
-    from mgtrace.recorder.hooks_common import optional_patches
-    from mgtrace.recorder.patches import PatchSet
 
     cls = checkpoint.MambaPrefillCheckpointBuilder
     target = next(t for t in features.V1_TARGETS if t.owner == cls.__name__)
@@ -125,15 +124,8 @@ def test_the_hook_records_what_the_real_builder_returns() -> None:
         query_start_loc=torch.zeros(6, dtype=torch.int32),
         block_table_tensor=torch.arange(5 * 8, dtype=torch.int32).reshape(5, 8) + 1,
     )
-    sess = SimpleNamespace(live=True, rec={}, failures=[])
-    sess.hook_failed = lambda name, exc: sess.failures.append((name, exc))
-    patches = PatchSet()
-    patches.install(optional_patches(sess, {target: cls}))
-    try:
+    with optional_hook(cls.__name__, cls) as sess:
         result = builder.build(meta, [2, 3, 4])
-    finally:
-        patches.remove()
-    assert sess.failures == []
     truth = [
         (row, int(seq[row]) - query[row] + off, int(col))
         for row, off, col in zip([2, 3, 4], result.offsets, result.block_cols.tolist(), strict=True)

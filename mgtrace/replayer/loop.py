@@ -583,16 +583,15 @@ class RankReplay:
         )
         uids, brow = view.uid64[rows], view.batch_row[rows]
         for g in range(len(self.pool.groups)):
-            blocks = blocks_g[g]
-            ok = blocks > 0
+            ok = blocks_g[g] > 0
             if not np.count_nonzero(ok):
                 continue
-            self._touched_after_forward.append(blocks[ok])
-            self.oracle.check_writes(step, "checkpoint-write", g, blocks[ok], uids[ok], brow[ok])
-            self.pool.write_temporal(
-                g, blocks[ok], uids[ok], tokens[ok], step, np.zeros(len(tokens[ok]), np.int64)
-            )
-            self.pool.write_conv(g, blocks[ok], uids[ok], tokens[ok] + conv_lead)
+            blocks, uid, covered = blocks_g[g][ok], uids[ok], tokens[ok]
+            self._touched_after_forward.append(blocks)
+            self.oracle.check_writes(step, "checkpoint-write", g, blocks, uid, brow[ok])
+            flags = np.zeros(len(blocks), np.int64)
+            self.pool.write_temporal(g, blocks, uid, covered, step, flags)
+            self.pool.write_conv(g, blocks, uid, covered + conv_lead)
 
     def _padded_rows(self, step: int, launch: AlignLaunch, view: RowView) -> None:
         """Padded rows of a CUDA-graph batch run the decode kernel on the state indices their
