@@ -21,6 +21,7 @@ from mgtrace.atomic import atomic_write
 from mgtrace.errors import InconclusiveError
 from mgtrace.query import canned, plots
 from mgtrace.replayer.coverage import unseen_reason
+from mgtrace.replayer.requests import is_request
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -152,7 +153,8 @@ def _findings_section(
         first_bad = result.first_step
         first = [f for f in result.findings if f.step == first_bad]
         chosen = sorted(
-            {f.req_id for f in first} | {f.writer_req_id for f in first if f.writer_req_id}
+            {f.req_id for f in first}
+            | {f.writer_req_id for f in first if is_request(f.writer_req_id)}
         )[:4]
         parts += [
             "<h2>Block ownership of the first requests</h2>",

@@ -14,9 +14,11 @@ import pytest
 
 from mgtrace.recorder.step_tables import _step_columns
 from mgtrace.recorder.wire import Packer, Unpacker
-from mgtrace.replayer.loop import replay_trace
+from mgtrace.replayer.loop import RankReplay, load_backend, replay_trace
 from mgtrace.replayer.minimize import MemoryTrace, load_memory, write_trace
+from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.rules import RuleSet
+from mgtrace.replayer.steps import RankTrace
 from mgtrace.schemas.manifest import Manifest
 from mgtrace.schemas.reader import TraceReader
 from tests.replay_helpers import set_root, sim_trace
@@ -153,3 +155,42 @@ def test_block_copies_on_the_gpu(tmp_path: Path, mirror: bool) -> None:
     assert gpu.findings and [f.signature for f in gpu.findings] == [
         f.signature for f in cpu.findings
     ]
+
+
+def _held_block(reader: TraceReader) -> tuple[int, str, int]:
+    """(step, request, block): a block a live request has held for more than ten steps, taken
+    from the replay's own ownership at that step."""
+    rep = RankReplay(
+        RankTrace(reader, 0, RequestIds()), RuleSet(), load_backend("reference", "cpu")
+    )
+    step = 100
+    rep.run(until=step - 1)
+    owner, since = rep.ownership.owner[0, : rep.ownership.num_blocks], rep.ownership.since[0]
+    block = int(np.flatnonzero((owner > 0) & (since >= 0) & (since < step - 10))[0])
+    return step, rep.trace.ids.name(int(owner[block])), block
+
+
+def test_a_copy_onto_a_held_block_is_a_foreign_write(tmp_path: Path) -> None:
+    reader = TraceReader(sim_trace(None, 3, 600, scenario="pairs", length_scale=0.05))
+    step, victim, block = _held_block(reader)
+    trace = load_memory(reader)
+    steps = trace.tables_["steps"].to_pylist()
+    at = next(r for r in steps if r["step"] == step)
+    at["block_copy_src"], at["block_copy_dst"] = [reader.manifest.run.num_blocks - 1], [block]
+    trace.tables_["steps"] = pa.Table.from_pylist(steps, schema=trace.tables_["steps"].schema)
+    write_trace(trace, tmp_path / "onto-held", reader.manifest)
+    result = replay_trace(TraceReader(tmp_path / "onto-held"), RuleSet())
+    first = [f for f in result.findings if f.step == result.first_step]
+    assert result.first_step == step
+    # the copy is reported as it happens; the victim's next read of the overwritten state follows
+    assert (first[0].signature, first[0].req_id, first[0].block_id) == (
+        "foreign_block_write:block-copy",
+        victim,
+        block,
+    )
+    assert {f.req_id for f in first} == {victim}
+    assert first[0].writer_req_id == "<scheduler>"
+    # control: a copy onto the block the request is given in that step is its own
+    copied = _with_private_copy(reader, queue_copy=True)
+    write_trace(copied, tmp_path / "own", _grown(reader.manifest))
+    assert replay_trace(TraceReader(tmp_path / "own"), RuleSet()).clean

@@ -30,6 +30,7 @@ from mgtrace.replayer.coverage import unseen_reason
 from mgtrace.replayer.divergence import first_divergence
 from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, FOREIGN_STATE, Finding
 from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
+from mgtrace.replayer.requests import is_request
 from mgtrace.replayer.rules import RuleSet, single_changes
 from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
 from mgtrace.schemas.reader import TraceReader
@@ -105,7 +106,9 @@ def _describe(f: dict[str, Any]) -> str:
         at = f" at step {f['writer_step']}" if f.get("writer_step") is not None else ""
         return f"request {f['req_id']} reads state written by request {f['writer_req_id']}{at}"
     if f["kind"] == FOREIGN_BLOCK_WRITE:
-        return f"request {f['writer_req_id']} writes a block of request {f['req_id']}"
+        writer = f["writer_req_id"]
+        who = f"request {writer}" if is_request(writer) else f"the {str(writer).strip('<>')}"
+        return f"{who} writes a block of request {f['req_id']}"
     return f["detail"]
 
 
@@ -218,7 +221,11 @@ class Bisector:
         v.first_findings = [_finding_dict(f) for f in lead]
         v.requests = sorted(
             {f.req_id for f in lead}
-            | {f.writer_req_id for f in lead if f.kind == FOREIGN_BLOCK_WRITE and f.writer_req_id}
+            | {
+                f.writer_req_id
+                for f in lead
+                if f.kind == FOREIGN_BLOCK_WRITE and is_request(f.writer_req_id)
+            }
         )
         trace = self.traces[rank]
         # a horizon past the trace's end would name a --to-step the trace does not have

@@ -29,7 +29,7 @@ from mgtrace.replayer.findings import MALFORMED, Finding
 from mgtrace.replayer.mirror import MirroredKernels
 from mgtrace.replayer.oracle import READ_KINDS, Oracle, StateRead
 from mgtrace.replayer.ownership import BlockOwnership
-from mgtrace.replayer.requests import DUMMY_REQUEST
+from mgtrace.replayer.requests import DUMMY_REQUEST, PADDED_ROW, SCHEDULER
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
 from mgtrace.replayer.tables import OutOfPool, TableStore
@@ -301,12 +301,14 @@ class RankReplay:
             self._malformed(
                 step,
                 "block-copy:bad-pair",
-                (DUMMY_REQUEST, "<scheduler>"),
+                (DUMMY_REQUEST, SCHEDULER),
                 None,
                 f"the step's block copies ({len(src)} sources, {len(dst)} destinations) name "
                 f"blocks outside 1..{num_blocks - 1} or do not pair up; those are not copied",
             )
-        self.pool.copy_blocks(src[:n][ok], dst[:n][ok])
+        src, dst = src[:n][ok], dst[:n][ok]
+        self.oracle.check_copy_destinations(step, src, dst)
+        self.pool.copy_blocks(src, dst)
 
     # ----------------------------------------------------------------- kernels
     def _run_copy(self, step: int, launch: AlignLaunch) -> None:
@@ -387,7 +389,7 @@ class RankReplay:
     def _row_owner(self, view: RowView | None, batch_row: int) -> tuple[int, str]:
         pos = -1 if view is None else int(view.positions(np.array([batch_row]))[0])
         if pos < 0:
-            return DUMMY_REQUEST, "<padded row>"
+            return DUMMY_REQUEST, PADDED_ROW
         uid = int(view.uid[pos])
         return uid, self.trace.ids.name(uid)
 

@@ -24,7 +24,7 @@ from mgtrace.replayer.findings import (
     Finding,
 )
 from mgtrace.replayer.ownership import NULL_BLOCK, BlockOwnership
-from mgtrace.replayer.requests import DUMMY_REQUEST, NO_REQUEST, RequestIds
+from mgtrace.replayer.requests import DUMMY_REQUEST, NO_REQUEST, SCHEDULER, RequestIds
 from mgtrace.replayer.tags import TEMPORAL_TAG_INTS, TagPool
 
 # StateRead.what codes. A cached state is the block-boundary state a post-process saves into
@@ -404,6 +404,46 @@ class Oracle:
             self._report_read(step, read, i, g, blocks, kind, mech, detail, writer_id, None)
 
     # ----------------------------------------------------------------- writes
+    def _behind_note(self, owner: int, group: int, block: int) -> str:
+        # say when the block sits behind the column the owner now runs at: not yet freed,
+        # but a deferred post-process or the prefix cache is its only possible reader
+        behind = self.ownership.column_behind(owner, group, block)
+        return (
+            ""
+            if behind is None
+            else f" (its column {behind[0]}; it now runs at column {behind[1]})"
+        )
+
+    def check_copy_destinations(self, step: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """The scheduler's block copies (copy-on-write of a partial prefix hit) land on a block
+        it allocated in this very step. One that lands on a block another live request has
+        held since an earlier step overwrites that request's state. ``dst``: ids in the pool."""
+        for group in range(self.ownership.owner.shape[0]):
+            owner = self.ownership.owner_or_free(group, dst)
+            since = self.ownership.since[group][dst]
+            for i in np.flatnonzero((owner != NO_REQUEST) & (since < step)).tolist():
+                block, victim = int(dst[i]), self.ids.name(int(owner[i]))
+                self._report(
+                    int(owner[i]),
+                    Finding(
+                        kind=FOREIGN_BLOCK_WRITE,
+                        mechanism="block-copy",
+                        rank=self.rank,
+                        step=step,
+                        req_id=victim,
+                        batch_row=None,
+                        detail=(
+                            f"the scheduler's copy of block {int(src[i])} writes block {block}, "
+                            f"owned by request {victim} since step {int(since[i])}"
+                            f"{self._behind_note(int(owner[i]), group, block)}"
+                        ),
+                        group=group,
+                        block_id=block,
+                        writer_req_id=SCHEDULER,
+                        writer_step=step,
+                    ),
+                )
+
     def check_writes(
         self,
         step: int,
@@ -426,14 +466,7 @@ class Oracle:
         for i in bad.nonzero()[0].tolist() if np.count_nonzero(bad) else ():
             writer = self.ids.name(int(uid[i]))
             victim = self.ids.name(int(owner[i]))
-            # say when the block sits behind the column the owner now runs at: not yet freed,
-            # but a deferred post-process or the prefix cache is its only possible reader
-            behind = self.ownership.column_behind(int(owner[i]), group, int(blocks[i]))
-            note = (
-                ""
-                if behind is None
-                else f" (its column {behind[0]}; it now runs at column {behind[1]})"
-            )
+            note = self._behind_note(int(owner[i]), group, int(blocks[i]))
             self._report(
                 int(owner[i]),
                 Finding(

@@ -10,6 +10,13 @@ import pyarrow.compute as pc
 
 NO_REQUEST = 0  # uid of "nobody": a zeroed tag, a free block
 DUMMY_REQUEST = -1  # uid a padded (dummy) row writes with
+PADDED_ROW = "<padded row>"  # the writer a finding names for a padded row
+SCHEDULER = "<scheduler>"  # ... for the scheduler's own block copies
+
+
+def is_request(name: str | None) -> bool:
+    """Whether a finding's request name is an engine request, not one of the stand-ins above."""
+    return bool(name) and not name.startswith("<")
 
 
 class RequestIds:
@@ -48,7 +55,7 @@ class RequestIds:
 
     def name(self, uid: int) -> str:
         if uid == DUMMY_REQUEST:
-            return "<padded row>"
+            return PADDED_ROW
         if 0 <= uid < len(self._names):
             return self._names[uid]
         return f"<uid {uid}>"
