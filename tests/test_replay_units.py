@@ -318,3 +318,38 @@ def test_checkpoints_let_a_replay_start_mid_trace(tmp_path) -> None:
         (f.step, f.req_id, f.signature) for f in late
     ]
     assert late, "control: the resumed stretch must hold findings to compare"
+
+
+def _batch(num_scheduled: list[int], num_computed: list[int], num_prompt: list[int]):
+    from mgtrace.replayer.steps import StepBatch
+
+    cols = {
+        "num_scheduled": np.array(num_scheduled, dtype=np.int32),
+        "num_computed": np.array(num_computed, dtype=np.int32),
+        "num_prompt": np.array(num_prompt, dtype=np.int32),
+    }
+    return StepBatch(0, np.arange(1, len(num_scheduled) + 1, dtype=np.int32), cols)
+
+
+@pytest.mark.unit
+def test_v2_rule_splits_the_sorted_batch_without_reordering() -> None:
+    from mgtrace.replayer.view import split_under_threshold
+
+    # V2's order: two spec decodes (1+k = 4 tokens), two plain decodes, a prefill chunk
+    batch = _batch([4, 4, 1, 1, 700], [90, 80, 50, 40, 0], [10, 10, 10, 10, 2000])
+    assert split_under_threshold(batch, 4, 3, runner="v2").tolist() == [0, 0, 0, 0, 1]
+    # at threshold 1 the builder's split stops at the first row: everything is a prefill
+    assert split_under_threshold(batch, 1, 3, runner="v2").tolist() == [1, 1, 1, 1, 1]
+    # control: V1 reorders at 1 (plain decodes to the front) and splits at 1+k: all decode
+    assert split_under_threshold(batch, 1, 3, runner="v1").tolist() == [0, 0, 0, 0, 1]
+
+
+@pytest.mark.unit
+def test_v1_rule_splits_at_the_recorded_builder_threshold() -> None:
+    from mgtrace.replayer.view import split_under_threshold
+
+    # k = 3 with a builder that takes 1+2k = 7 tokens per decode (parallel drafting)
+    batch = _batch([7, 7, 1, 700], [90, 80, 50, 0], [10, 10, 10, 2000])
+    assert split_under_threshold(batch, 7, 3, builder_threshold=7).tolist() == [0, 0, 0, 1]
+    # control: without the recorded builder threshold the split falls back to 1+k = 4
+    assert split_under_threshold(batch, 7, 3).tolist() == [1, 1, 1, 1]

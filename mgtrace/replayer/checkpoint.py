@@ -165,5 +165,7 @@ def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
                 rep.rules,
                 recorded_threshold=trace.step_value("reorder_threshold", s),
                 k=rep.k,
+                runner=rep.runner,
+                builder_threshold=trace.step_value("mamba_threshold", s),
             )
     return cp.step

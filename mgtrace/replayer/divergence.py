@@ -60,6 +60,7 @@ def first_divergence(trace: RankTrace, rules: RuleSet, *, until: int | None = No
 def _threshold_divergence(trace: RankTrace, rules: RuleSet, until: int | None) -> int | None:
     k = trace.run.num_speculative_tokens
     recorded = trace.step_info.get("reorder_threshold")
+    builder = trace.step_info.get("mamba_threshold")
     for i, step in enumerate(trace.step_numbers.tolist()):
         if until is not None and step > until:
             return None
@@ -70,7 +71,13 @@ def _threshold_divergence(trace: RankTrace, rules: RuleSet, until: int | None) -
         batch = trace.batch(step)
         if not batch.num_rows:
             continue
-        split = split_under_threshold(batch, threshold, k)
+        split = split_under_threshold(
+            batch,
+            threshold,
+            k,
+            runner=trace.run.runner,
+            builder_threshold=None if builder is None or builder[i] < 0 else int(builder[i]),
+        )
         if np.any(split != batch.cols["is_prefill_split"].astype(bool)):
             return step
     return None

@@ -248,6 +248,8 @@ class RankReplay:
             self.rules,
             recorded_threshold=trace.step_value("reorder_threshold", step) if rethreshold else None,
             k=self.k,
+            runner=self.runner,
+            builder_threshold=trace.step_value("mamba_threshold", step) if rethreshold else None,
         )
         self.views[step] = view
         self.views.pop(step - self.keep_views, None)

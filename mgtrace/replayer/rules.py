@@ -55,7 +55,8 @@ RULES: dict[str, Rule] = {
         Rule(
             "reorder_threshold",
             ("1+k", "N"),
-            "Re-run the batch reorder and the Mamba decode/prefill split with this threshold.",
+            "Re-run the batch reorder at this threshold and the Mamba decode/prefill split "
+            "(V2, which never reorders: the split at this threshold).",
             "decode rows in the Mamba prefill split (vllm#55894)",
         ),
         Rule(

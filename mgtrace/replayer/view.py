@@ -86,30 +86,54 @@ class RowView:
         return (self.prev_state_col >= 0) & (self.prev_state_col != self.state_col)
 
 
-def split_under_threshold(batch: StepBatch, threshold: int, k: int) -> np.ndarray:
-    """Which rows the Mamba builder treats as prefills after a reorder at ``threshold``."""
+def split_under_threshold(
+    batch: StepBatch,
+    threshold: int,
+    k: int,
+    *,
+    runner: str = "v1",
+    builder_threshold: int | None = None,
+) -> np.ndarray:
+    """Which rows the Mamba builder treats as prefills with the batch reordered at
+    ``threshold``. V1 reorders its persistent rows at the runner's threshold and the builder
+    then splits at its own (``builder_threshold``, as recorded; 1+k where not recorded). V2
+    never reorders by a threshold (it sorts by draft count and query length), so there the
+    builder splits the recorded order at ``threshold`` itself."""
     c = batch.cols
     n, comp, prompt = c["num_scheduled"], c["num_computed"], c["num_prompt"]
-    order = np.asarray(
-        apply_swaps(list(range(batch.num_rows)), reorder_swaps(regions(n, comp, prompt, threshold)))
-    )
+    if runner == "v2":
+        order, split_at = np.arange(batch.num_rows), threshold
+    else:
+        swaps = reorder_swaps(regions(n, comp, prompt, threshold))
+        order = np.asarray(apply_swaps(list(range(batch.num_rows)), swaps), dtype=np.int64)
+        split_at = builder_threshold if builder_threshold is not None else 1 + k
     if not len(order):
         return np.zeros(0, dtype=bool)
-    num_decodes = mamba_split(n[order], comp[order], prompt[order], 1 + k)
+    num_decodes = mamba_split(n[order], comp[order], prompt[order], split_at)
     prefill = np.ones(batch.num_rows, dtype=bool)
     prefill[order[:num_decodes]] = False
     return prefill
 
 
 def row_view(
-    batch: StepBatch, rules: RuleSet, *, recorded_threshold: int | None, k: int
+    batch: StepBatch,
+    rules: RuleSet,
+    *,
+    recorded_threshold: int | None,
+    k: int,
+    runner: str = "v1",
+    builder_threshold: int | None = None,
 ) -> RowView:
+    """``recorded_threshold``, ``builder_threshold``: the step's recorded reorder and Mamba
+    builder thresholds, needed only under a ``reorder_threshold`` rule."""
     c = batch.cols
     prefill = c["is_prefill_split"].astype(bool)
     if rules["reorder_threshold"] != AS_RECORDED:
         threshold = resolve_threshold(rules["reorder_threshold"], recorded_threshold, k)
         if threshold is not None:
-            prefill = split_under_threshold(batch, threshold, k)
+            prefill = split_under_threshold(
+                batch, threshold, k, runner=runner, builder_threshold=builder_threshold
+            )
     accepted_prev = c["accepted_prev"].copy()
     if rules["accepted_source"] == "cpu":
         cpu = c["accepted_prev_cpu"]
