@@ -159,6 +159,26 @@ class Builder:
         return SimpleNamespace(num_decodes=ROWS - 4)
 
 
+class GDNBuilder:
+    """A GDN model's builder: spec-decode rows by a host mask it reuses from step to step."""
+
+    reorder_batch_threshold = 1 + K
+
+    def __init__(self) -> None:
+        self.mask = torch.ones(ROWS, dtype=torch.bool)
+        self.mask[-4:] = False
+
+    def build(self, common_prefix_len: int, m: Any, fast_build: bool = False) -> Any:
+        return SimpleNamespace(num_decodes=0, spec_sequence_masks_cpu=self.mask)
+
+
+class CheckpointBuilder:
+    """vLLM 0.33's prefill checkpoint builder: a decode step has no checkpoint to store."""
+
+    def build(self, m: Any, request_rows: Any) -> Any:
+        return SimpleNamespace(offsets=None)
+
+
 def build_module(device: torch.device) -> tuple[ModuleType, ModuleType, Any]:
     """The stand-in "runner module" and "mamba_utils" with vLLM's names."""
     runner_mod = ModuleType("bench_runner")
@@ -227,8 +247,12 @@ def build_module(device: torch.device) -> tuple[ModuleType, ModuleType, Any]:
     return runner_mod, mu, ctx
 
 
-def build_runner(device: torch.device) -> tuple[Any, dict[features.Target, Any]]:
+def build_runner(
+    device: torch.device, builder: str = "mamba2"
+) -> tuple[Any, dict[features.Target, Any]]:
+    """The stand-in runner; ``builder``: whose split the step runs, Mamba2's or GDN's."""
     runner_mod, mu, ctx = build_module(device)
+    checkpoints = CheckpointBuilder()
     accepted = torch.full((MAX_REQS,), 2, dtype=torch.int32, device=device)
 
     class Runner:
@@ -238,6 +262,7 @@ def build_runner(device: torch.device) -> tuple[Any, dict[features.Target, Any]]
             self.mamba_state_idx: dict[str, int] = {}
             self.num_accepted_tokens_event = SimpleNamespace(query=lambda: True)
             self.builder = Builder()
+            self.gdn = GDNBuilder()
             self.ctx = ctx
             self.accepted = accepted
             self.moves = [["swap", 3, ROWS - 2], ["swap", 5, ROWS - 1]]  # the reorder's swaps
@@ -259,8 +284,13 @@ def build_runner(device: torch.device) -> tuple[Any, dict[features.Target, Any]]
             mu.stage_postprocess_inputs_to_gpu(
                 ctx, so, ib.req_ids, ib.num_reqs, None, self.mamba_state_idx
             )
-            split = self.builder._compute_common_metadata(None, num_accepted_tokens=accepted)
-            self.num_decodes = split.num_decodes
+            if builder == "gdn":
+                split = self.gdn.build(0, None)
+                self.num_decodes = int(split.spec_sequence_masks_cpu.sum())
+            else:
+                split = self.builder._compute_common_metadata(None, num_accepted_tokens=accepted)
+                self.num_decodes = split.num_decodes
+            checkpoints.build(None, None)
 
         def sample_tokens(self, grammar_output: Any) -> Any:
             self._update_states_after_model_execute(None, None)
@@ -284,6 +314,8 @@ def build_runner(device: torch.device) -> tuple[Any, dict[features.Target, Any]]
         (None, "mu"): mu,
         ("MambaSpecDecodeGPUContext", None): Ctx,
         ("BaseMambaAttentionMetadataBuilder", None): Builder,
+        ("GDNAttentionMetadataBuilder", None): GDNBuilder,
+        ("MambaPrefillCheckpointBuilder", None): CheckpointBuilder,
     }
     owners = {}
     for t in features.V1_TARGETS:
@@ -454,8 +486,9 @@ def run(
     tmp: Path,
     device_wait_s: float = 0.0,
     assembler: str | None = None,
+    builder: str = "mamba2",
 ) -> dict[str, float]:
-    runner, owners = build_runner(device)
+    runner, owners = build_runner(device, builder)
     so = scheduler_output()
     out = torch.zeros((ROWS, 1 + K), dtype=torch.int64, device=device)
     patches = PatchSet()
@@ -639,6 +672,12 @@ def main() -> int:
         help="run on this one core (the assembler process inherits it), as a pinned engine does",
     )
     ap.add_argument(
+        "--builder",
+        choices=("mamba2", "gdn"),
+        default="mamba2",
+        help="the split the stand-in step runs: Mamba2's builder or GDN's (its hook copies a mask)",
+    )
+    ap.add_argument(
         "--compare-idle",
         action="store_true",
         help="also run the recorder with its assembler process under SCHED_IDLE",
@@ -663,6 +702,7 @@ def main() -> int:
         "steps_per_run": a.steps,
         "repeats": a.repeats,
         "rows_per_step": ROWS,
+        "builder": a.builder,
         "targets": {"recorder_us_per_step": 25.0, "recorder_vs_json": 0.1},
         "scenarios": {},
         "loadavg_start": list(os.getloadavg()),
@@ -682,7 +722,9 @@ def main() -> int:
             runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for _ in range(a.repeats):
                 for mode in runs:  # interleaved, so that machine noise hits every mode alike
-                    runs[mode].append(run(mode, steps, device, Path(tmp), wait, a.assembler))
+                    runs[mode].append(
+                        run(mode, steps, device, Path(tmp), wait, a.assembler, a.builder)
+                    )
             report["scenarios"][name] = summarize(runs, wait, steps)
     report["loadavg_end"] = list(os.getloadavg())
     emit(report, a.out)

@@ -40,7 +40,10 @@ def _phases(outcomes: list) -> dict:
         return {}
     slowest = {}
     for phase in ("load", "skip", "warmup", "segment"):
-        per_run = [max(w.get(phase, 0.0) for w in o.worker_seconds) for o in outcomes]
+        # a trace too short to split runs in one process and has no workers
+        per_run = [
+            max((w.get(phase, 0.0) for w in o.worker_seconds), default=0.0) for o in outcomes
+        ]
         slowest[phase] = round(statistics.median(per_run), 2)
     return {
         "checks_judged_in_parent": statistics.median(o.checked_here for o in outcomes),

@@ -1,8 +1,9 @@
 """Simulated engine steps per second, trace writing included, pinned to one CPU core.
 
     python benchmarks/bench_sim.py [--steps N] [--scenario steady] [--runner v1] [--repeat 3]
+                                   [--out FILE | --no-save]
 
-Prints one JSON object and writes it to benchmarks/results/sim.json.
+Prints one JSON object and writes it to FILE (default benchmarks/results/sim.json).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def main() -> int:
     ap.add_argument("--bug", action="append", default=[])
     ap.add_argument("--max-num-seqs", type=int, default=96)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--no-save", action="store_true", help="Print only; keep sim.json as is.")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="Where to write the result.")
+    ap.add_argument("--no-save", action="store_true", help="Print only; write no file.")
     args = ap.parse_args()
     skip_pandas_probe()  # as `mgtrace simulate` does: the run is timed, not a pandas import
     load = os.getloadavg()[0]  # other work on this machine skews the numbers; say how much
@@ -110,8 +112,8 @@ def main() -> int:
     text = json.dumps(result, indent=1)
     print(text)
     if not args.no_save:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(text + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
     return 0
 
 

@@ -1,0 +1,73 @@
+"""Every benchmark script runs to the end on a tiny configuration and emits its JSON result.
+
+Nothing here is timed: the numbers are the benchmarks' business. This only keeps the scripts
+working as the code under them changes (a stand-in that lacks a newly hooked target, a
+renamed argument), so a committed result can always be produced again by its command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+# script, tiny arguments, a key its result must carry
+CASES = [
+    ("bench_sim.py", ["--steps", "60", "--repeat", "1"], "steps_per_s_with_trace"),
+    ("bench_writer.py", ["--steps", "200", "--repeats", "1"], "command"),
+    ("bench_capture.py", ["--device", "cpu", "--calls", "50", "--steps", "50"], "command"),
+    (
+        "bench_kernels.py",
+        ["--part", "cpu", "--launches", "20", "--repeat", "1"],
+        "command",
+    ),
+    (
+        "bench_replay.py",
+        ["--steps", "120", "--repeat", "1", "--no-bisect"],
+        "replay_best",
+    ),
+    (
+        "bench_replay_jobs.py",
+        ["--steps", "300", "--jobs", "1", "2", "--repeat", "1"],
+        "command",
+    ),
+    (
+        "bench_recorder.py",
+        ["--device", "cpu", "--steps", "40", "--repeats", "1"],
+        "scenarios",
+    ),
+    (
+        "bench_recorder.py",
+        ["--device", "cpu", "--steps", "40", "--repeats", "1", "--builder", "gdn"],
+        "scenarios",
+    ),
+    ("profile_replay.py", ["--steps", "60", "--top", "5"], None),
+]
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "key"), CASES, ids=[f"{c[0]}{'-gdn' * ('gdn' in c[1])}" for c in CASES]
+)
+def test_benchmark_runs(tmp_path: Path, script: str, args: list[str], key: str | None) -> None:
+    out = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), str(BENCHMARKS)])}
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args, "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.exists() and out.stat().st_size > 0
+    if key is not None:  # profile_replay writes a text profile, the others JSON
+        assert key in json.loads(out.read_text())
