@@ -9,11 +9,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mgtrace.recorder.wire import Packer, Unpacker
 from tests.hook_helpers import optional_hook
 
 
 def _gdn_hooked(result: object) -> dict:
-    """The GDN split hook around a builder returning ``result``; the step record it left."""
+    """The GDN split hook around a builder returning ``result``; the step record it left,
+    through the wire."""
 
     class GDNAttentionMetadataBuilder:
         def build(self, common_prefix_len: int, m: object, **kwargs: object) -> object:
@@ -21,7 +23,7 @@ def _gdn_hooked(result: object) -> dict:
 
     with optional_hook("GDNAttentionMetadataBuilder", GDNAttentionMetadataBuilder) as sess:
         assert GDNAttentionMetadataBuilder().build(0, None) is result
-    return sess.rec
+    return Unpacker().record(Packer().record(sess.rec))  # as the assembler reads it
 
 
 def test_gdn_split_follows_the_spec_decode_mask_not_the_position() -> None:

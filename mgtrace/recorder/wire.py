@@ -221,6 +221,10 @@ class Unpacker:
                 rec[key] = self._same(name, rec[key])
         if "bt" in rec:
             rec["bt"] = [(g, _array(rows), _array(counts)) for g, rows, counts in rec["bt"]]
+        split = rec.get("mamba")
+        if split is not None and split[2] is not None:  # GDN's decode mask, counted here
+            decodes = _array(split[2]).astype(bool)
+            rec["mamba"] = (int(np.count_nonzero(decodes)), split[1], decodes)
         if "moves" in rec:
             rec["moves"] = [
                 (m[0], m[1], m[2], _array(m[3])) if m[0] == "condense" else m for m in rec["moves"]
