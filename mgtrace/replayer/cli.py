@@ -142,7 +142,7 @@ def replay(
     from mgtrace.render import render_replay
 
     check_step_window(from_step, to_step)
-    from mgtrace.replayer.coverage import unmodelled_writes, unseen_reason
+    from mgtrace.replayer.coverage import rule_note, unmodelled_writes, unseen_reason
     from mgtrace.replayer.findings import save_findings
     from mgtrace.replayer.loop import replay_trace
     from mgtrace.replayer.parallel import default_jobs
@@ -193,12 +193,15 @@ def replay(
         except (OSError, OutputError) as exc:
             err.print(f"mgtrace: could not add the findings to {trace}: {reason(exc)}")
     caveat = unmodelled_writes(reader.manifest.run)
+    note = rule_note(reader.manifest.run, rules)
     if as_json:
         summary = summary_json(result, replay_id, saved)
         if unseen is not None:
             summary["inconclusive"] = unseen
         if caveat is not None:
             summary["caveat"] = caveat
+        if note is not None:
+            summary["note"] = note
         click.echo(json.dumps(summary, indent=1, default=str))
     else:
         render_replay(result, out, trace=trace, replay_id=replay_id if saved else None)
@@ -206,6 +209,8 @@ def replay(
             out.print(f"[yellow]inconclusive[/]: {unseen}")
         if caveat is not None:
             out.print(f"[yellow]caveat[/]: {caveat}", highlight=False)
+        if note is not None:
+            out.print(f"note: {note}", highlight=False)
     if result.findings:
         return EXIT_CORRUPTION
     return EXIT_CLEAN if unseen is None else EXIT_INCONCLUSIVE

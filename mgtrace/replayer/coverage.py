@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.replayer.steps import REPLAY_TABLES
 
 
@@ -37,5 +38,16 @@ def unmodelled_writes(run: Any) -> str | None:
             "MambaPrefillCheckpointBuilder.build to hook): a later prefix-cache hit on such a "
             "block can be reported as foreign_state or wrong_tokens where the engine was "
             "right, and a wrong checkpoint write goes unseen"
+        )
+    return None
+
+
+def rule_note(run: Any, rules: RuleSet) -> str | None:
+    """How a rule reads on this run where that differs from its one-line description."""
+    if run.runner == "v2" and rules["reorder_threshold"] != AS_RECORDED:
+        return (
+            "the V2 runner never reorders its batch by a threshold (it sorts by drafts and "
+            "query length): reorder_threshold here only re-splits the recorded batch order "
+            "for the Mamba builder at that threshold"
         )
     return None
