@@ -44,10 +44,18 @@ def unmodelled_writes(run: Any) -> str | None:
 
 def rule_note(run: Any, rules: RuleSet) -> str | None:
     """How a rule reads on this run where that differs from its one-line description."""
-    if run.runner == "v2" and rules["reorder_threshold"] != AS_RECORDED:
-        return (
+    if rules["reorder_threshold"] == AS_RECORDED:
+        return None
+    notes = []
+    if run.runner == "v2":
+        notes.append(
             "the V2 runner never reorders its batch by a threshold (it sorts by drafts and "
             "query length): reorder_threshold here only re-splits the recorded batch order "
             "for the Mamba builder at that threshold"
         )
-    return None
+    if any("GDN" in name for name in run.builder_reorder_thresholds):
+        notes.append(
+            "this model's GDN builder picks its spec-decode rows by a mask, not by position; "
+            "reorder_threshold re-splits by the Mamba2 rule, which GDN does not use"
+        )
+    return "; ".join(notes) or None
