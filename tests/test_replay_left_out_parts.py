@@ -136,12 +136,12 @@ def test_a_replay_says_what_it_does_not_model(pp_trace: Path, tmp_path: Path) ->
 
 
 def test_a_v2_replay_says_how_it_reads_the_reorder_rule(pp_trace: Path) -> None:
-    """V2 never reorders by a threshold, so the rule only re-splits: the verdict says so.
+    """V2 never reorders by a threshold, so the rule re-sorts and re-splits: the verdict says so.
     Control: the same trace replayed as recorded gets no note."""
     proc = run_cli("replay", str(pp_trace), "--no-save", "--reorder-threshold=1+k")
     assert proc.returncode == 0 and "note: the V2 runner never reorders" in proc.stdout
     proc = run_cli("replay", str(pp_trace), "--no-save", "--json", "--reorder-threshold=1")
-    assert "re-splits the recorded batch order" in json.loads(proc.stdout)["note"]
+    assert "sorts the batch again" in json.loads(proc.stdout)["note"]
     proc = run_cli("replay", str(pp_trace), "--no-save", "--json")
     assert proc.returncode == 0 and "note" not in json.loads(proc.stdout)
 

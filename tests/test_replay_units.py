@@ -320,23 +320,29 @@ def test_checkpoints_let_a_replay_start_mid_trace(tmp_path) -> None:
     assert late, "control: the resumed stretch must hold findings to compare"
 
 
-def _batch(num_scheduled: list[int], num_computed: list[int], num_prompt: list[int]):
+def _batch(
+    num_scheduled: list[int],
+    num_computed: list[int],
+    num_prompt: list[int],
+    num_draft: list[int] | None = None,
+):
     from mgtrace.replayer.steps import StepBatch
 
     cols = {
         "num_scheduled": np.array(num_scheduled, dtype=np.int32),
         "num_computed": np.array(num_computed, dtype=np.int32),
         "num_prompt": np.array(num_prompt, dtype=np.int32),
+        "num_draft": np.array(num_draft or [0] * len(num_scheduled), dtype=np.int32),
     }
     return StepBatch(0, np.arange(1, len(num_scheduled) + 1, dtype=np.int32), cols)
 
 
 @pytest.mark.unit
-def test_v2_rule_splits_the_sorted_batch_without_reordering() -> None:
+def test_v2_rule_splits_the_sorted_batch_at_its_threshold() -> None:
     from mgtrace.replayer.view import split_under_threshold
 
     # V2's order: two spec decodes (1+k = 4 tokens), two plain decodes, a prefill chunk
-    batch = _batch([4, 4, 1, 1, 700], [90, 80, 50, 40, 0], [10, 10, 10, 10, 2000])
+    batch = _batch([4, 4, 1, 1, 700], [90, 80, 50, 40, 0], [10, 10, 10, 10, 2000], [3, 3, 0, 0, 0])
     assert split_under_threshold(batch, 4, 3, runner="v2").tolist() == [0, 0, 0, 0, 1]
     # at threshold 1 the builder's split stops at the first row: everything is a prefill
     assert split_under_threshold(batch, 1, 3, runner="v2").tolist() == [1, 1, 1, 1, 1]
@@ -353,3 +359,20 @@ def test_v1_rule_splits_at_the_recorded_builder_threshold() -> None:
     assert split_under_threshold(batch, 7, 3, builder_threshold=7).tolist() == [0, 0, 0, 1]
     # control: without the recorded builder threshold the split falls back to 1+k = 4
     assert split_under_threshold(batch, 7, 3).tolist() == [1, 1, 1, 1]
+
+
+@pytest.mark.unit
+def test_v2_rule_sorts_an_older_order_again() -> None:
+    """Older vLLMs sorted a V2 batch by token count alone, which can put a short prefill
+    chunk ahead of a spec decode; the rule sorts by today's key (drafts first) first."""
+    from mgtrace.replayer.view import split_under_threshold
+
+    # by count: a plain decode, a 3-token prefill chunk, a spec decode (k = 3)
+    batch = _batch([1, 3, 4], [50, 6, 90], [10, 100, 10], [0, 0, 3])
+    assert split_under_threshold(batch, 4, 3, runner="v2").tolist() == [0, 1, 0]
+    # control: split where the rows stand, the spec decode behind the chunk is a prefill
+    assert batch.cols["num_scheduled"].tolist() == [1, 3, 4]
+    from mgtrace.sim.reorder import mamba_split
+
+    c = batch.cols
+    assert mamba_split(c["num_scheduled"], c["num_computed"], c["num_prompt"], 4) == 1

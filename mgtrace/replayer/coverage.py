@@ -50,8 +50,8 @@ def rule_note(run: Any, rules: RuleSet) -> str | None:
     if run.runner == "v2":
         notes.append(
             "the V2 runner never reorders its batch by a threshold (it sorts by drafts and "
-            "query length): reorder_threshold here only re-splits the recorded batch order "
-            "for the Mamba builder at that threshold"
+            "query length): reorder_threshold here sorts the batch again by that rule and "
+            "re-splits it for the Mamba builder at that threshold"
         )
     if any("GDN" in name for name in run.builder_reorder_thresholds):
         notes.append(

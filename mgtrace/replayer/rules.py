@@ -56,7 +56,7 @@ RULES: dict[str, Rule] = {
             "reorder_threshold",
             ("1+k", "N"),
             "Re-run the batch reorder at this threshold and the Mamba decode/prefill split "
-            "(V2, which never reorders: the split at this threshold).",
+            "(V2, which sorts instead: its sort, then the split at this threshold).",
             "decode rows in the Mamba prefill split (vllm#55894)",
         ),
         Rule(

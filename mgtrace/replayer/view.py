@@ -17,7 +17,7 @@ from mgtrace.kernels.launch import AlignLaunch
 from mgtrace.replayer.requests import DUMMY_REQUEST
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet, resolve_threshold
 from mgtrace.replayer.steps import StepBatch
-from mgtrace.sim.reorder import apply_swaps, mamba_split, regions, reorder_swaps
+from mgtrace.sim.reorder import apply_swaps, mamba_split, regions, reorder_swaps, v2_order
 
 
 @dataclass
@@ -97,12 +97,13 @@ def split_under_threshold(
     """Which rows the Mamba builder treats as prefills with the batch reordered at
     ``threshold``. V1 reorders its persistent rows at the runner's threshold and the builder
     then splits at its own (``builder_threshold``, as recorded; 1+k where not recorded). V2
-    never reorders by a threshold (it sorts by draft count and query length), so there the
-    builder splits the recorded order at ``threshold`` itself."""
+    never reorders by a threshold: it sorts (rows with drafts, then rows of the decode length
+    1+k, then by token count; older vLLMs sorted by count alone), so there the batch is
+    sorted again by that rule and the builder splits it at ``threshold`` itself."""
     c = batch.cols
     n, comp, prompt = c["num_scheduled"], c["num_computed"], c["num_prompt"]
     if runner == "v2":
-        order, split_at = np.arange(batch.num_rows), threshold
+        order, split_at = v2_order(n, c["num_draft"] > 0, 1 + k), threshold
     else:
         swaps = reorder_swaps(regions(n, comp, prompt, threshold))
         order = np.asarray(apply_swaps(list(range(batch.num_rows)), swaps), dtype=np.int64)
