@@ -42,6 +42,11 @@ def test_gdn_split_follows_the_spec_decode_mask_not_the_position() -> None:
     assert mamba_split(3, rec["mamba"]).tolist() == [SPLIT_DECODE, SPLIT_PREFILL, SPLIT_PREFILL]
     # control: a mask shorter than the batch is not guessed at
     assert mamba_split(5, (2, None, np.array([True, False, True, False]))) is None
+    # a mask off the host is left alone (reading it would wait for the device): no split
+    # recorded and no hook failure (``optional_hook`` asserts none)
+    off_host = torch.ones(4, dtype=torch.bool, device="meta")
+    rec = _gdn_hooked(SimpleNamespace(spec_sequence_masks_cpu=off_host, num_decodes=0))
+    assert "mamba" not in rec
 
 
 @pytest.mark.peer

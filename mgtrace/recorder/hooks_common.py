@@ -379,7 +379,7 @@ def _gdn_split(
     mask = getattr(result, "spec_sequence_masks_cpu", None)
     if mask is None:
         rec["mamba"] = (int(result.num_decodes), 1, None)
-    elif not mask.is_cuda:
+    elif mask.is_cpu:  # a device mask would need a copy that waits for the GPU
         rec["mamba"] = (None, None, raw(mask.numpy()))
 
 
