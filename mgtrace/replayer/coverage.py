@@ -8,6 +8,7 @@ from typing import Any
 
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.replayer.steps import REPLAY_TABLES
+from mgtrace.replayer.view import spec_decodes_run_first
 
 
 def unseen_reason(reader: Any, gaps: bool = False) -> str | None:
@@ -53,7 +54,7 @@ def rule_note(run: Any, rules: RuleSet) -> str | None:
             "query length): reorder_threshold here sorts the batch again by that rule and "
             "re-splits it for the Mamba builder at that threshold"
         )
-    if any("GDN" in name for name in run.builder_reorder_thresholds):
+    if spec_decodes_run_first(run):
         notes.append(
             "this model's GDN builder picks its spec-decode rows by a mask, not by position; "
             "reorder_threshold re-splits by the Mamba2 rule, which GDN does not use"

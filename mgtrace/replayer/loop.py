@@ -34,7 +34,12 @@ from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
 from mgtrace.replayer.tables import OutOfPool, TableStore
 from mgtrace.replayer.tags import DRAFTS_FOLDED, DUMMY, SPECULATIVE, TagPool
-from mgtrace.replayer.view import RowView, launch_under_rules, row_view
+from mgtrace.replayer.view import (
+    RowView,
+    launch_under_rules,
+    row_view,
+    spec_decodes_run_first,
+)
 from mgtrace.schemas.reader import TraceReader
 
 Backend = Callable[..., LaunchResult]
@@ -71,6 +76,35 @@ class Checkpoint:
     repeats: dict[tuple[int, str], int]
     findings: int
     views: dict[int, RowView]
+
+
+@dataclass
+class _ForwardWrites:
+    """The forward model's writes of one step, in the engine's kernel-group order:
+    temporal states per token (``*_a``) and conv windows per request (``*_c``); ``first_*``
+    marks those of the kernel group that runs first."""
+
+    blocks_a: np.ndarray  # [group, write]
+    uids_a: np.ndarray
+    tokens: np.ndarray
+    flags: np.ndarray
+    brow_a: np.ndarray
+    first_a: np.ndarray
+    blocks_c: np.ndarray  # [group, request]
+    uid_c: np.ndarray
+    last: np.ndarray
+    first_c: np.ndarray
+
+
+@dataclass
+class _Checkpoints:
+    """Prefill checkpoints one step stores: blocks per group, and per row its request,
+    batch row and the tokens the state covers."""
+
+    blocks: np.ndarray
+    uids: np.ndarray
+    rows: np.ndarray
+    tokens: np.ndarray
 
 
 @dataclass
@@ -118,6 +152,8 @@ class RankReplay:
         )
         width0 = self.pool.groups[0].width if self.pool.groups else 0
         conv_keep = width0 - self.k if width0 > self.k else width0
+        self._conv_lead = width0 - 1 - conv_keep  # a conv window's last row, past its state
+        self._decodes_run_first = spec_decodes_run_first(run)
         self.oracle = Oracle(
             rank=self.trace.rank,
             ids=self.trace.ids,
@@ -482,6 +518,17 @@ class RankReplay:
         column itself by default), conv rows from ``conv_offset`` on."""
         if not len(rows):
             return
+        blocks = self._read_blocks(view, rows, temporal_col, conv_col)
+        self._check_reads(step, what, view, rows, expected, blocks, conv_offset)
+
+    def _read_blocks(
+        self,
+        view: RowView,
+        rows: np.ndarray,
+        temporal_col: np.ndarray,
+        conv_col: np.ndarray | None,
+    ) -> np.ndarray:
+        """[group, temporal|conv, row] block ids ``rows`` read (see ``_read``)."""
         col = view.state_col64[rows]
         # Temporal and conv columns as one [2, rows] gather (the slots broadcast over both).
         cols = np.empty((2, len(rows)), dtype=np.int64)
@@ -490,7 +537,20 @@ class RankReplay:
             cols[1] = col
         else:
             np.add(col, conv_col, out=cols[1])
-        both = self.tables.gather_groups(self.own_kind, view.slot64[rows], cols)
+        return self.tables.gather_groups(self.own_kind, view.slot64[rows], cols)
+
+    def _check_reads(
+        self,
+        step: int,
+        what: np.ndarray,
+        view: RowView,
+        rows: np.ndarray,
+        expected: np.ndarray,
+        blocks: np.ndarray,
+        conv_offset: np.ndarray,
+    ) -> None:
+        if not len(rows):
+            return
         # The counts arrive as int64 already (the view's columns); asarray keeps them as they
         # are instead of copying. Nothing writes into a StateRead's arrays.
         self.oracle.check_reads(
@@ -500,102 +560,181 @@ class RankReplay:
                 rows=view.batch_row[rows],
                 uid=view.uid64[rows],
                 expected_tokens=np.asarray(expected, dtype=np.int64),
-                temporal_blocks=both[:, 0],
-                conv_blocks=both[:, 1],
+                temporal_blocks=blocks[:, 0],
+                conv_blocks=blocks[:, 1],
                 conv_offset=np.asarray(conv_offset, dtype=np.int64),
             ),
         )
 
     def _forward(self, step: int, view: RowView) -> None:
-        self._touched_after_forward: list[np.ndarray] = []
+        """The model's Mamba layers on this step's rows. The engine runs two kernel groups
+        one after the other, each reading its rows' states and then writing them: Mamba2 its
+        prefill split first, GDN its spec decodes first. A row of the second group that reads
+        a block the first group wrote sees that write; when no row does (nearly always), all
+        reads are checked at once, before any write, with the same result."""
+        self._touched_after_forward = []
         if not view.num_rows:
             return
         live = view.slot >= 0
         all_live = np.count_nonzero(live) == len(live)  # cheaper than live.all()
         prefill = view.prefill_split
+        first = ~prefill if self._decodes_run_first else prefill
         c, n, d = view.computed64, view.scheduled64, view.draft64
         # Reads: decodes from window column accepted-1, prefills from column 0 (with context).
         rows = (live & (~prefill | (c > 0))).nonzero()[0]
         pre_r = prefill[rows]
         col = np.where(pre_r | view.moved[rows], 0, view.accepted_prev64[rows] - 1)
-        self._read(step, np.where(pre_r, PREFILL_READ, DECODE_READ), view, rows, c[rows], col, col)
+        read_blocks = self._read_blocks(view, rows, col, None)
+        what = np.where(pre_r, PREFILL_READ, DECODE_READ)
         # Writes: decodes write 1+d states (one per token), prefills fold all and write one;
-        # decodes first, row by row, then prefills (a later write to one block wins).
-        order = (
-            view.decodes_first
-            if all_live
-            else live.nonzero()[0][prefill[live].argsort(kind="stable")]
-        )
-        pre_o = prefill[order]
+        # in the engine's group order (where two rows write one block, the later one wins).
+        order = view.group_order(first, None if all_live else live)
+        first_o, pre_o = first[order], prefill[order]
         rows_o, j = (self._window < np.where(pre_o, 1, n[order])[:, None]).nonzero()
         rows_a = order[rows_o]
         pre_a = pre_o[rows_o]
-        cols_a = view.state_col64[rows_a] + j
-        c_a = c[rows_a]
-        tokens = c_a + np.where(pre_a, n[rows_a], j + 1)
-        flags = np.where(
-            pre_a, np.where(d[rows_a] > 0, DRAFTS_FOLDED, 0), np.where(j > 0, SPECULATIVE, 0)
-        )
-        uids_a = view.uid64[rows_a]
-        # Conv: one window per request, in its running column; row i holds position R-K+1+i
-        # where R is what the running state covers (a prefill folds its drafts in as well).
-        rows_c = slice(None) if all_live else live.nonzero()[0]
-        keep = self.oracle.conv_keep
-        width = self.pool.groups[0].width if self.pool.groups else 0
-        last = (c + n - np.where(prefill, 0, d) + (width - 1 - keep))[rows_c]
         # Temporal (per token) and conv (per request) blocks in one gather.
         blocks = self.tables.gather_groups(
             self.own_kind,
-            np.concatenate([view.slot64[rows_a], view.slot64[rows_c]]),
-            np.concatenate([cols_a, view.state_col64[rows_c]]),
+            np.concatenate([view.slot64[rows_a], view.slot64[order]]),
+            np.concatenate([view.state_col64[rows_a] + j, view.state_col64[order]]),
         )
-        blocks_a, blocks_c = blocks[:, : len(rows_a)], blocks[:, len(rows_a) :]
-        uid_c = view.uid64[rows_c]
-        brow_a = view.batch_row[rows_a]
+        writes = _ForwardWrites(
+            blocks_a=blocks[:, : len(rows_a)],
+            uids_a=view.uid64[rows_a],
+            tokens=c[rows_a] + np.where(pre_a, n[rows_a], j + 1),
+            flags=np.where(
+                pre_a, np.where(d[rows_a] > 0, DRAFTS_FOLDED, 0), np.where(j > 0, SPECULATIVE, 0)
+            ),
+            brow_a=view.batch_row[rows_a],
+            first_a=first_o[rows_o],
+            # Conv: one window per request, in its running column; row i holds position
+            # R-K+1+i where R is what the running state covers (a prefill folds its drafts in
+            # as well).
+            blocks_c=blocks[:, len(rows_a) :],
+            uid_c=view.uid64[order],
+            last=(c + n - np.where(prefill, 0, d) + self._conv_lead)[order],
+            first_c=first_o,
+        )
+        for g in range(len(self.pool.groups)):  # ownership and collisions: all of the step's
+            ok = writes.blocks_a[g] >= 0
+            kept = slice(None) if np.count_nonzero(ok) == len(ok) else ok
+            self.oracle.check_writes(
+                step,
+                "forward-write",
+                g,
+                writes.blocks_a[g][kept],
+                writes.uids_a[kept],
+                writes.brow_a[kept],
+            )
+        ckpt = self._prefill_checkpoints(view, live & prefill)
+        # Mamba2's prefill kernels store the checkpoints, before its decodes run.
+        ckpt_first = ckpt is not None and not self._decodes_run_first
+        first_r = first[rows]
+        if self._second_reads_first_writes(
+            writes, read_blocks, first_r, ckpt if ckpt_first else None
+        ):
+            second = ~first_r
+            r1, r2 = rows[first_r], rows[second]
+            self._check_reads(
+                step, what[first_r], view, r1, c[r1], read_blocks[:, :, first_r], col[first_r]
+            )
+            self._write_states(step, writes, True)
+            if ckpt_first:
+                self._write_checkpoints(step, ckpt)
+            self._check_reads(
+                step, what[second], view, r2, c[r2], read_blocks[:, :, second], col[second]
+            )
+            self._write_states(step, writes, False)
+        else:
+            self._check_reads(step, what, view, rows, c[rows], read_blocks, col)
+            if ckpt_first:
+                self._write_states(step, writes, True)
+                self._write_checkpoints(step, ckpt)
+                self._write_states(step, writes, False)
+            else:
+                self._write_states(step, writes, None)
+        if ckpt is not None and not ckpt_first:
+            self._write_checkpoints(step, ckpt)
+        self.oracle.mark_written(writes.uid_c)  # = live_uids(view.uid, view.slot)
+
+    def _second_reads_first_writes(
+        self,
+        writes: _ForwardWrites,
+        read_blocks: np.ndarray,
+        first_r: np.ndarray,
+        ckpt: _Checkpoints | None,
+    ) -> bool:
+        """Whether a row of the second kernel group reads a block the first group writes
+        (any group of layers: a false alarm only costs the exact, slower path)."""
+        second = ~first_r
+        if not np.count_nonzero(second) or not np.count_nonzero(writes.first_c):
+            return False
+        written = [
+            writes.blocks_a[:, writes.first_a].ravel(),
+            writes.blocks_c[:, writes.first_c].ravel(),
+        ]
+        if ckpt is not None:
+            written.append(ckpt.blocks.ravel())
+        mark = np.zeros(self.ownership.num_blocks + 1, dtype=bool)
+        hit = np.concatenate(written)
+        mark[hit[(hit > 0) & (hit < len(mark))]] = True
+        reads = read_blocks[:, :, second].ravel()
+        return bool(np.count_nonzero(mark[reads[(reads > 0) & (reads < len(mark))]]))
+
+    def _write_states(self, step: int, w: _ForwardWrites, part: bool | None) -> None:
+        """Write the forward model's tags: every row's (``part`` None), or only the first
+        kernel group's (True) or the second's (False)."""
+        if part is None:
+            sel_a: slice | np.ndarray = slice(None)
+            sel_c: slice | np.ndarray = slice(None)
+        else:
+            sel_a = w.first_a if part else ~w.first_a
+            sel_c = w.first_c if part else ~w.first_c
+        uids, tokens, flags = w.uids_a[sel_a], w.tokens[sel_a], w.flags[sel_a]
+        uid_c, last = w.uid_c[sel_c], w.last[sel_c]
         for g in range(len(self.pool.groups)):
-            blocks = blocks_a[g]
+            blocks = w.blocks_a[g][sel_a]
             ok = blocks >= 0
             if np.count_nonzero(ok) == len(ok):
-                self.oracle.check_writes(step, "forward-write", g, blocks, uids_a, brow_a)
-                self.pool.write_temporal(g, blocks, uids_a, tokens, step, flags)
+                self.pool.write_temporal(g, blocks, uids, tokens, step, flags)
             else:
-                self.oracle.check_writes(
-                    step, "forward-write", g, blocks[ok], uids_a[ok], brow_a[ok]
-                )
-                self.pool.write_temporal(g, blocks[ok], uids_a[ok], tokens[ok], step, flags[ok])
-            cblocks = blocks_c[g]
+                self.pool.write_temporal(g, blocks[ok], uids[ok], tokens[ok], step, flags[ok])
+            cblocks = w.blocks_c[g][sel_c]
             okc = cblocks >= 0
             if np.count_nonzero(okc) == len(okc):
                 self.pool.write_conv(g, cblocks, uid_c, last)
             else:
                 self.pool.write_conv(g, cblocks[okc], uid_c[okc], last[okc])
-        self._prefill_checkpoints(step, view, live & prefill, width - 1 - keep)
-        self.oracle.mark_written(uid_c)  # = live_uids(view.uid, view.slot)
 
-    def _prefill_checkpoints(
-        self, step: int, view: RowView, prefill: np.ndarray, conv_lead: int
-    ) -> None:
+    def _prefill_checkpoints(self, view: RowView, prefill: np.ndarray) -> _Checkpoints | None:
         """A prefill that also stored its state mid-query (vLLM's prefill checkpoint) wrote
         it into its block at the recorded column: temporal state and conv window, covering
-        ``checkpoint_tokens``. A null column takes the write nowhere the engine keeps state."""
+        ``checkpoint_tokens``."""
         rows = (prefill & (view.checkpoint_col >= 0)).nonzero()[0]
         if not len(rows):
-            return
-        tokens = view.checkpoint_tokens[rows].astype(np.int64)
-        blocks_g = self.tables.gather_groups(
-            self.own_kind, view.slot64[rows], view.checkpoint_col[rows].astype(np.int64)
+            return None
+        return _Checkpoints(
+            blocks=self.tables.gather_groups(
+                self.own_kind, view.slot64[rows], view.checkpoint_col[rows].astype(np.int64)
+            ),
+            uids=view.uid64[rows],
+            rows=view.batch_row[rows],
+            tokens=view.checkpoint_tokens[rows].astype(np.int64),
         )
-        uids, brow = view.uid64[rows], view.batch_row[rows]
+
+    def _write_checkpoints(self, step: int, ckpt: _Checkpoints) -> None:
+        # A null column takes the write nowhere the engine keeps state.
         for g in range(len(self.pool.groups)):
-            ok = blocks_g[g] > 0
+            ok = ckpt.blocks[g] > 0
             if not np.count_nonzero(ok):
                 continue
-            blocks, uid, covered = blocks_g[g][ok], uids[ok], tokens[ok]
+            blocks, uid, covered = ckpt.blocks[g][ok], ckpt.uids[ok], ckpt.tokens[ok]
             self._touched_after_forward.append(blocks)
-            self.oracle.check_writes(step, "checkpoint-write", g, blocks, uid, brow[ok])
+            self.oracle.check_writes(step, "checkpoint-write", g, blocks, uid, ckpt.rows[ok])
             flags = np.zeros(len(blocks), np.int64)
             self.pool.write_temporal(g, blocks, uid, covered, step, flags)
-            self.pool.write_conv(g, blocks, uid, covered + conv_lead)
+            self.pool.write_conv(g, blocks, uid, covered + self._conv_lead)
 
     def _padded_rows(self, step: int, launch: AlignLaunch, view: RowView) -> None:
         """Padded rows of a CUDA-graph batch run the decode kernel on the state indices their

@@ -10,6 +10,7 @@ it changes: ``reorder_threshold`` re-runs the reorder and the Mamba split,
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -66,9 +67,6 @@ class RowView:
         self.state_col64 = self.state_col.astype(np.int64)
         # Accepted count a decode reads its window column by (column accepted-1).
         self.accepted_prev64 = np.maximum(self.accepted_prev, 1).astype(np.int64)
-        # Positions, decode-split rows first (the order the forward model writes in).
-        # The method skips np.argsort's dispatch, about half of its cost at this size.
-        self.decodes_first = self.prefill_split.argsort(kind="stable")
         index = np.full(int(self.batch_row.max()) + 2 if self.num_rows else 1, -1, np.int64)
         index[self.batch_row] = np.arange(self.num_rows)
         self._row_index = index
@@ -80,10 +78,23 @@ class RowView:
             return np.full(len(positions), DUMMY_REQUEST, dtype=np.int64)
         return np.where(positions >= 0, uid[positions], DUMMY_REQUEST)
 
+    def group_order(self, first: np.ndarray, live: np.ndarray | None) -> np.ndarray:
+        """Positions of the ``live`` rows (all where None), those marked ``first`` before
+        the others, each part in batch order."""
+        if live is None:
+            return np.concatenate([first.nonzero()[0], (~first).nonzero()[0]])
+        return np.concatenate([(first & live).nonzero()[0], (~first & live).nonzero()[0]])
+
     @property
     def moved(self) -> np.ndarray:
         """Rows whose running column changed: the precopy moved their state, accepted := 1."""
         return (self.prev_state_col >= 0) & (self.prev_state_col != self.state_col)
+
+
+def spec_decodes_run_first(run: Any) -> bool:
+    """Whether the model's linear-attention layers are GDN's, which run their spec-decode
+    rows first and the rest after; Mamba2's run the prefill split first."""
+    return any("GDN" in name for name in run.builder_reorder_thresholds)
 
 
 def split_under_threshold(
