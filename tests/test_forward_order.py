@@ -4,7 +4,7 @@ vLLM's Mamba2 layer runs its prefill split first and its decodes after (each rea
 states, then writes them); GDN runs its spec decodes first. A decode whose block table points
 at the block a prefill of the same step writes reads that write under Mamba2, and the state
 from before under GDN. The trace below is a clean simulated run with one decode row of one
-step pointed at a prefill's running block.
+step pointed at a prefill's running block: it reads and writes there.
 """
 
 from __future__ import annotations
@@ -68,34 +68,43 @@ def _decode_on_a_prefill_block() -> tuple[MemoryTrace, int, str, str]:
     return trace, s, names[d].as_py(), names[p].as_py()
 
 
-def _decode_reads(trace: MemoryTrace, step: int, req: str) -> list:
+def _findings(trace: MemoryTrace, step: int) -> list:
     result = replay_trace(trace, RuleSet())  # type: ignore[arg-type]
-    return [
-        f
-        for f in result.findings
-        if f.step == step and f.req_id == req and f.mechanism.startswith("decode-read")
-    ]
+    return [f for f in result.findings if f.step == step]
+
+
+def _of(found: list, req: str, what: str) -> list:
+    return [f for f in found if f.req_id == req and f.mechanism.startswith(what)]
 
 
 def test_a_mamba2_decode_reads_what_a_prefill_of_its_step_wrote() -> None:
     trace, step, decode, prefill = _decode_on_a_prefill_block()
     assert not spec_decodes_run_first(trace.manifest.run)
-    found = _decode_reads(trace, step, decode)
+    found = _findings(trace, step)
+    reads = _of(found, decode, "decode-read")
     assert any(
         f.kind == FOREIGN_STATE and f.writer_req_id == prefill and f.writer_step == step
-        for f in found
-    ), [f.detail for f in found]
+        for f in reads
+    ), [f.detail for f in reads]
+    # the prefill read before the decode wrote onto its block; the decode's write came last
+    assert not _of(found, prefill, "prefill-read"), [f.detail for f in found]
+    after = _of(found, prefill, "next-state")
+    assert any(f.writer_req_id == decode and f.writer_step == step for f in after)
 
 
 def test_a_gdn_spec_decode_reads_before_the_prefills_write() -> None:
     """The control: the same rows under GDN's order read the block as the step found it."""
-    trace, step, decode, _prefill = _decode_on_a_prefill_block()
+    trace, step, decode, prefill = _decode_on_a_prefill_block()
     run = replace(
         trace.manifest.run,
         builder_reorder_thresholds={"GDNAttentionMetadataBuilder": 4},
     )
     trace.manifest = replace(trace.manifest, run=run)
     assert spec_decodes_run_first(run)
-    found = _decode_reads(trace, step, decode)
-    assert found, "the decode reads a block that is not its own: some finding"
-    assert not any(f.writer_step == step for f in found), [f.detail for f in found]
+    found = _findings(trace, step)
+    reads = _of(found, decode, "decode-read")
+    assert reads, "the decode reads a block that is not its own: some finding"
+    assert not any(f.writer_step == step for f in reads), [f.detail for f in reads]
+    # and the prefill, second, reads what the decode just wrote onto its block
+    reads = _of(found, prefill, "prefill-read")
+    assert any(f.writer_req_id == decode and f.writer_step == step for f in reads)
