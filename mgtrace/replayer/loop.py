@@ -154,6 +154,7 @@ class RankReplay:
         conv_keep = width0 - self.k if width0 > self.k else width0
         self._conv_lead = width0 - 1 - conv_keep  # a conv window's last row, past its state
         self._decodes_run_first = spec_decodes_run_first(run)
+        self._written_mark = np.zeros((run.num_blocks or 1) + 2, dtype=bool)
         self.oracle = Oracle(
             rank=self.trace.rank,
             ids=self.trace.ids,
@@ -670,17 +671,16 @@ class RankReplay:
         second = ~first_r
         if not np.count_nonzero(second) or not np.count_nonzero(writes.first_c):
             return False
-        written = [
-            writes.blocks_a[:, writes.first_a].ravel(),
-            writes.blocks_c[:, writes.first_c].ravel(),
-        ]
+        mark = self._written_mark  # all False between calls
+        end = len(mark) - 1  # where ids outside the pool land
+        mark[_clamped(writes.blocks_a[:, writes.first_a], end)] = True
+        mark[_clamped(writes.blocks_c[:, writes.first_c], end)] = True
         if ckpt is not None:
-            written.append(ckpt.blocks.ravel())
-        mark = np.zeros(self.ownership.num_blocks + 1, dtype=bool)
-        hit = np.concatenate(written)
-        mark[hit[(hit > 0) & (hit < len(mark))]] = True
-        reads = read_blocks[:, :, second].ravel()
-        return bool(np.count_nonzero(mark[reads[(reads > 0) & (reads < len(mark))]]))
+            mark[_clamped(ckpt.blocks, end)] = True
+        mark[0] = mark[end] = False  # the null block, no block: no state to see
+        hit = np.count_nonzero(mark[_clamped(read_blocks[:, :, second], end)])
+        mark.fill(False)
+        return bool(hit)
 
     def _write_states(self, step: int, w: _ForwardWrites, part: bool | None) -> None:
         """Write the forward model's tags: every row's (``part`` None), or only the first
@@ -767,6 +767,12 @@ class RankReplay:
             self.pool.write_temporal(
                 g, flat[ok], dummy, np.zeros_like(dummy), step, np.full_like(dummy, DUMMY)
             )
+
+
+def _clamped(block_ids: np.ndarray, end: int) -> np.ndarray:
+    """Block ids (int32, as the tables hold them) with every id past ``end``, and every
+    negative one (as unsigned), at ``end``: np.clip costs several times more."""
+    return np.minimum(block_ids.astype(np.int32, copy=False).view(np.uint32), end)
 
 
 def live_uids(uid: np.ndarray, slot: np.ndarray) -> np.ndarray:
