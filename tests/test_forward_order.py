@@ -34,10 +34,10 @@ def _column(rows: pa.Table, name: str) -> np.ndarray:
     return pc.fill_null(rows.column(name), -1).to_numpy().copy()  # writable
 
 
-def _decode_on_a_prefill_block() -> tuple[MemoryTrace, int, str, str]:
+def _decode_on_a_prefill_block(k: int = 3) -> tuple[MemoryTrace, int, str, str]:
     """The clean trace with one decode row reading, at its window column, the block a prefill
     row of its step writes: (trace, step, decode's request, prefill's request)."""
-    reader = TraceReader(sim_trace(None, 3, 400, scenario="pairs"))
+    reader = TraceReader(sim_trace(None, 3, 400, scenario="pairs", k=k))
     trace = load_memory(reader)
     rows = trace.tables_["batch_rows"]
     step, split = _column(rows, "step"), np.asarray(rows.column("mamba_split").cast(pa.string()))
@@ -92,15 +92,19 @@ def test_a_mamba2_decode_reads_what_a_prefill_of_its_step_wrote() -> None:
     assert any(f.writer_req_id == decode and f.writer_step == step for f in after)
 
 
-def test_a_gdn_spec_decode_reads_before_the_prefills_write() -> None:
-    """The control: the same rows under GDN's order read the block as the step found it."""
-    trace, step, decode, prefill = _decode_on_a_prefill_block()
+def _as_gdn(trace: MemoryTrace) -> None:
     run = replace(
         trace.manifest.run,
         builder_reorder_thresholds={"GDNAttentionMetadataBuilder": 4},
     )
     trace.manifest = replace(trace.manifest, run=run)
     assert spec_decodes_run_first(run)
+
+
+def test_a_gdn_spec_decode_reads_before_the_prefills_write() -> None:
+    """The control: the same rows under GDN's order read the block as the step found it."""
+    trace, step, decode, prefill = _decode_on_a_prefill_block()
+    _as_gdn(trace)
     found = _findings(trace, step)
     reads = _of(found, decode, "decode-read")
     assert reads, "the decode reads a block that is not its own: some finding"
@@ -108,3 +112,18 @@ def test_a_gdn_spec_decode_reads_before_the_prefills_write() -> None:
     # and the prefill, second, reads what the decode just wrote onto its block
     reads = _of(found, prefill, "prefill-read")
     assert any(f.writer_req_id == decode and f.writer_step == step for f in reads)
+
+
+def test_gdn_without_mtp_runs_every_row_in_one_call() -> None:
+    """Without drafts GDN has no spec-decode group: prefills and decodes share one call, so
+    neither row sees the other's write of the step."""
+    trace, step, decode, prefill = _decode_on_a_prefill_block(k=0)
+    _as_gdn(trace)
+    found = _findings(trace, step)
+    reads = _of(found, decode, "decode-read")
+    assert reads and not any(f.writer_step == step for f in reads), [f.detail for f in reads]
+    assert not _of(found, prefill, "prefill-read"), [f.detail for f in found]
+    # control: the same rows under Mamba2 (two groups even without MTP) do see the write
+    trace, step, decode, prefill = _decode_on_a_prefill_block(k=0)
+    reads = _of(_findings(trace, step), decode, "decode-read")
+    assert any(f.writer_req_id == prefill and f.writer_step == step for f in reads)

@@ -154,6 +154,8 @@ class RankReplay:
         conv_keep = width0 - self.k if width0 > self.k else width0
         self._conv_lead = width0 - 1 - conv_keep  # a conv window's last row, past its state
         self._decodes_run_first = spec_decodes_run_first(run)
+        # Without MTP a GDN layer runs every row in one call: no order between its rows.
+        self._one_kernel_group = self._decodes_run_first and self.k == 0
         self._written_mark = np.zeros((run.num_blocks or 1) + 2, dtype=bool)
         self.oracle = Oracle(
             rank=self.trace.rank,
@@ -570,8 +572,9 @@ class RankReplay:
     def _forward(self, step: int, view: RowView) -> None:
         """The model's Mamba layers on this step's rows. The engine runs two kernel groups
         one after the other, each reading its rows' states and then writing them: Mamba2 its
-        prefill split first, GDN its spec decodes first. A row of the second group that reads
-        a block the first group wrote sees that write; when no row does (nearly always), all
+        prefill split first, GDN its spec decodes first (without MTP, GDN runs all rows in one
+        call: every read comes before the writes). A row of the second group that reads a
+        block the first group wrote sees that write; when no row does (nearly always), all
         reads are checked at once, before any write, with the same result."""
         self._touched_after_forward = []
         if not view.num_rows:
@@ -632,7 +635,7 @@ class RankReplay:
         # Mamba2's prefill kernels store the checkpoints, before its decodes run.
         ckpt_first = ckpt is not None and not self._decodes_run_first
         first_r = first[rows]
-        if self._second_reads_first_writes(
+        if not self._one_kernel_group and self._second_reads_first_writes(
             writes, read_blocks, first_r, ckpt if ckpt_first else None
         ):
             second = ~first_r
