@@ -127,3 +127,25 @@ def test_gdn_without_mtp_runs_every_row_in_one_call() -> None:
     trace, step, decode, prefill = _decode_on_a_prefill_block(k=0)
     reads = _of(_findings(trace, step), decode, "decode-read")
     assert any(f.writer_req_id == prefill and f.writer_step == step for f in reads)
+
+
+def test_a_gdn_step_without_drafts_runs_every_row_in_one_call() -> None:
+    """With MTP, a step whose rows drafted nothing has no spec mask either: GDN's builder
+    then runs one call, and the recorder keeps its threshold (1) for that step."""
+    trace, step, decode, prefill = _decode_on_a_prefill_block()
+    _as_gdn(trace)
+    steps = trace.tables_["steps"]
+    at = steps.column_names.index("mamba_threshold")
+    values = pc.fill_null(steps.column(at), -1).to_numpy().copy()
+    values[pc.equal(steps.column("step"), step).to_numpy(zero_copy_only=False)] = 1
+    mask = pa.array(values < 0)
+    trace.tables_["steps"] = steps.set_column(
+        at, steps.schema.field(at), pa.array(values, pa.int32(), mask=np.asarray(mask))
+    )
+    found = _findings(trace, step)
+    assert not _of(found, prefill, "prefill-read"), [f.detail for f in found]
+    reads = _of(found, decode, "decode-read")
+    assert reads and not any(f.writer_step == step for f in reads), [f.detail for f in reads]
+    # the control is test_a_gdn_spec_decode_reads_before_the_prefills_write: the same rows
+    # at the recorded threshold (1+k) run spec decodes first, and the prefill reads the
+    # decode's write

@@ -156,6 +156,13 @@ class RankReplay:
         self._decodes_run_first = spec_decodes_run_first(run)
         # Without MTP a GDN layer runs every row in one call: no order between its rows.
         self._one_kernel_group = self._decodes_run_first and self.k == 0
+        # With MTP it does too in a step where no row drafted (GDN's builder then has no
+        # spec mask and the recorder keeps its threshold, 1; with a mask, none).
+        self._gdn_one_call_steps = (
+            self._decodes_run_first
+            and not self._one_kernel_group
+            and "mamba_threshold" in self.trace.step_info
+        )
         self._written_mark = np.zeros((run.num_blocks or 1) + 2, dtype=bool)
         self.oracle = Oracle(
             rank=self.trace.rank,
@@ -635,7 +642,10 @@ class RankReplay:
         # Mamba2's prefill kernels store the checkpoints, before its decodes run.
         ckpt_first = ckpt is not None and not self._decodes_run_first
         first_r = first[rows]
-        if not self._one_kernel_group and self._second_reads_first_writes(
+        one_group = self._one_kernel_group or (
+            self._gdn_one_call_steps and self.trace.step_value("mamba_threshold", step) == 1
+        )
+        if not one_group and self._second_reads_first_writes(
             writes, read_blocks, first_r, ckpt if ckpt_first else None
         ):
             second = ~first_r
