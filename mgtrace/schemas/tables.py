@@ -108,7 +108,12 @@ STEPS = _table(
         col("num_reqs", I32, "Rows in the batch."),
         col("num_scheduled_tokens", I32, "Tokens scheduled in the step, drafts included."),
         col("reorder_threshold", I32, "Runner's batch-reorder decode threshold in force."),
-        col("mamba_threshold", I32, "Mamba builder's decode threshold (1+k with spec decode)."),
+        col(
+            "mamba_threshold",
+            I32,
+            "Mamba builder's decode threshold (1+k with spec decode). GDN: 1 where its builder "
+            "had no spec mask (all rows in one call), null where it had one.",
+        ),
         col("num_mamba_decodes", I32, "Rows the Mamba builder counted as decodes (split index)."),
         col(
             "postprocess_step",
