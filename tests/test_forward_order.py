@@ -130,7 +130,7 @@ def test_gdn_without_mtp_runs_every_row_in_one_call() -> None:
 
 
 def test_a_gdn_step_without_drafts_runs_every_row_in_one_call() -> None:
-    """With MTP, a step whose rows drafted nothing has no spec mask either: GDN's builder
+    """With MTP, a step without a spec-decode row has no spec mask either: GDN's builder
     then runs one call, and the recorder keeps its threshold (1) for that step."""
     trace, step, decode, prefill = _decode_on_a_prefill_block()
     _as_gdn(trace)

@@ -156,8 +156,8 @@ class RankReplay:
         self._decodes_run_first = spec_decodes_run_first(run)
         # Without MTP a GDN layer runs every row in one call: no order between its rows.
         self._one_kernel_group = self._decodes_run_first and self.k == 0
-        # With MTP it does too in a step where no row drafted (GDN's builder then has no
-        # spec mask and the recorder keeps its threshold, 1; with a mask, none).
+        # With MTP it does too in a step without a spec-decode row (GDN's builder has no
+        # spec mask then, and the recorder keeps its threshold, 1; with a mask, none).
         self._gdn_one_call_steps = (
             self._decodes_run_first
             and not self._one_kernel_group
