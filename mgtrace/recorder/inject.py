@@ -23,7 +23,9 @@ from pathlib import Path
 import mgtrace
 from mgtrace.errors import MgtraceError
 
-GDB_TIMEOUT_S = 30.0
+# gdb reads the symbols of every library the target maps (an engine maps gigabytes of CUDA
+# libraries), and a busy host slows it further: one attach took over 30 s under load.
+GDB_TIMEOUT_S = 120.0
 
 
 class InjectError(MgtraceError):
