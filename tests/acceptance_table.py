@@ -3,7 +3,8 @@ injected against what the replay as recorded finds first, and whether the undoin
 clean; per runner shape, toggle-off runs and their findings (there should be none).
 
     python -m tests.acceptance_table [--steps 2000] [--seeds 5] [--clean-steps 5000]
-        [--prefill-checkpoints] [--out benchmarks/results/acceptance-table.json]
+        [--prefill-checkpoints] [--mixer mamba2|gdn]
+        [--out benchmarks/results/acceptance-table.json]
 
 Prints a Markdown table; with ``--out`` also writes every row as JSON with the command.
 """
@@ -30,14 +31,23 @@ CLEAN_SHAPES = ({"runner": "v1"}, {"runner": "v2"}, {"runner": "v2", "pp": 2})
 
 
 def _shape(engine: dict) -> str:
-    return engine["runner"] + (f" + PP{engine['pp']}" if engine.get("pp", 1) > 1 else "")
+    pp = f" + PP{engine['pp']}" if engine.get("pp", 1) > 1 else ""
+    mixer = f" ({engine['mixer']})" if engine.get("mixer", "mamba2") != "mamba2" else ""
+    return engine["runner"] + pp + mixer
 
 
 def toggle_row(
-    bug: str, scenario: str, seed: int, steps: int, out: Path, checkpoints: bool = False
+    bug: str,
+    scenario: str,
+    seed: int,
+    steps: int,
+    out: Path,
+    checkpoints: bool = False,
+    mixer: str = "mamba2",
 ) -> dict:
     engine = {k: v for k, v in TOGGLES[bug][0].items() if k != "scenario"}
     engine["prefill_checkpoints"] = checkpoints
+    engine["mixer"] = mixer
     cfg = SimConfig(
         steps=steps, seed=seed, bugs=(bug,), scenario=scenario, output=out, overwrite=True, **engine
     )
@@ -77,8 +87,15 @@ def toggle_row(
 
 
 def clean_row(
-    engine: dict, scenario: str, seed: int, steps: int, out: Path, checkpoints: bool = False
+    engine: dict,
+    scenario: str,
+    seed: int,
+    steps: int,
+    out: Path,
+    checkpoints: bool = False,
+    mixer: str = "mamba2",
 ) -> dict:
+    engine = {**engine, "mixer": mixer}
     cfg = SimConfig(
         steps=steps,
         seed=seed,
@@ -142,6 +159,9 @@ def main() -> int:
     ap.add_argument(
         "--prefill-checkpoints", action="store_true", help="Simulate vLLM 0.33's checkpoints."
     )
+    ap.add_argument(
+        "--mixer", choices=("mamba2", "gdn"), default="mamba2", help="The simulated model's layers."
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     ck = args.prefill_checkpoints
@@ -152,11 +172,13 @@ def main() -> int:
         for bug in TOGGLES:
             for scenario in SCENARIOS:
                 for seed in range(args.seeds):
-                    rows.append(toggle_row(bug, scenario, seed, args.steps, out, ck))
+                    rows.append(toggle_row(bug, scenario, seed, args.steps, out, ck, args.mixer))
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         for engine in CLEAN_SHAPES:
             for i, scenario in enumerate(SCENARIOS):
-                rows.append(clean_row(engine, scenario, 100 + i, args.clean_steps, out, ck))
+                rows.append(
+                    clean_row(engine, scenario, 100 + i, args.clean_steps, out, ck, args.mixer)
+                )
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         shutil.rmtree(out, ignore_errors=True)
     print(_markdown(rows))

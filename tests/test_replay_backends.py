@@ -19,6 +19,7 @@ SMALL = {"max_num_seqs": 8, "steps": 80, "scenario": "pairs", "length_scale": 0.
 CASES = [
     ("reorder-threshold-mismatch", {"runner": "v1"}),
     ("stale-condense-row", {"runner": "v1"}),
+    ("stale-condense-row", {"runner": "v1", "mixer": "gdn"}),  # spec decodes run first
     ("batch-row-block-table", {"runner": "v2", "pp": 2, "length_scale": 0.05}),
     (None, {"runner": "v2"}),
 ]

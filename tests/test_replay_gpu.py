@@ -27,6 +27,8 @@ pytestmark = [
         ("reorder-threshold-mismatch", {"runner": "v1"}),
         ("batch-row-block-table", {"runner": "v2", "pp": 2}),
         ("stale-condense-row", {"runner": "v1", "length_scale": 0.02}),
+        ("async-accepted-race", {"runner": "v1", "mixer": "gdn"}),  # spec decodes run first
+        ("stale-condense-row", {"runner": "v1", "length_scale": 0.02, "mixer": "gdn"}),
         (  # a run whose first finding is a lost block-boundary state (cached-state)
             BOUNDARY_ONLY_BUG,
             {**BOUNDARY_ONLY, "seed": BOUNDARY_ONLY_SEED, "steps": BOUNDARY_ONLY_STEPS},

@@ -22,6 +22,13 @@ from mgtrace.sim.engine import simulate as run_simulation
 )
 @click.option("--runner", default="v1", show_default=True, help="Model runner: v1 | v2.")
 @click.option(
+    "--mixer",
+    default="mamba2",
+    show_default=True,
+    help="Linear-attention layers: mamba2 (split by position, prefills run first) | gdn "
+    "(spec-decode rows by mask, run first).",
+)
+@click.option(
     "--k",
     "k",
     default=3,
@@ -68,6 +75,7 @@ def _simulate(
     scenario: str,
     steps: int,
     runner: str,
+    mixer: str,
     k: int,
     pp: int,
     seed: int,
@@ -93,6 +101,7 @@ def _simulate(
         scenario=scenario,
         steps=steps,
         runner=runner,
+        mixer=mixer,
         k=k,
         pp=pp,
         seed=seed,

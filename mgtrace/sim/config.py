@@ -9,6 +9,9 @@ from mgtrace.errors import UsageError
 
 SCENARIOS = ("pairs", "mixed", "steady")
 RUNNERS = ("v1", "v2")
+# The model's linear-attention layers: Mamba2 (Nemotron-H) splits a batch by position, GDN
+# (Qwen3-Next) by its spec-decode rows, and runs the two kernel groups in the other order.
+MIXERS = ("mamba2", "gdn")
 
 # Bug toggles, each reproducing one upstream mechanism (see mgtrace.sim.bugs).
 BUG_REORDER = "reorder-threshold-mismatch"
@@ -25,6 +28,7 @@ class SimConfig:
     scenario: str = "pairs"
     steps: int = 2000
     runner: str = "v1"
+    mixer: str = "mamba2"
     k: int = 3  # num_speculative_tokens (MTP drafts per decode step)
     pp: int = 1  # pipeline-parallel size
     seed: int = 0
@@ -56,6 +60,11 @@ class SimConfig:
         return 1 + self.k
 
     @property
+    def builder_name(self) -> str:
+        """The linear-attention builder, named as a recording names it."""
+        return "GDNAttentionMetadataBuilder" if self.mixer == "gdn" else "mamba2"
+
+    @property
     def pool_blocks(self) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
@@ -73,6 +82,8 @@ class SimConfig:
             )
         if self.runner not in RUNNERS:
             raise UsageError(f"unknown runner {self.runner!r}; choose v1 or v2")
+        if self.mixer not in MIXERS:
+            raise UsageError(f"unknown mixer {self.mixer!r}; choose mamba2 or gdn")
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if not 0 <= self.k <= 16:

@@ -1,4 +1,4 @@
-"""Batch ordering rules: V1's four-region reorder, the Mamba builder's split, V2's sort.
+"""Batch ordering rules: V1's four-region reorder, the builders' split, V2's sort.
 
 V1 reorders the persistent batch in place with row swaps into decode -> short_extend ->
 long_extend -> prefill, judged against the runner's threshold. The Mamba builder then splits
@@ -6,9 +6,14 @@ the reordered batch at its own threshold (1 + k) and, with short extends not tre
 decodes, counts every row from the first prefill-like row on as a prefill. When the runner's
 threshold is lower than the builder's, spec-decode rows sit in long_extend among chunked
 prefill continuations and the ones behind a continuation go through the prefill kernels.
+
+A GDN builder does not split by position: with spec decode it marks its spec-decode rows by
+their draft counts wherever they sit, so a lowered runner threshold leaves them alone.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,6 +80,44 @@ def mamba_split(
     """
     prefilling = (num_computed < num_prompt) & ((num_computed <= 0) | (num_scheduled != 1))
     return decode_count(num_scheduled, prefilling, threshold)
+
+
+class BuilderSplit(NamedTuple):
+    """How the model's linear-attention builder splits a batch, as a recording keeps it."""
+
+    decode: np.ndarray  # per row: runs the decode (GDN: spec-decode) kernels
+    num_decodes: int
+    threshold: int | None  # the recorded builder threshold; GDN: 1 without a spec mask, None with
+
+
+def builder_split(
+    mixer: str,
+    num_scheduled: np.ndarray,
+    num_computed: np.ndarray,
+    num_prompt: np.ndarray,
+    num_draft: np.ndarray,
+    k: int,
+) -> BuilderSplit:
+    """The Mamba2 builder's positional split at 1 + k, or the GDN builder's.
+
+    GDN with spec decode marks a row when it schedules exactly its drafts plus one, or is a
+    one-token decode past its prompt (a spec row with zero drafts); with no marked row, and
+    without spec decode, it splits by position at threshold 1, where a row with no prior
+    state is a prefill.
+    """
+    n = len(num_scheduled)
+    if mixer == "mamba2":
+        split = mamba_split(num_scheduled, num_computed, num_prompt, 1 + k)
+        return BuilderSplit(np.arange(n) < split, split, 1 + k)
+    if k > 0:
+        spec = ((num_draft > 0) & (num_scheduled == num_draft + 1)) | (
+            (num_computed >= num_prompt) & (num_scheduled == 1)
+        )
+        marked = int(np.count_nonzero(spec))
+        if marked:
+            return BuilderSplit(spec, marked, None)
+    split = decode_count(num_scheduled, (num_computed <= 0) & (num_computed < num_prompt), 1)
+    return BuilderSplit(np.arange(n) < split, split, 1)
 
 
 def decode_count(num_scheduled: np.ndarray, is_prefilling: np.ndarray, threshold: int) -> int:

@@ -19,7 +19,14 @@ import numpy as np
 from mgtrace.sim.columns import ReqIds
 from mgtrace.sim.config import BUG_ASYNC_RACE, BUG_REORDER, BUG_STALE_ROW, SimConfig
 from mgtrace.sim.input_rows import InputRows
-from mgtrace.sim.reorder import REGION_DECODE, REGION_NAMES, mamba_split, regions, reorder_swaps
+from mgtrace.sim.reorder import (
+    REGION_DECODE,
+    REGION_NAMES,
+    BuilderSplit,
+    builder_split,
+    regions,
+    reorder_swaps,
+)
 from mgtrace.sim.runner_common import (
     PerRequest,
     StepResult,
@@ -66,7 +73,7 @@ class RunnerV1:
         self.pending: np.ndarray | None = None  # the in-flight device-to-host copy
         self._kept: dict[str, list[int]] = {}  # block rows of requests out of the batch
         self.builder_thresholds: dict[str, int | None] = {
-            "mamba2": cfg.mamba_threshold,
+            cfg.builder_name: cfg.mamba_threshold,
             "attention(TRITON_ATTN)": None,
         }
         if cfg.has(BUG_REORDER):
@@ -203,7 +210,7 @@ class RunnerV1:
             region = regions(sched_n, nc_sched, prompt, self.cfg.mamba_threshold)
         if T_run is None:
             run_region = region
-        split = mamba_split(sched_n, nc, prompt, self.cfg.mamba_threshold)
+        split = builder_split(cfg.mixer, sched_n, nc, prompt, draft, self.k)
         prefilling = nc < prompt
 
         # sampling and the align post-process
@@ -224,10 +231,9 @@ class RunnerV1:
         pr.last_seen[ridx] = step
 
         events: list[dict[str, Any]] = []
-        if cfg.has(BUG_REORDER) or (race and has_pending):
-            is_decode_split = rows64 < split
         if cfg.has(BUG_REORDER):
-            bad = (region == REGION_DECODE) & ~is_decode_split
+            # GDN marks its spec decodes wherever they sit: none is ever left out
+            bad = (region == REGION_DECODE) & ~split.decode
             for i in bad.nonzero()[0].tolist():
                 events.append(
                     {
@@ -243,7 +249,7 @@ class RunnerV1:
                     }
                 )
         if race and has_pending:
-            matters = (consumed != correct) & (precopy | is_decode_split)
+            matters = (consumed != correct) & (precopy | split.decode)
             for i in matters.nonzero()[0].tolist():
                 events.append(
                     {
@@ -262,7 +268,7 @@ class RunnerV1:
         if (
             cfg.cudagraph_padding
             and n
-            and split == n
+            and split.num_decodes == n
             and np.count_nonzero(sched_n == 1 + self.k) == n
         ):
             pad_rows = list(range(n, capture_size(n, self.max_rows)))
@@ -332,15 +338,14 @@ class RunnerV1:
         samples: np.ndarray,
         prefilling: np.ndarray,
         run_region: np.ndarray,
-        split: int,
+        split: BuilderSplit,
         landed: bool,
         has_pending: bool,
         total_tokens: int,
     ) -> dict[str, Any]:
         moves = self.rows.moves
         rows = cols.rows
-        split_col = np.zeros(n, np.int8)  # 1: the Mamba builder's prefill split
-        split_col[split:] = 1
+        split_col = (~split.decode).view(np.int8)  # 1: the builder's prefill split
         batch_rows: dict[str, Any] = {
             "batch_row": rows,
             "req_id": ReqIds(ridx, names),
@@ -371,8 +376,8 @@ class RunnerV1:
                 "num_reqs": n,
                 "num_scheduled_tokens": int(total_tokens),
                 "reorder_threshold": self.reorder_threshold,
-                "mamba_threshold": self.cfg.mamba_threshold,
-                "num_mamba_decodes": split,
+                "mamba_threshold": split.threshold,
+                "num_mamba_decodes": split.num_decodes,
                 "postprocess_step": step if n else None,
                 "accepted_landed": landed if has_pending else None,
             },

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from mgtrace.sim.config import BUG_BATCH_ROW, SimConfig
-from mgtrace.sim.reorder import mamba_split, regions, v2_order
+from mgtrace.sim.reorder import BuilderSplit, builder_split, regions, v2_order
 from mgtrace.sim.runner_common import (
     StepResult,
     checkpoint_columns,
@@ -67,7 +67,7 @@ class RunnerV2:
         self.deferred: deque[_Deferred] = deque()
         self.bug = cfg.has(BUG_BATCH_ROW)
         self.builder_thresholds: dict[str, int | None] = {
-            "mamba2": cfg.mamba_threshold,
+            cfg.builder_name: cfg.mamba_threshold,
             "attention(TRITON_ATTN)": None,
         }
         self.reorder_threshold = None  # V2 sorts instead of reordering in place
@@ -161,7 +161,7 @@ class RunnerV2:
         self.acc[slots[moved]] = 1
         bias = np.maximum(acc_prev - 1, 0)
 
-        split = mamba_split(sched_n, nc, prompt, cfg.mamba_threshold)
+        split = builder_split(cfg.mixer, sched_n, nc, prompt, draft, cfg.k)
         region = regions(sched_n, nc, prompt, cfg.mamba_threshold)
 
         # sampling, post_update, postprocess_state on the last rank
@@ -360,21 +360,21 @@ class RunnerV2:
         src_col: np.ndarray,
         new_col: np.ndarray,
         region: np.ndarray,
-        split: int,
+        split: BuilderSplit,
         moves: list,
         dirty_source: set[int],
         dirty_input: set[int],
         total_tokens: int,
     ) -> dict[str, Any]:
         rows = np.arange(n, dtype=np.int32)
-        is_dec = rows < split
+        is_dec = split.decode
         tables: dict[str, Any] = {
             "steps": {
                 "num_reqs": n,
                 "num_scheduled_tokens": int(total_tokens),
                 "reorder_threshold": None,
-                "mamba_threshold": self.cfg.mamba_threshold,
-                "num_mamba_decodes": split,
+                "mamba_threshold": split.threshold,
+                "num_mamba_decodes": split.num_decodes,
                 "postprocess_step": None,
                 "accepted_landed": None,
             },

@@ -46,7 +46,9 @@ def misplaced_decodes(reader: TraceReader) -> Hits:
         br["mamba_split"],
         strict=True,
     ):
-        if d and not pre and n <= thr[s] and split == "prefill":
+        # a null threshold: GDN's spec mask, which takes every row scheduling drafts + 1
+        limit = thr[s] if thr[s] is not None else d + 1
+        if d and not pre and n <= limit and split == "prefill":
             hits.append((int(s), str(r)))
     return hits
 

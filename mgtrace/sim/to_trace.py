@@ -14,7 +14,6 @@ from mgtrace.sim.config import BUG_BATCH_ROW, SimConfig
 from mgtrace.sim.runner_common import Nullable
 from mgtrace.sim.scheduler import KIND_CACHED, KIND_NAMES, Request, SchedOut
 
-SIM_MODEL = "sim/hybrid-mamba2-mtp"
 CONV_DIM = 64  # a small state page, enough for a replayer to move tags around
 HEADS, HEAD_DIM, STATE = 4, 8, 16
 
@@ -39,7 +38,7 @@ def run_metadata(
     return RunMetadata(
         runner=cfg.runner,
         vllm_version=None,
-        model=SIM_MODEL,
+        model=f"sim/hybrid-{cfg.mixer}-mtp",
         num_speculative_tokens=cfg.k,
         mamba_block_size=cfg.mamba_block_size,
         mamba_cache_mode="align",
@@ -68,6 +67,7 @@ def source_info(cfg: SimConfig, argv: list[str] | None) -> dict[str, Any]:
             "scenario": cfg.scenario,
             "steps": cfg.steps,
             "runner": cfg.runner,
+            "mixer": cfg.mixer,
             "k": cfg.k,
             "pp": cfg.pp,
             "seed": cfg.seed,
