@@ -32,9 +32,12 @@ from mgtrace.sim.config import SimConfig
 from mgtrace.sim.engine import simulate
 
 
-def make_trace(path: Path, steps: int, bug: str | None, seed: int = 0) -> Path:
+def make_trace(
+    path: Path, steps: int, bug: str | None, seed: int = 0, mixer: str = "mamba2"
+) -> Path:
     cfg = SimConfig(
         scenario="steady",
+        mixer=mixer,
         steps=steps,
         seed=seed,
         max_num_seqs=96,
@@ -261,6 +264,7 @@ def main() -> int:
     ap.add_argument("--backend", default="reference")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--layout", default="compact")
+    ap.add_argument("--mixer", default="mamba2", help="The simulated model's layers: mamba2 | gdn.")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument(
         "--full-layers",
@@ -291,7 +295,7 @@ def main() -> int:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     with tempfile.TemporaryDirectory() as tmp:
-        clean = make_trace(Path(tmp) / "clean", args.steps, None)
+        clean = make_trace(Path(tmp) / "clean", args.steps, None, mixer=args.mixer)
         runs, unmirrored_runs = [], []
         for _ in range(args.repeat):
             runs.append(time_replay(clean, args.backend, args.device, args.layout))
@@ -354,6 +358,7 @@ def main() -> int:
         "backend": args.backend,
         "device": args.device,
         "layout": args.layout,
+        "mixer": args.mixer,
         "tiles": args.tiles,
         "replay_best": best,
         "replay_runs": runs,
