@@ -146,9 +146,11 @@ def test_a_v2_replay_says_how_it_reads_the_reorder_rule(pp_trace: Path) -> None:
     assert proc.returncode == 0 and "note" not in json.loads(proc.stdout)
 
 
-def test_a_gdn_replay_says_the_reorder_rule_is_mamba2s(buggy_trace: Path, tmp_path: Path) -> None:
-    """A GDN model's split is its mask: the reorder rule's verdict says it re-splits by the
-    Mamba2 rule. Control: the same V1 trace without a GDN builder gets no note."""
+def test_a_gdn_replay_says_the_reorder_rule_keeps_the_mask(
+    buggy_trace: Path, tmp_path: Path
+) -> None:
+    """A GDN model's split is its mask: the reorder rule's verdict says the rule only
+    reorders. Control: the same V1 trace without a GDN builder gets no note."""
     proc = run_cli("replay", str(buggy_trace), "--no-save", "--json", "--reorder-threshold=1+k")
     assert "note" not in json.loads(proc.stdout)
     trace = tmp_path / "t"
@@ -158,7 +160,7 @@ def test_a_gdn_replay_says_the_reorder_rule_is_mamba2s(buggy_trace: Path, tmp_pa
     data["run"]["builder_reorder_thresholds"] = {"GDNAttentionMetadataBuilder": 4}
     path.write_text(json.dumps(data))
     proc = run_cli("replay", str(trace), "--no-save", "--json", "--reorder-threshold=1+k")
-    assert "which GDN does not use" in json.loads(proc.stdout)["note"]
+    assert "marks its spec-decode rows by their draft counts" in json.loads(proc.stdout)["note"]
 
 
 def test_a_left_out_part_of_one_rank_leaves_the_other_rank(pp_trace: Path, tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ still do, and the replay reads the traces as it reads a GDN recording."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 from mgtrace.replayer.loop import replay_trace
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.view import spec_decodes_run_first
+from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.sim import SimConfig, simulate
 from mgtrace.sim.config import BUG_ASYNC_RACE, BUG_BATCH_ROW, BUG_REORDER, BUG_STALE_ROW
@@ -128,3 +131,46 @@ def test_an_unknown_mixer_is_one_sentence() -> None:
 
     with pytest.raises(UsageError, match="unknown mixer 'rwkv'; choose mamba2 or gdn"):
         SimConfig(mixer="rwkv").validate()
+
+
+def test_the_reorder_rule_keeps_gdns_mask_split() -> None:
+    from mgtrace.replayer.steps import StepBatch
+    from mgtrace.replayer.view import split_under_threshold
+
+    # a spec decode, a chunked-prefill continuation, a spec decode behind it (k = 3)
+    cols = {
+        "num_scheduled": np.array([4, 512, 4], np.int32),
+        "num_computed": np.array([300, 512, 900], np.int32),
+        "num_prompt": np.array([200, 4096, 800], np.int32),
+        "num_draft": np.array([3, 0, 3], np.int32),
+    }
+    batch = StepBatch(0, np.arange(1, 4, dtype=np.int32), cols)
+    for threshold in (1, 4):
+        for runner in ("v1", "v2"):
+            got = split_under_threshold(batch, threshold, K, runner=runner, gdn=True)
+            assert got.tolist() == [False, True, False]
+    # control: Mamba2's positional split at threshold 1 leaves the decode behind the chunk
+    # in the prefill split
+    assert split_under_threshold(batch, 1, K).tolist() == [False, True, True]
+    # a GDN step without a spec-decode row splits by position at 1
+    cols = {**cols, "num_draft": np.zeros(3, np.int32), "num_scheduled": np.array([1, 512, 1])}
+    cols["num_computed"] = np.array([300, 512, 700], np.int32)
+    batch = StepBatch(0, np.arange(1, 4, dtype=np.int32), cols)
+    assert split_under_threshold(batch, 4, K, gdn=True).tolist() == [False, True, True]
+
+
+def test_a_lowered_threshold_keeps_gdns_spec_decodes(tmp_path: Path) -> None:
+    """The counterfactual the reorder toggle asks about, on a GDN run whose order has spec
+    decodes behind prefill rows: reorder_threshold=1 leaves them spec decodes (clean). Control:
+    the same trace with its builder named Mamba2 is re-split by position, and corrupts."""
+    lowered = RuleSet.parse("reorder_threshold=1")
+    gdn = _sim(tmp_path, "gdn", (BUG_REORDER,), mixer="gdn", scenario="mixed")
+    result = replay_trace(gdn, lowered)
+    assert result.clean, result.findings[:3]
+    as_mamba2 = tmp_path / "as-mamba2"
+    shutil.copytree(tmp_path / "gdn", as_mamba2)
+    manifest = as_mamba2 / MANIFEST_NAME
+    data = json.loads(manifest.read_text())
+    data["run"]["builder_reorder_thresholds"] = {"mamba2": 1 + K}
+    manifest.write_text(json.dumps(data))
+    assert not replay_trace(TraceReader(as_mamba2), lowered).clean

@@ -20,7 +20,7 @@ from mgtrace import __version__
 from mgtrace.atomic import atomic_write
 from mgtrace.replayer.loop import Checkpoint, RankReplay
 from mgtrace.replayer.requests import RequestIds
-from mgtrace.replayer.view import row_view
+from mgtrace.replayer.view import row_view, spec_decodes_run_first
 from mgtrace.schemas.reader import TraceReader
 
 CACHE_DIR = ".replay-cache"
@@ -167,5 +167,6 @@ def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
                 k=rep.k,
                 runner=rep.runner,
                 builder_threshold=trace.step_value("mamba_threshold", s),
+                gdn=spec_decodes_run_first(trace.run),
             )
     return cp.step

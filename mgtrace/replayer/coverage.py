@@ -56,7 +56,8 @@ def rule_note(run: Any, rules: RuleSet) -> str | None:
         )
     if spec_decodes_run_first(run):
         notes.append(
-            "this model's GDN builder picks its spec-decode rows by a mask, not by position; "
-            "reorder_threshold re-splits by the Mamba2 rule, which GDN does not use"
+            "this model's GDN builder marks its spec-decode rows by their draft counts, not "
+            "by position: reorder_threshold reorders the rows, and the split changes only in "
+            "steps without a spec-decode row (split by position at 1)"
         )
     return "; ".join(notes) or None

@@ -11,7 +11,7 @@ import numpy as np
 
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet, resolve_threshold
 from mgtrace.replayer.steps import RankTrace
-from mgtrace.replayer.view import split_under_threshold
+from mgtrace.replayer.view import spec_decodes_run_first, split_under_threshold
 from mgtrace.schemas.tables import BLOCK_TABLE_KINDS, KERNELS
 
 _GATHER = KERNELS.index("aligned_indices")
@@ -61,6 +61,7 @@ def _threshold_divergence(trace: RankTrace, rules: RuleSet, until: int | None) -
     k = trace.run.num_speculative_tokens
     recorded = trace.step_info.get("reorder_threshold")
     builder = trace.step_info.get("mamba_threshold")
+    gdn = spec_decodes_run_first(trace.run)
     for i, step in enumerate(trace.step_numbers.tolist()):
         if until is not None and step > until:
             return None
@@ -77,6 +78,7 @@ def _threshold_divergence(trace: RankTrace, rules: RuleSet, until: int | None) -
             k,
             runner=trace.run.runner,
             builder_threshold=None if builder is None or builder[i] < 0 else int(builder[i]),
+            gdn=gdn,
         )
         if np.any(split != batch.cols["is_prefill_split"].astype(bool)):
             return step

@@ -296,6 +296,7 @@ class RankReplay:
             k=self.k,
             runner=self.runner,
             builder_threshold=trace.step_value("mamba_threshold", step) if rethreshold else None,
+            gdn=self._decodes_run_first,
         )
         self.views[step] = view
         self.views.pop(step - self.keep_views, None)

@@ -18,7 +18,14 @@ from mgtrace.kernels.launch import AlignLaunch
 from mgtrace.replayer.requests import DUMMY_REQUEST
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet, resolve_threshold
 from mgtrace.replayer.steps import StepBatch
-from mgtrace.sim.reorder import apply_swaps, mamba_split, regions, reorder_swaps, v2_order
+from mgtrace.sim.reorder import (
+    apply_swaps,
+    gdn_spec_rows,
+    mamba_split,
+    regions,
+    reorder_swaps,
+    v2_order,
+)
 
 
 @dataclass
@@ -104,15 +111,24 @@ def split_under_threshold(
     *,
     runner: str = "v1",
     builder_threshold: int | None = None,
+    gdn: bool = False,
 ) -> np.ndarray:
     """Which rows the Mamba builder treats as prefills with the batch reordered at
     ``threshold``. V1 reorders its persistent rows at the runner's threshold and the builder
     then splits at its own (``builder_threshold``, as recorded; 1+k where not recorded). V2
     never reorders by a threshold: it sorts (rows with drafts, then rows of the decode length
     1+k, then by token count; older vLLMs sorted by count alone), so there the batch is
-    sorted again by that rule and the builder splits it at ``threshold`` itself."""
+    sorted again by that rule and the builder splits it at ``threshold`` itself.
+
+    A GDN builder (``gdn``) with spec decode marks its spec-decode rows by their draft
+    counts, wherever the order puts them; only a step without a marked row (and a run
+    without spec decode) is split by position, at 1."""
     c = batch.cols
     n, comp, prompt = c["num_scheduled"], c["num_computed"], c["num_prompt"]
+    if gdn and k > 0:
+        spec = gdn_spec_rows(n, comp, prompt, np.maximum(c["num_draft"], 0))
+        if np.count_nonzero(spec):
+            return ~spec
     if runner == "v2":
         order, split_at = v2_order(n, c["num_draft"] > 0, 1 + k), threshold
     else:
@@ -121,6 +137,8 @@ def split_under_threshold(
         split_at = builder_threshold if builder_threshold is not None else 1 + k
     if not len(order):
         return np.zeros(0, dtype=bool)
+    if gdn:
+        split_at = 1
     num_decodes = mamba_split(n[order], comp[order], prompt[order], split_at)
     prefill = np.ones(batch.num_rows, dtype=bool)
     prefill[order[:num_decodes]] = False
@@ -135,16 +153,18 @@ def row_view(
     k: int,
     runner: str = "v1",
     builder_threshold: int | None = None,
+    gdn: bool = False,
 ) -> RowView:
     """``recorded_threshold``, ``builder_threshold``: the step's recorded reorder and Mamba
-    builder thresholds, needed only under a ``reorder_threshold`` rule."""
+    builder thresholds, needed only under a ``reorder_threshold`` rule; ``gdn``: the builder
+    splits as GDN's does."""
     c = batch.cols
     prefill = c["is_prefill_split"].astype(bool)
     if rules["reorder_threshold"] != AS_RECORDED:
         threshold = resolve_threshold(rules["reorder_threshold"], recorded_threshold, k)
         if threshold is not None:
             prefill = split_under_threshold(
-                batch, threshold, k, runner=runner, builder_threshold=builder_threshold
+                batch, threshold, k, runner=runner, builder_threshold=builder_threshold, gdn=gdn
             )
     accepted_prev = c["accepted_prev"].copy()
     if rules["accepted_source"] == "cpu":

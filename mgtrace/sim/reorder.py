@@ -110,14 +110,27 @@ def builder_split(
         split = mamba_split(num_scheduled, num_computed, num_prompt, 1 + k)
         return BuilderSplit(np.arange(n) < split, split, 1 + k)
     if k > 0:
-        spec = ((num_draft > 0) & (num_scheduled == num_draft + 1)) | (
-            (num_computed >= num_prompt) & (num_scheduled == 1)
-        )
+        spec = gdn_spec_rows(num_scheduled, num_computed, num_prompt, num_draft)
         marked = int(np.count_nonzero(spec))
         if marked:
             return BuilderSplit(spec, marked, None)
-    split = decode_count(num_scheduled, (num_computed <= 0) & (num_computed < num_prompt), 1)
+    # GDN's positional split at 1 counts a row without prior state as a prefill; at that
+    # threshold this is the Mamba2 rule
+    split = mamba_split(num_scheduled, num_computed, num_prompt, 1)
     return BuilderSplit(np.arange(n) < split, split, 1)
+
+
+def gdn_spec_rows(
+    num_scheduled: np.ndarray,
+    num_computed: np.ndarray,
+    num_prompt: np.ndarray,
+    num_draft: np.ndarray,
+) -> np.ndarray:
+    """The rows a GDN builder with spec decode marks (``num_decode_draft_tokens >= 0``):
+    those scheduling exactly their drafts plus one, and one-token decodes past the prompt."""
+    return ((num_draft > 0) & (num_scheduled == num_draft + 1)) | (
+        (num_computed >= num_prompt) & (num_scheduled == 1)
+    )
 
 
 def decode_count(num_scheduled: np.ndarray, is_prefilling: np.ndarray, threshold: int) -> int:
