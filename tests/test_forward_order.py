@@ -20,7 +20,7 @@ from mgtrace.replayer.findings import FOREIGN_STATE
 from mgtrace.replayer.loop import replay_trace
 from mgtrace.replayer.minimize import MemoryTrace, load_memory
 from mgtrace.replayer.rules import RuleSet
-from mgtrace.replayer.view import spec_decodes_run_first
+from mgtrace.replayer.steps import spec_decodes_run_first
 from mgtrace.schemas.reader import TraceReader
 from tests.replay_helpers import set_root, sim_trace
 

@@ -14,7 +14,7 @@ import pytest
 
 from mgtrace.replayer.loop import replay_trace
 from mgtrace.replayer.rules import RuleSet
-from mgtrace.replayer.view import spec_decodes_run_first
+from mgtrace.replayer.steps import spec_decodes_run_first
 from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.sim import SimConfig, simulate
@@ -174,3 +174,50 @@ def test_a_lowered_threshold_keeps_gdns_spec_decodes(tmp_path: Path) -> None:
     data["run"]["builder_reorder_thresholds"] = {"mamba2": 1 + K}
     manifest.write_text(json.dumps(data))
     assert not replay_trace(TraceReader(as_mamba2), lowered).clean
+
+
+def _without_split(reader: TraceReader, builders: dict | None = None):
+    """The trace as a recording that could not read the builder's split: mamba_split and
+    mamba_threshold null, as where GDN's mask was not on the host."""
+    from dataclasses import replace
+
+    import pyarrow as pa
+
+    from mgtrace.replayer.minimize import load_memory
+
+    mem = load_memory(reader)
+    t = mem.tables_
+    for table, name in (("batch_rows", "mamba_split"), ("steps", "mamba_threshold")):
+        tab = t[table]
+        i = tab.schema.get_field_index(name)
+        t[table] = tab.set_column(i, tab.field(i), pa.nulls(tab.num_rows, tab.field(i).type))
+    if builders is not None:
+        mem.manifest = replace(
+            mem.manifest, run=replace(mem.manifest.run, builder_reorder_thresholds=builders)
+        )
+    return mem
+
+
+def test_a_gdn_split_left_unrecorded_is_derived_as_the_builder_makes_it(tmp_path: Path) -> None:
+    from mgtrace.replayer.requests import RequestIds
+    from mgtrace.replayer.steps import RankTrace
+
+    reader = _sim(tmp_path, "gdn", (BUG_STALE_ROW,), mixer="gdn", scenario="pairs")
+    recorded = RankTrace(reader, 0, RequestIds())
+    derived = RankTrace(_without_split(reader), 0, RequestIds())  # type: ignore[arg-type]
+    one_call = 0
+    for step in recorded:
+        want = recorded.batch(step).cols["is_prefill_split"]
+        assert derived.batch(step).cols["is_prefill_split"].tolist() == want.tolist(), step
+        threshold = recorded.step_value("mamba_threshold", step)
+        assert derived.step_value("mamba_threshold", step) == threshold, step
+        one_call += threshold == 1
+    assert one_call, "some steps have no spec-decode row: GDN runs them in one call"
+    found = replay_trace(reader, RuleSet())
+    again = replay_trace(_without_split(reader), RuleSet())  # type: ignore[arg-type]
+    assert found.findings and [f.signature for f in again.findings] == [
+        f.signature for f in found.findings
+    ]
+    # control: the same trace of a model without a GDN builder is not derived (no threshold)
+    plain = RankTrace(_without_split(reader, {"mamba2": 1 + K}), 0, RequestIds())  # type: ignore[arg-type]
+    assert all(plain.step_value("mamba_threshold", s) is None for s in recorded)

@@ -20,7 +20,8 @@ from mgtrace import __version__
 from mgtrace.atomic import atomic_write
 from mgtrace.replayer.loop import Checkpoint, RankReplay
 from mgtrace.replayer.requests import RequestIds
-from mgtrace.replayer.view import row_view, spec_decodes_run_first
+from mgtrace.replayer.steps import spec_decodes_run_first
+from mgtrace.replayer.view import row_view
 from mgtrace.schemas.reader import TraceReader
 
 CACHE_DIR = ".replay-cache"

@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
-from mgtrace.replayer.steps import REPLAY_TABLES
-from mgtrace.replayer.view import spec_decodes_run_first
+from mgtrace.replayer.steps import REPLAY_TABLES, spec_decodes_run_first
 
 
 def unseen_reason(reader: Any, gaps: bool = False) -> str | None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet, resolve_threshold
-from mgtrace.replayer.steps import RankTrace
-from mgtrace.replayer.view import spec_decodes_run_first, split_under_threshold
+from mgtrace.replayer.steps import RankTrace, spec_decodes_run_first
+from mgtrace.replayer.view import split_under_threshold
 from mgtrace.schemas.tables import BLOCK_TABLE_KINDS, KERNELS
 
 _GATHER = KERNELS.index("aligned_indices")

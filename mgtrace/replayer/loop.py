@@ -31,15 +31,16 @@ from mgtrace.replayer.oracle import READ_KINDS, Oracle, StateRead
 from mgtrace.replayer.ownership import BlockOwnership
 from mgtrace.replayer.requests import DUMMY_REQUEST, PADDED_ROW, SCHEDULER
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
-from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
-from mgtrace.replayer.tables import OutOfPool, TableStore
-from mgtrace.replayer.tags import DRAFTS_FOLDED, DUMMY, SPECULATIVE, TagPool
-from mgtrace.replayer.view import (
-    RowView,
-    launch_under_rules,
-    row_view,
+from mgtrace.replayer.steps import (
+    RankTrace,
+    first_gap,
+    ranks_of,
+    require_replayable,
     spec_decodes_run_first,
 )
+from mgtrace.replayer.tables import OutOfPool, TableStore
+from mgtrace.replayer.tags import DRAFTS_FOLDED, DUMMY, SPECULATIVE, TagPool
+from mgtrace.replayer.view import RowView, launch_under_rules, row_view
 from mgtrace.schemas.reader import TraceReader
 
 Backend = Callable[..., LaunchResult]

@@ -27,6 +27,13 @@ from mgtrace.schemas.tables import (
     ROW_RULES,
     SCHED_KINDS,
 )
+from mgtrace.sim.reorder import builder_split
+
+
+def spec_decodes_run_first(run: Any) -> bool:
+    """Whether the model's linear-attention layers are GDN's, which run their spec-decode
+    rows first and the rest after; Mamba2's run the prefill split first."""
+    return any("GDN" in name for name in run.builder_reorder_thresholds)
 
 
 def _numpy(col: pa.ChunkedArray, fill: int = -1) -> np.ndarray:
@@ -202,10 +209,10 @@ class RankTrace:
         self._batch_cols = {c: _numpy(self._batch.table.column(c)) for c in BATCH_INT_COLUMNS}
         bt = self._batch.table
         self._batch_uid = ids.uids_of_column(bt.column("req_id"))
-        # The Mamba builder's split where it was recorded; where not (a GDN model, whose
-        # builder splits by spec-decode rows, not by position), a row still prefilling its
-        # prompt runs the prefill kernels and the others decode, as GDN splits them
-        # (never every row a decode: a fresh prefill would read a window it has not got)
+        # The builder's split where it was recorded; where not, a row still prefilling its
+        # prompt runs the prefill kernels and the others decode (never every row a decode:
+        # a fresh prefill would read a window it has not got), and a GDN model's split is
+        # derived as its builder makes it
         split = bt.column("mamba_split")
         self._batch_prefill = (
             pc.if_else(
@@ -216,6 +223,8 @@ class RankTrace:
             .to_numpy(zero_copy_only=False)
             .astype(bool)
         )
+        if split.null_count and spec_decodes_run_first(self.run):
+            self._derive_gdn_split(pc.is_null(split).to_numpy(zero_copy_only=False))
         self._batch_region = (
             pc.fill_null(pc.index_in(bt.column("reorder_region"), value_set=_REGIONS), -1)
             .to_numpy(zero_copy_only=False)
@@ -224,6 +233,32 @@ class RankTrace:
         self._batch_is_prefilling = pc.fill_null(bt.column("is_prefilling"), False).to_numpy(
             zero_copy_only=False
         )
+
+    def _derive_gdn_split(self, unrecorded: np.ndarray) -> None:
+        """GDN's split of the steps whose split was not recorded (an older recording, or a
+        builder whose mask was not on the host), from the rows' counts: the rows scheduling
+        their drafts + 1 or one-token decodes past the prompt run the spec-decode kernels;
+        a step without one is split by position at 1, and gets threshold 1 (one call)."""
+        k = self.run.num_speculative_tokens
+        c = self._batch_cols
+        threshold = self.step_info.get("mamba_threshold")
+        if threshold is not None:
+            threshold = self.step_info["mamba_threshold"] = threshold.copy()
+        for step in np.unique(self._batch.steps[unrecorded]).tolist():
+            lo, hi = self._batch.bounds(step)
+            rows = slice(lo, hi)
+            got = builder_split(
+                "gdn",
+                c["num_scheduled"][rows],
+                c["num_computed"][rows],
+                c["num_prompt"][rows],
+                np.maximum(c["num_draft"][rows], 0),
+                k,
+            )
+            self._batch_prefill[rows] = ~got.decode
+            i = self._step_index.get(step)
+            if threshold is not None and i is not None and threshold[i] == -1:
+                threshold[i] = -1 if got.threshold is None else got.threshold
 
     # --------------------------------------------------------------------- steps
     def __iter__(self) -> Iterator[int]:

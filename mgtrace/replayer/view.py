@@ -10,7 +10,6 @@ it changes: ``reorder_threshold`` re-runs the reorder and the Mamba split,
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
@@ -96,12 +95,6 @@ class RowView:
     def moved(self) -> np.ndarray:
         """Rows whose running column changed: the precopy moved their state, accepted := 1."""
         return (self.prev_state_col >= 0) & (self.prev_state_col != self.state_col)
-
-
-def spec_decodes_run_first(run: Any) -> bool:
-    """Whether the model's linear-attention layers are GDN's, which run their spec-decode
-    rows first and the rest after; Mamba2's run the prefill split first."""
-    return any("GDN" in name for name in run.builder_reorder_thresholds)
 
 
 def split_under_threshold(
