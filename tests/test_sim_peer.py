@@ -178,3 +178,45 @@ def test_split_matches_split_decodes_and_prefills(vllm_mods, seed: int) -> None:
         cm, decode_threshold=threshold, treat_short_extends_as_decodes=False
     )
     assert num_decodes == decode_count(qlen, prefilling, threshold)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_gdn_positional_split_matches_its_builders_call(vllm_mods, seed: int) -> None:
+    """GDN without a spec mask: its builder marks rows without prior state as prefilling
+    (``seq_len <= query_len`` among prefilling rows) and splits at threshold 1."""
+    from mgtrace.sim.reorder import builder_split
+
+    v = vllm_mods
+    torch = v.torch
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(1, 32))
+    qlen = rng.choice([1, 2, 3, 4, 5, 8, 17, 300], size=n)
+    computed = rng.choice([0, 10, 100, 500], size=n)
+    prompt = rng.choice([5, 50, 200, 1000], size=n)
+    order = np.argsort(regions(qlen, computed, prompt, 1), kind="stable")
+    if seed % 2:  # also batches in no particular order
+        order = rng.permutation(n)
+    qlen, computed, prompt = qlen[order], computed[order], prompt[order]
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlen)]), dtype=torch.int32)
+    seq = torch.tensor(computed + qlen, dtype=torch.int32)
+    query = torch.tensor(qlen, dtype=torch.int32)
+    no_prior_state = (query > 0) & (seq <= query) & torch.tensor(computed < prompt)
+    cm = v.attn.CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seq,
+        num_reqs=n,
+        num_actual_tokens=int(qlen.sum()),
+        max_query_len=int(qlen.max()),
+        max_seq_len=int(seq.max()),
+        block_table_tensor=torch.zeros((n, 4), dtype=torch.int32),
+        slot_mapping=torch.zeros(int(qlen.sum()), dtype=torch.int64),
+        is_prefilling=no_prior_state,
+        seq_lens_cpu_upper_bound=seq,
+    )
+    num_decodes, *_ = v.attn.split_decodes_and_prefills(
+        cm, decode_threshold=1, treat_short_extends_as_decodes=False
+    )
+    ours = builder_split("gdn", qlen, computed, prompt, np.zeros(n, np.int64), 0)
+    assert ours.num_decodes == num_decodes and ours.threshold == 1
+    assert ours.decode.tolist() == [i < num_decodes for i in range(n)]
