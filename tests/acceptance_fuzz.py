@@ -8,6 +8,7 @@ runs; the rules that undo the toggles must replay clean; a run without toggles m
 clean. The tests run a few seeded cases; longer sweeps run from the command line:
 
     python -m tests.acceptance_fuzz --runs 400 --seed 1 [--jobs N] [--keep DIR] [--out FILE]
+        [--mixer mamba2|gdn|both]
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class Case:
     engine: dict = field(default_factory=dict)
 
 
-def random_case(rng: random.Random) -> Case:
+def random_case(rng: random.Random, mixer: str = "mamba2") -> Case:
+    """``mixer``: the simulated model's layers; ``both``: GDN for one seed in two (taken from
+    the seed, like the checkpoints, so the Mamba2 cases of a sweep seed stay the same)."""
     shape = rng.choice(["clean", "one", "one", "several"])
     bugs: tuple[str, ...] = ()
     engine: dict = {"runner": rng.choice(["v1", "v2"])}
@@ -68,6 +71,8 @@ def random_case(rng: random.Random) -> Case:
     # half the runs model vLLM 0.33's prefill checkpoints; taken from the seed, not drawn, so
     # that the cases of a sweep seed stay the ones earlier sweeps ran
     engine["prefill_checkpoints"] = seed % 2 == 1
+    if mixer != "mamba2":
+        engine["mixer"] = "gdn" if mixer == "gdn" or (seed // 2) % 2 == 1 else "mamba2"
     return Case(bugs=bugs, seed=seed, steps=rng.choice([400, 800]), engine=engine)
 
 
@@ -123,6 +128,7 @@ def summary(records: list[dict], command: str) -> dict:
         "runs_with_prefill_checkpoints": sum(
             bool(r["case"]["engine"].get("prefill_checkpoints")) for r in records
         ),
+        "runs_with_gdn": sum(r["case"]["engine"].get("mixer") == "gdn" for r in records),
         "shapes": dict(shapes.most_common()),
         "disagreements": [r for r in records if r["problems"]],
     }
@@ -146,9 +152,16 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="Check runs on this many processes.")
     ap.add_argument("--keep", type=Path, help="Keep the traces of failing runs here.")
     ap.add_argument("--out", type=Path, help="Write the sweep's summary here as JSON.")
+    ap.add_argument(
+        "--mixer",
+        choices=("mamba2", "gdn", "both"),
+        default="mamba2",
+        help="The simulated model's layers (both: GDN for one seed in two).",
+    )
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    cases = [random_case(rng) for _ in range(args.runs)]  # drawn in order: jobs change nothing
+    # drawn in order: jobs change nothing
+    cases = [random_case(rng, args.mixer) for _ in range(args.runs)]
     keep = args.keep / f"seed-{args.seed}" if args.keep is not None else None
     records = []
     with tempfile.TemporaryDirectory(prefix="mgtrace-fuzz-") as tmp:

@@ -20,10 +20,13 @@ from tests.replay_helpers import (
 pytestmark = pytest.mark.slow
 
 CASES = [random_case(random.Random(9000 + i)) for i in range(10)]
+# GDN models: their builder splits by a mask, and runs spec decodes first
+CASES += [random_case(random.Random(9100 + i), "gdn") for i in range(3)]
 
 
 def _label(case: Case) -> str:
-    return "+".join(case.bugs) or f"clean-{case.engine['runner']}"
+    gdn = "-gdn" if case.engine.get("mixer") == "gdn" else ""
+    return ("+".join(case.bugs) or f"clean-{case.engine['runner']}") + gdn
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_label(c) for c in CASES])
@@ -35,6 +38,7 @@ def test_the_sample_has_clean_single_and_combined_toggles() -> None:
     sizes = {min(len(c.bugs), 2) for c in CASES}
     assert sizes == {0, 1, 2}
     assert {c.engine["prefill_checkpoints"] for c in CASES} == {False, True}
+    assert {c.engine.get("mixer", "mamba2") for c in CASES} == {"mamba2", "gdn"}
 
 
 def test_control_a_check_turned_off_is_caught_as_a_late_first_step(
