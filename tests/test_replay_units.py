@@ -127,6 +127,28 @@ def test_ownership_frees_a_checkpoint_block_behind_the_previous_state() -> None:
     assert all(own.owner_of(0, b).uid == 1 for b in (8, 9))
 
 
+@pytest.mark.parametrize(
+    ("runner", "pp", "async_scheduling", "in_flight"),
+    [
+        ("v1", 1, False, 0),
+        ("v1", 1, True, 1),
+        ("v2", 1, True, 1),
+        ("v2", 2, False, 1),
+        ("v1", 2, True, 1),  # V1 does not overlap a pipeline
+        ("v2", 2, True, 2),  # V2: pp_size + 1 concurrent batches
+        ("v2", 4, True, 4),
+    ],
+)
+def test_steps_in_flight_is_vllms_concurrent_batches_less_one(
+    runner: str, pp: int, async_scheduling: bool, in_flight: int
+) -> None:
+    from mgtrace.replayer.ownership import steps_in_flight
+    from mgtrace.schemas.manifest import RunMetadata
+
+    run = RunMetadata(runner=runner, pp_size=pp, async_scheduling=async_scheduling)
+    assert steps_in_flight(run) == in_flight
+
+
 def test_processed_tokens_take_off_the_steps_still_in_flight() -> None:
     from mgtrace.replayer.ownership import processed_tokens
     from mgtrace.schemas.tables import SCHED_KINDS

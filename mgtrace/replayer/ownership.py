@@ -37,9 +37,11 @@ OwnershipSnapshot = tuple[np.ndarray, np.ndarray, dict[int, list[list[int]]], np
 
 def steps_in_flight(run: RunMetadata) -> int:
     """Steps whose results the scheduler has not folded in when it schedules the next one:
-    the pipeline's depth less one, else one under async scheduling, else none."""
+    vLLM's ``max_concurrent_batches`` less one. That is the pipeline's depth, plus one under
+    async scheduling on the V2 runner (V1 does not overlap a pipeline), less one; without a
+    pipeline, one under async scheduling, else none."""
     if run.pp_size > 1:
-        return run.pp_size - 1
+        return run.pp_size - 1 + int(run.async_scheduling and run.runner == "v2")
     return 1 if run.async_scheduling else 0
 
 
