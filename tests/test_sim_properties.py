@@ -19,7 +19,7 @@ from mgtrace.schemas.tables import MAMBA_SPLITS
 from mgtrace.sim.block_pool import NULL_BLOCK, cdiv
 from mgtrace.sim.config import SimConfig
 from mgtrace.sim.engine import StepView, run_engine
-from mgtrace.sim.reorder import REORDER_REGIONS
+from mgtrace.sim.reorder import REORDER_REGIONS, gdn_spec_rows
 
 pytestmark = pytest.mark.unit
 REGION_CODE = {name: i for i, name in enumerate(REORDER_REGIONS)}
@@ -82,13 +82,22 @@ def check_accepted(view: StepView, k: int) -> list[str]:
     ]
 
 
-def check_regions(view: StepView, runner: str) -> list[str]:
+def check_regions(view: StepView, runner: str, mixer: str = "mamba2") -> list[str]:
+    """V1's reorder regions in order; the builder's split a prefix of decodes, except GDN's
+    under a spec mask (null threshold), which is exactly its spec-decode rows."""
     bad = []
     for res in view.results:
         br = res.tables["batch_rows"]
         split = names(br["mamba_split"], MAMBA_SPLITS)
-        n_dec = res.tables["steps"]["num_mamba_decodes"]
-        if split != ["decode"] * n_dec + ["prefill"] * (len(split) - n_dec):
+        steps = res.tables["steps"]
+        n_dec = steps["num_mamba_decodes"]
+        if mixer == "gdn" and steps["mamba_threshold"] is None:
+            spec = gdn_spec_rows(
+                br["num_scheduled"], br["num_computed"], br["num_prompt"], br["num_draft"]
+            )
+            if split != ["decode" if m else "prefill" for m in spec.tolist()] or not spec.any():
+                bad.append(f"GDN split is not its spec-decode rows: {split}")
+        elif split != ["decode"] * n_dec + ["prefill"] * (len(split) - n_dec):
             bad.append(f"mamba split not a prefix of decodes: {split}")
         if runner == "v1":
             region = names(br["reorder_region"], REORDER_REGIONS)
@@ -146,7 +155,7 @@ def run_checked(cfg: SimConfig) -> Tally:
         )
         v += check_running_columns(view, cfg.mamba_block_size, S)
         v += check_accepted(view, cfg.k)
-        v += check_regions(view, cfg.runner)
+        v += check_regions(view, cfg.runner, cfg.mixer)
         v += mono.check(view)
         if v:
             raise AssertionError(f"step {step}: {v[:5]}")
@@ -167,6 +176,7 @@ SHAPES = st.sampled_from([("v1", 1), ("v2", 1), ("v2", 2), ("v2", 3)])
     tight=st.booleans(),
     sync=st.booleans(),
     checkpoints=st.booleans(),
+    mixer=st.sampled_from(["mamba2", "gdn"]),
 )
 def test_invariants_hold_on_every_step(
     seed: int,
@@ -176,6 +186,7 @@ def test_invariants_hold_on_every_step(
     tight: bool,
     sync: bool,
     checkpoints: bool,
+    mixer: str,
 ) -> None:
     runner, pp = shape
     cfg = SimConfig(
@@ -192,6 +203,7 @@ def test_invariants_hold_on_every_step(
         async_scheduling=not sync,
         num_blocks=32 * (k + 2) // 2 if tight else None,
         prefill_checkpoints=checkpoints,
+        mixer=mixer,
     )
     tally = run_checked(cfg)
     assert tally.steps == 500 and not tally.violations
@@ -263,6 +275,23 @@ def test_control_region_check_fires() -> None:
     br["reorder_region"] = ["decode"] * n
     br["mamba_split"] = ["prefill", "decode", *names(br["mamba_split"], MAMBA_SPLITS)[2:]]
     assert check_regions(view, "v1")
+
+
+def test_control_gdn_split_check_fires() -> None:
+    views: list[StepView] = []
+    cfg = SimConfig(
+        scenario="mixed", steps=60, seed=3, max_num_seqs=16, length_scale=0.05, mixer="gdn"
+    ).validate()
+    run_engine(cfg, lambda step, view: views.append(copy.deepcopy(view)))
+    masked = [v for v in views if v.results[0].tables["steps"]["mamba_threshold"] is None]
+    assert masked, "some steps have spec-decode rows"
+    view = masked[-1]
+    assert not check_regions(view, "v1", "gdn")
+    br = view.results[0].tables["batch_rows"]
+    split = names(br["mamba_split"], MAMBA_SPLITS)
+    i = split.index("decode")
+    br["mamba_split"] = [*split[:i], "prefill", *split[i + 1 :]]  # a spec row run as prefill
+    assert check_regions(view, "v1", "gdn")
 
 
 def test_control_monotone_check_fires() -> None:
