@@ -146,22 +146,14 @@ def test_rows_and_reorder_match_input_batch(vllm_mods, seed: int) -> None:
         real.refresh_metadata()
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_split_matches_split_decodes_and_prefills(vllm_mods, seed: int) -> None:
-    v = vllm_mods
+def _metadata(v, qlen: np.ndarray, computed: np.ndarray, is_prefilling):
+    """vLLM's CommonAttentionMetadata of a batch with these query lengths and computed
+    counts, on the CPU, with the builder's ``is_prefilling``."""
     torch = v.torch
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(1, 32))
-    threshold = int(rng.choice([1, 2, 4, 8]))
-    qlen = rng.choice([1, 2, 3, 4, 5, 8, 17, 300], size=n)
-    computed = rng.choice([0, 10, 100, 500], size=n)
-    prompt = rng.choice([5, 50, 200, 1000], size=n)
-    order = np.argsort(regions(qlen, computed, prompt, threshold), kind="stable")
-    qlen, computed, prompt = qlen[order], computed[order], prompt[order]
-    prefilling = computed < prompt
+    n = len(qlen)
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlen)]), dtype=torch.int32)
     seq = torch.tensor(computed + qlen, dtype=torch.int32)
-    cm = v.attn.CommonAttentionMetadata(
+    return v.attn.CommonAttentionMetadata(
         query_start_loc=qsl,
         query_start_loc_cpu=qsl,
         seq_lens=seq,
@@ -171,9 +163,24 @@ def test_split_matches_split_decodes_and_prefills(vllm_mods, seed: int) -> None:
         max_seq_len=int(seq.max()),
         block_table_tensor=torch.zeros((n, 4), dtype=torch.int32),
         slot_mapping=torch.zeros(int(qlen.sum()), dtype=torch.int64),
-        is_prefilling=torch.tensor(prefilling),
+        is_prefilling=is_prefilling,
         seq_lens_cpu_upper_bound=seq,
     )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_matches_split_decodes_and_prefills(vllm_mods, seed: int) -> None:
+    v = vllm_mods
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 32))
+    threshold = int(rng.choice([1, 2, 4, 8]))
+    qlen = rng.choice([1, 2, 3, 4, 5, 8, 17, 300], size=n)
+    computed = rng.choice([0, 10, 100, 500], size=n)
+    prompt = rng.choice([5, 50, 200, 1000], size=n)
+    order = np.argsort(regions(qlen, computed, prompt, threshold), kind="stable")
+    qlen, computed, prompt = qlen[order], computed[order], prompt[order]
+    prefilling = computed < prompt
+    cm = _metadata(v, qlen, computed, v.torch.tensor(prefilling))
     num_decodes, *_ = v.attn.split_decodes_and_prefills(
         cm, decode_threshold=threshold, treat_short_extends_as_decodes=False
     )
@@ -197,23 +204,10 @@ def test_gdn_positional_split_matches_its_builders_call(vllm_mods, seed: int) ->
     if seed % 2:  # also batches in no particular order
         order = rng.permutation(n)
     qlen, computed, prompt = qlen[order], computed[order], prompt[order]
-    qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlen)]), dtype=torch.int32)
     seq = torch.tensor(computed + qlen, dtype=torch.int32)
     query = torch.tensor(qlen, dtype=torch.int32)
     no_prior_state = (query > 0) & (seq <= query) & torch.tensor(computed < prompt)
-    cm = v.attn.CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl,
-        seq_lens=seq,
-        num_reqs=n,
-        num_actual_tokens=int(qlen.sum()),
-        max_query_len=int(qlen.max()),
-        max_seq_len=int(seq.max()),
-        block_table_tensor=torch.zeros((n, 4), dtype=torch.int32),
-        slot_mapping=torch.zeros(int(qlen.sum()), dtype=torch.int64),
-        is_prefilling=no_prior_state,
-        seq_lens_cpu_upper_bound=seq,
-    )
+    cm = _metadata(v, qlen, computed, no_prior_state)
     num_decodes, *_ = v.attn.split_decodes_and_prefills(
         cm, decode_threshold=1, treat_short_extends_as_decodes=False
     )
