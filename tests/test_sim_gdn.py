@@ -108,8 +108,7 @@ def test_control_the_same_run_under_mamba2_is_corrupted(tmp_path: Path) -> None:
 @pytest.mark.parametrize("bug", [BUG_ASYNC_RACE, BUG_STALE_ROW, BUG_BATCH_ROW])
 def test_the_other_bug_classes_corrupt_gdn_runs_and_are_found(tmp_path: Path, bug: str) -> None:
     engine, undo = TOGGLES[bug]
-    shape = {k: v for k, v in engine.items()}
-    reader = _sim(tmp_path, "bug", (bug,), mixer="gdn", **shape)
+    reader = _sim(tmp_path, "bug", (bug,), mixer="gdn", **engine)
     truth = reader.manifest.ground_truth["bugs"][bug]
     assert truth["first_step"] is not None
     found = replay_trace(reader, RuleSet())

@@ -257,8 +257,8 @@ class RankTrace:
             )
             self._batch_prefill[rows] = ~got.decode
             i = self._step_index.get(step)
-            if threshold is not None and i is not None and threshold[i] == -1:
-                threshold[i] = -1 if got.threshold is None else got.threshold
+            if threshold is not None and i is not None and got.threshold is not None:
+                threshold[i] = got.threshold  # a step without a recorded split
 
     # --------------------------------------------------------------------- steps
     def __iter__(self) -> Iterator[int]:
