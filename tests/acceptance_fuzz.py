@@ -71,9 +71,16 @@ def random_case(rng: random.Random, mixer: str = "mamba2") -> Case:
     # half the runs model vLLM 0.33's prefill checkpoints; taken from the seed, not drawn, so
     # that the cases of a sweep seed stay the ones earlier sweeps ran
     engine["prefill_checkpoints"] = seed % 2 == 1
+    if engine["runner"] == "v2" and engine.get("pp", 1) > 1:
+        # a pipeline is async (V2's decode cadence) or synchronous, also from the seed
+        engine["async_scheduling"] = (seed // 4) % 2 == 0
     if mixer != "mamba2":
         engine["mixer"] = "gdn" if mixer == "gdn" or (seed // 2) % 2 == 1 else "mamba2"
     return Case(bugs=bugs, seed=seed, steps=rng.choice([400, 800]), engine=engine)
+
+
+def _sync(engine: dict) -> str:
+    return "-sync" if not engine.get("async_scheduling", True) else ""
 
 
 def check(case: Case, out: Path) -> list[str] | None:
@@ -116,7 +123,10 @@ def summary(records: list[dict], command: str) -> dict:
     for r in records:
         case = r["case"]
         engine = case["engine"]
-        shapes["+".join(case["bugs"]) or f"clean-{engine['runner']}-pp{engine.get('pp', 1)}"] += 1
+        shapes[
+            "+".join(case["bugs"])
+            or f"clean-{engine['runner']}-pp{engine.get('pp', 1)}{_sync(engine)}"
+        ] += 1
     return {
         "check": "randomised acceptance against the simulator's ground truth "
         "(tests/acceptance_fuzz.py)",

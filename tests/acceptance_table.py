@@ -27,13 +27,19 @@ from mgtrace.sim.engine import simulate
 from tests.replay_helpers import TOGGLES, involved
 
 SCENARIOS = ("pairs", "mixed")
-CLEAN_SHAPES = ({"runner": "v1"}, {"runner": "v2"}, {"runner": "v2", "pp": 2})
+CLEAN_SHAPES = (
+    {"runner": "v1"},
+    {"runner": "v2"},
+    {"runner": "v2", "pp": 2},
+    {"runner": "v2", "pp": 2, "async_scheduling": False},
+)
 
 
 def _shape(engine: dict) -> str:
     pp = f" + PP{engine['pp']}" if engine.get("pp", 1) > 1 else ""
     mixer = f" ({engine['mixer']})" if engine.get("mixer", "mamba2") != "mamba2" else ""
-    return engine["runner"] + pp + mixer
+    sync = " sync" if pp and not engine.get("async_scheduling", True) else ""
+    return engine["runner"] + pp + sync + mixer
 
 
 def toggle_row(

@@ -156,12 +156,22 @@ def test_an_imported_probe_log_shows_the_client_label(tmp_path: Path) -> None:
         assert "mgtrace replay" not in proc.stdout
 
 
-@pytest.mark.parametrize("engine", [{"runner": "v1"}, {"runner": "v2", "pp": 3}])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"runner": "v1"},
+        {"runner": "v2", "pp": 3},
+        {"runner": "v2", "pp": 3, "async_scheduling": False},
+    ],
+    ids=["v1-async", "v2-pp3-async", "v2-pp3-sync"],
+)
 def test_history_frees_are_the_simulators(tmp_path, monkeypatch, engine: dict) -> None:
     """The history names the steps at which align mode frees a request's previous state
-    block, as the simulator's allocator does: under async scheduling with the tokens of the
-    step still in flight taken off; in a pipeline, where a request waits for its result
-    before it is scheduled again, with nothing in flight."""
+    block, as the simulator's allocator does, with the tokens of the steps still in flight
+    taken off: one step under async scheduling, pp under V2's async pipeline, none in a
+    synchronous pipeline, where a request waits for its result before it is scheduled
+    again."""
+    from mgtrace.query import history
     from mgtrace.sim.config import SimConfig
     from mgtrace.sim.engine import simulate
     from tests.frees_sweep import allocator_frees, history_frees
@@ -172,7 +182,8 @@ def test_history_frees_are_the_simulators(tmp_path, monkeypatch, engine: dict) -
         simulate(SimConfig(steps=120, seed=3, length_scale=0.2, output=out, **shape))
     assert len(frees) > 20
     assert history_frees(out) == frees
-    if engine["runner"] == "v1":
-        # the failing control: ignoring the in-flight tokens frees some blocks a step early
-        monkeypatch.setattr("mgtrace.query.history.steps_in_flight", lambda run: 0)
+    if engine.get("async_scheduling", True):
+        # the failing control: one step fewer in flight frees some blocks a step early
+        in_flight = history.steps_in_flight
+        monkeypatch.setattr(history, "steps_in_flight", lambda run: in_flight(run) - 1)
         assert history_frees(out) != frees

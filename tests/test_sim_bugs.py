@@ -143,18 +143,24 @@ def test_toggle_off_runs_never_show_a_symptom(
 
 
 FIXED_RUNS = {
-    # toggle: (extra shape, first corrupted step, first request) for
+    # id: (toggle, extra shape, first corrupted step, first request) for
     # `--scenario pairs --steps 2000 --seed 0` (docs/simulator.md quotes these)
-    BUG_REORDER: ({}, 10, "req-000002"),
-    BUG_ASYNC_RACE: ({}, 119, "req-000020"),
-    BUG_STALE_ROW: ({}, 164, "req-000059"),
-    BUG_BATCH_ROW: ({"runner": "v2", "pp": 2}, 25, "req-000001"),
+    "reorder": (BUG_REORDER, {}, 10, "req-000002"),
+    "async-race": (BUG_ASYNC_RACE, {}, 119, "req-000020"),
+    "stale-row": (BUG_STALE_ROW, {}, 164, "req-000059"),
+    "batch-row-async-pp2": (BUG_BATCH_ROW, {"runner": "v2", "pp": 2}, 37, "req-000007"),
+    "batch-row-sync-pp2": (
+        BUG_BATCH_ROW,
+        {"runner": "v2", "pp": 2, "async_scheduling": False},
+        25,
+        "req-000001",
+    ),
 }
 
 
-@pytest.mark.parametrize("bug", list(FIXED_RUNS))
-def test_fixed_seed_first_corrupt_step(tmp_path: Path, bug: str) -> None:
-    shape, step, req = FIXED_RUNS[bug]
+@pytest.mark.parametrize("run", list(FIXED_RUNS))
+def test_fixed_seed_first_corrupt_step(tmp_path: Path, run: str) -> None:
+    bug, shape, step, req = FIXED_RUNS[run]
     out = tmp_path / "fixed"
     manifest = simulate(
         SimConfig(scenario="pairs", steps=step + 1, seed=0, bugs=(bug,), output=out, **shape)

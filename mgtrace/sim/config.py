@@ -60,6 +60,22 @@ class SimConfig:
         return 1 + self.k
 
     @property
+    def async_pipeline(self) -> bool:
+        """V2 with a pipeline and async scheduling: a request's decodes are pp steps apart,
+        scheduled on optimistic counts while the previous one's result is still pending
+        (vLLM's ``decode_stagger``). V1 does not overlap a pipeline: its PP runs are
+        synchronous."""
+        return self.runner == "v2" and self.pp > 1 and self.async_scheduling
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps whose results are still pending when the next step is scheduled: vLLM's
+        ``max_concurrent_batches`` less one."""
+        if self.pp > 1:
+            return self.pp - 1 + int(self.async_pipeline)
+        return int(self.async_scheduling)
+
+    @property
     def builder_name(self) -> str:
         """The linear-attention builder, named as a recording names it."""
         return "GDNAttentionMetadataBuilder" if self.mixer == "gdn" else "mamba2"

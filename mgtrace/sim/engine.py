@@ -1,9 +1,10 @@
 """The step loop: client -> scheduler -> runner(s) -> trace, with async and PP result timing.
 
 Results of a step reach the scheduler after a lag: at once with synchronous scheduling, one
-step later with async scheduling (the next step is scheduled on optimistic counts), and
-pp_size - 1 steps later with pipeline parallelism, where a request waits for its result
-before it is scheduled again.
+step later with async scheduling (the next step is scheduled on optimistic counts), pp_size - 1
+steps later with a synchronous pipeline, where a request waits for its result before it is
+scheduled again, and pp_size steps later with V2's async pipeline, where a request decodes
+every pp_size steps on optimistic counts.
 """
 
 from __future__ import annotations
@@ -65,10 +66,7 @@ class Engine:
         self.rng_accept = np.random.default_rng([cfg.seed, 0xACC])
         self.rng_timing = np.random.default_rng([cfg.seed, 0xD2D])
         self.now = 0.0
-        if cfg.pp > 1:
-            self.lag = cfg.pp - 1
-        else:
-            self.lag = 1 if cfg.async_scheduling else 0
+        self.lag = cfg.steps_in_flight
         self.in_flight: deque[tuple[int, SchedOut, np.ndarray]] = deque()
 
     def _accept(self, so: SchedOut) -> np.ndarray:

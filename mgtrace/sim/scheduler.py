@@ -37,7 +37,10 @@ _INT_FIELDS = {
     "nc": 0,
     "ntok": 0,
     "nout": 0,
-    "inflight": 0,  # steps whose result is pending; kept under PP only, its one reader
+    "inflight": 0,  # steps whose result is pending; kept under a synchronous pipeline only
+    # under V2's async pipeline, the first step the request may decode in again (vLLM's
+    # ``next_decode_eligible_step``): pp steps after its last sampling step
+    "next_decode": 0,
     "inflight_tok": 0,
     "epoch": 0,
     # the epoch while the request is RUNNING, else -1: a step's result for a row is current
@@ -343,7 +346,11 @@ class Scheduler:
         self.to_finish: list[Request] = []
         self.preempted_now: list[Request] = []
         self._run_idx: np.ndarray | None = None  # request numbers of ``running``, cached
-        self.pp = cfg.pp > 1  # a request waits for its pending result (``inflight``)
+        # a synchronous pipeline: a request waits for its pending result (``inflight``)
+        self.pp = cfg.pp > 1 and not cfg.async_pipeline
+        # V2's async pipeline: a request decodes only every ``stagger`` steps; its prefill
+        # chunks go on at once (they sample nothing)
+        self.stagger = cfg.pp if cfg.async_pipeline else 0
 
     # ------------------------------------------------------------------ admission
     def new_request(self, req_id: str, a: Arrival) -> Request:
@@ -438,9 +445,14 @@ class Scheduler:
         simple = st.ntok[idx] - nc == 1
         simple &= nc + n_dec <= st.cover[idx]  # the row covers the decode
         # every request on the running list is RUNNING when a step starts (the finished
-        # ones were released first), so only PP makes a row ineligible (result pending)
+        # ones were released first), so only PP makes a row ineligible (result pending, or
+        # the async pipeline's decode cadence)
+        gated = self.pp or self.stagger
         if self.pp:
             eligible = st.inflight[idx] == 0
+            simple &= eligible
+        elif self.stagger:
+            eligible = st.next_decode[idx] <= step
             simple &= eligible
         # the scalar path retires a row's previous state block once its processed tokens
         # (in-flight drafts excluded) pass ``keep_until`` (positive: the clamp of processed
@@ -454,7 +466,7 @@ class Scheduler:
         else:
             simple &= stays
             retiring = []
-        scalar = eligible ^ simple if self.pp else ~simple
+        scalar = eligible ^ simple if gated else ~simple
         want = n_dec * simple
         cs = np.add.accumulate(want)
         taken = 0  # tokens of the rows that went through the scalar path
@@ -488,10 +500,18 @@ class Scheduler:
             if left <= 0:
                 break
             req = run[pos]
-            if st.status[req.idx] != RUNNING or (self.pp and st.inflight[req.idx]):
+            if st.status[req.idx] != RUNNING or not self._eligible(req.idx, step):
                 continue
             left -= self._schedule_one(req, left, step, build, key=pos) or 0
         return left
+
+    def _eligible(self, i: int, step: int) -> bool:
+        """Whether running request ``i`` may be scheduled in ``step`` under the pipeline's
+        rule: no pending result (synchronous), or past its decode cadence (async; a prefill
+        chunk never sets one)."""
+        if self.pp:
+            return not self.store.inflight[i]
+        return not self.stagger or int(self.store.next_decode[i]) <= step
 
     def _retire_until(self, end: int, run: list[Request], retiring: list[int], r: int) -> int:
         """Retire the rows ``retiring[r:]`` (running-list positions) before ``end``; returns
@@ -528,6 +548,8 @@ class Scheduler:
         st.n_dec[ids] = 1 + self.k
         if self.pp:
             st.inflight[ids] += 1
+        elif self.stagger:
+            st.next_decode[ids] = step + self.stagger
         st.inflight_tok[ids] += n
 
     def _schedule_one(
@@ -687,6 +709,7 @@ class Scheduler:
         st.n_dec[i] = 1
         st.inflight[i] = 0
         st.inflight_tok[i] = 0
+        st.next_decode[i] = 0
         st.epoch[i] += 1
         req.resumed = True
         req.num_preemptions += 1
@@ -721,6 +744,8 @@ class Scheduler:
             st.n_dec[i] = 1 + self.k
         if self.pp:
             st.inflight[i] += 1
+        elif self.stagger and samples:
+            st.next_decode[i] = step + self.stagger
         st.inflight_tok[i] += n
 
     # ------------------------------------------------------------------ results

@@ -42,7 +42,7 @@ def run_metadata(
         num_speculative_tokens=cfg.k,
         mamba_block_size=cfg.mamba_block_size,
         mamba_cache_mode="align",
-        async_scheduling=cfg.async_scheduling and cfg.pp == 1,
+        async_scheduling=cfg.async_scheduling and (cfg.pp == 1 or cfg.async_pipeline),
         tp_size=1,
         pp_size=cfg.pp,
         max_num_seqs=cfg.max_num_seqs,

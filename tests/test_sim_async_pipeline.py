@@ -1,0 +1,110 @@
+"""V2 with a pipeline and async scheduling (vLLM's decode cadence): a request decodes every
+pp steps on optimistic counts while its previous result is in flight, its prefill chunks go
+on at once, results return pp steps later. Each property has the synchronous pipeline
+(``async_scheduling=False``) as its control."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mgtrace.replayer.loop import replay_trace
+from mgtrace.replayer.rules import RuleSet
+from mgtrace.schemas.reader import TraceReader
+from mgtrace.sim.config import BUG_BATCH_ROW, SimConfig
+from mgtrace.sim.engine import simulate
+
+SHAPE = dict(scenario="pairs", runner="v2", k=2, mamba_block_size=16, length_scale=0.2)
+
+
+def _run(tmp: Path, name: str, pp: int, sync: bool, steps: int = 300, **extra) -> TraceReader:
+    out = tmp / name
+    cfg = SimConfig(steps=steps, seed=4, pp=pp, async_scheduling=not sync, output=out)
+    for key, value in {**SHAPE, **extra}.items():
+        setattr(cfg, key, value)
+    simulate(cfg)
+    return TraceReader(out)
+
+
+def _one(reader: TraceReader, sql: str) -> int:
+    return int(reader.connect().execute(sql).fetchone()[0])
+
+
+# rows the scheduler counted optimistically: more computed tokens than the runner's
+# exact count (which has the rejected drafts taken off)
+OPTIMISTIC = """
+SELECT count(*) FROM sched s JOIN batch_rows b USING (rank, step, req_id)
+WHERE s.rank = 0 AND s.num_computed > b.num_computed
+"""
+# a request's decodes closer together than pp steps
+CLOSE_DECODES = """
+WITH d AS (
+  SELECT req_id, step, lag(step) OVER (PARTITION BY req_id ORDER BY step) AS prev
+  FROM batch_rows WHERE rank = 0 AND num_computed >= num_prompt)
+SELECT count(*) FROM d WHERE step - prev < {pp}
+"""
+# a non-final prefill chunk followed by the request's next chunk in the very next step
+BACK_TO_BACK_CHUNKS = """
+WITH c AS (
+  SELECT req_id, step, num_computed + num_scheduled < num_prompt AS partial,
+         lead(step) OVER (PARTITION BY req_id ORDER BY step) AS next
+  FROM batch_rows WHERE rank = 0)
+SELECT count(*) FROM c WHERE partial AND next = step + 1
+"""
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_the_async_pipeline_schedules_on_optimistic_counts_at_vllms_cadence(
+    tmp_path: Path, pp: int
+) -> None:
+    asyn = _run(tmp_path, "async", pp, sync=False)
+    sync = _run(tmp_path, "sync", pp, sync=True)
+    assert asyn.manifest.run.async_scheduling is True
+    assert sync.manifest.run.async_scheduling is False
+    # optimistic counts: only while a result is still in flight when the request is
+    # scheduled again; the synchronous pipeline waits for it (the control)
+    assert _one(asyn, OPTIMISTIC) > 0
+    assert _one(sync, OPTIMISTIC) == 0
+    # both keep a request's decodes pp steps apart
+    assert _one(asyn, CLOSE_DECODES.format(pp=pp)) == 0
+    assert _one(sync, CLOSE_DECODES.format(pp=pp)) == 0
+    # only the async pipeline runs a request's prefill chunks back to back
+    assert _one(asyn, BACK_TO_BACK_CHUNKS) > 0
+    assert _one(sync, BACK_TO_BACK_CHUNKS) == 0
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_toggle_off_async_pipeline_runs_replay_clean(tmp_path: Path, pp: int) -> None:
+    reader = _run(tmp_path, "clean", pp, sync=False)
+    result = replay_trace(reader, RuleSet())
+    assert result.findings == [] and result.first_step is None
+
+
+def test_the_batch_row_toggle_under_the_async_pipeline_is_found_and_undone(
+    tmp_path: Path,
+) -> None:
+    reader = _run(tmp_path, "bug", 3, sync=False, bugs=(BUG_BATCH_ROW,))
+    truth = reader.manifest.ground_truth["bugs"][BUG_BATCH_ROW]
+    assert truth["first_step"] is not None
+    found = replay_trace(reader, RuleSet())
+    assert found.first_step == truth["first_step"]
+    assert set(truth["first_requests"]) <= {
+        f.req_id for f in found.findings if f.step == found.first_step
+    }
+    assert replay_trace(reader, RuleSet.parse("bt_row_is_req=true")).findings == []
+
+
+def test_a_small_pool_retires_no_block_before_the_late_postprocess_under_async(
+    tmp_path: Path,
+) -> None:
+    """A pool small enough to hand a retired block out again within pp steps: under the
+    synchronous pipeline the scheduler learns a result, and retires the block behind it,
+    before the non-last rank's late post-process writes that block (a finding no toggle
+    injected); under async the result comes pp steps later, after that write."""
+    small = dict(scenario="mixed", max_num_seqs=48, num_blocks=24, length_scale=1.0, k=3)
+    asyn = _run(tmp_path, "async", 2, sync=False, steps=200, **small)
+    sync = _run(tmp_path, "sync", 2, sync=True, steps=200, **small)
+    assert replay_trace(asyn, RuleSet()).findings == []
+    kinds = {f.kind for f in replay_trace(sync, RuleSet()).findings}
+    assert "foreign_block_write" in kinds
