@@ -1,7 +1,7 @@
 """V2 with a pipeline and async scheduling (vLLM's decode cadence): a request decodes every
-pp steps on optimistic counts while its previous result is in flight, its prefill chunks go
-on at once, results return pp steps later. Each property has the synchronous pipeline
-(``async_scheduling=False``) as its control."""
+pp steps on optimistic counts while its previous result is in flight, results return pp
+steps later. The synchronous pipeline (``async_scheduling=False``) is the control: there a
+request waits for its sampled token. Under both, prefill chunks go on at once."""
 
 from __future__ import annotations
 
@@ -69,9 +69,10 @@ def test_the_async_pipeline_schedules_on_optimistic_counts_at_vllms_cadence(
     # both keep a request's decodes pp steps apart
     assert _one(asyn, CLOSE_DECODES.format(pp=pp)) == 0
     assert _one(sync, CLOSE_DECODES.format(pp=pp)) == 0
-    # only the async pipeline runs a request's prefill chunks back to back
+    # both run a request's prefill chunks back to back: vLLM advances the computed count
+    # when it schedules a chunk, and a chunk samples nothing to wait for
     assert _one(asyn, BACK_TO_BACK_CHUNKS) > 0
-    assert _one(sync, BACK_TO_BACK_CHUNKS) == 0
+    assert _one(sync, BACK_TO_BACK_CHUNKS) > 0
 
 
 @pytest.mark.parametrize("pp", [2, 3])

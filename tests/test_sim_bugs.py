@@ -152,8 +152,8 @@ FIXED_RUNS = {
     "batch-row-sync-pp2": (
         BUG_BATCH_ROW,
         {"runner": "v2", "pp": 2, "async_scheduling": False},
-        25,
-        "req-000001",
+        37,
+        "req-000007",
     ),
 }
 

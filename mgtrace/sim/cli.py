@@ -56,7 +56,12 @@ from mgtrace.sim.engine import simulate as run_simulation
     type=int,
     help="State pool size, null block included (default: sized to fit).",
 )
-@click.option("--sync", is_flag=True, help="Synchronous scheduling (default: async).")
+@click.option(
+    "--sync",
+    is_flag=True,
+    help="Synchronous scheduling (default: async; a V2 pipeline then decodes each request "
+    "every pp steps on optimistic counts).",
+)
 @click.option(
     "--prefill-checkpoints",
     is_flag=True,

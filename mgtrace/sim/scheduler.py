@@ -37,7 +37,10 @@ _INT_FIELDS = {
     "nc": 0,
     "ntok": 0,
     "nout": 0,
-    "inflight": 0,  # steps whose result is pending; kept under a synchronous pipeline only
+    # sampling steps whose result is pending; kept under a synchronous pipeline only, where
+    # a request waits for its sampled token (its prefill chunks go on at once: vLLM
+    # advances num_computed when it schedules a chunk)
+    "inflight": 0,
     # under V2's async pipeline, the first step the request may decode in again (vLLM's
     # ``next_decode_eligible_step``): pp steps after its last sampling step
     "next_decode": 0,
@@ -346,7 +349,7 @@ class Scheduler:
         self.to_finish: list[Request] = []
         self.preempted_now: list[Request] = []
         self._run_idx: np.ndarray | None = None  # request numbers of ``running``, cached
-        # a synchronous pipeline: a request waits for its pending result (``inflight``)
+        # a synchronous pipeline: a request waits for its pending sampled token (``inflight``)
         self.pp = cfg.pp > 1 and not cfg.async_pipeline
         # V2's async pipeline: a request decodes only every ``stagger`` steps; its prefill
         # chunks go on at once (they sample nothing)
@@ -742,7 +745,7 @@ class Scheduler:
             st.ntok[i] = ntok + 1 + d  # optimistic: every draft accepted, plus the bonus token
             # the drafter proposes in the same step, so the next step carries k drafts
             st.n_dec[i] = 1 + self.k
-        if self.pp:
+        if self.pp and samples:
             st.inflight[i] += 1
         elif self.stagger and samples:
             st.next_decode[i] = step + self.stagger
@@ -769,7 +772,7 @@ class Scheduler:
             pos = None
         reqs = so.reqs
         if self.pp:
-            st.inflight[idx] -= 1
+            st.inflight[idx] -= samples
         st.inflight_tok[idx] -= n
         if np.count_nonzero(samples) == len(samples):  # the common step: every row sampled
             rejected = d + 1 - acc
