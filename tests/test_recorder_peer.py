@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -492,6 +493,19 @@ def test_v2_state_hooks_record_what_the_slot_indexed_kernels_read(v: Any, tmp_pa
 
         sess.begin_step(None)  # step 0: precopy, then its samples are received
         get_prev()
+        # prepare_inputs' batch: its computed counts are the scheduler's, optimistic under
+        # async scheduling (two drafts of the last step counted that were rejected)
+        batch = SimpleNamespace(
+            num_reqs=n,
+            req_ids=["a", "b", "c"],
+            idx_mapping_np=slots.numpy(),
+            num_computed_tokens_np=computed.numpy()[slots.numpy()] + 2,
+            num_scheduled_tokens=np.array([5, 3, 3], dtype=np.int32),
+            num_draft_tokens_per_req=np.array([0, 2, 2], dtype=np.int32),
+            is_prefilling_np=np.array([True, False, False]),
+            prefill_len_np=np.array([20, 4, 4], dtype=np.int32),
+        )
+        hooks_v2._inputs_after(sess, None, batch, (), {})
         state.preprocess_state(ib, (), None, computed)
         after_pre = (
             state._mamba_state_idx_gpu.clone(),
@@ -537,3 +551,8 @@ def test_v2_state_hooks_record_what_the_slot_indexed_kernels_read(v: Any, tmp_pa
     # gone (the advance kernel reset the counts of rows that crossed a block)
     late = [max(after_pre[3][i].item() - 1, 0) for i in idx]
     assert late != [r["token_bias"] for r in pre]
+    # the batch rows hold the computed counts the advance kernel read (the device's, per
+    # slot), not the batch's optimistic CPU mirror (the control: it differs on every row)
+    rows = sorted(_read(tmp_path / "v2", "batch_rows"), key=lambda r: r["batch_row"])
+    assert [r["num_computed"] for r in rows] == [computed[i].item() for i in idx]
+    assert [r["num_computed"] for r in rows] != batch.num_computed_tokens_np.tolist()

@@ -109,3 +109,20 @@ def test_a_small_pool_retires_no_block_before_the_late_postprocess_under_async(
     assert replay_trace(asyn, RuleSet()).findings == []
     kinds = {f.kind for f in replay_trace(sync, RuleSet()).findings}
     assert "foreign_block_write" in kinds
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("pp", [1, 2, 4])
+@pytest.mark.parametrize("sync", [False, True])
+def test_the_recorded_run_tells_the_replay_the_simulators_steps_in_flight(
+    runner: str, pp: int, sync: bool
+) -> None:
+    """The simulator's result lag and the count the replay derives from the trace's run
+    metadata are written apart (the simulator models the engine, the replay reads a
+    recording): they must agree on every shape."""
+    from mgtrace.replayer.ownership import steps_in_flight
+    from mgtrace.sim.to_trace import run_metadata
+
+    cfg = SimConfig(runner=runner, pp=pp, k=0 if runner == "v1" else 2, async_scheduling=not sync)
+    run = run_metadata(cfg.validate(), {}, None)
+    assert steps_in_flight(run) == cfg.steps_in_flight

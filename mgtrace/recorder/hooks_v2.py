@@ -63,21 +63,31 @@ def _inputs_after(
 
 
 def _pre_state(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Before ``preprocess_state``: the slot vectors its kernels read, stream-ordered. The
+    computed counts among them are the device's (``req_states.num_computed_tokens``), the
+    ones the advance kernel reads: under async scheduling the batch's CPU mirror is the
+    scheduler's optimistic count, which still holds the previous step's rejected drafts."""
     state = args[0]
     ib = arg(args, kwargs, 1, "input_batch")
     if sess.rec is None or not getattr(state, "_align_mode", False) or ib.num_reqs == 0:
         return
     n = ib.num_reqs
     acc, sidx = state.num_accepted_tokens_gpu, state._mamba_state_idx_gpu
+    tensors = [ib.idx_mapping, acc, sidx]
+    names = ["idx_mapping", "num_accepted", "state_idx"]
+    computed = arg(args, kwargs, 4, "num_computed_tokens")
+    if computed is not None:
+        tensors.append(computed)
+        names.append("num_computed")
     sess.grab(
-        [ib.idx_mapping, acc, sidx],
-        [n, acc.shape[0], sidx.shape[0]],
+        tensors,
+        [n, *(t.shape[0] for t in tensors[1:])],
         {
             "step": sess.step,
             "kernel": "v2_pre",
             "batch_step": sess.step,
             "n": n,
-            "names": ["idx_mapping", "num_accepted", "state_idx"],
+            "names": names,
         },
     )
 

@@ -186,6 +186,9 @@ class StepTables:
         if pre is not None:
             rows["accepted_prev"] = pre["num_accepted"].astype(I32)
             rows["prev_state_col"] = pre["state_idx"].astype(I32)
+            if "num_computed" in pre:
+                # the count the kernels read: the CPU mirror is optimistic under async
+                rows["num_computed"] = pre["num_computed"].astype(I32)
         precopy = captured.get("precopy")
         if precopy is not None:
             rows["state_col"] = precopy["state_idx"].astype(I32)
