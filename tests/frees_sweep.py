@@ -3,7 +3,7 @@ simulator's allocator made while writing it: random engine shapes, every free co
 (request, step, block). The ownership rule is the one ``mgtrace history`` shows in its
 ``frees`` column and the replay uses to drop writes onto freed blocks.
 
-    python -m tests.frees_sweep --runs 40 --seed 7 [--jobs N] [--out FILE]
+    python -m tests.frees_sweep --runs 40 --seed 7 [--jobs N] [--pipeline async] [--out FILE]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def random_engine(rng: random.Random) -> dict:
 def check(job: tuple[int, int, dict, Path]) -> dict:
     """One run: the frees of both sides compared (None: a shape the simulator refuses)."""
     i, seed, engine, tmp = job
-    if engine.get("pp", 1) > 1:
+    if engine.get("pp", 1) > 1 and "async_scheduling" not in engine:
         # a V2 pipeline is async (vLLM's decode cadence) or synchronous, taken from the seed
         # so that the shapes of a sweep seed stay the ones earlier sweeps drew
         engine = {**engine, "async_scheduling": (seed // 4) % 2 == 0}
@@ -108,10 +108,30 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument(
+        "--pipeline",
+        choices=["drawn", "async", "sync"],
+        default="drawn",
+        help="drawn: the shapes as drawn; async / sync: every run a V2 pipeline of that kind.",
+    )
     ap.add_argument("--out", type=Path, help="Write the sweep's summary here as JSON.")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     drawn = [(rng.randrange(10**6), random_engine(rng)) for _ in range(args.runs)]
+    if args.pipeline != "drawn":
+        # every run a V2 pipeline of the one kind, the other draws kept
+        drawn = [
+            (
+                seed,
+                {
+                    **e,
+                    "runner": "v2",
+                    "pp": 2 + seed % 3,
+                    "async_scheduling": args.pipeline == "async",
+                },
+            )
+            for seed, e in drawn
+        ]
     with tempfile.TemporaryDirectory(prefix="mgtrace-frees-") as tmp:
         jobs = [(i, seed, engine, Path(tmp)) for i, (seed, engine) in enumerate(drawn)]
         with ProcessPoolExecutor(max(args.jobs, 1)) as pool:

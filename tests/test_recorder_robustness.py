@@ -314,6 +314,42 @@ def test_captures_in_a_refused_frame_drop_their_step_counted(
         assert steps == [0, 1, 2, 3] and result["drops"] == 0
 
 
+@pytest.mark.parametrize("slots", [2, 8])
+def test_a_capture_without_a_ring_slot_drops_its_step_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slots: int
+) -> None:
+    """A launch whose capture finds the ring full (the recorder thread fell behind) would
+    leave its step replayed without that launch: the step is dropped and counted, never
+    written in part, and the steps whose captures found room stay whole. Control
+    (``slots=8``): room for every capture, every step written."""
+    import torch
+
+    monkeypatch.setattr(Session, "_loop", lambda self: None)  # its _drain, driven by hand
+    out = tmp_path / "t"
+    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="thread")
+    sess.ring = CaptureRing(torch.device("cpu"), slots=slots)
+    ctx = SimpleNamespace()
+    vec = torch.arange(4, dtype=torch.int32)
+    names = ["state_idx", "src_col", "token_bias"]
+    for step in range(4):
+        sess.begin_step(_so())
+        for _ in range(2):  # two launches a step; nothing is reaped until step 2
+            sess.grab([vec] * 3, [4] * 3, _tag(sess, ctx, "precopy", 4, names))
+        if step == 2:
+            sess._drain()
+    sess.end_step()
+    sess._drain()
+    result = sess.close(5.0)
+    manifest = json.loads((out / "manifest.json").read_text())
+    steps, launches = _steps_and_launches(out)
+    assert steps == launches
+    if slots == 2:  # step 0 took both slots; steps 1 and 2 found none, step 3 found room
+        assert steps == [0, 3] and result["drops"] == 2
+        assert manifest["drops"]["steps"] == 2 and "capture_ring_full" in manifest["errors"]
+    else:
+        assert steps == [0, 1, 2, 3] and result["drops"] == 0
+
+
 def test_a_dead_assembler_stops_the_recording_at_the_next_step(tmp_path: Path) -> None:
     """Nothing can reach the trace once the assembler process is gone: the recording stops
     at the next step boundary instead of hooking and dropping every step. Control: with

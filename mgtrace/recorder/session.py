@@ -100,8 +100,8 @@ class Session:
         self._lost_sent = 0  # how many of _lost_steps the assembler has been told of
         self._error_totals: dict[str, dict[str, Any]] = {}  # for a manifest the child missed
         self._lost_steps: list[int] = []  # dropped here: queue full or sink gone
-        # steps whose captures went out in a frame the sink refused: dropped when their
-        # record comes up, never written without their launches
+        # steps with a capture that went out in a frame the sink refused, or found no ring
+        # slot: dropped when their record comes up, never written without their launches
         self._doomed: set[int] = set()
         self._packer = wire.Packer()  # recorder thread only
         self._closing = threading.Event()
@@ -166,7 +166,14 @@ class Session:
         if ring is None:
             ring = self.ring = CaptureRing(tensors[0].device)
         if not ring.grab(tensors, lengths, tag):
-            self.count_error("capture_ring_full", "a launch found no free capture slot")
+            # a step without one of its launches would replay as if that launch never ran:
+            # the whole step is dropped and counted when its record comes up
+            self._doomed.add(tag["step"])
+            if tag.get("kernel") == BOUND_PTRS:
+                self.ptrs_grabbed.clear()  # captured once per context: capture them again
+            self.count_error(
+                "capture_ring_full", "a launch found no free capture slot: its step is dropped"
+            )
 
     def hook_failed(self, name: str, exc: BaseException) -> None:
         """Count a hook's exception; log the first of each hook. Never raises."""
@@ -183,15 +190,16 @@ class Session:
     # ------------------------------------------------------------ any thread
     def status(self) -> dict[str, Any]:
         st = self.sink.stats()
-        ring = self.ring
         return {
             "steps": self.steps_recorded,
             "rows": st["rows"],
             "bytes": st["bytes"],
+            # dropped steps: a capture lost drops its step (``_doomed`` until its record
+            # comes up), so captures are not counted apart
             "drops": st["steps_dropped"]
-            + (ring.dropped if ring else 0)
             + len(self._lost_steps)
-            - self._lost_sent,  # those the assembler counts already
+            - self._lost_sent  # those the assembler counts already
+            + len(self._doomed),
             "hook_errors": self.hook_errors + st["assemble_errors"],
             "writer_failed": st["failed"],
             "backlog_bytes": self.sink.backlog_bytes(),
