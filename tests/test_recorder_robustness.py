@@ -350,6 +350,45 @@ def test_a_capture_without_a_ring_slot_drops_its_step_counted(
         assert steps == [0, 1, 2, 3] and result["drops"] == 0
 
 
+@pytest.mark.parametrize("required", [True, False])
+def test_a_failing_required_hook_drops_its_step_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, required: bool
+) -> None:
+    """A required hook that raises in one step leaves that step without what it records
+    (a launch, a row move): the step is dropped and counted, the others stay whole. An
+    optional hook (a builder's split) only leaves its column empty: nothing is dropped,
+    the control."""
+    import torch
+
+    from mgtrace.recorder.hooks_common import hook
+
+    monkeypatch.setattr(Session, "_loop", lambda self: None)  # its _drain, driven by hand
+    out = tmp_path / "t"
+    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="thread")
+    ctx = SimpleNamespace()
+    vec = torch.arange(4, dtype=torch.int32)
+    names = ["state_idx", "src_col", "token_bias"]
+
+    def before(s: Session, args: Any, kwargs: Any) -> None:
+        if s.step == 1:
+            raise RuntimeError("a vLLM the hook did not expect")
+
+    launch = hook(sess, "launch", before=before, required=required)(lambda: None)
+    for _ in range(3):
+        sess.begin_step(_so())
+        sess.grab([vec] * 3, [4] * 3, _tag(sess, ctx, "precopy", 4, names))
+        launch()
+    sess.end_step()
+    sess._drain()
+    result = sess.close(5.0)
+    steps, launches = _steps_and_launches(out)
+    assert steps == launches and result["hook_errors"] == 1
+    if required:
+        assert steps == [0, 2] and result["drops"] == 1
+    else:
+        assert steps == [0, 1, 2] and result["drops"] == 0
+
+
 def test_a_dead_assembler_stops_the_recording_at_the_next_step(tmp_path: Path) -> None:
     """Nothing can reach the trace once the assembler process is gone: the recording stops
     at the next step boundary instead of hooking and dropping every step. Control: with

@@ -72,7 +72,7 @@ class FakeSession:
         self.live = True
         self.failures: list[str] = []
 
-    def hook_failed(self, name: str, exc: BaseException) -> None:
+    def hook_failed(self, name: str, exc: BaseException, *, drop_step: bool = False) -> None:
         self.failures.append(f"{name}: {exc}")
 
 

@@ -24,10 +24,17 @@ _FAILED = object()
 
 
 def hook(
-    sess: Session, name: str, before: Before | None = None, after: After | None = None
+    sess: Session,
+    name: str,
+    before: Before | None = None,
+    after: After | None = None,
+    *,
+    required: bool = True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A ``Patch.make`` that runs ``before(sess, args, kwargs)`` and/or
-    ``after(sess, token, result, args, kwargs)`` around the original."""
+    ``after(sess, token, result, args, kwargs)`` around the original. A ``required`` hook
+    that fails drops its step (the step would replay without what it records); an optional
+    one only leaves its column empty, as a vLLM without its target does."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         # one wrapper shape per hook kind: the fewest checks on the engine's hot path
@@ -38,7 +45,7 @@ def hook(
                     try:
                         before(sess, args, kwargs)
                     except Exception as exc:
-                        sess.hook_failed(name, exc)
+                        sess.hook_failed(name, exc, drop_step=required)
                 return orig(*args, **kwargs)
 
         elif before is None and after is not None:
@@ -49,7 +56,7 @@ def hook(
                     try:
                         after(sess, None, result, args, kwargs)
                     except Exception as exc:
-                        sess.hook_failed(name, exc)
+                        sess.hook_failed(name, exc, drop_step=required)
                 return result
 
         else:
@@ -62,14 +69,14 @@ def hook(
                     try:
                         token = before(sess, args, kwargs)
                     except Exception as exc:
-                        sess.hook_failed(name, exc)
+                        sess.hook_failed(name, exc, drop_step=required)
                         token = _FAILED
                 result = orig(*args, **kwargs)
                 if after is not None and token is not _FAILED and sess.live:
                     try:
                         after(sess, token, result, args, kwargs)
                     except Exception as exc:
-                        sess.hook_failed(name, exc)
+                        sess.hook_failed(name, exc, drop_step=required)
                 return result
 
         functools.update_wrapper(wrapper, orig)
@@ -436,17 +443,21 @@ def optional_patches(sess: Session, owners: dict[Target, Any]) -> list[Patch]:
             Patch(
                 builder,
                 "_compute_common_metadata",
-                hook(sess, "mamba_split", after=_mamba_split),
+                hook(sess, "mamba_split", after=_mamba_split, required=False),
             )
         )
     gdn = owner_of(owners, "GDNAttentionMetadataBuilder", "build")
     if gdn is not None:
-        patches.append(Patch(gdn, "build", hook(sess, "gdn_split", after=_gdn_split)))
+        patches.append(
+            Patch(gdn, "build", hook(sess, "gdn_split", after=_gdn_split, required=False))
+        )
     checkpoints = owner_of(owners, "MambaPrefillCheckpointBuilder", "build")
     if checkpoints is not None:
         patches.append(
             Patch(
-                checkpoints, "build", hook(sess, "prefill_checkpoints", after=_prefill_checkpoints)
+                checkpoints,
+                "build",
+                hook(sess, "prefill_checkpoints", after=_prefill_checkpoints, required=False),
             )
         )
     return patches

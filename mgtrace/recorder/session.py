@@ -175,9 +175,14 @@ class Session:
                 "capture_ring_full", "a launch found no free capture slot: its step is dropped"
             )
 
-    def hook_failed(self, name: str, exc: BaseException) -> None:
-        """Count a hook's exception; log the first of each hook. Never raises."""
+    def hook_failed(self, name: str, exc: BaseException, *, drop_step: bool = False) -> None:
+        """Count a hook's exception; log the first of each hook. Never raises.
+        ``drop_step``: the open step lacks what the hook records, so it is dropped and
+        counted when its record comes up, never written in part."""
         self.hook_errors += 1
+        rec = self.rec
+        if drop_step and rec is not None:
+            self._doomed.add(rec["step"])
         count_failure(self.count_error, self._logged, name, exc)
 
     def count_error(self, kind: str, message: str) -> None:
