@@ -116,6 +116,7 @@ class Session:
             return
         if len(self._records) >= MAX_PENDING_STEPS:
             self._lost_steps.append(rec["step"])  # never wait: counted, in the manifest
+            self._doomed.discard(rec["step"])  # counted once
             return
         self._records.append(rec)
         self.steps_recorded += 1
@@ -224,6 +225,7 @@ class Session:
         if self.in_step and self.rec is not None:
             rec, self.rec = self.rec, None
             self._lost_steps.append(rec["step"])
+            self._doomed.discard(rec["step"])  # counted once
             self.count_error(
                 "stopped_mid_step", f"step {rec['step']} was still running at the stop"
             )
