@@ -144,9 +144,15 @@ def per_hook(device: torch.device, steps: int) -> dict[str, float]:
 
     real_hook = hooks_common.hook
 
-    def timing_hook(sess: Any, name: str, before: Any = None, after: Any = None) -> Any:
+    def timing_hook(
+        sess: Any, name: str, before: Any = None, after: Any = None, *, required: bool = True
+    ) -> Any:
         return real_hook(
-            sess, name, timed(name + " (before)", before), timed(name + " (after)", after)
+            sess,
+            name,
+            timed(name + " (before)", before),
+            timed(name + " (after)", after),
+            required=required,
         )
 
     runner, owners = stand_in.build_runner(device)
