@@ -46,11 +46,11 @@ def toggle_trace(bug: str, seed: int, steps: int = 1500) -> Path:
     return sim_trace(bug, seed, steps, **engine)
 
 
-# A V2 + PP2 run (small blocks, k=4) whose first misdirected post-process only loses
-# req-000000's block-boundary state, at step 22; its own reads stay right until the misdirected
-# copies clobber a live block three steps later. The seed and length go with the engine.
+# A V2 + PP2 run (small blocks, k=4) whose first misdirected post-process only loses the
+# block-boundary state of its first requests, at step 14; with that check off, the loss
+# shows only at step 56. The seed and length go with the engine.
 BOUNDARY_ONLY_BUG = "batch-row-block-table"
-BOUNDARY_ONLY_SEED, BOUNDARY_ONLY_STEPS = 395520, 60
+BOUNDARY_ONLY_SEED, BOUNDARY_ONLY_STEPS = 1041, 60
 BOUNDARY_ONLY = {
     "runner": "v2",
     "pp": 2,

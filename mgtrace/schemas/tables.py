@@ -149,7 +149,14 @@ BATCH_ROWS = _table(
             "Persistent request slot: the InputBatch row (V1) or idx_mapping[batch_row] (V2).",
         ),
         col("num_scheduled", I32, "Tokens scheduled for the row this step, drafts included."),
-        col("num_computed", I32, "Tokens computed before this step, as the runner held it."),
+        col(
+            "num_computed",
+            I32,
+            "Tokens computed before this step, as the align kernels read it: V1's host count "
+            "after the async correction (at `preprocess_mamba`); V2's device count per slot "
+            "(captured before `preprocess_state`), not the batch's CPU mirror, which is the "
+            "scheduler's optimistic count under async scheduling.",
+        ),
         col("num_prompt", I32, "Prompt length."),
         col("num_draft", I32, "Draft tokens scheduled for the row."),
         col(
