@@ -272,6 +272,16 @@ def _steps_and_launches(out: Path) -> tuple[list[int], list[int]]:
     return steps, launches
 
 
+def _close_whole(sess: Session, out: Path) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
+    """Close the recording; its result, its manifest and the steps written, after checking
+    that every step written has its launches (none written in part)."""
+    result = sess.close(5.0)
+    manifest = json.loads((out / "manifest.json").read_text())
+    steps, launches = _steps_and_launches(out)
+    assert steps == launches
+    return result, manifest, steps
+
+
 @pytest.mark.parametrize("refuse", [1, 0])
 def test_captures_in_a_refused_frame_drop_their_step_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse: int
@@ -303,10 +313,7 @@ def test_captures_in_a_refused_frame_drop_their_step_counted(
         sess._drain()  # while the step is still open
     sess.end_step()
     sess._drain()
-    result = sess.close(5.0)
-    manifest = json.loads((out / "manifest.json").read_text())
-    steps, launches = _steps_and_launches(out)
-    assert steps == launches
+    result, manifest, steps = _close_whole(sess, out)
     if refuse:
         assert steps == [1, 2, 3] and result["drops"] == 1
         assert manifest["drops"]["steps"] == 1 and "captures_dropped" in manifest["errors"]
@@ -339,10 +346,7 @@ def test_a_capture_without_a_ring_slot_drops_its_step_counted(
             sess._drain()
     sess.end_step()
     sess._drain()
-    result = sess.close(5.0)
-    manifest = json.loads((out / "manifest.json").read_text())
-    steps, launches = _steps_and_launches(out)
-    assert steps == launches
+    result, manifest, steps = _close_whole(sess, out)
     if slots == 2:  # step 0 took both slots; steps 1 and 2 found none, step 3 found room
         assert steps == [0, 3] and result["drops"] == 2
         assert manifest["drops"]["steps"] == 2 and "capture_ring_full" in manifest["errors"]
@@ -380,9 +384,8 @@ def test_a_failing_required_hook_drops_its_step_counted(
         launch()
     sess.end_step()
     sess._drain()
-    result = sess.close(5.0)
-    steps, launches = _steps_and_launches(out)
-    assert steps == launches and result["hook_errors"] == 1
+    result, _, steps = _close_whole(sess, out)
+    assert result["hook_errors"] == 1
     if required:
         assert steps == [0, 2] and result["drops"] == 1
     else:
