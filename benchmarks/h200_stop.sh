@@ -1,0 +1,28 @@
+#!/bin/bash
+# The GPU tier and the headline throughput numbers on the device machine, in one call;
+# everything lands in $OUT. Run from the repository root after installing the carried
+# wheels:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD
+set -u
+PY=${PY:-python3}
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  $PY -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
+} > "$OUT/machine.txt" 2>&1
+run() {  # name, seconds, command...: one measurement, its log, its exit status
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$?"
+}
+run gpu-tier-tests 170 $PY -m pytest -q -p no:cacheprovider tests/test_replay_gpu.py \
+    tests/test_kernels_gpu.py tests/test_recorder_gpu.py tests/test_block_copies.py \
+    tests/test_prefill_checkpoints.py tests/test_gdn_split.py tests/test_forward_order.py \
+    -k "gpu or cuda or Gpu or GPU or test_replay_gpu or kernels_gpu or recorder_gpu"
+tail -1 "$OUT/gpu-tier-tests.log"
+run replay-triton 140 $PY benchmarks/bench_replay.py --steps 3000 --repeat 3 --backend triton \
+    --device cuda --no-bisect --breakdown --out "$OUT/replay-h200-triton-compact.json"
+run replay-reference 80 $PY benchmarks/bench_replay.py --steps 3000 --repeat 3 --no-bisect \
+    --out "$OUT/replay-h200host-reference.json"
+run sim 80 $PY benchmarks/bench_sim.py --steps 3000 --repeat 3 --out "$OUT/sim-h200host.json"
+run recorder 110 $PY benchmarks/bench_recorder.py --device cuda --steps 1500 --repeats 3 \
+    --out "$OUT/recorder-h200.json"
