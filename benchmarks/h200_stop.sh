@@ -1,6 +1,6 @@
 #!/bin/bash
-# The GPU tier and the headline throughput numbers on the device machine, in one call;
-# everything lands in $OUT. Run from the repository root after installing the carried
+# The GPU tier and the headline throughput numbers on a GPU machine, in one go; everything
+# lands in $OUT. Run from the repository root after installing the carried
 # wheels:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD

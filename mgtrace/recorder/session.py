@@ -28,10 +28,11 @@ from mgtrace.schemas.writer import TraceWriter
 log = logging.getLogger("mgtrace.recorder")
 
 MAX_FRAME_STEPS = 256  # steps per frame: bounds one GIL hold of the recorder thread
-# Everything ready goes in one frame, and then the thread sleeps. Frames of one step, to
-# shorten each hold, measured worse: between them the thread keeps asking for the GIL, and
-# an engine running Python gives it up only at a forced switch (a stand-in engine with
-# device waits: p99 step overhead about +1,900 µs in two of three runs, against +390-600).
+# Everything ready goes in one frame, and then the thread sleeps. Smaller frames (a quarter
+# of the waiting steps, at least one), to shorten each hold, measured worse: between them
+# the thread keeps asking for the GIL, and an engine running Python gives it up only at a
+# forced switch (a stand-in engine with device waits: p99 step overhead about +1,900 µs in
+# two of three runs, against +390-600; results/recorder-cpu-frame-size-ab.json).
 IDLE_POLL_S = 0.01  # few wake-ups: each one takes the GIL from the engine; the ring
 # holds 256 steps of captures, so this (plus a switch interval) loses none
 TICK_S = 0.05  # how often the sink's counters are read and the child is checked
