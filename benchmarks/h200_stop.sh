@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU tier and the headline throughput numbers on a GPU machine, in one go; everything
-# lands in $OUT. Run from the repository root after installing the carried
-# wheels:
+# lands in $OUT. Run from the repository root with the dependencies importable, e.g. on a
+# machine without registry access, from wheels brought along in .whl/:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
 set -u
