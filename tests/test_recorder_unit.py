@@ -418,6 +418,8 @@ def _invoke(cmd: Any, args: list[str]) -> tuple[int, str]:
         ([], "either --engine-pid PID or the engine command"),
         (["--engine-pid", "1", "--", "vllm", "serve"], "either --engine-pid PID or"),
         (["--engine-pid", "1", "--duration", "-3"], "--duration must be a positive"),
+        (["--engine-pid", "1", "--duration", "nan"], "--duration must be a positive, finite"),
+        (["--engine-pid", "1", "--duration", "inf"], "--duration must be a positive, finite"),
         (["--engine-pid", "1", "--max-steps", "0"], "--max-steps must be at least 1"),
         (["--", "vllm", "serve"], "give the trace directory with -o DIR"),
         (["--engine-pid", "999999999", "-o", "/tmp/mgtrace-never"], "there is no process"),
@@ -428,6 +430,108 @@ def test_record_rejects_bad_arguments_in_one_sentence(args: list[str], message: 
 
     code, text = _invoke(record, args)
     assert code == 2 and message in text and "\n" not in text
+
+
+def test_record_force_replaces_only_traces(tmp_path: Path) -> None:
+    """--force replaces a trace or a folder of traces, and only after the engine process
+    checks out. Control: a folder of traces alone is replaced."""
+    from mgtrace.recorder.cli import _prepare_output, record
+
+    project = tmp_path / "project"
+    (project / "old-trace").mkdir(parents=True)
+    (project / "old-trace" / "manifest.json").write_text("{}")
+    (project / "NOTES.md").write_text("mine")
+    code, text = _invoke(record, ["--engine-pid", "999999999", "-o", str(project), "-f"])
+    assert code == 2 and "there is no process" in text
+    assert (project / "NOTES.md").read_text() == "mine"  # a bad pid touches nothing
+    with pytest.raises(Exception, match="neither an mgtrace trace nor a folder of traces"):
+        _prepare_output(project, force=True)
+    assert (project / "NOTES.md").is_file() and (project / "old-trace").is_dir()
+    (project / "NOTES.md").unlink()
+    _prepare_output(project, force=True)
+    assert not project.exists()
+
+
+def test_record_refuses_another_users_engine_even_as_root(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent answers its own uid only, root included: recording another user's engine
+    is refused up front, not after a 30 s wait for a socket that cannot answer."""
+    from mgtrace.recorder import attach, proctree
+
+    me = os.geteuid()
+    monkeypatch.setattr(
+        proctree, "tree", lambda pid: [proctree.Proc(pid, 1, me + 1, "python3", "vllm serve")]
+    )
+    for euid in (me, 0):
+        monkeypatch.setattr(os, "geteuid", lambda euid=euid: euid)
+        with pytest.raises(UsageError, match=f"belongs to uid {me + 1}; record as that user"):
+            attach.engine_tree(4242)
+    # control: the engine's own user passes
+    monkeypatch.setattr(os, "geteuid", lambda: me + 1)
+    assert attach.engine_tree(4242)[0].pid == 4242
+
+
+FAKE_PID = 9_000_000  # above any pid_max: no real process answers to these
+
+
+class _FakeAgents:
+    """Control messages to stand-in agents: the first process holds a runner module, the
+    others only wait for one; ``fail_start`` makes that process's start fail."""
+
+    def __init__(self, n: int, fail_start: int | None = None) -> None:
+        self.sent: list[tuple[int, str]] = []
+        self.n, self.fail_start = n, fail_start
+
+    def send(self, path: Path, cmd: str, args: Any = None, timeout_s: float = 0) -> dict:
+        pid = int(path.stem)
+        self.sent.append((pid, cmd))
+        if cmd == "start":
+            if pid == self.fail_start:
+                raise control.ControlError("Connection refused")
+            return {
+                "state": "armed" if pid == FAKE_PID else "waiting",
+                "runner_modules": ["gpu_model_runner"] if pid == FAKE_PID else [],
+            }
+        return {"state": "idle", "steps": 3}
+
+    def stopped(self) -> set[int]:
+        return {pid for pid, cmd in self.sent if cmd == "stop"}
+
+
+def _fake_tree(monkeypatch: pytest.MonkeyPatch, agents: _FakeAgents) -> None:
+    from mgtrace.recorder import attach, proctree
+
+    procs = [
+        proctree.Proc(FAKE_PID + i, 1, os.geteuid(), "python3", "python3 -m vllm serve")
+        for i in range(agents.n)
+    ]
+    monkeypatch.setattr(attach, "engine_tree", lambda pid: procs)
+    monkeypatch.setattr(
+        attach,
+        "connect",
+        lambda p, allow_inject=True: attach.Target(p, Path(f"/x/{p.pid}.sock"), "plugin"),
+    )
+    monkeypatch.setattr(control, "send", agents.send)
+
+
+def test_record_stops_every_agent_it_started(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A process that was started but still waits for a runner module gets stop too, else
+    it arms later with nobody to stop it; a failed start stops the ones started before it."""
+    from mgtrace.recorder import attach
+
+    agents = _FakeAgents(3)
+    _fake_tree(monkeypatch, agents)
+    done = attach.record_pid(1, tmp_path / "t", duration_s=None, max_steps=None)
+    assert [t.proc.pid for t in done] == [FAKE_PID]
+    assert agents.stopped() == {FAKE_PID, FAKE_PID + 1, FAKE_PID + 2}
+    agents = _FakeAgents(3, fail_start=FAKE_PID + 2)
+    _fake_tree(monkeypatch, agents)
+    with pytest.raises(control.ControlError):
+        attach.record_pid(1, tmp_path / "t", duration_s=None, max_steps=None)
+    assert agents.stopped() == {FAKE_PID, FAKE_PID + 1}
 
 
 def test_import_probe_command_reports_counts(tmp_path: Path, capsys: Any) -> None:

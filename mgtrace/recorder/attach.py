@@ -26,8 +26,9 @@ SOCKET_WAIT_S = 30.0  # the main thread runs the queued call at its next bytecod
 POLL_S = 0.5
 ENABLE_HINT = (
     "install mgtrace in the engine's Python environment so vLLM loads its plugin "
-    "(then restart the engine), or allow ptrace (run as the engine's user with "
-    "kernel.yama.ptrace_scope=0, or as root) so mgtrace can attach with gdb"
+    "(then restart the engine), or allow ptrace (kernel.yama.ptrace_scope=0; an engine "
+    "that runs as root may be recorded by root at any scope below 3) so mgtrace can attach "
+    "with gdb"
 )
 
 
@@ -106,8 +107,13 @@ def engine_tree(pid: int) -> list[proctree.Proc]:
     procs = proctree.tree(pid)
     if not procs:
         raise UsageError(f"there is no process {pid}")
-    if procs[0].uid != os.geteuid() and os.geteuid() != 0:
-        raise UsageError(f"process {pid} belongs to another user; record as that user")
+    # The agent's socket lives in its user's runtime directory and answers that uid only,
+    # root included.
+    if procs[0].uid != os.geteuid():
+        raise UsageError(
+            f"process {pid} belongs to uid {procs[0].uid}; record as that user "
+            f"(e.g. sudo -u '#{procs[0].uid}' mgtrace record ...)"
+        )
     return procs
 
 
@@ -136,8 +142,12 @@ def record_pid(
     if not targets:
         raise AttachError(errors[0] if errors else f"no Python process under {pid}")
     args = {"out": str(out.resolve()), "max_steps": max_steps, "duration_s": duration_s}
-    for t in targets:
-        t.status = control.send(t.socket, "start", args)
+    for i, t in enumerate(targets):
+        try:
+            t.status = control.send(t.socket, "start", args)
+        except BaseException:
+            _stop_all(targets[:i])  # none is left armed with nobody to stop it
+            raise
     recorders = [t for t in targets if t.status.get("runner_modules")]
     if not recorders:
         _stop_all(targets)
@@ -166,7 +176,9 @@ def record_pid(
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         pass
-    _stop_all(recorders)
+    # every started agent, also one still waiting for a runner module: else it would arm
+    # later, with nobody left to stop it
+    _stop_all(targets)
     return recorders
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -13,18 +14,23 @@ from mgtrace.schemas.manifest import MANIFEST_NAME
 
 
 def _prepare_output(out: Path, force: bool) -> None:
+    """An empty or new ``out`` is used as it is. With --force, a trace, or a folder that holds
+    only traces (one per recorded process), is replaced; anything else is left alone."""
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not force:
         raise OutputError(f"{out} already exists; pass --force to overwrite it")
-    traces = (
-        [out]
-        if (out / MANIFEST_NAME).is_file()
-        else [p for p in out.iterdir() if (p / MANIFEST_NAME).is_file()]
-    )
-    if not traces:
-        raise OutputError(f"{out} is not an mgtrace trace; refusing to overwrite it")
+    if not out.is_dir() or not _holds_only_traces(out):
+        raise OutputError(
+            f"{out} is neither an mgtrace trace nor a folder of traces; refusing to overwrite it"
+        )
     shutil.rmtree(out)
+
+
+def _holds_only_traces(out: Path) -> bool:
+    if (out / MANIFEST_NAME).is_file():
+        return True
+    return all(p.is_dir() and (p / MANIFEST_NAME).is_file() for p in out.iterdir())
 
 
 def _status_table(targets: list) -> object:
@@ -84,18 +90,20 @@ def record_command(
 
     if (engine_pid is None) == (not command):
         raise UsageError("give either --engine-pid PID or the engine command after --")
-    if duration is not None and duration <= 0:
-        raise UsageError("--duration must be a positive number of seconds")
+    if duration is not None and not (0 < duration < math.inf):  # also refuses nan
+        raise UsageError("--duration must be a positive, finite number of seconds")
     if max_steps is not None and max_steps < 1:
         raise UsageError("--max-steps must be at least 1")
     if output is None:
         if engine_pid is None:
             raise UsageError("give the trace directory with -o DIR")
         output = Path(f"mgtrace-{engine_pid}")
-    _prepare_output(output, force)
     if engine_pid is not None:
         if engine_pid <= 0 or engine_pid == os.getpid():
             raise UsageError(f"{engine_pid} is not a vLLM engine process id")
+        attach.engine_tree(engine_pid)  # a missing or foreign process: refused before --force
+    _prepare_output(output, force)
+    if engine_pid is not None:
         with Live(refresh_per_second=2, transient=False) as live:
             targets = attach.record_pid(
                 engine_pid,
