@@ -289,3 +289,51 @@ def test_an_unknown_scheduling_choice_is_refused(
     with pytest.raises(ValueError, match="'nice' or 'idle'"):
         Session(tmp_path / "t", rank=0, kind="v1", run=RunMetadata(), assembler="process")
     assert not (tmp_path / "t").exists()
+
+
+_KILLED_ENGINE = """
+import os, sys
+from pathlib import Path
+from tests.test_recorder_outproc import _drain_until_idle, _record_steps
+from mgtrace.recorder.session import Session
+from mgtrace.schemas.manifest import RunMetadata
+sess = Session(Path(sys.argv[1]), rank=0, kind="v1", run=RunMetadata(), assembler="process")
+assert sess.wait_ready(60.0)
+_record_steps(sess, 5)
+_drain_until_idle(sess, written=True)
+print(sess.sink.proc.pid, flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), 9)
+sess.close()
+"""
+
+
+@pytest.mark.parametrize("end", ["kill", "close"])
+def test_an_engine_that_dies_leaves_a_trace_that_says_so(tmp_path: Path, end: str) -> None:
+    """The assembler reads end of input either way; only a recording the engine closed is
+    complete. Control: the same steps, closed, are complete with no such error."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "t"
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_ENGINE, str(out), end],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assembler = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{assembler}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    manifest = json.loads((out / "manifest.json").read_text())
+    if end == "kill":
+        assert proc.returncode == -signal.SIGKILL
+        assert manifest["complete"] is False and "engine_exited" in manifest["errors"]
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert manifest["complete"] is True and "engine_exited" not in manifest["errors"]

@@ -159,6 +159,34 @@ def test_capture_ring_on_the_cpu_is_exact_and_counts_drops() -> None:
     assert arrays1[0].tolist() == [3, -1, 7] and arrays1[1].tolist() == [1, 2]
     assert arrays2[0].tolist() == [1, 2, 3, 4] and (tag1, tag2) == ({"k": 1}, {"k": 2})
     assert not ring.grab([a, b], [9, 9], {}) and ring.dropped == 2  # too large for a slot
+    assert ring.refusal == "18 values, over the 16 of a slot"
+
+
+@pytest.mark.parametrize("max_num_seqs", [None, 1700])
+def test_capture_slots_fit_the_engines_widest_launch(tmp_path: Path, max_num_seqs: Any) -> None:
+    """A fused post-process of 1700 running requests reads 5 x 1700 values: the slots are
+    sized from max_num_seqs, and a capture that still does not fit is named for what it
+    is, not a full ring. Control: without max_num_seqs the default slot refuses it."""
+    import torch
+
+    sess = Session(
+        tmp_path / "t",
+        rank=0,
+        kind="v1",
+        run=RunMetadata(max_num_seqs=max_num_seqs),
+        assembler="thread",
+    )
+    try:
+        vec = torch.zeros(1700, dtype=torch.int32)
+        sess.grab([vec] * 5, [1700] * 5, {"step": 0, "kernel": "postprocess"})
+        errors = dict(sess._error_totals)
+        if max_num_seqs:
+            assert not errors and not sess._doomed
+        else:
+            assert list(errors) == ["capture_too_large"] and sess._doomed == {0}
+            assert "8500 values, over the 8192 of a slot" in errors["capture_too_large"]["first"]
+    finally:
+        sess.close()
 
 
 def test_ring_slots_are_copied_in_runs_of_consecutive_slots() -> None:
@@ -394,6 +422,32 @@ def test_import_probe_counts_values_no_trace_column_holds(tmp_path: Path) -> Non
     with pytest.raises(UsageError, match="is \\(or holds\\) the input"):
         import_probe(pp, None, pp, force=True)
     assert pp.is_file()
+
+
+def test_import_probe_survives_lines_that_break_the_json_reader_or_int64(tmp_path: Path) -> None:
+    """Deep nesting (RecursionError), Infinity and huge times or thresholds once ended the
+    import with an internal error; now a line is counted as malformed, or the value that
+    fits no column is left out. Control: the clean logs import with no such count."""
+    pp, _, _ = _probe_logs(tmp_path)
+    clean = import_probe(pp, None, tmp_path / "clean")
+    lines = pp.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if json.loads(line)["event"] == "start")
+    start = json.loads(lines[at])
+    start["builder_thresholds"] = {"MambaB": 99_999_999_999, "Attn": 1}
+    lines[at] = json.dumps(start)
+    swap = {"event": "swap", "pid": 1, "step": 2, "early": False, "swaps": []}
+    odd = [
+        "[" * 100_000,  # deeper than the JSON reader recurses
+        json.dumps({**swap, "t": 1e11}),
+        '{"event": "swap", "pid": 1, "step": 3, "early": false, "swaps": [], "t": Infinity}',
+    ]
+    bad = tmp_path / "odd.jsonl"
+    bad.write_text("\n".join([*lines, *odd]) + "\n")
+    report = import_probe(bad, None, tmp_path / "odd")
+    assert report.malformed_total == clean.malformed_total + 1
+    assert report.steps == clean.steps + 2  # each odd swap opens a step of process 1
+    reader = TraceReader(tmp_path / "odd")
+    assert reader.complete and reader.manifest.run.builder_reorder_thresholds["MambaB"] is None
 
 
 def test_engine_id_maps_to_the_client_id_like_the_reanalysis() -> None:

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from mgtrace.errors import MgtraceError, UsageError
 from mgtrace.sim.cli import simulate
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.unit
 
@@ -93,3 +94,6 @@ def test_interrupted_run_leaves_a_readable_trace_that_says_so(tmp_path: Path) ->
     assert reader.rows("steps") == 31
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["source"]["interrupted_at_step"] == 30 and "interrupted" in manifest["errors"]
+    # an interrupted run is not whole: the replay calls it inconclusive, never clean
+    assert manifest["complete"] is False and not reader.complete
+    assert run_cli("replay", str(out)).returncode == 125

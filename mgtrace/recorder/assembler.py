@@ -45,6 +45,7 @@ class Assembler:
         self.writer = writer
         self.rank = rank
         self.rows = 0
+        self.ended = False  # the engine side closed the recording (the "end" mark)
         self.errors = 0  # assembly failures (counted in the manifest as hook:assemble_*)
         self._logged: set[str] = set()
         self._by_step: dict[int, dict[str, dict[str, np.ndarray]]] = {}
@@ -67,6 +68,8 @@ class Assembler:
             self.writer.count_error(message[1], message[2])
         elif what == "drop":
             self.drop_step(message[1])
+        elif what == "end":
+            self.ended = True
 
     def drop_step(self, step: int) -> None:
         """A step the engine process could not forward: counted with the writer's drops, and

@@ -28,6 +28,15 @@ DEFAULT_SLOTS = 512  # two captures per step for the ~10 ms the recorder thread 
 # the GIL on a busy engine (a sleep, then a switch interval)
 DEFAULT_SLOT_ELEMS = 1 << 13  # int32 elements: 4 slot-indexed vectors of 2048 requests
 MAX_VIEWS = 64
+# The widest capture: V2 reads three vectors indexed by request slot beside one per row;
+# V1's fused post-process five vectors per row. Eight per request covers both.
+VECTORS_PER_REQUEST = 8
+
+
+def slot_elems_for(max_num_seqs: int | None) -> int:
+    """A slot wide enough for every launch of an engine with ``max_num_seqs`` requests."""
+    need = VECTORS_PER_REQUEST * (max_num_seqs or 0)
+    return max(DEFAULT_SLOT_ELEMS, -(-need // 1024) * 1024)
 
 
 def consecutive_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
@@ -78,14 +87,19 @@ class CaptureRing:
         self._issued = 0  # pending entries, from the left, whose host copy is issued
         self.captured = 0
         self.dropped = 0
+        self.refusal = ""  # why the last refused capture was refused
+
+    def _refuse(self, why: str) -> bool:
+        self.dropped += 1
+        self.refusal = why
+        return False
 
     def grab(self, tensors: Sequence[Any], lengths: Sequence[int], tag: Any) -> bool:
         """Queue the copy of ``tensors[i][:lengths[i]]`` (or more: on the device whole
         vectors when they fit, so callers slice what they need); engine thread, never
         blocks."""
         if not self._free:
-            self.dropped += 1
-            return False
+            return self._refuse("full")
         if self.staging is not None:
             # Whole tensors when they fit: slicing costs a torch call per vector, and the
             # assembler trims to the rows the launch read.
@@ -97,8 +111,7 @@ class CaptureRing:
                 parts = [t[:n] for t, n in zip(tensors, lengths, strict=True)]
             total = sum(lengths)
             if total > self.slot_elems:
-                self.dropped += 1
-                return False
+                return self._refuse(f"{total} values, over the {self.slot_elems} of a slot")
             i = self._free.popleft()
             try:
                 self._torch.cat(parts, out=self._slot(i, total))
@@ -109,8 +122,7 @@ class CaptureRing:
         else:
             total = sum(lengths)
             if total > self.slot_elems:
-                self.dropped += 1
-                return False
+                return self._refuse(f"{total} values, over the {self.slot_elems} of a slot")
             i = self._free.popleft()
             # Host tensors: numpy views of them are free and a numpy copy costs a fraction
             # of a torch op, which matters on a busy engine thread.

@@ -246,6 +246,15 @@ class ProcessSink:
                 time.sleep(0.002)
         if self._out and self.failed is None:
             self._died(f"the assembler process did not catch up within {timeout_s:.0f} s")
+        if self.failed is None:
+            # the end mark: the child tells a closed recording from an engine that died
+            end = wire.encode([("end",)])
+            self._out.append(memoryview(end))
+            self._backlog += len(end)
+            while self._out and self.failed is None and time.monotonic() < deadline:
+                self._flush()
+                if self._out:
+                    time.sleep(0.002)
         with contextlib.suppress(OSError):
             os.close(self._to_child)  # end of input: the child flushes and exits
         try:
@@ -371,8 +380,14 @@ def _child(config: dict[str, Any]) -> int:
         if now - last >= STATS_EVERY_S:
             report()
             last = now
+    if not asm.ended:
+        writer.count_error(
+            "engine_exited",
+            "the engine process ended without stopping the recording (it exited or was "
+            "killed): the steps it had not yet handed over are missing",
+        )
     asm.finish()
-    manifest = writer.close()
+    manifest = writer.close(complete=asm.ended)
     report(manifest.complete)
     return 0
 

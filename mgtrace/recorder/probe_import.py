@@ -117,6 +117,19 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+# What a malformed line can raise while it is read and checked: counted, never fatal.
+# (json.loads meets RecursionError in deeply nested input; Infinity parses as a float.)
+_BAD_LINE = (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError)
+WALL_NS_LIMIT = 2**63
+
+
+def _wall_ns(t: Any) -> int | None:
+    """A probe's wall time in seconds as int64 nanoseconds; None when it is not one."""
+    if type(t) not in (int, float) or not 0 <= t * 1e9 < WALL_NS_LIMIT:  # also nan, inf
+        return None
+    return int(t * 1e9)
+
+
 def _opt_int(value: Any) -> int | None:
     """An optional integer; anything else (or one no trace column holds) is absent."""
     return value if type(value) is int and -INT_LIMIT <= value < INT_LIMIT else None
@@ -164,7 +177,7 @@ class ProbeImporter:
                     if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
                         raise _Malformed("not an event object")
                     self._event(ev)
-                except (ValueError, TypeError, IndexError, KeyError) as exc:
+                except _BAD_LINE as exc:
                     self.malformed("probe_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
 
     def _rank(self, ev: dict[str, Any]) -> int:
@@ -178,9 +191,8 @@ class ProbeImporter:
         if step < 0:
             raise _Malformed("step must be 1 or more")
         rec = self.steps.setdefault((self._rank(ev), step), _Step())
-        t = ev.get("t")
-        if rec.wall_ns is None and isinstance(t, (int, float)):
-            rec.wall_ns = int(t * 1e9)
+        if rec.wall_ns is None:
+            rec.wall_ns = _wall_ns(ev.get("t"))
         rec.threshold = self.threshold
         return rec
 
@@ -193,7 +205,9 @@ class ProbeImporter:
             self.threshold = _opt_int(thr)
             builders = ev.get("builder_thresholds") or {}
             if isinstance(builders, dict):
-                mamba = [v for k, v in builders.items() if "Mamba" in k and type(v) is int]
+                mamba = [
+                    v for k, v in builders.items() if "Mamba" in str(k) and _opt_int(v) is not None
+                ]
                 self.mamba_threshold = max(mamba) if mamba else None
         elif kind == "reorderfix":
             self.threshold = _opt_int(ev.get("after"))
@@ -316,7 +330,7 @@ class ProbeImporter:
                     if tokens is not None and _opt_int(tokens) is None:
                         raise _Malformed("completion_tokens is not an integer")
                     rows.append(row)
-                except ValueError as exc:
+                except _BAD_LINE as exc:
                     self.malformed("burst_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
         starts = [r["t_start"] for r in rows if isinstance(r.get("t_start"), (int, float))]
         t0 = min(starts) if starts else 0.0

@@ -20,7 +20,7 @@ from typing import Any
 
 from mgtrace.recorder import outproc, wire
 from mgtrace.recorder.assemble import BOUND_PTRS
-from mgtrace.recorder.capture import CaptureRing
+from mgtrace.recorder.capture import CaptureRing, slot_elems_for
 from mgtrace.recorder.failures import count_failure
 from mgtrace.schemas.manifest import RunMetadata
 from mgtrace.schemas.writer import TraceWriter
@@ -60,6 +60,7 @@ class Session:
         self.rank = rank
         self.kind = kind
         self.block_size = mamba_block_size
+        self.max_num_seqs = run.max_num_seqs  # sizes the capture slots
         # an in-process writer object can only be fed in-process
         mode = "thread" if writer is not None else outproc.chosen_mode(assembler)
         source = {**(source or {}), "assembler": mode}
@@ -170,16 +171,26 @@ class Session:
     def grab(self, tensors: list[Any], lengths: list[int], tag: dict[str, Any]) -> None:
         ring = self.ring
         if ring is None:
-            ring = self.ring = CaptureRing(tensors[0].device)
+            ring = self.ring = CaptureRing(
+                tensors[0].device, slot_elems=slot_elems_for(self.max_num_seqs)
+            )
         if not ring.grab(tensors, lengths, tag):
             # a step without one of its launches would replay as if that launch never ran:
             # the whole step is dropped and counted when its record comes up
             self._doomed.add(tag["step"])
             if tag.get("kernel") == BOUND_PTRS:
                 self.ptrs_grabbed.clear()  # captured once per context: capture them again
-            self.count_error(
-                "capture_ring_full", "a launch found no free capture slot: its step is dropped"
-            )
+            if ring.refusal == "full":
+                self.count_error(
+                    "capture_ring_full",
+                    "a launch found no free capture slot: its step is dropped",
+                )
+            else:
+                self.count_error(
+                    "capture_too_large",
+                    f"a launch's inputs ({ring.refusal}) do not fit a capture slot: its step "
+                    "is dropped",
+                )
 
     def hook_failed(self, name: str, exc: BaseException, *, drop_step: bool = False) -> None:
         """Count a hook's exception; log the first of each hook. Never raises.

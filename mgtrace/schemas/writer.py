@@ -546,8 +546,9 @@ class TraceWriter:
             failed=self._failed,
         )
 
-    def close(self) -> Manifest:
-        """Flush everything queued, mark the trace complete and stop the thread."""
+    def close(self, *, complete: bool = True) -> Manifest:
+        """Flush everything queued, mark the trace complete (unless the caller knows it is
+        not: an interrupted run, a recording whose engine died) and stop the thread."""
         if self._closed:
             return self.manifest
         self._closed = True
@@ -556,7 +557,7 @@ class TraceWriter:
         self._thread.join()
         with self._lock:
             self._fold_drops()
-            self.manifest.complete = self._failed is None
+            self.manifest.complete = complete and self._failed is None
             self.manifest.closed_unix = time.time()
             if self._failed is not None:
                 self.manifest.errors.setdefault("writer", {"count": 1, "first": self._failed})

@@ -223,7 +223,7 @@ def simulate(
         writer.update_source(interrupted_at_step=step, num_requests=len(engine.requests))
         writer.count_error("interrupted", f"the simulation stopped at step {step} of {cfg.steps}")
         writer.set_ground_truth(engine.truth.to_dict())
-        writer.close()
+        writer.close(complete=False)  # a replay must call it inconclusive, never clean
         raise
     try:
         manifest = writer.close()
