@@ -8,8 +8,8 @@ from mgtrace.errors import UsageError
 
 
 def refuse_overwriting_inputs(output: Path, *inputs: Path | None) -> None:
-    """Refuse an output that is, or holds, one of the command's inputs, --force or not: a
-    slip of the keyboard must not destroy the trace or log being studied."""
+    """Refuse an output that is, holds, or lies inside one of the command's inputs, --force
+    or not: a slip of the keyboard must not destroy the trace or log being studied."""
     out = Path(output).resolve()
     for given in inputs:
         if given is None:
@@ -19,3 +19,5 @@ def refuse_overwriting_inputs(output: Path, *inputs: Path | None) -> None:
             raise UsageError(
                 f"{output} is (or holds) the input {given}; write the output elsewhere"
             )
+        if src in out.parents:
+            raise UsageError(f"{output} lies inside the input {given}; write the output elsewhere")

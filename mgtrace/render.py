@@ -10,11 +10,18 @@ from rich.markup import escape
 from rich.table import Table
 
 
+class _PipedConsole(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits with status 1 here, which a replay means as "corrupt"; the reader going
+        # away (`| head`) is the command line's to handle, as for any other write
+        raise BrokenPipeError
+
+
 def stdout_console() -> Console:
     """Piped output gets room for wide tables instead of rich's 80-column default."""
     import sys
 
-    return Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+    return _PipedConsole(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
 
 
 _RUN_FIELDS = (

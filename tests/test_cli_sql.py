@@ -118,3 +118,24 @@ def test_output_format_follows_the_file_suffix(sample_trace: Path, tmp_path: Pat
         == 0
     )
     assert (tmp_path / "r.txt").read_text().splitlines()[0] == '"step","n"'
+
+
+@pytest.mark.parametrize("fmt", ["table", "csv"])
+def test_a_reader_that_goes_away_is_not_a_verdict(sample_trace: Path, fmt: str) -> None:
+    """`mgtrace sql ... | head -1`: rich once exited 1 on the broken pipe, which a script
+    reads as "corruption found". Control: the whole output, read to the end, exits 0 too."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    argv = [sys.executable, "-m", "mgtrace", "sql", str(sample_trace), "--format", fmt]
+    argv += ["--max-rows", "100000", "SELECT * FROM batch_rows, range(4)"]  # past a pipe's buffer
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 0 and "Traceback" not in err, err
+    whole = subprocess.run(argv, cwd=REPO, capture_output=True, timeout=120)
+    assert whole.returncode == 0 and len(whole.stdout) > 1 << 17

@@ -493,7 +493,7 @@ def test_record_force_replaces_only_traces(tmp_path: Path) -> None:
 
     project = tmp_path / "project"
     (project / "old-trace").mkdir(parents=True)
-    (project / "old-trace" / "manifest.json").write_text("{}")
+    (project / "old-trace" / "manifest.json").write_text('{"format": "mgtrace-trace"}')
     (project / "NOTES.md").write_text("mine")
     code, text = _invoke(record, ["--engine-pid", "999999999", "-o", str(project), "-f"])
     assert code == 2 and "there is no process" in text

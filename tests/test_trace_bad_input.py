@@ -220,7 +220,15 @@ def test_an_output_never_replaces_the_trace_it_reads(fresh_trace: Path, tmp_path
     ):
         err = assert_one_sentence_error(run_cli(*args, "--force"), 2)
         assert "is (or holds) the input" in err, err
+    inside = fresh_trace / "manifest.json"
+    for args in (
+        ("sql", str(fresh_trace), "SELECT 1 AS x", "--format", "csv", "-o", str(inside)),
+        ("report", str(fresh_trace), "--no-bisect", "-o", str(inside)),
+    ):
+        err = assert_one_sentence_error(run_cli(*args, "--force"), 2)
+        assert "lies inside the input" in err, err
     assert sorted(p.name for p in fresh_trace.iterdir()) == before
+    assert run_cli("info", str(fresh_trace)).returncode == 0
     out = tmp_path / "x.csv"
     args = ("sql", str(fresh_trace), "SELECT 1 AS x", "--format", "csv", "-o", str(out))
     assert run_cli(*args, "--force").returncode == 0 and out.is_file()

@@ -164,6 +164,15 @@ def test_writer_refuses_to_overwrite(fresh_trace: Path, tmp_path: Path) -> None:
     with pytest.raises(OutputError, match="not an mgtrace trace"):
         TraceWriter(other, overwrite=True)
     assert (other / "precious.txt").exists()
+    # another program's manifest.json does not make a trace, nor does a plain file
+    (other / "manifest.json").write_text('{"name": "my-web-app"}')
+    with pytest.raises(OutputError, match="not an mgtrace trace"):
+        TraceWriter(other, overwrite=True)
+    plain = tmp_path / "notes.txt"
+    plain.write_text("keep me too")
+    with pytest.raises(OutputError, match="not an mgtrace trace"):
+        TraceWriter(plain, overwrite=True)
+    assert (other / "precious.txt").exists() and plain.read_text() == "keep me too"
     TraceWriter(fresh_trace, overwrite=True).close()  # control: a trace may be replaced
     assert TraceReader(fresh_trace).rows("steps") == 0
 

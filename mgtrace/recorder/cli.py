@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from mgtrace.errors import MgtraceError, OutputError, UsageError
-from mgtrace.schemas.manifest import MANIFEST_NAME
+from mgtrace.schemas.manifest import is_trace_directory
 
 
 def _prepare_output(out: Path, force: bool) -> None:
@@ -28,9 +28,7 @@ def _prepare_output(out: Path, force: bool) -> None:
 
 
 def _holds_only_traces(out: Path) -> bool:
-    if (out / MANIFEST_NAME).is_file():
-        return True
-    return all(p.is_dir() and (p / MANIFEST_NAME).is_file() for p in out.iterdir())
+    return is_trace_directory(out) or all(is_trace_directory(p) for p in out.iterdir())
 
 
 def _status_table(targets: list) -> object:

@@ -238,6 +238,16 @@ def save_manifest(trace_dir: Path, manifest: Manifest) -> None:
     write_json_atomic(trace_dir / MANIFEST_NAME, manifest.to_dict())
 
 
+def is_trace_directory(path: Path) -> bool:
+    """Whether ``path`` is a directory whose manifest says it is an mgtrace trace: what
+    --force may replace (a ``manifest.json`` of some other program does not count)."""
+    try:
+        data = json.loads((path / MANIFEST_NAME).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT_NAME
+
+
 def read_manifest_file(path: Path) -> Manifest:
     """One ``manifest.json``, parsed and checked."""
     try:

@@ -35,10 +35,10 @@ import pyarrow.parquet as pq
 from mgtrace import __version__
 from mgtrace.errors import OutputError
 from mgtrace.schemas.manifest import (
-    MANIFEST_NAME,
     Manifest,
     PartInfo,
     RunMetadata,
+    is_trace_directory,
     load_manifest,
     save_manifest,
 )
@@ -583,9 +583,9 @@ class TraceWriter:
         if p.exists() and (not p.is_dir() or any(p.iterdir())):
             if not overwrite:
                 raise OutputError(f"{p} already exists; pass --force to overwrite it")
-            if p.is_dir() and not (p / MANIFEST_NAME).is_file():
+            if not is_trace_directory(p):
                 raise OutputError(f"{p} is not an mgtrace trace; refusing to overwrite it")
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            shutil.rmtree(p)
         self._made_directory = not p.exists()
         try:
             p.mkdir(parents=True, exist_ok=True)
