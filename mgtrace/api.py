@@ -145,7 +145,7 @@ class Trace:
             save_findings(
                 self.path,
                 result.findings,
-                replay_id=replay_id_for(ruleset),
+                replay_id=replay_id_for(ruleset, from_step, to_step),
                 rules=ruleset.canonical(),
             )
             self.reload()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -340,6 +342,59 @@ def test_checkpoints_let_a_replay_start_mid_trace(tmp_path) -> None:
         (f.step, f.req_id, f.signature) for f in late
     ]
     assert late, "control: the resumed stretch must hold findings to compare"
+
+
+def test_the_checkpoint_cache_outlives_saved_findings_and_damage(tmp_path) -> None:
+    """Findings saved into the trace leave the cache valid (the key covers what a replay
+    reads); a damaged checkpoint file is a miss, removed, and the next older one serves; a
+    window's findings never replace the whole replay's. Controls: the cache is hit before
+    any of this, and the resumed findings equal the full replay's."""
+    from mgtrace.replayer.checkpoint import cache_dir
+    from tests.conftest import run_cli
+
+    out = tmp_path / "t"
+    simulate_small(out)
+    base = ("replay", str(out), "--json")
+    assert run_cli(*base, "--checkpoint-every", "64").returncode == 1  # saves its findings
+    whole = _findings_by_replay(out)
+    assert len(whole) == 1
+    resumed = run_cli(*base, "--from-step", "300", "--no-save")
+    assert json.loads(resumed.stdout)["steps"] == 400 - 256  # a hit, findings saved or not
+    from mgtrace.schemas.reader import TraceReader
+
+    cached = sorted(cache_dir(TraceReader(out), "as-recorded", "compact").glob("*.npz"))
+    damaged = next(f for f in cached if f.stem.endswith("step000000255"))  # the one it used
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    resumed = run_cli(*base, "--from-step", "300", "--no-save")
+    assert resumed.returncode == 1, resumed.stderr
+    assert json.loads(resumed.stdout)["steps"] == 400 - 192  # the next older one
+    assert not damaged.exists()
+    # a window saves under its own id: the whole replay's findings stay as they were
+    assert run_cli(*base, "--from-step", "300").returncode == 1
+    after = _findings_by_replay(out)
+    assert len(after) == 2 and set(whole.items()) <= set(after.items())
+
+
+def simulate_small(out) -> None:
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    simulate(
+        SimConfig(
+            steps=400, seed=1, bugs=("reorder-threshold-mismatch",), output=out, max_num_seqs=16
+        ).validate()
+    )
+
+
+def _findings_by_replay(trace) -> dict[str, tuple[int, int]]:
+    """replay id -> (findings, first step)."""
+    from mgtrace.schemas.reader import TraceReader
+
+    con = TraceReader(trace).connect()
+    rows = con.execute(
+        "SELECT replay_id, count(*), min(step) FROM findings GROUP BY replay_id"
+    ).fetchall()
+    return {r[0]: (r[1], r[2]) for r in rows}
 
 
 def _batch(

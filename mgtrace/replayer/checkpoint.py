@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,12 +26,18 @@ from mgtrace.replayer.view import row_view
 from mgtrace.schemas.reader import TraceReader
 
 CACHE_DIR = ".replay-cache"
+log = logging.getLogger("mgtrace")
+
+
+# Tables a replay writes and never reads: saving findings must not make the cache stale.
+NOT_REPLAYED = frozenset({"findings"})
 
 
 def cache_key(reader: TraceReader, rules: str, layout: str) -> str:
     h = hashlib.sha256()
     for part in sorted(reader.parts, key=lambda p: p.path):
-        h.update(part.sha256.encode())
+        if part.table not in NOT_REPLAYED:
+            h.update(part.sha256.encode())
     h.update(f"{rules}|{layout}|{__version__}".encode())
     return h.hexdigest()[:16]
 
@@ -68,16 +75,34 @@ def save(directory: Path, rank: int, cp: Checkpoint) -> Path:
     return target
 
 
-def latest_before(directory: Path, rank: int, step: int) -> Path | None:
-    """The newest checkpoint of ``rank`` taken after a step earlier than ``step``."""
+def _cached(directory: Path, rank: int, step: int) -> list[tuple[int, Path]]:
+    """Checkpoints of ``rank`` taken after a step earlier than ``step``, newest first."""
     if not directory.is_dir():
-        return None
-    best = None
+        return []
+    found = []
     for path in directory.glob(f"rank{rank:03d}-step*.npz"):
-        s = int(path.stem.rsplit("step", 1)[1])
-        if s < step and (best is None or s > best[0]):
-            best = (s, path)
-    return None if best is None else best[1]
+        try:
+            s = int(path.stem.rsplit("step", 1)[1])
+        except ValueError:
+            continue  # not a name this cache gives
+        if s < step:
+            found.append((s, path))
+    return sorted(found, reverse=True)
+
+
+def restore_cached(rep: RankReplay, directory: Path, rank: int, step: int) -> int | None:
+    """Restore the newest readable cached checkpoint before ``step``; return its last step,
+    or None when there is none. A damaged file is a cache miss: it is removed and the next
+    older one tried."""
+    for _, path in _cached(directory, rank, step):
+        try:
+            cp = load(path)
+        except Exception as exc:  # truncated, foreign or from another layout
+            log.warning("mgtrace: a damaged replay checkpoint was removed (%s: %s)", path, exc)
+            path.unlink(missing_ok=True)
+            continue
+        return _restore_loaded(rep, cp)
+    return None
 
 
 @dataclass
@@ -132,6 +157,32 @@ def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
     if isinstance(path, Checkpoint):
         rep.restore(path)
         return path.step
+    return _restore_loaded(rep, load(path))
+
+
+def _restore_loaded(rep: RankReplay, cp: Checkpoint) -> int:
+    """Restore a checkpoint read from a file, rebuilding the row views it does not hold."""
+    rep.oracle.findings.clear()
+    rep.restore(cp)
+    trace = rep.trace
+    for s in range(cp.step - rep.keep_views + 1, cp.step + 1):
+        batch = trace.batch(s)
+        # a repro's start state may leave deferred batches before step 0 (at negative steps)
+        if s >= 0 or batch.num_rows:
+            rep.views[s] = row_view(
+                batch,
+                rep.rules,
+                recorded_threshold=trace.step_value("reorder_threshold", s),
+                k=rep.k,
+                runner=rep.runner,
+                builder_threshold=trace.step_value("mamba_threshold", s),
+                gdn=spec_decodes_run_first(trace.run),
+            )
+    return cp.step
+
+
+def load(path: Path) -> Checkpoint:
+    """A checkpoint file as a Checkpoint without views (``restore`` rebuilds them)."""
     with np.load(path) as data:
         meta = json.loads(str(data["meta"]))
         tables = {
@@ -154,20 +205,4 @@ def restore(rep: RankReplay, path: Path | Checkpoint) -> int:
             findings=0,
             views={},
         )
-    rep.oracle.findings.clear()
-    rep.restore(cp)
-    trace = rep.trace
-    for s in range(cp.step - rep.keep_views + 1, cp.step + 1):
-        batch = trace.batch(s)
-        # a repro's start state may leave deferred batches before step 0 (at negative steps)
-        if s >= 0 or batch.num_rows:
-            rep.views[s] = row_view(
-                batch,
-                rep.rules,
-                recorded_threshold=trace.step_value("reorder_threshold", s),
-                k=rep.k,
-                runner=rep.runner,
-                builder_threshold=trace.step_value("mamba_threshold", s),
-                gdn=spec_decodes_run_first(trace.run),
-            )
-    return cp.step
+    return cp

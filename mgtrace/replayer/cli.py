@@ -23,9 +23,13 @@ from mgtrace.errors import (
 from mgtrace.replayer.rules import RULES, RuleSet
 
 
-def replay_id_for(rules: RuleSet) -> str:
-    """Findings of one rule set replace those of an earlier replay with the same rules."""
-    return hashlib.sha1(rules.canonical().encode()).hexdigest()[:12]
+def replay_id_for(rules: RuleSet, from_step: int | None = None, to_step: int | None = None) -> str:
+    """Findings of one rule set replace those of an earlier replay with the same rules over
+    the same steps; a replay of a window never replaces the whole trace's, nor the reverse."""
+    key = rules.canonical()
+    if from_step is not None or to_step is not None:
+        key += f"|steps {from_step}..{to_step}"
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 def rules_from_options(values: dict[str, str | None], rules_text: str | None) -> RuleSet:
@@ -184,7 +188,7 @@ def replay(
     # gaps a replay crosses with --allow-gaps are dropped or left-out steps, which the
     # manifest and the reader say
     unseen = None if result.findings else unseen_reason(reader)
-    replay_id = replay_id_for(rules)
+    replay_id = replay_id_for(rules, from_step, to_step)
     saved = False
     if not no_save:
         try:

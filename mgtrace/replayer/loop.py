@@ -885,9 +885,9 @@ def replay_trace(
         if (from_step or checkpoint_every) and hasattr(reader, "path"):
             cache = ckpt.cache_dir(reader, rules.canonical(), layout)
         if from_step and cache is not None:
-            found = ckpt.latest_before(cache, rank, from_step)
-            if found is not None:
-                start = ckpt.restore(rep, found) + 1
+            restored = ckpt.restore_cached(rep, cache, rank, from_step)
+            if restored is not None:
+                start = restored + 1
         save = None
         if checkpoint_every and cache is not None:
 
