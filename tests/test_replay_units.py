@@ -243,9 +243,11 @@ def test_table_store_keeps_block_ids_past_the_pool_out_and_says_where() -> None:
     assert unbounded.apply([(0, "v1", 0, [12])]) == []
 
 
-def test_a_block_id_past_the_pool_is_a_finding_not_a_crash(tmp_path) -> None:
-    """A block-table row naming a block the pool does not have is reported as malformed at
-    the step that wrote it; the same trace without it replays clean."""
+@pytest.mark.parametrize("bad_id", ["past", "negative"])
+def test_a_block_id_past_the_pool_is_a_finding_not_a_crash(tmp_path, bad_id: str) -> None:
+    """A block-table row naming a block the pool does not have (past its end, or negative:
+    once read as "no block" and passed clean) is reported as malformed at the step that
+    wrote it; the same trace without it replays clean."""
     import pyarrow as pa
 
     from mgtrace.replayer.findings import MALFORMED
@@ -259,6 +261,7 @@ def test_a_block_id_past_the_pool_is_a_finding_not_a_crash(tmp_path) -> None:
     src = tmp_path / "src"
     simulate(SimConfig(scenario="steady", steps=100, seed=2, output=src).validate())
     reader = TraceReader(src)
+    poisoned_id = reader.run.num_blocks + 7 if bad_id == "past" else -9
 
     def copy(out, poison: bool):
         with TraceWriter(out, run=reader.run, source={"kind": "test"}) as w:
@@ -269,7 +272,7 @@ def test_a_block_id_past_the_pool_is_a_finding_not_a_crash(tmp_path) -> None:
                 rows = table.to_pylist()
                 if poison and name == "block_tables":
                     first = next(r for r in rows if r["step"] >= 50 and r["block_ids"])
-                    first["block_ids"] = [reader.run.num_blocks + 7] * len(first["block_ids"])
+                    first["block_ids"] = [poisoned_id] * len(first["block_ids"])
                 table = pa.Table.from_pylist(rows, schema=table.schema).drop(["rank"])
                 cols = {c: table[c].to_pylist() for c in table.column_names}
                 w.write_steps(0, min(cols["step"]), max(cols["step"]), {name: cols})
@@ -279,7 +282,7 @@ def test_a_block_id_past_the_pool_is_a_finding_not_a_crash(tmp_path) -> None:
     findings = replay_trace(copy(tmp_path / "poisoned", poison=True)).findings
     first = findings[0]
     assert (first.kind, first.mechanism) == (MALFORMED, "block-table:block-id-out-of-pool")
-    assert first.step >= 50 and first.block_id == reader.run.num_blocks + 7
+    assert first.step >= 50 and first.block_id == poisoned_id
 
 
 def test_a_trace_without_the_mamba_split_decodes_only_rows_past_their_prompt(

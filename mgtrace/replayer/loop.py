@@ -389,7 +389,8 @@ class RankReplay:
             self._check_next_state(step, launch, result, view)
 
     def _report_out_of_pool(self, step: int, entry: OutOfPool, view: RowView) -> None:
-        """A block-table row names a block past the pool: the replay reads it as no block."""
+        """A block-table row names a block outside the pool: the replay reads it as no
+        block."""
         batch_row: int | None = entry.row
         if entry.kind == "source":  # V2 source tables are indexed by request slot
             hit = np.flatnonzero(view.slot == entry.row)
@@ -405,8 +406,8 @@ class RankReplay:
             who,
             batch_row,
             f"row {entry.row} of the {entry.kind} block table (group {entry.group}) holds "
-            f"block id {entry.block_id}, past the pool of {self.tables.num_blocks} blocks; "
-            "it is replayed as no block",
+            f"block id {entry.block_id}, outside the pool of {self.tables.num_blocks} "
+            "blocks; it is replayed as no block",
             group=entry.group,
             block_id=entry.block_id,
         )

@@ -75,10 +75,16 @@ class TableStore:
             n = min(len(block_ids), self.width)
             table[row, :n] = block_ids[:n]
             table[row, n:] = 0
-            # max() of the short id list: cheaper than a numpy reduction over the table row.
-            if self.num_blocks is not None and n and max(block_ids[:n]) >= self.num_blocks:
+            # min()/max() of the short id list: cheaper than numpy reductions over the row.
+            # Block ids are never negative (the null block is 0): a negative one is as
+            # malformed as one past the pool.
+            if (
+                self.num_blocks is not None
+                and n
+                and (max(block_ids[:n]) >= self.num_blocks or min(block_ids[:n]) < 0)
+            ):
                 entries = table[row, :n]
-                bad = entries >= self.num_blocks
+                bad = (entries >= self.num_blocks) | (entries < 0)
                 outside.append(OutOfPool(group, kind, row, int(entries[bad][0])))
                 entries[bad] = -1
         return outside
