@@ -96,6 +96,38 @@ def test_a_log_inside_its_trace_rechecks_from_anywhere(
         recheck_log(log)
 
 
+def test_a_copied_damaged_or_skipping_log_rechecks_as_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log copied out of its trace finds the trace it names, not the directory it now
+    sits in; a damaged log is one sentence, not an internal error; a verdict made with
+    --skip-bad-parts is re-checked the same way. Control: each re-check holds."""
+    import shutil
+
+    trace = tmp_path / "t.trace"
+    shutil.copytree(toggle_trace("reorder-threshold-mismatch", 0), trace)
+    monkeypatch.chdir(tmp_path)
+    save_log(bisect(trace), trace / "bisect.json")
+    copy = tmp_path / "copy.json"
+    shutil.copy(trace / "bisect.json", copy)
+    same, _, new = recheck_log(copy)
+    assert same and new.status == "bad"
+    logged = json.loads(copy.read_text())
+    for damaged in ({"format": "mgtrace-bisect"}, {**logged, "probes": [{"x": 1}]}):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(damaged))
+        err = assert_one_sentence_error(run_cli("bisect", "--replay", str(bad)), 2)
+        assert "is a damaged bisect log" in err, err
+    # a damaged part: the verdict is made with --skip-bad-parts, and re-checked with it
+    part = next((trace / "row_moves").glob("*.parquet"))
+    part.write_bytes(b"PAR1 garbage")
+    made = run_cli("bisect", str(trace), "--skip-bad-parts")
+    assert made.returncode in (1, 125), made.stderr
+    again = run_cli("bisect", "--replay", str(trace / "bisect.json"))
+    assert again.returncode == made.returncode, again.stderr
+    assert "the verdict holds" in again.stdout
+
+
 def _with_steps_removed(src: Path, dst: Path, drop: set[int], *, complete: bool = True) -> Path:
     mem = load_memory(TraceReader(src))
     tables = {}

@@ -33,6 +33,8 @@ from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
 from mgtrace.replayer.requests import is_request
 from mgtrace.replayer.rules import RuleSet, single_changes
 from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
+from mgtrace.schemas.manifest import MANIFEST_NAME
+from mgtrace.schemas.ranks import rank_directories
 from mgtrace.schemas.reader import TraceReader
 
 LOG_FORMAT = "mgtrace-bisect"
@@ -296,10 +298,11 @@ def bisect(trace: Path, **kwargs: Any) -> Verdict:
     return Bisector(trace, **kwargs).run()
 
 
-def save_log(v: Verdict, path: Path) -> None:
+def save_log(v: Verdict, path: Path, *, skip_bad_parts: bool = False) -> None:
     from mgtrace.schemas.manifest import write_json_atomic
 
     data = v.to_json()
+    data["skip_bad_parts"] = skip_bad_parts  # the re-check reads the trace the same way
     # the trace as seen from the log, so the log re-checks from any directory, and after
     # the trace and its log (it sits inside by default) move together
     data["trace_from_log"] = os.path.relpath(Path(v.trace).resolve(), Path(path).resolve().parent)
@@ -311,7 +314,8 @@ def _logged_trace(log: Path, data: dict[str, Any]) -> Path:
     relative = data.get("trace_from_log")
     if isinstance(relative, str):
         beside = Path(log).resolve().parent / relative
-        if beside.is_dir():
+        # a trace, not merely a directory: a log copied out of its trace names "."
+        if (beside / MANIFEST_NAME).is_file() or rank_directories(beside):
             return beside
     return Path(data["trace"])
 
@@ -326,10 +330,17 @@ def recheck_log(path: Path, **kwargs: Any) -> tuple[bool, Verdict, Verdict]:
         raise MgtraceError(f"{path} is not an mgtrace bisect log (not JSON)") from None
     if not isinstance(data, dict) or data.get("format") != LOG_FORMAT:
         raise MgtraceError(f"{path} is not an mgtrace bisect log")
-    old = Verdict(**{k: data[k] for k in Verdict.__dataclass_fields__ if k in data})
-    old.probes = [Probe(**p) for p in data.get("probes", [])]
-    trace = _logged_trace(Path(path), data)
-    new = bisect(trace, base=RuleSet.parse(old.base_rules), horizon=old.horizon, **kwargs)
+    try:
+        old = Verdict(**{k: data[k] for k in Verdict.__dataclass_fields__ if k in data})
+        old.probes = [Probe(**p) for p in data.get("probes", [])]
+        trace = _logged_trace(Path(path), data)
+        base = RuleSet.parse(old.base_rules)
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        raise MgtraceError(
+            f"{path} is a damaged bisect log ({exc.__class__.__name__}: {exc})"
+        ) from None
+    kwargs["skip_bad_parts"] = kwargs.get("skip_bad_parts") or bool(data.get("skip_bad_parts"))
+    new = bisect(trace, base=base, horizon=old.horizon, **kwargs)
     same = (
         new.status == old.status
         and new.first_step == old.first_step

@@ -306,7 +306,9 @@ def bisect_cmd(
 
     out = stdout_console()
     if replay_log is not None:
-        same, old, new = recheck_log(replay_log, backend=backend, device=device)
+        same, old, new = recheck_log(
+            replay_log, backend=backend, device=device, skip_bad_parts=skip_bad_parts
+        )
         if as_json:
             click.echo(
                 json.dumps(
@@ -331,7 +333,7 @@ def bisect_cmd(
     )
     log = log_path or Path(trace) / "bisect.json"
     try:
-        save_log(verdict, log)
+        save_log(verdict, log, skip_bad_parts=skip_bad_parts)
     except (OSError, OutputError) as exc:
         Console(stderr=True).print(f"mgtrace: could not write the bisect log {log}: {reason(exc)}")
         log = None
