@@ -28,7 +28,15 @@ def test_rule_set_parse_and_canonical_round_trip() -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["nope=1", "bt_row_is_req=maybe", "reorder_threshold=0", "accepted_source", "x"]
+    "text",
+    [
+        "nope=1",
+        "bt_row_is_req=maybe",
+        "reorder_threshold=0",
+        "reorder_threshold=\u00b2",  # a Unicode digit: isdigit() says yes, int() says no
+        "accepted_source",
+        "x",
+    ],
 )
 def test_bad_rules_are_refused(text: str) -> None:
     with pytest.raises(UsageError):
@@ -243,46 +251,88 @@ def test_table_store_keeps_block_ids_past_the_pool_out_and_says_where() -> None:
     assert unbounded.apply([(0, "v1", 0, [12])]) == []
 
 
-@pytest.mark.parametrize("bad_id", ["past", "negative"])
-def test_a_block_id_past_the_pool_is_a_finding_not_a_crash(tmp_path, bad_id: str) -> None:
-    """A block-table row naming a block the pool does not have (past its end, or negative:
-    once read as "no block" and passed clean) is reported as malformed at the step that
-    wrote it; the same trace without it replays clean."""
+def _rewritten(reader, out, mutate=None):
+    """A copy of ``reader``'s trace with ``mutate(table name, rows)`` applied to its rows."""
     import pyarrow as pa
 
-    from mgtrace.replayer.findings import MALFORMED
-    from mgtrace.replayer.loop import replay_trace
     from mgtrace.schemas.reader import TraceReader
     from mgtrace.schemas.tables import TABLES
     from mgtrace.schemas.writer import TraceWriter
+
+    with TraceWriter(out, run=reader.run, source={"kind": "test"}) as w:
+        for name, spec in TABLES.items():
+            table = reader.table(name)
+            if not table.num_rows or not spec.per_step:
+                continue
+            rows = table.to_pylist()
+            if mutate is not None:
+                mutate(name, rows)
+            table = pa.Table.from_pylist(rows, schema=table.schema).drop(["rank"])
+            cols = {c: table[c].to_pylist() for c in table.column_names}
+            w.write_steps(0, min(cols["step"]), max(cols["step"]), {name: cols})
+    return TraceReader(out)
+
+
+def _small_clean_trace(tmp_path):
+    from mgtrace.schemas.reader import TraceReader
     from mgtrace.sim.config import SimConfig
     from mgtrace.sim.engine import simulate
 
     src = tmp_path / "src"
     simulate(SimConfig(scenario="steady", steps=100, seed=2, output=src).validate())
-    reader = TraceReader(src)
+    return TraceReader(src)
+
+
+@pytest.mark.parametrize("bad_id", ["past", "negative"])
+def test_a_block_id_past_the_pool_is_a_finding_not_a_crash(tmp_path, bad_id: str) -> None:
+    """A block-table row naming a block the pool does not have (past its end, or negative:
+    once read as "no block" and passed clean) is reported as malformed at the step that
+    wrote it; the same trace without it replays clean."""
+    from mgtrace.replayer.findings import MALFORMED
+    from mgtrace.replayer.loop import replay_trace
+
+    reader = _small_clean_trace(tmp_path)
     poisoned_id = reader.run.num_blocks + 7 if bad_id == "past" else -9
 
-    def copy(out, poison: bool):
-        with TraceWriter(out, run=reader.run, source={"kind": "test"}) as w:
-            for name, spec in TABLES.items():
-                table = reader.table(name)
-                if not table.num_rows or not spec.per_step:
-                    continue
-                rows = table.to_pylist()
-                if poison and name == "block_tables":
-                    first = next(r for r in rows if r["step"] >= 50 and r["block_ids"])
-                    first["block_ids"] = [poisoned_id] * len(first["block_ids"])
-                table = pa.Table.from_pylist(rows, schema=table.schema).drop(["rank"])
-                cols = {c: table[c].to_pylist() for c in table.column_names}
-                w.write_steps(0, min(cols["step"]), max(cols["step"]), {name: cols})
-        return TraceReader(out)
+    def poison(name, rows):
+        if name == "block_tables":
+            first = next(r for r in rows if r["step"] >= 50 and r["block_ids"])
+            first["block_ids"] = [poisoned_id] * len(first["block_ids"])
 
-    assert replay_trace(copy(tmp_path / "same", poison=False)).clean
-    findings = replay_trace(copy(tmp_path / "poisoned", poison=True)).findings
+    assert replay_trace(_rewritten(reader, tmp_path / "same")).clean
+    findings = replay_trace(_rewritten(reader, tmp_path / "poisoned", poison)).findings
     first = findings[0]
     assert (first.kind, first.mechanism) == (MALFORMED, "block-table:block-id-out-of-pool")
     assert first.step >= 50 and first.block_id == poisoned_id
+
+
+@pytest.mark.parametrize(
+    "table, column, value, message",
+    [
+        ("block_tables", "group", 5, "names group 5 of the 'v1' table, but the run has 1"),
+        ("block_tables", "group", -1, "names group -1"),
+        ("block_tables", "table", "input", "names group 0 of the 'input' table"),
+        ("launches", "kernel", "bogus", "names kernel 'bogus', which is none of"),
+    ],
+)
+def test_a_group_table_or_kernel_the_run_lacks_is_one_sentence(
+    tmp_path, table: str, column: str, value, message: str
+) -> None:
+    """Once an IndexError or KeyError (exit 70), and group -1 silently replayed as the last
+    group: now exit 3 and one sentence naming the damage. Control: the copy unchanged."""
+    from tests.conftest import assert_one_sentence_error, run_cli
+
+    reader = _small_clean_trace(tmp_path)
+
+    def damage(name, rows):
+        if name == table:
+            rows[len(rows) // 2][column] = value
+
+    _rewritten(reader, tmp_path / "same")
+    assert run_cli("replay", str(tmp_path / "same"), "--no-save").returncode == 0
+    _rewritten(reader, tmp_path / "bad", damage)
+    err = assert_one_sentence_error(run_cli("replay", str(tmp_path / "bad"), "--no-save"), 3)
+    assert message in err and "the trace is damaged" in err, err
 
 
 def test_a_trace_without_the_mamba_split_decodes_only_rows_past_their_prompt(

@@ -142,6 +142,7 @@ class RankReplay:
         groups = len(self.pool.groups)
         kinds = ("v1",) if self.runner == "v1" else ("source", "input")
         self.own_kind = kinds[0]
+        self.trace.require_known_tables(groups, kinds)
         rows, width = self.trace.table_dims(self.k)
         self.tables = TableStore(kinds, groups, rows, width, run.num_blocks)
         self.ownership = BlockOwnership(

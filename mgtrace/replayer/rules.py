@@ -32,7 +32,8 @@ class Rule:
     def accepts(self, value: str) -> bool:
         if value == AS_RECORDED or value in self.values:
             return True
-        return "N" in self.values and value.isdigit() and int(value) > 0
+        # isascii: "²" and other Unicode digits pass isdigit() but not int()
+        return "N" in self.values and value.isascii() and value.isdigit() and int(value) > 0
 
     def alternatives(self) -> tuple[str, ...]:
         """The values bisect tries: named values that can differ from what was recorded."""

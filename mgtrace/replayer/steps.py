@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mgtrace.errors import UsageError
+from mgtrace.errors import TraceError, UsageError
 from mgtrace.kernels.launch import ROW_COLUMNS, AlignLaunch
 from mgtrace.replayer.ownership import freed_below, processed_tokens, steps_in_flight
 from mgtrace.replayer.requests import RequestIds
@@ -162,6 +162,7 @@ class RankTrace:
         for name in ROW_COLUMNS:  # int32 once here, so launches are views, not copies
             self._launch_cols[name] = self._launch_cols[name].astype(np.int32)
             self._launch_cols[name].setflags(write=False)  # launches share these views
+        self._require_known_kernels()
         self._index_launch_groups()
         self._tables = _Sliced(load("block_tables"), ["group", "table", "row"])
         tt = self._tables.table
@@ -276,6 +277,35 @@ class RankTrace:
     def launch_has(self) -> dict[str, np.ndarray]:
         """Per launch row and column: whether the value was recorded (not null)."""
         return self._launch_has
+
+    def _require_known_kernels(self) -> None:
+        """Refuse, in one sentence, a launch of a kernel that is not an align kernel."""
+        unknown = np.flatnonzero(self._launch_kernel < 0)
+        if len(unknown):
+            i = int(unknown[0])
+            name = self._launch.table.column("kernel")[i].as_py()
+            raise TraceError(
+                f"a launches row of rank {self.rank} at step {self._launch_cols['step'][i]} "
+                f"names kernel {name!r}, which is none of {', '.join(KERNELS)}; the trace is "
+                "damaged"
+            )
+
+    def require_known_tables(self, groups: int, kinds: tuple[str, ...]) -> None:
+        """Refuse, in one sentence, block-table rows of a group or table kind the run does not
+        have: nothing can replay them."""
+        tt = self._tables.table
+        group = pc.fill_null(tt.column("group"), -1).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(
+            (group < 0) | (group >= groups) | (_codes(tt.column("table"), kinds) < 0)
+        )
+        if len(bad):
+            _, kind, row, _ = self._table_rows[int(bad[0])]
+            raise TraceError(
+                f"a block_tables row of rank {self.rank} (row {row}) names group "
+                f"{tt.column('group')[int(bad[0])].as_py()} of the {kind!r} table, but the run "
+                f"has {groups} Mamba group(s) and the {'/'.join(kinds)} table(s); the trace "
+                "is damaged"
+            )
 
     @property
     def launch_kernel_codes(self) -> np.ndarray:
