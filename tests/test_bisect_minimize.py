@@ -295,3 +295,30 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bisect matches the injected first step" in proc.stdout
     assert "clean under --reorder-threshold=1+k" in proc.stdout
+
+
+def test_minimize_refuses_an_existing_output_before_any_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once refused only after every replay of a large trace. Control: a new output path
+    goes on to the first replay."""
+    from mgtrace.errors import OutputError
+    from mgtrace.replayer import minimize as mod
+
+    class Replayed(Exception):
+        pass
+
+    def no_replay(*args, **kwargs):
+        raise Replayed
+
+    monkeypatch.setattr(mod, "outcome", no_replay)
+    trace = toggle_trace("reorder-threshold-mismatch", 0)
+    taken = tmp_path / "r1"
+    taken.mkdir()
+    with pytest.raises(OutputError, match="already exists"):
+        mod.minimize(trace, taken)
+    (tmp_path / "test_r2.py").write_text("")
+    with pytest.raises(OutputError, match="already exists"):
+        mod.minimize(trace, tmp_path / "r2")
+    with pytest.raises(Replayed):
+        mod.minimize(trace, tmp_path / "r3")

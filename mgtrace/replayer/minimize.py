@@ -375,6 +375,14 @@ class MinimizeResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _refuse_existing_output(output: Path, force: bool) -> Path:
+    """The test file beside ``output``; refuses when either exists, unless ``force``."""
+    test_file = output.parent / f"test_{_module_name(output.name)}.py"
+    if (output.exists() or test_file.exists()) and not force:
+        raise OutputError(f"{output} (or {test_file.name}) already exists; pass --force")
+    return test_file
+
+
 def minimize(
     trace_path: Path,
     output: Path,
@@ -386,6 +394,7 @@ def minimize(
 ) -> MinimizeResult:
     rules = rules or RuleSet()
     refuse_overwriting_inputs(output, trace_path)
+    _refuse_existing_output(Path(output), force)  # before the replays, not after them
     t0 = time.perf_counter()
     reader = TraceReader(trace_path)
     require_replayable(reader)
@@ -548,9 +557,7 @@ def write_minimized(
 ) -> Path:
     """Write the trace directory and ``test_<name>.py`` beside it; all or nothing."""
     output = Path(output)
-    test_file = output.parent / f"test_{_module_name(output.name)}.py"
-    if (output.exists() or test_file.exists()) and not force:
-        raise OutputError(f"{output} (or {test_file.name}) already exists; pass --force")
+    test_file = _refuse_existing_output(output, force)
     m = replace(manifest, complete=True, ground_truth=None)
     m.source = {
         "kind": "minimized",
