@@ -267,6 +267,23 @@ def test_diff_traces() -> None:
     assert diff_traces(TraceReader(a), TraceReader(a)).first_step is None
     d = diff_traces(TraceReader(a), TraceReader(b))
     assert d.first_step is not None and d.tables
+    # a rule set given with two traces is refused, not silently ignored
+    err = assert_one_sentence_error(
+        run_cli("diff", str(a), str(a), "--rules-a", "reorder_threshold=1+k"), 2
+    )
+    assert "not both" in err
+
+
+def test_diff_rules_counts_rank_steps_as_rank_steps() -> None:
+    """Two ranks of 300 steps are 600 rank-steps, said so as replay says it. Control: one
+    rank's count stays in steps."""
+    pp = sim_trace(None, 0, 300, scenario="pairs", runner="v2", pp=2)
+    d = diff_rules(TraceReader(pp), RuleSet(), RuleSet.parse("accepted_source=cpu"))
+    assert d.first_step is None and d.ranks == 2
+    assert d.sentence(RuleSet(), RuleSet()).endswith("every one of 600 rank-steps (2 ranks)")
+    one = sim_trace(None, 0, 300, scenario="pairs", runner="v1")
+    d = diff_rules(TraceReader(one), RuleSet(), RuleSet.parse("accepted_source=cpu"))
+    assert d.sentence(RuleSet(), RuleSet()).endswith("every one of 300 steps")
 
 
 # ---------------------------------------------------------------- CLI

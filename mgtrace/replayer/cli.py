@@ -20,7 +20,7 @@ from mgtrace.errors import (
     UsageError,
     reason,
 )
-from mgtrace.replayer.rules import RULES, RuleSet
+from mgtrace.replayer.rules import AS_RECORDED, RULES, RuleSet
 
 
 def replay_id_for(rules: RuleSet, from_step: int | None = None, to_step: int | None = None) -> str:
@@ -349,17 +349,16 @@ def bisect_cmd(
 @click.argument("trace_b", type=click.Path(path_type=Path), required=False)
 @click.option(
     "--rules-a",
-    default="as-recorded",
-    show_default=True,
+    default=None,
     metavar="R=V,...",
-    help="Rule set of the first replay (one trace).",
+    help="Rule set of the first replay (one trace)  [default: as-recorded]",
 )
 @click.option(
     "--rules-b", default=None, metavar="R=V,...", help="Rule set of the second replay (one trace)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def diff_cmd(
-    trace_a: Path, trace_b: Path | None, rules_a: str, rules_b: str | None, as_json: bool
+    trace_a: Path, trace_b: Path | None, rules_a: str | None, rules_b: str | None, as_json: bool
 ) -> int:
     """The first step where TRACE_A and TRACE_B differ, or where two rule sets on TRACE_A
     lead to different shadow state (--rules-a / --rules-b).
@@ -374,14 +373,14 @@ def diff_cmd(
 
     out = stdout_console()
     if trace_b is not None:
-        if rules_b is not None:
+        if rules_a is not None or rules_b is not None:
             raise UsageError("compare two traces or two rule sets, not both")
         result = diff_traces(TraceReader(trace_a), TraceReader(trace_b))
         sentence = result.sentence(str(trace_a), str(trace_b))
     else:
         if rules_b is None:
             raise UsageError("give a second trace, or --rules-b to compare two rule sets")
-        a, b = RuleSet.parse(rules_a), RuleSet.parse(rules_b)
+        a, b = RuleSet.parse(rules_a or AS_RECORDED), RuleSet.parse(rules_b)
         result = diff_rules(TraceReader(trace_a), a, b)
         sentence = result.sentence(a, b)
     if as_json:

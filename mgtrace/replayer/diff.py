@@ -93,13 +93,19 @@ class RulesDiff:
     blocks: list[int] = field(default_factory=list)  # blocks whose tags differ (first few)
     findings_a: list[dict[str, Any]] = field(default_factory=list)
     findings_b: list[dict[str, Any]] = field(default_factory=list)
-    steps: int = 0
+    steps: int = 0  # rank-steps replayed under each rule set
+    ranks: int = 1
 
     def sentence(self, a: RuleSet, b: RuleSet) -> str:
         if self.first_step is None:
+            steps = (
+                f"{self.steps} steps"
+                if self.ranks == 1
+                else f"{self.steps} rank-steps ({self.ranks} ranks)"
+            )
             return (
                 f"{a.canonical()} and {b.canonical()} leave identical shadow state at every "
-                f"one of {self.steps} steps"
+                f"one of {steps}"
             )
         where = f"{a.canonical()} and {b.canonical()} first diverge at step {self.first_step} "
         if not self.blocks:
@@ -114,8 +120,9 @@ def diff_rules(
     require_replayable(reader)
     run = load_backend(backend, device)
     ids, seed = ckpt.request_ids_for(reader)
-    out = RulesDiff(None, None)
-    for rank in ranks_of(reader):
+    ranks = ranks_of(reader)
+    out = RulesDiff(None, None, ranks=len(ranks))
+    for rank in ranks:
         trace = RankTrace(reader, rank, ids)
         ra = RankReplay(trace, a, run, device=device)
         rb = RankReplay(trace, b, run, device=device)
