@@ -92,6 +92,19 @@ def _edit_manifest(trace: Path, edit) -> None:
         (lambda m: m.update(complete="no"), "complete must be true or false"),
         (lambda m: m["parts"][0].pop("sha256"), "parts[0] lacks sha256"),
         (lambda m: m["parts"][0].update(extra=1), "parts[0] has unknown entries extra"),
+        (lambda m: m.update(errors={"a": 5}), "errors.a must be an object"),
+        (
+            lambda m: m.update(errors={"a": {"count": "x", "first": "y"}}),
+            "errors.a must hold an integer count and a message",
+        ),
+        (
+            lambda m: m.update(ground_truth={"injected": 5}),
+            "ground_truth.injected must be a list of bug names",
+        ),
+        (
+            lambda m: m.update(ground_truth={"first_step": "3"}),
+            "ground_truth.first_step must be a step number or null",
+        ),
     ],
 )
 def test_manifest_entry_of_the_wrong_type(fresh_trace: Path, edit, said: str) -> None:
@@ -109,6 +122,8 @@ def test_manifest_entries_of_the_right_type_are_read(fresh_trace: Path) -> None:
     def edit(m: dict) -> None:
         m["run"].update(num_speculative_tokens=2, async_scheduling=True, num_blocks=None)
         m["drops"].update(step_ranges=[])
+        m.update(errors={"a": {"count": 2, "first": "why"}})
+        m.update(ground_truth={"injected": ["x"], "first_step": 3, "bugs": {}})
 
     _edit_manifest(fresh_trace, edit)
     proc = run_cli("info", str(fresh_trace))

@@ -168,6 +168,8 @@ class Manifest:
             # the top-level entries, as their annotations say (a float for a timestamp, ...)
             top = {k: data[k] for k in _TOP_LEVEL if k in data}
             check_entries(cls, top, where, "")
+            _check_errors(top.get("errors", {}), where)
+            _check_ground_truth(top.get("ground_truth"), where)
         except ValueError as exc:
             raise ManifestError(str(exc)) from None
         except TypeError as exc:
@@ -198,6 +200,28 @@ _TOP_LEVEL = (
     "closed_unix",
     "mgtrace_version",
 )
+
+
+def _check_errors(errors: dict[str, Any], where: str) -> None:
+    """Each error kind: how many times, and the first message."""
+    for kind, entry in errors.items():
+        entry = _object(entry, f"errors.{kind}", where)
+        if type(entry.get("count")) is not int or not isinstance(entry.get("first"), str):
+            raise ValueError(f"{where}: errors.{kind} must hold an integer count and a message")
+
+
+def _check_ground_truth(truth: Any, where: str) -> None:
+    """A simulator's ground truth, in the parts every reader of it uses."""
+    if truth is None:
+        return
+    truth = _object(truth, "ground_truth", where)
+    injected = truth.get("injected", [])
+    if not isinstance(injected, list) or not all(isinstance(x, str) for x in injected):
+        raise ValueError(f"{where}: ground_truth.injected must be a list of bug names")
+    first = truth.get("first_step")
+    if first is not None and type(first) is not int:
+        raise ValueError(f"{where}: ground_truth.first_step must be a step number or null")
+    _object(truth.get("bugs", {}), "ground_truth.bugs", where)
 
 
 def _object(value: Any, label: str, where: str) -> dict[str, Any]:
