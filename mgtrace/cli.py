@@ -318,13 +318,19 @@ def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_par
     _stderr().print(f"wrote {output}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point: run the CLI, turn every MgtraceError into one sentence."""
+def main(
+    argv: list[str] | None = None,
+    *,
+    command: click.Command | None = None,
+    prog_name: str = "mgtrace",
+) -> int:
+    """Console entry point: run the CLI (or one of its commands on its own), turn every
+    MgtraceError into one sentence."""
     from mgtrace.pandas_probe import skip_pandas_probe
 
     skip_pandas_probe()
     try:
-        rv = cli.main(args=argv, prog_name="mgtrace", standalone_mode=False)
+        rv = (command or cli).main(args=argv, prog_name=prog_name, standalone_mode=False)
     except MgtraceError as exc:
         click.echo(f"mgtrace: error: {exc.message}", err=True)
         return exc.exit_code

@@ -55,6 +55,8 @@ def test_simulate_writes_a_trace_with_ground_truth(tmp_path: Path) -> None:
         ("--steps", "0"),
         ("--k", "-1"),
         ("--pp", "2"),
+        ("--seed", "-1"),
+        ("--num-blocks", "99999999999"),
     ],
 )
 def test_bad_values_are_one_usage_error(tmp_path: Path, args: tuple[str, ...]) -> None:
@@ -62,6 +64,38 @@ def test_bad_values_are_one_usage_error(tmp_path: Path, args: tuple[str, ...]) -
     assert isinstance(res.exception, UsageError), res.exception
     assert "\n" not in res.exception.message
     assert not (tmp_path / "t").exists()
+
+
+def test_an_output_in_a_missing_directory_is_refused(tmp_path: Path) -> None:
+    """No directories are made, or left behind, for an output. Control: its parent made."""
+    out = tmp_path / "no" / "such" / "t"
+    res = _invoke("--steps", "5", "-o", str(out))
+    assert isinstance(res.exception, UsageError) and "does not exist" in res.exception.message
+    assert not (tmp_path / "no").exists()
+    out.parent.mkdir(parents=True)
+    assert _invoke("--steps", "5", "-o", str(out)).exception is None
+
+
+def test_python_m_mgtrace_sim_keeps_the_error_contract(tmp_path: Path) -> None:
+    """An OSError (here a name too long) was a traceback there; `mgtrace simulate` said it in
+    one sentence. Control: the same command through mgtrace."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, assert_one_sentence_error
+
+    out = str(tmp_path / ("a" * 300))
+    module = subprocess.run(
+        [sys.executable, "-m", "mgtrace.sim", "--steps", "5", "-o", out],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert "too long" in assert_one_sentence_error(module, 2)
+    assert "too long" in assert_one_sentence_error(
+        run_cli("simulate", "--steps", "5", "-o", out), 2
+    )
 
 
 def test_missing_output_and_existing_output(tmp_path: Path) -> None:

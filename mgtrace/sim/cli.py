@@ -102,6 +102,8 @@ def _simulate(
     """
     if output is None:
         raise UsageError("missing the output trace path; pass -o TRACE")
+    if not output.absolute().parent.is_dir():  # as sql -o and report -o: no directories made
+        raise UsageError(f"the directory {output.absolute().parent} does not exist")
     cfg = SimConfig(
         scenario=scenario,
         steps=steps,

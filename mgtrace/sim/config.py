@@ -21,6 +21,9 @@ BUG_STALE_ROW = "stale-condense-row"
 BUGS = (BUG_REORDER, BUG_BATCH_ROW, BUG_ASYNC_RACE, BUG_STALE_ROW)
 
 
+MAX_POOL_BLOCKS = 1 << 20  # a million blocks: more than any engine's Mamba pool
+
+
 @dataclass
 class SimConfig:
     """One simulated engine run. Every random choice is drawn from ``seed``."""
@@ -117,8 +120,16 @@ class SimConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"one Mamba block ({self.mamba_block_size} tokens)"
             )
+        if self.seed < 0:
+            raise UsageError(f"--seed must be 0 or more, got {self.seed}")
         if self.pool_blocks < 1 + 2 * (self.k + 2):
             raise UsageError(f"num_blocks ({self.pool_blocks}) is too small to run a request")
+        if self.pool_blocks > MAX_POOL_BLOCKS:
+            # the pool, its free list and a replay's tag pages scale with it
+            raise UsageError(
+                f"num_blocks ({self.pool_blocks}) is more than the simulator models "
+                f"({MAX_POOL_BLOCKS})"
+            )
         for name, p in (
             ("acceptance_rate", self.acceptance_rate),
             ("prefix_hit_prob", self.prefix_hit_prob),
