@@ -108,6 +108,9 @@ def render_info(info: dict[str, Any], console: Console) -> None:
 
 
 def render_arrow(table: pa.Table, console: Console, *, more: bool) -> None:
+    from mgtrace.query.export import intervals_as_text
+
+    table = intervals_as_text(table)
     t = Table(show_lines=False)
     for name in table.column_names:
         t.add_column(name, overflow="fold")

@@ -25,11 +25,25 @@ def _json_default(value: Any) -> Any:
 
 def _flat(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
     """A list, struct or map column as JSON text (CSV has no cell for nested values, e.g.
-    ``sched.new_block_ids``); any other column as it is."""
+    ``sched.new_block_ids``), an interval as its text (Arrow's CSV writer has no cast for
+    it); any other column as it is."""
+    if pa.types.is_interval(column.type):
+        return _interval_text(column)
     if not pa.types.is_nested(column.type):
         return column
     return pa.array(
         [None if v is None else json.dumps(v, default=_json_default) for v in column.to_pylist()],
+        pa.string(),
+    )
+
+
+def _interval_text(column: pa.ChunkedArray) -> pa.Array:
+    """An interval column as ISO 8601 durations (P1M2DT3.5S): one text in CSV and JSON."""
+    return pa.array(
+        [
+            None if v is None else f"P{v.months}M{v.days}DT{v.nanoseconds / 1e9:g}S"
+            for v in column.to_pylist()
+        ],
         pa.string(),
     )
 
@@ -39,7 +53,16 @@ def _write_csv(table: pa.Table, fh: IO[bytes]) -> None:
     pacsv.write_csv(pa.Table.from_arrays(columns, names=table.column_names), fh)
 
 
+def intervals_as_text(table: pa.Table) -> pa.Table:
+    """``table`` with its interval columns as ISO 8601 text (for JSON and the terminal)."""
+    if not any(pa.types.is_interval(c.type) for c in table.columns):
+        return table
+    columns = [_interval_text(c) if pa.types.is_interval(c.type) else c for c in table.columns]
+    return pa.Table.from_arrays(columns, names=table.column_names)
+
+
 def _write_json(table: pa.Table, fh: IO[bytes]) -> None:
+    table = intervals_as_text(table)
     text = json.dumps(table.to_pylist(), default=_json_default, indent=1)
     fh.write(text.encode() + b"\n")
 
@@ -67,7 +90,17 @@ def check_output_path(path: Path, *, force: bool) -> None:
 
 def export_table(table: pa.Table, fmt: str, output: Path | None) -> None:
     """Write ``table`` in ``fmt`` to ``output`` (atomically) or to stdout."""
-    writer = _WRITERS[fmt]
+    chosen = _WRITERS[fmt]
+
+    def writer(t: pa.Table, fh: IO[bytes]) -> None:
+        try:
+            chosen(t, fh)
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid) as exc:
+            raise OutputError(
+                f"the result cannot be written as {fmt} ({exc}); CAST that column to VARCHAR "
+                "in the query"
+            ) from None
+
     if output is None:
         if fmt == "parquet":
             raise OutputError("--format parquet needs -o FILE")
