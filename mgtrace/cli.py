@@ -194,6 +194,10 @@ def sql(
 
     if not list_views and not query:
         raise UsageError('give a QUERY, e.g. "SELECT * FROM steps LIMIT 5", or --list')
+    if list_views and (query or output is not None or fmt != "table"):
+        raise UsageError(
+            "--list prints the views to the terminal; it takes no QUERY, -o or --format"
+        )
     fmt = _output_format(fmt, output, force, trace)
     con = _open(trace, skip_bad_parts).connect()
     if list_views:

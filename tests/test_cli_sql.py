@@ -78,6 +78,15 @@ def test_list_shows_every_view(sample_trace: Path, capsys) -> None:
             assert column in out
 
 
+@pytest.mark.parametrize(
+    "extra", [["SELECT 1"], ["--format", "csv"], ["-o", "list.csv"]], ids=["query", "fmt", "out"]
+)
+def test_list_refuses_what_it_would_ignore(sample_trace: Path, extra: list[str], capsys) -> None:
+    """--list once printed its table and silently skipped a QUERY, -o or --format."""
+    assert main(["sql", str(sample_trace), "--list", *extra]) == 2
+    assert "--list prints the views to the terminal" in capsys.readouterr().err
+
+
 def test_info_json(sample_trace: Path, capsys) -> None:
     assert main(["info", str(sample_trace), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
