@@ -70,19 +70,26 @@ def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
         reader = TraceReader(output)
         result = replay_trace(reader, RuleSet())
         save_findings(output, result.findings, replay_id="demo", rules="as-recorded")
-        render_replay(result, out, trace=output, replay_id="demo")
+        # a temporary trace is gone when the demo ends: no commands that query it later
+        kept = scratch is None
+        render_replay(result, out, trace=output, replay_id="demo" if kept else None)
         out.rule("3. bisect")
         verdict = bisect(output)
         save_log(verdict, output / "bisect.json")
-        render_verdict(verdict, out, log=output / "bisect.json")
+        render_verdict(verdict, out, log=output / "bisect.json" if kept else None)
         out.rule("done")
         found_ok = verdict.first_step == truth.get("first_step")
         out.print(
             f"bisect {'matches' if found_ok else 'does NOT match'} the injected first step; "
             f"total {time.perf_counter() - t0:.1f} s"
         )
-        if scratch is None:
+        if kept:
             out.print(f"next: mgtrace sql {output} --list")
+        else:
+            out.print(
+                "the trace was temporary and is now removed; `mgtrace demo -o DIR` keeps it, "
+                "so that the commands above can be run on it"
+            )
         return 0 if found_ok else EXIT_CORRUPTION
     finally:
         if scratch is not None:

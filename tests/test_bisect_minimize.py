@@ -312,6 +312,17 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bisect matches the injected first step" in proc.stdout
     assert "clean under --reorder-threshold=1+k" in proc.stdout
+    assert "--replay" in proc.stdout and "now removed" not in proc.stdout
+    # without -o the trace is temporary: no re-check command for a path about to vanish
+    proc = subprocess.run(
+        [sys.executable, "-m", "mgtrace", "demo", "--steps", "800"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--replay" not in proc.stdout and "is now removed" in proc.stdout
 
 
 def test_minimize_refuses_an_existing_output_before_any_replay(
