@@ -337,3 +337,36 @@ def test_an_engine_that_dies_leaves_a_trace_that_says_so(tmp_path: Path, end: st
     else:
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert manifest["complete"] is True and "engine_exited" not in manifest["errors"]
+
+
+def test_a_step_whose_capture_never_landed_is_dropped_not_written_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When close gives up waiting for the device, a step with a capture still in flight
+    would replay as if its launch never ran: it is dropped and counted. Control: the steps
+    around it, whose captures did not hang, are written."""
+    import torch
+
+    from mgtrace.recorder.capture import CaptureRing
+    from mgtrace.schemas.reader import TraceReader
+
+    monkeypatch.setattr(CaptureRing, "reap_raw", lambda self: [])  # nothing ever lands
+    out = tmp_path / "t"
+    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="thread")
+    hung = None
+    for rec in _records(3):
+        sess.begin_step(rec["so"])
+        assert sess.rec is not None
+        sess.rec.update({k: v for k, v in rec.items() if k not in ("step", "so", "moves")})
+        sess.rec["moves"] += rec["moves"]
+        sess.rec["prompt"] = np.full(6, 5, np.int32)
+        if rec["step"] == 1:
+            hung = sess.rec["step"]
+            sess.grab([torch.zeros(4, dtype=torch.int32)], [4], {"step": hung, "kernel": "x"})
+    sess.end_step()
+    result = sess.close(timeout_s=0.5)
+    steps = TraceReader(out).connect().execute("SELECT step FROM steps ORDER BY step").fetchall()
+    assert [s for (s,) in steps] == [hung - 1, hung + 1]
+    assert result["drops"] == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "capture_unfinished" in manifest["errors"] and manifest["drops"]["steps"] == 1

@@ -171,6 +171,10 @@ class CaptureRing:
     def oldest_pending_tag(self) -> Any:
         return self._pending[0][2] if self._pending else None
 
+    def pending_steps(self) -> set[int]:
+        """Steps with a capture that has not landed (recorder thread)."""
+        return {entry[2]["step"] for entry in list(self._pending)}
+
     def _issue_host_copies(self) -> None:
         """Recorder thread: copy the staged slots whose launch-stream event has completed to
         the host, one non-blocking copy per run of consecutive slots (slots are taken and

@@ -317,11 +317,18 @@ class Session:
         steps = 0
         if self.ring is not None:  # tags hold raw arrays already: they travel as they are
             messages += [("cap", raw, lengths, tag) for raw, lengths, tag in self.ring.reap_raw()]
+        unlanded: set[int] | None = None  # forced: steps whose captures never landed
         while self._records and steps < MAX_FRAME_STEPS:
             rec = self._records[0]
             oldest = self.ring.oldest_pending_tag() if self.ring is not None else None
-            if oldest is not None and oldest["step"] <= rec["step"] and not self._force:
-                break
+            if oldest is not None and oldest["step"] <= rec["step"]:
+                if not self._force:
+                    break
+                if unlanded is None:
+                    unlanded = self.ring.pending_steps()  # type: ignore[union-attr]
+                if rec["step"] in unlanded:
+                    # written without its launches it would replay as if they never ran
+                    self._doomed.add(rec["step"])
             self._records.popleft()
             if rec["step"] in self._doomed:
                 self._doomed.discard(rec["step"])
