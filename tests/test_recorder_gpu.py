@@ -232,3 +232,67 @@ def test_a_failed_device_capture_gives_its_slot_back() -> None:
     assert all(arrays[0].tolist() == [0, 1, 2, 3] for arrays, _ in got)
     assert ring.grab([good], [4], {}) and ring.grab([good], [4], {})
     assert not ring.grab([good], [4], {}) and ring.dropped == 1
+
+
+_SECOND_GPU = """
+import threading, torch
+from mgtrace.recorder.capture import CaptureRing
+torch.cuda.set_device(1)  # the engine thread of a rank on GPU 1
+ring = CaptureRing(torch.device("cuda", 1), slots=4, slot_elems=64)
+v = torch.arange(8, dtype=torch.int32, device="cuda:1")
+assert ring.grab([v], [8], {"step": 0})
+got = []
+def reap():
+    while not got:
+        got.extend(ring.reap())
+t = threading.Thread(target=reap)  # a new thread starts on device 0
+t.start(); t.join(60)
+assert got and got[0][0][0].tolist() == list(range(8)), got
+print("ok", flush=True)
+input()  # stay alive while the parent asks the driver which GPUs hold a context of ours
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_rank_on_another_gpu_opens_no_context_on_gpu_0() -> None:
+    """The recorder thread copies captures on its ring's device. A new thread's current
+    device is 0, and a stream switch there may open a context on GPU 0 from every rank
+    (hundreds of MB each, on the GPU the first rank fills), so the thread moves to the ring's
+    device first. Control: the process holds a context on GPU 1, so the query sees one."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("needs nvidia-smi to ask the driver for contexts")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SECOND_GPU],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ok"
+        query = ["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"]
+        buses = ["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"]
+        index_of = {
+            bus.strip().lower()[-12:]: int(i)
+            for i, bus in (
+                line.split(",") for line in subprocess.check_output(buses, text=True).splitlines()
+            )
+        }
+        mine = {
+            index_of[bus.strip().lower()[-12:]]
+            for pid, bus in (
+                line.split(",") for line in subprocess.check_output(query, text=True).splitlines()
+            )
+            if int(pid) == proc.pid
+        }
+        assert 1 in mine, mine  # the control
+        assert 0 not in mine, mine
+    finally:
+        proc.kill()
+        proc.wait(30)

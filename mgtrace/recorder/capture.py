@@ -85,6 +85,7 @@ class CaptureRing:
         # [slot, lengths, tag, event of the copy to the host (None until it is issued)]
         self._pending: deque[list[Any]] = deque()
         self._issued = 0  # pending entries, from the left, whose host copy is issued
+        self._thread_on_device = False  # the recorder thread's current device is the ring's
         self.captured = 0
         self.dropped = 0
         self.refusal = ""  # why the last refused capture was refused
@@ -187,6 +188,12 @@ class CaptureRing:
             ready.append(entry)
         if not ready:
             return
+        if not self._thread_on_device:
+            # A new thread's current device is 0; the stream switch below would make it
+            # look there (and could open a context on GPU 0 from a rank that runs on
+            # another GPU). This thread only ever copies from the ring's device.
+            self._torch.cuda.set_device(self.staging.device)
+            self._thread_on_device = True
         with self._torch.cuda.stream(self._copy_stream):
             for start, stop in consecutive_runs([entry[0] for entry in ready]):
                 self.host[start:stop].copy_(self.staging[start:stop], non_blocking=True)
