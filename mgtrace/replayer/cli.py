@@ -132,7 +132,8 @@ def replay(
     """Re-run the align kernels of TRACE on provenance-tagged shadow state and report the
     first step at which a request reads state that is not its own.
 
-    Exit codes: 0 clean, 1 corruption found, 3 unreadable trace, 125 inconclusive.
+    Exit codes: 0 clean, 1 corruption found, 2 usage error, 3 unreadable trace,
+    125 inconclusive.
     """
     from mgtrace.render import stdout_console
 
@@ -298,8 +299,8 @@ def bisect_cmd(
     """Find the first step at which TRACE goes bad, its requests, and the single rule change
     that makes that step good; print the commands that reproduce both sides.
 
-    Exit codes: 0 clean, 1 corruption found (verdict given), 3 unreadable trace,
-    125 inconclusive (dropped steps, incomplete recording).
+    Exit codes: 0 clean, 1 corruption found (verdict given), 2 usage error, 3 unreadable
+    trace, 125 inconclusive (dropped steps, incomplete recording).
     """
     from mgtrace.render import render_verdict, stdout_console
     from mgtrace.replayer.bisect import bisect, recheck_log, save_log
