@@ -292,7 +292,7 @@ def test_a_block_id_past_the_pool_is_a_finding_not_a_crash(tmp_path, bad_id: str
     from mgtrace.replayer.loop import replay_trace
 
     reader = _small_clean_trace(tmp_path)
-    poisoned_id = reader.run.num_blocks + 7 if bad_id == "past" else -9
+    poisoned_id = reader.run.num_blocks + 7 if bad_id == "past" else -9  # -1: "unseen"
 
     def poison(name, rows):
         if name == "block_tables":

@@ -20,6 +20,7 @@ import numpy as np
 from mgtrace.kernels.pool import BlockTables
 
 Update = tuple[int, str, int, list[int]]
+UNSEEN = -1  # a recorded block id the recording never saw written (recorder.v2_tables)
 
 
 @dataclass(frozen=True)
@@ -76,15 +77,16 @@ class TableStore:
             table[row, :n] = block_ids[:n]
             table[row, n:] = 0
             # min()/max() of the short id list: cheaper than numpy reductions over the row.
-            # Block ids are never negative (the null block is 0): a negative one is as
-            # malformed as one past the pool.
+            # A block id is never negative (the null block is 0); -1 is a recording's "never
+            # seen written" (a launch that reads it is reported then), and any other negative
+            # id is as malformed as one past the pool.
             if (
                 self.num_blocks is not None
                 and n
-                and (max(block_ids[:n]) >= self.num_blocks or min(block_ids[:n]) < 0)
+                and (max(block_ids[:n]) >= self.num_blocks or min(block_ids[:n]) < UNSEEN)
             ):
                 entries = table[row, :n]
-                bad = (entries >= self.num_blocks) | (entries < 0)
+                bad = (entries >= self.num_blocks) | (entries < UNSEEN)
                 outside.append(OutOfPool(group, kind, row, int(entries[bad][0])))
                 entries[bad] = -1
         return outside
