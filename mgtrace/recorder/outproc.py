@@ -251,7 +251,8 @@ class ProcessSink:
             end = wire.encode([("end",)])
             self._out.append(memoryview(end))
             self._backlog += len(end)
-            while self._out and self.failed is None and time.monotonic() < deadline:
+            until = max(deadline, time.monotonic() + 1.0)  # a few bytes, into a drained pipe
+            while self._out and self.failed is None and time.monotonic() < until:
                 self._flush()
                 if self._out:
                     time.sleep(0.002)
