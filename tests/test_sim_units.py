@@ -264,3 +264,40 @@ def test_v2_order_matches_the_sort_rule(rows: list[tuple[int, bool]]) -> None:
     d = np.array([r[1] for r in rows], bool)
     ids = [f"r{i}" for i in range(len(rows))]
     assert v2_order(n, d, 4).tolist() == v2_sort(ids, n.tolist(), d.tolist(), 4)
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_new_requests_join_the_batch_before_resumed_ones(tmp_path: Path, runner: str) -> None:
+    """vLLM adds a step's new requests before the resumed ones (V1's _update_states collects
+    scheduled_new_reqs first; V2's scheduler output lists new then resumed), so they take the
+    lower rows or the first free slots. Control: the runs hold steps where both join."""
+    both = 0
+    for seed in (3, 4):
+        out = tmp_path / f"{runner}-{seed}"
+        cfg = SimConfig(
+            scenario="steady",
+            steps=1500,
+            seed=seed,
+            runner=runner,
+            num_blocks=60,
+            max_num_seqs=16,
+            output=out,
+        )
+        simulate(cfg.validate())
+        con = TraceReader(out).connect()
+        rows = con.execute(
+            """
+            SELECT m.step, s.kind, m.seq FROM row_moves m
+            JOIN sched s ON s.step = m.step AND s.req_id = m.req_id
+            WHERE m.op = 'add' AND s.kind IN ('new', 'resumed')
+            ORDER BY m.step, m.seq
+            """
+        ).fetchall()
+        by_step: dict[int, list[str]] = {}
+        for step, kind, _ in rows:
+            by_step.setdefault(step, []).append(kind)
+        for kinds in by_step.values():
+            if {"new", "resumed"} <= set(kinds):
+                both += 1
+                assert kinds == sorted(kinds, key=lambda k: k != "new"), kinds
+    assert both >= 2

@@ -36,7 +36,7 @@ from mgtrace.sim.runner_common import (
     sparse,
     where_valid,
 )
-from mgtrace.sim.scheduler import KIND_CACHED, KIND_RESUMED, SchedOut
+from mgtrace.sim.scheduler import KIND_CACHED, KIND_NEW, KIND_RESUMED, SchedOut
 
 
 class _Cols(NamedTuple):
@@ -135,7 +135,9 @@ class RunnerV1:
             pr.true_nc[fi] = so.num_computed[fresh]
             pr.last_seen[fi] = -10
         at = pr.row[so.idx]
-        joining = (at < 0).nonzero()[0].tolist()  # positions of rows not in the batch
+        # Rows not in the batch, in the order the runner adds them: new requests first,
+        # then the cached ones (running, then resumed), as _update_states collects them.
+        joining = sorted((at < 0).nonzero()[0].tolist(), key=lambda p: kinds[p] != KIND_NEW)
         if joining:
             inb = at >= 0
             ib.nc[at[inb]] = so.num_computed[inb]

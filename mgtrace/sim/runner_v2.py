@@ -31,7 +31,7 @@ from mgtrace.sim.runner_common import (
     running_cols,
     where_valid,
 )
-from mgtrace.sim.scheduler import KIND_RESUMED, SchedOut
+from mgtrace.sim.scheduler import KIND_NEW, KIND_RESUMED, SchedOut
 
 
 @dataclass
@@ -113,7 +113,10 @@ class RunnerV2:
             self.free.append(slot)
             self.gen[slot] += 1
         pos_slots = np.fromiter((self.slot_of.get(r, -1) for r in ids), np.int64, len(ids))
-        for p in (pos_slots < 0).nonzero()[0].tolist():
+        # Slots are taken in the order the scheduler lists the requests to add: V2's output
+        # puts the new ones before the resumed ones.
+        joining = (pos_slots < 0).nonzero()[0].tolist()
+        for p in sorted(joining, key=lambda p: so.kind[p] != KIND_NEW):
             rid = ids[p]
             slot = self.free.pop()
             pos_slots[p] = slot
