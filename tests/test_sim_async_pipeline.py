@@ -126,3 +126,27 @@ def test_the_recorded_run_tells_the_replay_the_simulators_steps_in_flight(
     cfg = SimConfig(runner=runner, pp=pp, k=0 if runner == "v1" else 2, async_scheduling=not sync)
     run = run_metadata(cfg.validate(), {}, None)
     assert steps_in_flight(run) == cfg.steps_in_flight
+
+
+# rows of a late (deferred) post-process by whether their batch row sampled then
+LATE_ROWS = """
+SELECT count(*) FILTER (WHERE l.req_slot >= 0 AND {partial}) AS kept_partial,
+       count(*) FILTER (WHERE l.req_slot < 0 AND {partial}) AS left_out_partial,
+       count(*) FILTER (WHERE l.req_slot >= 0 AND NOT {partial}) AS kept_sampling
+FROM launches l JOIN batch_rows b
+  ON b.rank = l.rank AND b.step = l.batch_step AND b.batch_row = l.batch_row
+WHERE l.kernel = 'postprocess' AND l.batch_step < l.step
+""".format(partial="b.num_computed + b.num_scheduled < b.num_prompt")
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_late_post_process_leaves_out_rows_that_did_not_sample(
+    tmp_path: Path, sync: bool
+) -> None:
+    """vLLM's non-last ranks defer the post-process of the rows that sampled only
+    (need_sampled_mask): a non-final prefill chunk's row goes as slot -1, and a batch where
+    no row samples owes no launch. Control: the late launches keep their sampling rows."""
+    reader = _run(tmp_path, "late", pp=2, sync=sync, steps=400)
+    kept_partial, left_out, kept_sampling = reader.connect().execute(LATE_ROWS).fetchone()
+    assert kept_partial == 0 and left_out > 0 and kept_sampling > 0
+    assert replay_trace(reader, RuleSet()).clean

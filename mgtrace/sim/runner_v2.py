@@ -45,6 +45,7 @@ class _Deferred:
     accepted: np.ndarray  # max(num_sampled, 1), before normalisation
     new_computed: np.ndarray
     state_idx: np.ndarray
+    samples: np.ndarray  # the rows that sample (vLLM's need_sampled_mask)
 
 
 class RunnerV2:
@@ -176,7 +177,8 @@ class RunnerV2:
         need, _b, dst = copy_boundary(R, new_computed, B)
         self.acc[slots] = np.where(need & (dst == new_col), 1, acc_now)
         self.nc[slots] = new_computed
-        if pp > 1:
+        # a batch where no row samples owes nothing (vLLM's receive leaves its slot empty)
+        if pp > 1 and np.count_nonzero(samples):
             self.deferred.append(
                 _Deferred(
                     step,
@@ -186,6 +188,7 @@ class RunnerV2:
                     acc_now.copy(),
                     new_computed.copy(),
                     new_col.copy(),
+                    samples.copy(),
                 )
             )
 
@@ -302,10 +305,15 @@ class RunnerV2:
         step: int,
         d: _Deferred,
         live_owner: Callable[[], dict[int, str]],
-    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """The post-process owed for ``d``'s batch, with the rows vLLM leaves out (freed
+        since, or not sampling: a non-final prefill chunk) at slot -1; none when no row is
+        left."""
         n = len(d.req_ids)
         rows = np.arange(n, dtype=np.int32)
-        valid = self.gen[d.slots] == d.gens
+        valid = (self.gen[d.slots] == d.gens) & d.samples
+        if not np.count_nonzero(valid):
+            return None, []
         slots = np.where(valid, d.slots, -1)
         launch = self._postprocess(
             step, d.step, rows, slots, d.accepted, d.state_idx, d.new_computed, bt_step=step - 1
