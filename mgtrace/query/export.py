@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import sys
@@ -25,10 +26,7 @@ def _json_default(value: Any) -> Any:
 
 def _flat(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
     """A list, struct or map column as JSON text (CSV has no cell for nested values, e.g.
-    ``sched.new_block_ids``), an interval as its text (Arrow's CSV writer has no cast for
-    it); any other column as it is."""
-    if pa.types.is_interval(column.type):
-        return _interval_text(column)
+    ``sched.new_block_ids``); any other column as it is."""
     if not pa.types.is_nested(column.type):
         return column
     return pa.array(
@@ -48,17 +46,19 @@ def _interval_text(column: pa.ChunkedArray) -> pa.Array:
     )
 
 
-def _write_csv(table: pa.Table, fh: IO[bytes]) -> None:
-    columns = [_flat(c) for c in table.columns]
-    pacsv.write_csv(pa.Table.from_arrays(columns, names=table.column_names), fh)
-
-
 def intervals_as_text(table: pa.Table) -> pa.Table:
-    """``table`` with its interval columns as ISO 8601 text (for JSON and the terminal)."""
+    """``table`` with its interval columns as ISO 8601 text (Arrow's CSV and Parquet writers
+    have no form for them; JSON and the terminal would show a tuple)."""
     if not any(pa.types.is_interval(c.type) for c in table.columns):
         return table
     columns = [_interval_text(c) if pa.types.is_interval(c.type) else c for c in table.columns]
     return pa.Table.from_arrays(columns, names=table.column_names)
+
+
+def _write_csv(table: pa.Table, fh: IO[bytes]) -> None:
+    table = intervals_as_text(table)
+    columns = [_flat(c) for c in table.columns]
+    pacsv.write_csv(pa.Table.from_arrays(columns, names=table.column_names), fh)
 
 
 def _write_json(table: pa.Table, fh: IO[bytes]) -> None:
@@ -78,6 +78,17 @@ _WRITERS: dict[str, Callable[[pa.Table, IO[bytes]], None]] = {
 }
 
 
+def _write_as(fmt: str, table: pa.Table, fh: IO[bytes]) -> None:
+    """Write ``table`` in ``fmt``; a column type the format cannot hold is one sentence."""
+    try:
+        _WRITERS[fmt](table, fh)
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid) as exc:  # pyarrow's own errors
+        raise OutputError(
+            f"the result cannot be written as {fmt} ({exc}); CAST that column to VARCHAR in "
+            "the query"
+        ) from None
+
+
 def check_output_path(path: Path, *, force: bool) -> None:
     """Refuse before any work is done, so a bad -o never costs a long query."""
     if path.exists() and not force:
@@ -90,17 +101,7 @@ def check_output_path(path: Path, *, force: bool) -> None:
 
 def export_table(table: pa.Table, fmt: str, output: Path | None) -> None:
     """Write ``table`` in ``fmt`` to ``output`` (atomically) or to stdout."""
-    chosen = _WRITERS[fmt]
-
-    def writer(t: pa.Table, fh: IO[bytes]) -> None:
-        try:
-            chosen(t, fh)
-        except (pa.ArrowNotImplementedError, pa.ArrowInvalid) as exc:
-            raise OutputError(
-                f"the result cannot be written as {fmt} ({exc}); CAST that column to VARCHAR "
-                "in the query"
-            ) from None
-
+    writer = functools.partial(_write_as, fmt)
     if output is None:
         if fmt == "parquet":
             raise OutputError("--format parquet needs -o FILE")
