@@ -12,9 +12,16 @@ from rich.table import Table
 
 class _PipedConsole(Console):
     def on_broken_pipe(self) -> None:
-        # rich exits with status 1 here, which a replay means as "corrupt"; the reader going
-        # away (`| head`) is the command line's to handle, as for any other write
-        raise BrokenPipeError
+        # rich exits with status 1 here, which a replay means as "corrupt". The reader going
+        # away (`| head`) ends the output, not the command: it goes quiet and runs on to its
+        # verdict, so that `mgtrace replay T | head` still exits 1 on a corrupt trace.
+        import os
+        import sys
+
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def stdout_console() -> Console:
