@@ -27,7 +27,7 @@ from mgtrace.render import render_replay, render_verdict, stdout_console
 )
 @click.option("--steps", type=click.IntRange(min=100), default=3000, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--force", is_flag=True, help="Overwrite an existing output trace.")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output trace.")
 def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
     """Simulate a buggy engine, replay its trace, bisect it and print the verdict."""
     from mgtrace.replayer.bisect import bisect, save_log
@@ -35,6 +35,7 @@ def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
     from mgtrace.replayer.loop import replay_trace
     from mgtrace.replayer.rules import RuleSet
     from mgtrace.schemas.reader import TraceReader
+    from mgtrace.schemas.writer import refuse_unless_replaceable
     from mgtrace.sim.config import BUG_REORDER, SimConfig
     from mgtrace.sim.engine import simulate
 
@@ -55,6 +56,7 @@ def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
             output=output,
             overwrite=force,
         ).validate()
+        refuse_unless_replaceable(output, force)  # before the first line of the demo
         out.rule("1. simulate")
         out.print(
             f"engine: V1 runner, MTP k=3, --mamba-cache-mode align, async scheduling; the "

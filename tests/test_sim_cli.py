@@ -131,3 +131,40 @@ def test_interrupted_run_leaves_a_readable_trace_that_says_so(tmp_path: Path) ->
     # an interrupted run is not whole: the replay calls it inconclusive, never clean
     assert manifest["complete"] is False and not reader.complete
     assert run_cli("replay", str(out)).returncode == 125
+
+
+def test_a_too_small_pool_names_the_option_and_its_minimum(tmp_path: Path) -> None:
+    """The sentence once named the internal field (num_blocks) and no minimum. Control: the
+    minimum it names runs."""
+    res = _invoke("--steps", "5", "--k", "3", "--num-blocks", "2", "-o", str(tmp_path / "t"))
+    assert isinstance(res.exception, UsageError)
+    msg = res.exception.message
+    assert "--num-blocks (2)" in msg and "at least 11" in msg, msg
+    ok = _invoke("--steps", "5", "--k", "3", "--num-blocks", "11", "-o", str(tmp_path / "t"))
+    assert ok.exception is None
+    res = _invoke("--steps", "5", "--max-num-seqs", "0", "-o", str(tmp_path / "u"))
+    assert isinstance(res.exception, UsageError) and "--max-num-seqs" in res.exception.message
+
+
+def test_force_has_a_short_form(tmp_path: Path) -> None:
+    out = tmp_path / "t"
+    assert _invoke("--steps", "5", "-o", str(out)).exception is None
+    assert _invoke("--steps", "5", "-o", str(out), "-f").exception is None
+
+
+def test_demo_refuses_an_existing_output_before_printing_anything(tmp_path: Path) -> None:
+    """The demo printed its first banner and engine line, then refused. Control: with -f the
+    same output is replaced (the refusal is the only difference)."""
+    from mgtrace.demo import demo
+
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    res = CliRunner().invoke(demo, ["-o", str(out), "--steps", "100"], standalone_mode=False)
+    assert isinstance(res.exception, MgtraceError) and "--force" in res.exception.message
+    assert res.output == ""
+    res = CliRunner().invoke(demo, ["-o", str(out), "--steps", "100", "-f"], standalone_mode=False)
+    assert (
+        isinstance(res.exception, MgtraceError) and "not an mgtrace trace" in res.exception.message
+    )
+    assert res.output == "" and (out / "notes.txt").read_text() == "mine"

@@ -425,6 +425,18 @@ def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag
     return info
 
 
+def refuse_unless_replaceable(path: Path, overwrite: bool) -> bool:
+    """Raise OutputError unless a trace may be written at ``path``; True when an old trace
+    there is to be replaced. Callers that print before writing check first."""
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return False
+    if not overwrite:
+        raise OutputError(f"{path} already exists; pass --force to overwrite it")
+    if not is_trace_directory(path):
+        raise OutputError(f"{path} is not an mgtrace trace; refusing to overwrite it")
+    return True
+
+
 class TraceWriter:
     """Write a trace directory from steps handed over as plain Python / numpy values (or Arrow
     arrays of the column's type or dictionaries of its values, taken as they are).
@@ -580,11 +592,7 @@ class TraceWriter:
     # ---------------------------------------------------------------- writer thread
     def _prepare_directory(self, overwrite: bool) -> None:
         p = self.path
-        if p.exists() and (not p.is_dir() or any(p.iterdir())):
-            if not overwrite:
-                raise OutputError(f"{p} already exists; pass --force to overwrite it")
-            if not is_trace_directory(p):
-                raise OutputError(f"{p} is not an mgtrace trace; refusing to overwrite it")
+        if refuse_unless_replaceable(p, overwrite):
             shutil.rmtree(p)
         self._made_directory = not p.exists()
         try:

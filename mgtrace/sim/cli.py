@@ -75,7 +75,7 @@ from mgtrace.sim.engine import simulate as run_simulation
     default=None,
     help="Trace directory to write.",
 )
-@click.option("--force", is_flag=True, help="Overwrite an existing trace.")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing trace.")
 def _simulate(
     scenario: str,
     steps: int,

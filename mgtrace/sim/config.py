@@ -110,24 +110,25 @@ class SimConfig:
         if not 1 <= self.pp <= 8:
             raise UsageError(f"--pp must be between 1 and 8, got {self.pp}")
         if self.max_num_seqs < 1 or self.max_num_seqs > 4096:
-            raise UsageError(f"max_num_seqs must be between 1 and 4096, got {self.max_num_seqs}")
+            raise UsageError(f"--max-num-seqs must be between 1 and 4096, got {self.max_num_seqs}")
         if self.mamba_block_size < 2 or self.mamba_block_size <= self.k:
-            raise UsageError(
-                f"the Mamba block size ({self.mamba_block_size}) must exceed k ({self.k})"
-            )
+            raise UsageError(f"--block-size ({self.mamba_block_size}) must exceed --k ({self.k})")
         if self.max_num_batched_tokens < self.mamba_block_size:
             raise UsageError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"one Mamba block ({self.mamba_block_size} tokens)"
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                f"one Mamba block (--block-size, {self.mamba_block_size} tokens)"
             )
         if self.seed < 0:
             raise UsageError(f"--seed must be 0 or more, got {self.seed}")
         if self.pool_blocks < 1 + 2 * (self.k + 2):
-            raise UsageError(f"num_blocks ({self.pool_blocks}) is too small to run a request")
+            raise UsageError(
+                f"--num-blocks ({self.pool_blocks}) is too small to run a request; "
+                f"with --k {self.k} it must be at least {1 + 2 * (self.k + 2)}"
+            )
         if self.pool_blocks > MAX_POOL_BLOCKS:
             # the pool, its free list and a replay's tag pages scale with it
             raise UsageError(
-                f"num_blocks ({self.pool_blocks}) is more than the simulator models "
+                f"--num-blocks ({self.pool_blocks}) is more than the simulator models "
                 f"({MAX_POOL_BLOCKS})"
             )
         for name, p in (
