@@ -27,6 +27,13 @@ def test_clean_run_exits_zero_with_json() -> None:
     assert report["ok"] and report["done"] == 8 and report["compared"]["triton"] == 8
 
 
+def test_the_summary_keeps_each_sentence_on_its_line() -> None:
+    """Rich wrapped the summary at 80 columns mid-sentence, after a dangling "; "."""
+    lines = _invoke(["--cases", "3", "--seed", "5"]).output.splitlines()
+    assert lines[1] == "compared with the reference: triton in 3 case(s)", lines
+    assert lines[0].endswith("kept out of every kernel") and lines[-1] == "no mismatch"
+
+
 def test_a_mismatch_exits_one_with_a_reproducer(monkeypatch) -> None:
     real = check_mod.run_reference
 

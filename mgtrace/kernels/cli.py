@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, EXIT_INCONCLUSIVE
+from mgtrace.render import stdout_console
 
 if TYPE_CHECKING:
     from mgtrace.kernels.check import CheckReport
@@ -70,7 +71,7 @@ def _check_kernels(against: str | None, cases: int, seed: int, device: str, as_j
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=1))
     else:
-        _print_report(report, Console())
+        _print_report(report, stdout_console())
     if report.mismatches:
         return EXIT_CORRUPTION
     if report.interrupted:
@@ -85,10 +86,12 @@ def _print_report(report: CheckReport, out: Console) -> None:
     )
     vllm = f" (vLLM {report.vllm_version})" if report.vllm_version else ""
     out.print(
-        f"{report.done}/{report.cases} cases from seed {report.seed} on {report.device}{vllm}; "
-        f"compared with the reference: {peers}; {report.malformed_rows} malformed row(s) "
-        f"kept out of every kernel; {report.elapsed_s:.1f} s"
+        f"{report.done}/{report.cases} cases from seed {report.seed} on {report.device}{vllm} "
+        f"in {report.elapsed_s:.1f} s; {report.malformed_rows} malformed row(s) kept out of "
+        "every kernel",
+        highlight=False,
     )
+    out.print(f"compared with the reference: {peers}", highlight=False)
     for reason, n in sorted(report.skipped.items()):
         out.print(f"  not compared with vLLM in {n} case(s): {reason}")
     if report.interrupted:
