@@ -437,6 +437,28 @@ def test_feature_detection_refuses_naming_what_is_missing(
         assert vars(v.gmr.GPUModelRunner)["execute_model"] is standin.standin_execute_model
 
 
+@pytest.mark.parametrize("what", ["no speculative config", "not hybrid"])
+def test_v1_without_fused_align_copies_is_refused(v: Any, tmp_path: Path, what: str) -> None:
+    """Without a speculative config (or for a model that is not hybrid) vLLM's V1 runner
+    builds no align context and ``preprocess_mamba`` copies states with ``batch_memcpy``,
+    which no hook sees: a trace would hold no launch yet say it is complete."""
+    with standin.StandinRunnerMethods(v.gmr):
+        eng = standin.StandinEngine(v)
+        if what == "not hybrid":
+            eng.runner.model_config.is_hybrid = False
+        else:
+            eng.runner.speculative_config = None
+        with pytest.raises(features.RecorderRefusal, match="speculative decoding"):
+            features.check_runner(eng.runner)
+        a = agent_mod.Agent()
+        a.start(str(tmp_path / "trace"))
+        before = vars(v.gib.InputBatch)["swap_states"]
+        eng.step()
+        assert a.state == "refused" and "batch_memcpy" in a.status()["refusal"]
+        assert vars(v.gib.InputBatch)["swap_states"] is before
+        assert not (tmp_path / "trace" / "manifest.json").exists()
+
+
 def test_v2_state_hooks_record_what_the_slot_indexed_kernels_read(v: Any, tmp_path: Path) -> None:
     """The V2 align path on real objects: MambaHybridModelState's preprocess/postprocess run
     vLLM's kernels (advance + precopy, scatter + post-process) through idx_mapping; the

@@ -169,4 +169,22 @@ def check_runner(runner: Any) -> tuple[str, dict[Target, Any]]:
             f"this vLLM's {kind.upper()} runner lacks what the recorder hooks need: "
             + ", ".join(missing)
         )
+    if kind == "v1" and not _v1_fused_align(runner):
+        raise RecorderRefusal(
+            "this V1 runner serves without speculative decoding (no speculative_config, or "
+            "a model that is not hybrid), so vLLM copies its align-mode Mamba states with "
+            "batch_memcpy instead of the fused launchers mgtrace hooks and a recording would "
+            "capture none of those copies; record with MTP/speculative decoding, or on the V2 "
+            "runner"
+        )
     return kind, owners
+
+
+def _v1_fused_align(runner: Any) -> bool:
+    """Whether V1 copies align states through the fused launchers: vLLM builds the align
+    context (``MambaBuffers.create(with_postprocess_align=...)``) only for a hybrid model
+    with a speculative config; otherwise ``preprocess_mamba`` takes its scalar
+    ``collect_mamba_copy_meta``/``batch_memcpy`` path, which no hook sees."""
+    if getattr(runner, "speculative_config", None) is None:
+        return False
+    return bool(getattr(getattr(runner, "model_config", None), "is_hybrid", True))
