@@ -503,15 +503,16 @@ def test_v2_state_hooks_record_what_the_slot_indexed_kernels_read(v: Any, tmp_pa
     patches.install(hooks_v2.v2_patches(sess, owners))
     try:
         handler = SimpleNamespace(queue=deque([None, None]))  # a PP handler, pp_size 2
+        pp = hooks_v2._PPHooks()
 
         def get_prev() -> None:
-            hooks_v2._prev_before(sess, (handler,), {})
+            pp.prev_before(sess, (handler,), {})
             handler.queue.popleft()
             handler.queue.append(None)
 
         def receive(entry: object) -> None:
             handler.queue[-1] = entry
-            hooks_v2._receive_after(sess, None, None, (handler, ib), {})
+            pp.receive_after(sess, None, None, (handler, ib), {})
 
         sess.begin_step(None)  # step 0: precopy, then its samples are received
         get_prev()
@@ -578,3 +579,56 @@ def test_v2_state_hooks_record_what_the_slot_indexed_kernels_read(v: Any, tmp_pa
     rows = sorted(_read(tmp_path / "v2", "batch_rows"), key=lambda r: r["batch_row"])
     assert [r["num_computed"] for r in rows] == [computed[i].item() for i in idx]
     assert [r["num_computed"] for r in rows] != batch.num_computed_tokens_np.tolist()
+
+
+def test_v2_pp_receives_queued_before_recording_keep_their_steps(v: Any, tmp_path: Path) -> None:
+    """Recording starts on a running non-last PP rank (pp_size 2) whose FIFO already holds
+    the receives of the two steps before it. Their deferred post-processes, run by the real
+    ``MambaHybridModelState.postprocess_state`` in steps 0 and 1, processed batches of steps
+    -2 and -1, which the replay must run before the step's forward, not after it."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    import torch
+    import vllm.v1.worker.gpu.model_states.mamba_hybrid as mh
+
+    from mgtrace.recorder import hooks_v2
+    from mgtrace.recorder.patches import PatchSet
+    from mgtrace.recorder.session import Session
+    from mgtrace.schemas.manifest import RunMetadata
+
+    owners, missing = features.resolve_all(features.V2_TARGETS)
+    assert missing == []
+    eng = standin.StandinEngine(v)
+    slots = torch.tensor([5, 1, 3], dtype=torch.int32)
+    state = object.__new__(mh.MambaHybridModelState)
+    state._align_mode, state.recoverssm = True, None
+    state._mamba_ctx, state._mamba_group_ids = eng.ctx, [0]
+    state._mamba_spec = SimpleNamespace(block_size=standin.B)
+    state.num_accepted_tokens_gpu = torch.ones(standin.MAX_REQS, dtype=torch.int32)
+    state._mamba_state_idx_gpu = torch.tensor([0, 1, 0, 2, 0, 1, 0, 0], dtype=torch.int32)
+    computed = torch.tensor([0, 6, 0, 9, 0, 5, 0, 0], dtype=torch.int32)
+    out = tmp_path / "pp"
+    sess = Session(out, rank=0, kind="v2", run=RunMetadata(runner="v2"))
+    patches = PatchSet()
+    patches.install(hooks_v2.v2_patches(sess, owners))
+    handler = SimpleNamespace(queue=deque([object(), object()]))  # pushed by steps -2, -1
+    pp = hooks_v2._PPHooks()
+    try:
+        for _ in range(3):
+            sess.begin_step(None)
+            pp.prev_before(sess, (handler,), {})  # execute_model: update_pp_decode_requests
+            handler.queue.popleft()
+            handler.queue.append(None)
+            sampled = torch.tensor([2, 2, 2], dtype=torch.int32)
+            state.postprocess_state(slots, sampled, computed + 3)
+            handler.queue[-1] = object()  # sample_tokens: this step's receive
+            pp.receive_after(sess, None, None, (handler, None), {})
+            state.postprocess_state(slots, 0)  # non-final prefill chunks: launches nothing
+            sess.step_done()
+    finally:
+        patches.remove()
+    sess.end_step()
+    assert sess.close()["complete"]
+    post = {(r["step"], r["batch_step"]) for r in _read(out, "launches")}
+    assert post == {(0, -2), (1, -1), (2, 0)}

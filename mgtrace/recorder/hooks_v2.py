@@ -104,18 +104,49 @@ def _post_state_after(
     sess.deferred_batch_step = None
 
 
-def _receive_after(
-    sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
-    for entry in args[0].queue:
-        if entry is not None and id(entry) not in sess.pp_origin:
-            sess.pp_origin[id(entry)] = sess.step
+class _PPHooks:
+    """Which step pushed each pending receive of a non-last PP rank's FIFO.
 
+    vLLM's ``PPHandler.queue`` holds one entry per in-flight step, oldest first: every step
+    pops the oldest (``get_prev_sampled_outputs``, the first thing a real step does) and
+    appends a slot that its own ``receive`` fills. The first time a recording sees a
+    handler, the entries already queued were pushed before the recording began: entry ``i``
+    of ``n`` by step ``step - n + i``, a negative step, which the trace has no batch of (as a
+    trimmed trace's deferred batches sit at negative steps). Each later ``receive`` tags
+    only the slot it filled, ``queue[-1]``."""
 
-def _prev_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    queue = args[0].queue
-    slot = queue[0] if queue else None
-    sess.deferred_batch_step = None if slot is None else sess.pp_origin.pop(id(slot), None)
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def first_sight(self, sess: Session, handler: Any) -> None:
+        if id(handler) in self.seen:
+            return
+        self.seen.add(id(handler))
+        queue = handler.queue
+        for i, entry in enumerate(queue):
+            if entry is not None:
+                sess.pp_origin[id(entry)] = sess.step - len(queue) + i
+
+    def prev_before(self, sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.first_sight(sess, args[0])
+        queue = args[0].queue
+        slot = queue[0] if queue else None
+        sess.deferred_batch_step = None if slot is None else sess.pp_origin.pop(id(slot), None)
+
+    def receive_after(
+        self, sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        handler = args[0]
+        queue = handler.queue
+        if id(handler) not in self.seen:
+            # no pop seen this step (not expected of vLLM): the slot just filled is this
+            # step's, the ones before it older
+            self.seen.add(id(handler))
+            for i, entry in enumerate(queue):
+                if entry is not None:
+                    sess.pp_origin[id(entry)] = sess.step - len(queue) + 1 + i
+        elif queue and queue[-1] is not None:
+            sess.pp_origin[id(queue[-1])] = sess.step
 
 
 def _append_blocks(groups: Sequence[int] | None) -> Any:
@@ -206,6 +237,7 @@ def v2_patches(
     runner = owner_of(owners, "GPUModelRunner", "execute_model")
     state = owner_of(owners, "MambaHybridModelState", "preprocess_state")
     pp = owner_of(owners, "PPHandler", "receive")
+    pp_hooks = _PPHooks()
     patches = [
         *runner_step_patches(sess, runner, _begin),
         Patch(runner, "prepare_inputs", hook(sess, "prepare_inputs", after=_inputs_after)),
@@ -215,8 +247,10 @@ def v2_patches(
             "postprocess_state",
             hook(sess, "postprocess_state", before=_post_state_before, after=_post_state_after),
         ),
-        Patch(pp, "receive", hook(sess, "pp_receive", after=_receive_after)),
-        Patch(pp, "get_prev_sampled_outputs", hook(sess, "pp_get_prev", before=_prev_before)),
+        Patch(pp, "receive", hook(sess, "pp_receive", after=pp_hooks.receive_after)),
+        Patch(
+            pp, "get_prev_sampled_outputs", hook(sess, "pp_get_prev", before=pp_hooks.prev_before)
+        ),
         *launcher_patches(sess, owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy")),
         *_table_patches(sess, owner_of(owners, "BlockTables", "append_block_ids"), mamba_groups),
     ]
