@@ -193,13 +193,33 @@ def test_recorded_rows_equal_the_real_objects(v: Any, agent: Any, tmp_path: Path
     assert len(mismatches(trace, truths)) == 2
 
 
+def test_postprocess_step_is_null_where_no_post_process_launched(
+    v: Any, agent: Any, tmp_path: Path
+) -> None:
+    """vLLM calls ``_update_states_after_model_execute`` every step; a step where it returns
+    before the align post-process (here: the model is not hybrid for that step) launched
+    none, and its ``steps.postprocess_step`` must say so (null)."""
+    skip = 3
+    with standin.StandinRunnerMethods(v.gmr):
+        eng = standin.StandinEngine(v)
+        agent.start(str(tmp_path / "t"))
+        for i in range(5):
+            eng.runner.model_config.is_hybrid = i != skip
+            eng.step()
+        agent.stop()
+    trace = tmp_path / "t"
+    launched = {r["step"] for r in _read(trace, "launches") if r["kernel"] == "postprocess"}
+    assert launched == {0, 1, 2, 4}  # control: the skipped step really launched none
+    steps = sorted((s["step"], s["postprocess_step"]) for s in _read(trace, "steps"))
+    assert steps == [(0, 0), (1, 1), (2, 2), (3, None), (4, 4)]
+
+
 def _patched_attrs(v: Any) -> dict[str, Any]:
     ctx = v.mu.MambaSpecDecodeGPUContext
     ib = v.gib.InputBatch
     return {
         "execute_model": vars(v.gmr.GPUModelRunner)["execute_model"],
         "_update_states": vars(v.gmr.GPUModelRunner)["_update_states"],
-        "after": vars(v.gmr.GPUModelRunner)["_update_states_after_model_execute"],
         "reorder": v.gmr.reorder_batch_to_split_decodes_and_prefills,
         "swap": vars(ib)["swap_states"],
         "condense": vars(ib)["condense"],
@@ -632,3 +652,7 @@ def test_v2_pp_receives_queued_before_recording_keep_their_steps(v: Any, tmp_pat
     assert sess.close()["complete"]
     post = {(r["step"], r["batch_step"]) for r in _read(out, "launches")}
     assert post == {(0, -2), (1, -1), (2, 0)}
+    # the neutral postprocess_state(idx_mapping, 0) after the receive launches nothing and
+    # leaves the step's postprocess_step as the deferred launch set it
+    steps = [(s["step"], s["postprocess_step"]) for s in _read(out, "steps")]
+    assert steps == [(0, -2), (1, -1), (2, 0)]

@@ -68,7 +68,6 @@ V1_TARGETS: tuple[Target, ...] = (
     # where present, a step whose execute_model returned None ends here
     Target(V1_RUNNER_MODULE, "GPUModelRunner", "sample_tokens", required=False),
     Target(V1_RUNNER_MODULE, "GPUModelRunner", "_update_states"),
-    Target(V1_RUNNER_MODULE, "GPUModelRunner", "_update_states_after_model_execute"),
     Target(V1_RUNNER_MODULE, None, "reorder_batch_to_split_decodes_and_prefills"),
     Target("vllm.v1.worker.gpu_input_batch", "InputBatch", "add_request"),
     Target("vllm.v1.worker.gpu_input_batch", "InputBatch", "remove_request"),

@@ -324,6 +324,7 @@ def _postprocess(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     staged = rec.get("staged")  # what the staging hook read: as the launch's tag, not copied
     if staged is None:
         staged = _cpu(ctx, n, _POST_CPU)
+    rec["post_step"] = sess.step  # steps.postprocess_step: only where a post-process launched
     sess.grab(
         tensors,
         [n] * 5,
@@ -342,9 +343,12 @@ def _postprocess(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 def _postprocess_align(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     ctx = args[0]
     n, acc, sidx, comp, idx = call_args(args, kwargs, _POST_ALIGN)
-    if n == 0 or not ctx.is_initialized or sess.rec is None:
+    rec = sess.rec
+    if n == 0 or not ctx.is_initialized or rec is None:
         return
     batch_step = sess.deferred_batch_step
+    # steps.postprocess_step: the batch this launch processed, only where one launched
+    rec["post_step"] = sess.step if batch_step is None else batch_step
     sess.grab(
         [idx, acc, sidx, comp],
         [n, acc.shape[0], sidx.shape[0], comp.shape[0]],

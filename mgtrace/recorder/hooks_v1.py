@@ -10,7 +10,6 @@ What each hook keeps (all host-side copies; the device is never read here):
 - ``preprocess_mamba``: accepted counts and computed counts as the precopy consumed them, the
   running columns before and after.
 - ``stage_postprocess_inputs_to_gpu``: the CPU-staged post-process inputs.
-- ``_update_states_after_model_execute``: that this step ran the align post-process.
 """
 
 from __future__ import annotations
@@ -165,11 +164,6 @@ def _staged(sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict
     }
 
 
-def _post_ran(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if sess.rec is not None:
-        sess.rec["post_step"] = sess.step
-
-
 def v1_patches(sess: Session, owners: dict[Target, Any], mamba_groups: list[int]) -> list[Patch]:
     runner = owner_of(owners, "GPUModelRunner", "execute_model")
     runner_mod = owner_of(owners, None, "reorder_batch_to_split_decodes_and_prefills")
@@ -181,11 +175,6 @@ def v1_patches(sess: Session, owners: dict[Target, Any], mamba_groups: list[int]
             runner,
             "_update_states",
             hook(sess, "_update_states", before=_landed, after=_batch_after_update(mamba_groups)),
-        ),
-        Patch(
-            runner,
-            "_update_states_after_model_execute",
-            hook(sess, "_update_states_after_model_execute", before=_post_ran),
         ),
         Patch(
             runner_mod,

@@ -92,12 +92,6 @@ def _pre_state(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     )
 
 
-def _post_state_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if sess.rec is not None:
-        bs = sess.deferred_batch_step
-        sess.rec["post_step"] = sess.step if bs is None else bs
-
-
 def _post_state_after(
     sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
@@ -245,7 +239,7 @@ def v2_patches(
         Patch(
             state,
             "postprocess_state",
-            hook(sess, "postprocess_state", before=_post_state_before, after=_post_state_after),
+            hook(sess, "postprocess_state", after=_post_state_after),
         ),
         Patch(pp, "receive", hook(sess, "pp_receive", after=pp_hooks.receive_after)),
         Patch(
