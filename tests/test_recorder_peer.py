@@ -656,3 +656,46 @@ def test_v2_pp_receives_queued_before_recording_keep_their_steps(v: Any, tmp_pat
     # leaves the step's postprocess_step as the deferred launch set it
     steps = [(s["step"], s["postprocess_step"]) for s in _read(out, "steps")]
     assert steps == [(0, -2), (1, -1), (2, 0)]
+
+
+@pytest.mark.parametrize("how", ["finished", "preempted", "resumed"])
+def test_prev_state_col_follows_vllms_cleanup_of_forgotten_requests(how: str) -> None:
+    """``preprocess_mamba`` first forgets the running column of finished, preempted and
+    resumed requests (``cleanup_mamba_state_idx``); a request aborted and resubmitted under
+    the same id is finished and scheduled in one step, and starts from the column its
+    computed tokens end in. The hook keeps the dict from before that cleanup."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.worker.mamba_utils import cleanup_mamba_state_idx
+
+    from mgtrace.recorder.step_tables import StepTables
+
+    cached = CachedRequestData(
+        req_ids=[],
+        resumed_req_ids={"x"} if how == "resumed" else set(),
+        new_token_ids=[],
+        all_token_ids={},
+        new_block_ids=[],
+        num_computed_tokens=[],
+        num_output_tokens=[],
+    )
+    so = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"x": 8, "y": 1},
+        total_num_scheduled_tokens=9,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        num_common_prefix_blocks=[0],
+        finished_req_ids={"x"} if how == "finished" else set(),
+        free_encoder_mm_hashes=[],
+        preempted_req_ids={"x"} if how == "preempted" else None,
+    )
+    state_idx = {"x": 5, "y": 3}
+    before = dict(state_idx)  # what the preprocess_mamba hook keeps
+    cleanup_mamba_state_idx(so, state_idx)  # what preprocess_mamba does first
+    computed = np.array([0, 13], dtype=np.int32)
+    B = standin.B
+    truth = [state_idx.get(r, (int(c) - 1) // B) for r, c in zip("xy", computed, strict=True)]
+    assert truth == [-1, 3]  # control: vLLM forgot x's column 5, kept y's
+    got = StepTables("v1", B)._prev_cols(so, ["x", "y"], before, computed)
+    assert got.tolist() == truth

@@ -92,13 +92,22 @@ class StepTables:
         self, so: Any, req_ids: list[str], before: dict[str, int], computed: np.ndarray
     ) -> np.ndarray:
         """The running column each row's precopy started from: the runner's remembered
-        column, or for a new or resumed request the one its computed tokens end in."""
+        column, or for a new request the one its computed tokens end in. ``before`` is the
+        runner's dict as ``preprocess_mamba`` received it, before its
+        ``cleanup_mamba_state_idx`` forgot the finished, preempted and resumed requests (a
+        request aborted and resubmitted under the same id is finished and scheduled in one
+        step): those start fresh too."""
         missing = np.iinfo(np.int64).min
         prev = np.fromiter(map(before.get, req_ids, repeat(missing)), np.int64, len(req_ids))
-        resumed = getattr(so.scheduled_cached_reqs, "resumed_req_ids", None) or ()
-        for i, r in enumerate(req_ids):
-            if r in resumed:
-                prev[i] = missing
+        forgotten = (
+            set(so.finished_req_ids or ())
+            | set(getattr(so, "preempted_req_ids", None) or ())
+            | set(getattr(so.scheduled_cached_reqs, "resumed_req_ids", None) or ())
+        )
+        if forgotten:
+            for i, r in enumerate(req_ids):
+                if r in forgotten:
+                    prev[i] = missing
         fresh = prev == missing
         prev[fresh] = (computed[fresh].astype(np.int64) - 1) // self.block_size
         return prev.astype(I32)
