@@ -46,6 +46,13 @@ _RUN_FIELDS = (
 )
 
 
+def run_unknown(source: dict[str, Any]) -> set[str]:
+    """Run fields the trace's source did not carry (a probe import's k and block size):
+    the manifest holds RunMetadata's defaults there, which are no facts."""
+    names = source.get("run_unknown")
+    return {str(n) for n in names} if isinstance(names, list) else set()
+
+
 def human_bytes(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -69,8 +76,11 @@ def render_info(info: dict[str, Any], console: Console) -> None:
         kind += f" ({', '.join(sorted(source['ranks']))})"  # one trace per worker, read as one
     t.add_row("source", kind)
     run = info["run"]
+    unknown = run_unknown(source)
     for key, label in _RUN_FIELDS:
-        if run.get(key) is not None:
+        if key in unknown:
+            t.add_row(label, "unknown (not in the source)")
+        elif run.get(key) is not None:
             t.add_row(label, str(run[key]))
     if run.get("builder_reorder_thresholds"):
         t.add_row("builder thresholds", str(run["builder_reorder_thresholds"]))

@@ -20,6 +20,7 @@ from mgtrace.api import Trace
 from mgtrace.atomic import atomic_write
 from mgtrace.errors import InconclusiveError
 from mgtrace.query import canned, plots
+from mgtrace.render import run_unknown
 from mgtrace.replayer.coverage import unseen_reason
 from mgtrace.replayer.requests import is_request
 
@@ -96,14 +97,19 @@ def _histories(con: Any, trace: Trace, requests: list[str], first_bad: int) -> l
 
 def _run_section(info: dict[str, Any]) -> list[str]:
     run = info["run"]
+    unknown = run_unknown(info["source"])
+
+    def known(key: str) -> Any:
+        return "unknown (not in the source)" if key in unknown else run[key]
+
     meta = [
         ("status", "complete" if info["complete"] else "incomplete"),
         ("source", info["source"].get("kind")),
         ("runner", run["runner"]),
         ("vLLM", run["vllm_version"]),
         ("model", run["model"]),
-        ("k", run["num_speculative_tokens"]),
-        ("mamba block size", run["mamba_block_size"]),
+        ("k", known("num_speculative_tokens")),
+        ("mamba block size", known("mamba_block_size")),
         ("async scheduling", run["async_scheduling"]),
         ("TP / PP", f"{run['tp_size']} / {run['pp_size']}"),
         ("runner reorder threshold", run["runner_reorder_threshold"]),

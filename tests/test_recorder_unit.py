@@ -392,6 +392,34 @@ def test_import_probe_reproduces_the_reanalysis_crosstab(tmp_path: Path) -> None
     assert got != _expected_crosstab(truth)
 
 
+def test_import_probe_shows_k_and_block_size_as_unknown(tmp_path: Path) -> None:
+    """A probe log carries neither the speculative token count nor the Mamba block size:
+    ``info`` and ``report`` must not present the manifest's defaults (0, 16) as facts."""
+    from rich.console import Console
+
+    from mgtrace.query.info import trace_info
+    from mgtrace.render import render_info
+    from mgtrace.report import _run_section
+
+    pp, bp, _ = _probe_logs(tmp_path)
+    import_probe(pp, bp, tmp_path / "trace")
+    info = trace_info(TraceReader(tmp_path / "trace"))
+
+    def shown(info: dict[str, Any]) -> tuple[str, str]:
+        console = Console(record=True, width=200)
+        render_info(info, console)
+        return console.export_text(), "".join(_run_section(info))
+
+    for text in shown(info):
+        assert re.search(r"(k \(spec tokens\)|<td>k)(\W|td)+unknown", text), text
+        assert re.search(r"mamba block size(\W|td)+unknown", text), text
+    # control: a source that carries them shows the values
+    info["source"].pop("run_unknown")
+    for text in shown(info):
+        assert "unknown" not in text
+        assert re.search(r"mamba block size(\W|td)+16", text), text
+
+
 def test_import_probe_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="does not exist"):
         import_probe(tmp_path / "nope.jsonl", None, tmp_path / "t")

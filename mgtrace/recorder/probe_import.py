@@ -42,6 +42,8 @@ WORDS = re.compile(r"[A-Za-z]{2,}")
 EMPTY_MIN_TOKENS = 200
 EMPTY_WORD_RATE = 0.02
 QUEUE_HIGH = 4096
+# Run fields a probe log does not carry (manifest source ``run_unknown``).
+PROBE_RUN_UNKNOWN = ("num_speculative_tokens", "mamba_block_size")
 
 # The field re-analysis cross-tab as SQL over the trace (``mgtrace sql``): a request's first
 # decode step sat in the Mamba prefill region when a prefill-region row of it had computed
@@ -404,6 +406,9 @@ def import_probe(
         "burst": None if burst_path is None else str(burst_path),
         "probe_mode": start.get("mode"),
         "step_offset": -1,
+        # the probe log carries neither: the manifest's values are RunMetadata's defaults,
+        # and info and report show these fields as unknown
+        "run_unknown": list(PROBE_RUN_UNKNOWN),
         "events": imp.report.events,
         "last_tick": imp.last_tick,
         "crosstab_sql": crosstab_sql(),
