@@ -166,3 +166,41 @@ def test_a_reader_that_goes_away_is_not_a_verdict(sample_trace: Path, fmt: str) 
     assert proc.wait(120) == 0 and "Traceback" not in err, err
     whole = subprocess.run(argv, cwd=REPO, capture_output=True, timeout=120)
     assert whole.returncode == 0 and len(whole.stdout) > 1 << 17
+
+
+WRITES = [
+    "COPY (SELECT 1 AS x) TO '{part}' (FORMAT parquet)",
+    "CREATE TABLE t AS SELECT 1",
+    "DROP VIEW steps",
+    "ATTACH '{trace}/x.duckdb' AS x",
+    "INSTALL httpfs",
+    "SELECT 1; COPY (SELECT 1 AS x) TO '{part}' (FORMAT parquet)",
+    "EXPLAIN ANALYZE COPY (SELECT 1 AS x) TO '{part}' (FORMAT parquet)",
+]
+
+
+@pytest.mark.parametrize(
+    "query", WRITES, ids=["copy", "create", "drop", "attach", "install", "two", "explain"]
+)
+def test_sql_refuses_statements_that_could_change_the_trace(
+    fresh_trace: Path, query: str, capsys
+) -> None:
+    """A COPY onto a step part once destroyed the trace: only one read-only query runs, the
+    rest is one sentence and exit 2, and the trace's files stay as they were. Control: a
+    plain SELECT (and SHOW, a query too) still runs, from the CLI and from Trace.sql."""
+    from mgtrace.api import Trace
+    from mgtrace.errors import UsageError
+
+    part = sorted((fresh_trace / "steps").glob("*.parquet"))[0]
+    before = {p: p.read_bytes() for p in fresh_trace.rglob("*") if p.is_file()}
+    text = query.format(part=part, trace=fresh_trace)
+    assert main(["sql", str(fresh_trace), text]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mgtrace: error: ") and len(err.splitlines()) == 1, err
+    with pytest.raises(UsageError):
+        Trace(fresh_trace).sql(text)
+    assert {p: p.read_bytes() for p in fresh_trace.rglob("*") if p.is_file()} == before
+    assert main(["sql", str(fresh_trace), "SELECT count(*) AS n FROM steps;"]) == 0
+    assert main(["sql", str(fresh_trace), "SHOW TABLES", "--format", "csv"]) == 0
+    assert "batch_rows" in capsys.readouterr().out
+    assert Trace(fresh_trace).sql("SELECT count(*) FROM steps").fetchall() == [(60,)]

@@ -38,13 +38,42 @@ def connect(
     return con
 
 
+def _one_error_line(exc: duckdb.Error) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+
+
+_QUERY_FORMS = "SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW or SUMMARIZE"
+
+
+def check_read_only(query: str) -> None:
+    """Refuse anything but one query: the trace views read files in the trace, and a COPY,
+    CREATE, ATTACH, INSTALL or a second statement could overwrite or change them.
+
+    EXPLAIN is refused too: EXPLAIN ANALYZE runs the statement it explains, COPY included.
+    DESCRIBE, SHOW and SUMMARIZE parse as queries and stay allowed."""
+    try:
+        statements = duckdb.extract_statements(query)
+    except duckdb.Error as exc:
+        raise UsageError(f"the query failed: {_one_error_line(exc)}") from None
+    if not statements:
+        raise UsageError("the query is empty; give one SELECT query")
+    if len(statements) > 1:
+        raise UsageError(f"give one query at a time, not {len(statements)} statements")
+    kind = statements[0].type
+    if kind != duckdb.StatementType.SELECT:
+        raise UsageError(
+            f"only a read-only query runs over a trace ({_QUERY_FORMS}), not {kind.name}"
+        )
+
+
 def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRelation:
-    """Run user SQL; a DuckDB error becomes one sentence and a usage exit code."""
+    """Run one user query (see ``check_read_only``); a DuckDB error becomes one sentence and
+    a usage exit code."""
+    check_read_only(query)
     try:
         rel = con.sql(query)
     except duckdb.Error as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise UsageError(f"the query failed: {first}") from None
+        raise UsageError(f"the query failed: {_one_error_line(exc)}") from None
     if rel is None:
         raise UsageError("the query returned no result set; mgtrace sql runs SELECT-like queries")
     return rel
@@ -56,8 +85,7 @@ def fetch_arrow(rel: duckdb.DuckDBPyRelation, limit: int | None = None) -> pa.Ta
     try:
         return (rel if limit is None else rel.limit(limit)).to_arrow_table()
     except duckdb.Error as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise UsageError(f"the query failed: {first}") from None
+        raise UsageError(f"the query failed: {_one_error_line(exc)}") from None
 
 
 def list_views(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str, str, str]]:
