@@ -204,3 +204,56 @@ def test_sql_refuses_statements_that_could_change_the_trace(
     assert main(["sql", str(fresh_trace), "SHOW TABLES", "--format", "csv"]) == 0
     assert "batch_rows" in capsys.readouterr().out
     assert Trace(fresh_trace).sql("SELECT count(*) FROM steps").fetchall() == [(60,)]
+
+
+def test_canned_findings_queries_read_the_as_recorded_replay_only(
+    fresh_trace: Path, capsys
+) -> None:
+    """A counterfactual or windowed replay saved beside the as-recorded one once added its
+    findings to the cross-tab (36 requests flagged on a run with none): the canned queries
+    read the whole-trace replay as recorded only. Control: its own findings are counted."""
+    from mgtrace.api import Trace
+    from mgtrace.replayer.cli import replay_id_for
+    from mgtrace.replayer.findings import Finding, save_findings
+    from mgtrace.replayer.rules import RuleSet
+
+    decoding = [
+        r[0]
+        for r in Trace(fresh_trace)
+        .sql("SELECT DISTINCT req_id FROM batch_rows WHERE num_draft > 0 ORDER BY 1")
+        .fetchall()
+    ]
+    assert len(decoding) >= 3
+
+    def found(req: str, step: int) -> Finding:
+        return Finding("stale_read", "m", 0, step, req, 0, f"{req} read stale state")
+
+    recorded = RuleSet()
+    save_findings(
+        fresh_trace,
+        [found(decoding[0], 5)],
+        replay_id=replay_id_for(recorded),
+        rules=recorded.canonical(),
+    )
+    other = RuleSet.parse("reorder_threshold=1+k")
+    save_findings(
+        fresh_trace,
+        [found(decoding[1], 7)],
+        replay_id=replay_id_for(other),
+        rules=other.canonical(),
+    )
+    save_findings(
+        fresh_trace,
+        [found(decoding[2], 9)],
+        replay_id=replay_id_for(recorded, 8, 10),
+        rules=recorded.canonical(),
+    )
+    assert main(["sql", str(fresh_trace), "@findings-over-time", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"step": 5, "kind": "stale_read", "requests": 1}]
+    assert (
+        main(["sql", str(fresh_trace), "@first-decode-in-prefill-split", "--format", "json"]) == 0
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert sum(r["flagged_by_replay"] for r in rows) == 1
+    assert main(["sql", str(fresh_trace), "--list"]) == 0
+    assert "replay as recorded" in capsys.readouterr().out

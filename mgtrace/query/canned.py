@@ -61,6 +61,20 @@ def findings_filter(replay_id: str | None) -> str:
     return "WHERE replay_id = '" + replay_id.replace("'", "''") + "'"
 
 
+def as_recorded_replay_id() -> str:
+    """The replay id of ``mgtrace replay TRACE`` (no rule flags, no step window): the one
+    saved replay that says what the trace did. Counterfactual and windowed replays are saved
+    under other ids; counting them too flags requests the run never corrupted."""
+    from mgtrace.replayer.cli import replay_id_for
+    from mgtrace.replayer.rules import RuleSet
+
+    return replay_id_for(RuleSet())
+
+
+# What the canned queries over findings read, said in their descriptions.
+AS_RECORDED_SOURCE = "the saved whole-trace replay as recorded (`mgtrace replay TRACE`)"
+
+
 def quoted(values: list[str]) -> str:
     return ", ".join("'" + v.replace("'", "''") + "'" for v in values) or "''"
 
@@ -76,12 +90,13 @@ NAMED: dict[str, tuple[str, str]] = {
         "how many rows accepted how many tokens, over spec-decode rows",
     ),
     "findings-over-time": (
-        FINDINGS_OVER_TIME.format(where=""),
-        "per step and kind, the requests the saved replays found",
+        FINDINGS_OVER_TIME.format(where=findings_filter(as_recorded_replay_id())),
+        f"per step and kind, the requests found by {AS_RECORDED_SOURCE}",
     ),
     "first-decode-in-prefill-split": (
-        FIRST_DECODE_IN_PREFILL_SPLIT.format(where=""),
-        "the field re-analysis: first spec-decode step in the Mamba prefill split vs findings",
+        FIRST_DECODE_IN_PREFILL_SPLIT.format(where=findings_filter(as_recorded_replay_id())),
+        "the field re-analysis: first spec-decode step in the Mamba prefill split vs findings "
+        f"of {AS_RECORDED_SOURCE}",
     ),
 }
 
