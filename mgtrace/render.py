@@ -8,6 +8,7 @@ import pyarrow as pa
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 
 class _PipedConsole(Console):
@@ -53,6 +54,12 @@ def run_unknown(source: dict[str, Any]) -> set[str]:
     return {str(n) for n in names} if isinstance(names, list) else set()
 
 
+def _text(value: Any, null: str = "") -> Text:
+    """A cell or header from data, as plain text: a value such as '[/]' or '[red]x' is
+    what the trace holds, not console markup (rich would fail on one and eat the other)."""
+    return Text(null if value is None else str(value))
+
+
 def human_bytes(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -63,7 +70,7 @@ def human_bytes(n: int) -> str:
 
 
 def render_info(info: dict[str, Any], console: Console) -> None:
-    t = Table(title=f"trace {info['path']}", show_header=False, title_justify="left")
+    t = Table(title=_text(f"trace {info['path']}"), show_header=False, title_justify="left")
     t.add_column("field", style="bold")
     t.add_column("value")
     status = (
@@ -74,16 +81,16 @@ def render_info(info: dict[str, Any], console: Console) -> None:
     kind = str(source.get("kind", "unknown"))
     if "ranks" in source and isinstance(source["ranks"], dict):
         kind += f" ({', '.join(sorted(source['ranks']))})"  # one trace per worker, read as one
-    t.add_row("source", kind)
+    t.add_row("source", _text(kind))
     run = info["run"]
     unknown = run_unknown(source)
     for key, label in _RUN_FIELDS:
         if key in unknown:
             t.add_row(label, "unknown (not in the source)")
         elif run.get(key) is not None:
-            t.add_row(label, str(run[key]))
+            t.add_row(label, _text(run[key]))
     if run.get("builder_reorder_thresholds"):
-        t.add_row("builder thresholds", str(run["builder_reorder_thresholds"]))
+        t.add_row("builder thresholds", _text(run["builder_reorder_thresholds"]))
     if run.get("states"):
         t.add_row("state tensors", str(len(run["states"])))
     span = "" if info["first_step"] is None else f" ({info['first_step']}..{info['last_step']})"
@@ -100,7 +107,7 @@ def render_info(info: dict[str, Any], console: Console) -> None:
         else f"[red]{drops['steps']} steps (queue full), {drops['malformed_steps']} malformed[/]",
     )
     for kind, entry in info["errors"].items():
-        t.add_row(f"errors: {kind}", f"{entry['count']} (first: {entry['first']})")
+        t.add_row(_text(f"errors: {kind}"), _text(f"{entry['count']} (first: {entry['first']})"))
     truth = info["ground_truth"]
     if truth:
         injected = truth.get("injected") or []
@@ -108,13 +115,13 @@ def render_info(info: dict[str, Any], console: Console) -> None:
         text = ", ".join(injected) if injected else "none"
         if first is not None:
             text += f" (first corrupt step {first})"
-        t.add_row("injected bugs", text)
+        t.add_row("injected bugs", _text(text))
     if info["replays"]:
         t.add_row("replays with findings", str(info["replays"]))
     for s in info["skipped_parts"]:
-        t.add_row("[yellow]skipped part[/]", f"{s['path']}: {s['reason']}")
+        t.add_row("[yellow]skipped part[/]", _text(f"{s['path']}: {s['reason']}"))
     for p in info["open_parts_left"]:
-        t.add_row("[yellow]open part left[/]", p)
+        t.add_row("[yellow]open part left[/]", _text(p))
     console.print(t)
     rows = Table(title="rows per table", title_justify="left")
     rows.add_column("table")
@@ -130,9 +137,9 @@ def render_arrow(table: pa.Table, console: Console, *, more: bool) -> None:
     table = intervals_as_text(table)
     t = Table(show_lines=False)
     for name in table.column_names:
-        t.add_column(name, overflow="fold")
+        t.add_column(_text(name), overflow="fold")
     for row in table.to_pylist():
-        t.add_row(*("NULL" if v is None else str(v) for v in row.values()))
+        t.add_row(*(_text(v, "NULL") for v in row.values()))
     console.print(t)
     note = f"{table.num_rows} row{'s' if table.num_rows != 1 else ''}"
     if more:
@@ -178,9 +185,9 @@ def render_history(lines: pa.Table, console: Console, *, max_rows: int) -> None:
     ]
     t = Table(show_lines=False)
     for n in names:
-        t.add_column(_HISTORY_HEADERS.get(n, n), overflow="fold")
+        t.add_column(_text(_HISTORY_HEADERS.get(n, n)), overflow="fold")
     for row in shown.select(names).to_pylist():
-        t.add_row(*("" if v is None else str(v) for v in row.values()))
+        t.add_row(*(_text(v) for v in row.values()))
     console.print(t)
     note = f"{lines.num_rows} step line{'s' if lines.num_rows != 1 else ''}"
     if lines.num_rows > max_rows:
@@ -221,10 +228,10 @@ def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str |
     requests = sorted({f.req_id for f in first})
     console.print(
         f"[red]corruption[/] under {rules}: first at step {result.first_step}, "
-        f"request{'s' if len(requests) > 1 else ''} {', '.join(requests)}"
+        f"request{'s' if len(requests) > 1 else ''} {escape(', '.join(requests))}"
     )
     for f in first:
-        console.print(f"  {f.kind}: {f.detail}", highlight=False)
+        console.print(_text(f"  {f.kind}: {f.detail}"), highlight=False)
     counts: dict[str, set[str]] = {}
     for f in result.findings:
         counts.setdefault(f.kind, set()).add(f.req_id)
@@ -234,7 +241,7 @@ def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str |
     t.add_column("first step", justify="right")
     for kind, reqs in sorted(counts.items()):
         step = min(f.step for f in result.findings if f.kind == kind)
-        t.add_row(kind, str(len(reqs)), str(step))
+        t.add_row(_text(kind), str(len(reqs)), str(step))
     console.print(t)
     console.print(
         f"{len(result.findings)} findings over {_replayed(result)} "
@@ -243,27 +250,31 @@ def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str |
     )
     if replay_id is not None:
         console.print(
-            f'next: mgtrace sql {trace} "SELECT step, req_id, kind, detail FROM findings '
-            f"WHERE replay_id = '{replay_id}' ORDER BY step LIMIT 20\"",
+            _text(
+                f'next: mgtrace sql {trace} "SELECT step, req_id, kind, detail FROM findings '
+                f"WHERE replay_id = '{replay_id}' ORDER BY step LIMIT 20\""
+            ),
             highlight=False,
         )
 
 
 def render_verdict(v: Any, console: Console, *, log: Any) -> None:
     style = {"bad": "red", "clean": "green"}.get(v.status, "yellow")
-    console.print(f"[{style}]{v.sentence()}[/]", highlight=False)
+    console.print(Text(v.sentence(), style=style), highlight=False)
     if v.status == "bad":
         for f in v.first_findings[:4]:
-            console.print(f"  {f['kind']}: {f['detail']}", highlight=False)
+            console.print(_text(f"  {f['kind']}: {f['detail']}"), highlight=False)
         if v.explanations:
-            console.print("  multi-rule explanations: " + "; ".join(v.explanations))
+            console.print(_text("  multi-rule explanations: " + "; ".join(v.explanations)))
         console.print("reproduce:")
         for side in ("bad", "good"):
             if side in v.commands:
-                console.print(f"  {side + ':':6}{v.commands[side]}", highlight=False)
+                console.print(_text(f"  {side + ':':6}{v.commands[side]}"), highlight=False)
     console.print(
         f"{v.steps_replayed} steps replayed in {v.wall_s:.2f} s over {len(v.probes)} probes",
         style="dim",
     )
     if log is not None:
-        console.print(f"log: {log} (re-check with: mgtrace bisect --replay {log})", style="dim")
+        console.print(
+            _text(f"log: {log} (re-check with: mgtrace bisect --replay {log})"), style="dim"
+        )

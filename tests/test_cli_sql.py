@@ -257,3 +257,29 @@ def test_canned_findings_queries_read_the_as_recorded_replay_only(
     assert sum(r["flagged_by_replay"] for r in rows) == 1
     assert main(["sql", str(fresh_trace), "--list"]) == 0
     assert "replay as recorded" in capsys.readouterr().out
+
+
+def test_cells_and_headers_that_look_like_markup_are_shown_as_they_are(
+    sample_trace: Path, capsys
+) -> None:
+    """Rich read a cell or header as console markup: '[/]' crashed the table (exit 70) and
+    '[red]x' showed as x. Control: a plain value beside them prints as before."""
+    query = """SELECT '[/]' AS a, '[red]x' AS "[bold]h", 'plain' AS c"""
+    assert main(["sql", str(sample_trace), query]) == 0
+    out = capsys.readouterr().out
+    assert "[/]" in out and "[red]x" in out and "[bold]h" in out and "plain" in out
+
+
+def test_history_cells_that_look_like_markup_are_shown_as_they_are() -> None:
+    import io
+
+    import pyarrow as pa
+    from rich.console import Console
+
+    from mgtrace.render import render_history
+
+    console = Console(file=io.StringIO(), width=200)
+    lines = pa.table({"step": [1], "scheduler": ["[/]"], "findings": ["[red]x (with [b]r)"]})
+    render_history(lines, console, max_rows=10)
+    out = console.file.getvalue()
+    assert "[/]" in out and "[red]x (with [b]r)" in out and "scheduler" in out
