@@ -46,12 +46,12 @@ def test_csv_writes_nested_columns_as_json(sample_trace: Path, capsys) -> None:
     assert json.loads(capsys.readouterr().out)[0]["ids"] == [[0, 4], []]
 
 
-def test_an_interval_column_is_text_or_one_sentence(
+def test_an_interval_column_is_text_in_every_format(
     sample_trace: Path, tmp_path: Path, capsys
 ) -> None:
-    """Arrow's CSV and Parquet writers have no form for an interval: once an internal error.
-    CSV, JSON and the terminal say it as an ISO 8601 duration; Parquet refuses in one
-    sentence and writes nothing. Control: an integer column alongside is untouched."""
+    """Arrow's CSV and Parquet writers have no form for an interval: once an internal error,
+    then a refusal for Parquet. Every format says it as an ISO 8601 duration. Control: an
+    integer column alongside is untouched."""
     query = "SELECT INTERVAL 1 DAY + INTERVAL 90 MINUTE AS c, 1 AS x"
     assert main(["sql", str(sample_trace), query, "--format", "csv"]) == 0
     assert capsys.readouterr().out.splitlines() == ['"c","x"', '"P0M1DT5400S",1']
@@ -60,8 +60,34 @@ def test_an_interval_column_is_text_or_one_sentence(
     assert main(["sql", str(sample_trace), query]) == 0
     assert "P0M1DT5400S" in capsys.readouterr().out
     out = tmp_path / "iv.parquet"
-    assert main(["sql", str(sample_trace), query, "-o", str(out)]) == 2
-    assert "CAST that column to VARCHAR" in capsys.readouterr().err and not out.exists()
+    assert main(["sql", str(sample_trace), query, "-o", str(out)]) == 0
+    assert pq.read_table(out).to_pylist() == [{"c": "P0M1DT5400S", "x": 1}]
+
+
+def test_json_is_strict_and_keeps_every_column(sample_trace: Path, capsys) -> None:
+    """A repeated column name dropped a column ([{"a": 2}]), NaN and Infinity made invalid
+    JSON and a BLOB came out as "b'ab'". Now: a, a_1; null; hex, nested values alike.
+    Control: a finite float and a plain string are unchanged."""
+    query = (
+        "SELECT 1 AS a, 2 AS a, 'nan'::DOUBLE AS n, '-inf'::DOUBLE AS i, 'ab'::BLOB AS b, "
+        "[1.5, 'inf'::DOUBLE] AS l, {'x': '\\xFF'::BLOB} AS s, 0.5::DOUBLE AS f, 'x' AS t"
+    )
+    assert main(["sql", str(sample_trace), query, "--format", "json"]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert rows == [
+        {
+            "a": 1,
+            "a_1": 2,
+            "n": None,
+            "i": None,
+            "b": "6162",
+            "l": [1.5, None],
+            "s": {"x": "ff"},
+            "f": 0.5,
+            "t": "x",
+        }
+    ]
 
 
 def test_parquet_needs_output(sample_trace: Path, capsys) -> None:

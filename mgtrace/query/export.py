@@ -1,10 +1,15 @@
-"""Writing query results as CSV, JSON or Parquet: whole files or nothing."""
+"""Writing query results as CSV, JSON or Parquet: whole files or nothing.
+
+JSON is strict JSON: NaN and infinities become null, a BLOB becomes its bytes in hex, and a
+column name that repeats gets a suffix (a, a_1), since an object holds a key once.
+"""
 
 from __future__ import annotations
 
 import functools
 import io
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,13 +29,46 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+def _json_value(value: Any) -> Any:
+    """``value`` as strict JSON holds it: no NaN or infinity (JSON has none), bytes as hex
+    (not Python's b'..'), nested values alike; the rest as ``json`` writes it."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value
+
+
+def _json_text(value: Any, **kwargs: Any) -> str:
+    return json.dumps(_json_value(value), default=_json_default, allow_nan=False, **kwargs)
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """``names`` with a repeat suffixed _1, _2, ... (a name not taken by another column)."""
+    taken = set(names)
+    out: list[str] = []
+    seen: set[str] = set()
+    for name in names:
+        new, i = name, 0
+        while new in seen or (i and new in taken):
+            i += 1
+            new = f"{name}_{i}"
+        seen.add(new)
+        out.append(new)
+    return out
+
+
 def _flat(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
     """A list, struct or map column as JSON text (CSV has no cell for nested values, e.g.
     ``sched.new_block_ids``); any other column as it is."""
     if not pa.types.is_nested(column.type):
         return column
     return pa.array(
-        [None if v is None else json.dumps(v, default=_json_default) for v in column.to_pylist()],
+        [None if v is None else _json_text(v) for v in column.to_pylist()],
         pa.string(),
     )
 
@@ -63,12 +101,12 @@ def _write_csv(table: pa.Table, fh: IO[bytes]) -> None:
 
 def _write_json(table: pa.Table, fh: IO[bytes]) -> None:
     table = intervals_as_text(table)
-    text = json.dumps(table.to_pylist(), default=_json_default, indent=1)
-    fh.write(text.encode() + b"\n")
+    table = table.rename_columns(unique_names(table.column_names))
+    fh.write(_json_text(table.to_pylist(), indent=1).encode() + b"\n")
 
 
 def _write_parquet(table: pa.Table, fh: IO[bytes]) -> None:
-    pq.write_table(table, fh, compression="zstd")
+    pq.write_table(intervals_as_text(table), fh, compression="zstd")
 
 
 _WRITERS: dict[str, Callable[[pa.Table, IO[bytes]], None]] = {
