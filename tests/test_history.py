@@ -187,3 +187,29 @@ def test_history_frees_are_the_simulators(tmp_path, monkeypatch, engine: dict) -
         in_flight = history.steps_in_flight
         monkeypatch.setattr(history, "steps_in_flight", lambda run: in_flight(run) - 1)
         assert history_frees(out) != frees
+
+
+def test_a_clean_saved_replay_is_told_apart_from_a_missing_one(fresh_trace: Path) -> None:
+    """A replay that finds nothing saves a part without rows, which the findings view never
+    shows: history said no replay under the rules was saved and suggested `mgtrace replay
+    TRACE` without the rule flag, which saved the as-recorded replay instead (a loop). Now
+    the saved clean replay is named, and a missing one's command carries its flags."""
+    from mgtrace.query.history import findings_note, saved_rules
+    from mgtrace.replayer.cli import replay_id_for
+    from mgtrace.replayer.findings import save_findings
+    from mgtrace.replayer.rules import RuleSet
+
+    fixed = RuleSet.parse("reorder_threshold=1+k")
+    save_findings(fresh_trace, [], replay_id=replay_id_for(fixed), rules=fixed.canonical())
+    reader = TraceReader(fresh_trace)
+    con = reader.connect()
+    req = con.execute("SELECT min(req_id) FROM batch_rows").fetchone()[0]
+    assert fixed.canonical() not in saved_rules(con)  # no rows to name its rules
+    note = findings_note(reader, con, req, fixed.canonical(), fresh_trace)
+    assert note == f"the saved replay under {fixed.canonical()} found nothing for this request"
+    other = RuleSet.parse("bt_row_is_req=false")
+    note = findings_note(reader, con, req, other.canonical(), fresh_trace)
+    assert note is not None and note.startswith(f"no replay under {other.canonical()} is saved")
+    assert note.endswith(f"run: mgtrace replay {fresh_trace} {other.as_flags()[0]}")
+    # the control: no note when the rules are not asked for
+    assert findings_note(reader, con, req, None, fresh_trace) is None

@@ -8,6 +8,10 @@ The question after "which requests came back as word salad": what happened to th
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import duckdb
 import numpy as np
 import pyarrow as pa
@@ -19,9 +23,13 @@ from mgtrace.replayer.ownership import (
     processed_tokens,
     steps_in_flight,
 )
-from mgtrace.replayer.rules import AS_RECORDED
+from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.schemas.manifest import RunMetadata
 from mgtrace.schemas.tables import SCHED_KINDS
+from mgtrace.schemas.writer import PART_SUFFIX
+
+if TYPE_CHECKING:
+    from mgtrace.schemas.reader import TraceReader
 
 # A scheduler row, a batch row, a row move, a freed state block or a finding of the request
 # makes a line. Parameters: $1 the request id, $2..$3 the step range, $4 the replays' rules,
@@ -227,8 +235,42 @@ def first_finding(
 
 
 def saved_rules(con: duckdb.DuckDBPyConnection) -> list[str]:
-    """The rule sets of the replays saved in the trace."""
+    """The rule sets of the replays saved in the trace that found something (a replay that
+    found nothing saves a part without rows: see ``replay_saved``)."""
     return [r[0] for r in con.execute("SELECT DISTINCT rules FROM findings ORDER BY 1").fetchall()]
+
+
+def replay_saved(reader: TraceReader, rules: str) -> bool:
+    """Whether the whole-trace replay under ``rules`` is saved, clean ones included: every
+    saved replay is a findings part named after its replay id, rows or none."""
+    from mgtrace.replayer.cli import replay_id_for
+
+    name = f"replay-{replay_id_for(RuleSet.parse(rules))}{PART_SUFFIX}"
+    return any(p.name == name for p in reader.part_files("findings"))
+
+
+def findings_note(
+    reader: TraceReader,
+    con: duckdb.DuckDBPyConnection,
+    req_id: str,
+    rules: str | None,
+    trace: str | Path,
+) -> str | None:
+    """The line ``mgtrace history`` ends with when the replay under ``rules`` (canonical; None:
+    any replay) found nothing about ``req_id``: that the saved replay found nothing, or that
+    none is saved and the command, rule flags included, that saves it. None when there is
+    nothing to say (a finding, no rules asked for, or a trace without kernel launches, which
+    no replay reads)."""
+    if rules is None or not reader.rows("launches"):
+        return None
+    if first_finding(con, req_id, rules=rules) is not None:
+        return None
+    saved = saved_rules(con)
+    if rules in saved or replay_saved(reader, rules):
+        return f"the saved replay under {rules} found nothing for this request"
+    hint = f"saved replays: {', '.join(saved)}" if saved else "no replay is saved yet"
+    command = shlex.join(["mgtrace", "replay", str(trace), *RuleSet.parse(rules).as_flags()])
+    return f"no replay under {rules} is saved ({hint}); run: {command}"
 
 
 def request_span(con: duckdb.DuckDBPyConnection, req_id: str) -> tuple[int, int]:
