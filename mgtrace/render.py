@@ -215,6 +215,18 @@ def _replayed(result: Any) -> str:
     return f"{result.steps} step{'s' if result.steps != 1 else ''}"
 
 
+def findings_by_kind(findings: list[Any]) -> list[tuple[str, int, int]]:
+    """(kind, requests, first step) per finding kind, the kind that starts the corruption
+    first: by first step, then by requests (most first), then by name."""
+    reqs: dict[str, set[str]] = {}
+    first: dict[str, int] = {}
+    for f in findings:
+        reqs.setdefault(f.kind, set()).add(f.req_id)
+        first[f.kind] = min(first.get(f.kind, f.step), f.step)
+    rows = [(kind, len(reqs[kind]), first[kind]) for kind in reqs]
+    return sorted(rows, key=lambda r: (r[2], -r[1], r[0]))
+
+
 def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str | None) -> None:
     """The replay summary: the first corrupt step, its requests, and the finding kinds."""
     rules = result.rules.canonical()
@@ -232,16 +244,12 @@ def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str |
     )
     for f in first:
         console.print(_text(f"  {f.kind}: {f.detail}"), highlight=False)
-    counts: dict[str, set[str]] = {}
-    for f in result.findings:
-        counts.setdefault(f.kind, set()).add(f.req_id)
     t = Table(title="findings by kind", title_justify="left")
     t.add_column("kind")
     t.add_column("requests", justify="right")
     t.add_column("first step", justify="right")
-    for kind, reqs in sorted(counts.items()):
-        step = min(f.step for f in result.findings if f.kind == kind)
-        t.add_row(_text(kind), str(len(reqs)), str(step))
+    for kind, requests_of_kind, step in findings_by_kind(result.findings):
+        t.add_row(_text(kind), str(requests_of_kind), str(step))
     console.print(t)
     console.print(
         f"{len(result.findings)} findings over {_replayed(result)} "

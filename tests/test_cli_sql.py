@@ -309,3 +309,42 @@ def test_history_cells_that_look_like_markup_are_shown_as_they_are() -> None:
     render_history(lines, console, max_rows=10)
     out = console.file.getvalue()
     assert "[/]" in out and "[red]x (with [b]r)" in out and "scheduler" in out
+
+
+def test_findings_by_kind_lists_the_kind_that_starts_the_corruption_first() -> None:
+    """The table was sorted by kind name, so a kind that follows from the first one could
+    head it. Now by first step, then by requests (most first)."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from mgtrace.render import render_replay
+    from mgtrace.replayer.findings import Finding
+    from mgtrace.replayer.rules import RuleSet
+
+    def found(kind: str, step: int, req: str) -> Finding:
+        return Finding(kind, "m", 0, step, req, 0, "d")
+
+    findings = [
+        found("b_late", 9, "r1"),
+        found("z_first", 3, "r1"),
+        found("a_same_step_fewer", 5, "r2"),
+        found("c_same_step_more", 5, "r3"),
+        found("c_same_step_more", 6, "r4"),
+    ]
+    result = SimpleNamespace(
+        rules=RuleSet(),
+        clean=False,
+        findings=findings,
+        first_step=3,
+        steps=10,
+        ranks=[0],
+        repeats=0,
+    )
+    console = Console(file=io.StringIO(), width=200)
+    render_replay(result, console, trace="t", replay_id=None)
+    out = console.file.getvalue()
+    order = ["z_first", "c_same_step_more", "a_same_step_fewer", "b_late"]
+    table = out.split("findings by kind")[1]
+    assert sorted(order, key=table.index) == order, table
