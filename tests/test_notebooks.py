@@ -59,6 +59,41 @@ def test_notebook_runs(name: str, expect: list[str], tmp_path: Path) -> None:
         assert images >= 4
 
 
+def _run_triage_on(trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    nb = nbformat.read(NOTEBOOKS / "triage.ipynb", as_version=4)
+    monkeypatch.setenv("MGTRACE_TRACE", str(trace))
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+    ).execute()
+    return _text_outputs(nb)
+
+
+def test_triage_of_a_trace_that_replays_clean(tmp_path: Path, monkeypatch) -> None:
+    """The "One request" cell indexed the first corrupt step's requests, of which a clean
+    replay has none (IndexError). Now it says clean and skips the request cells."""
+    import mgtrace
+
+    mgtrace.simulate(tmp_path / "clean.trace", steps=150, seed=0)
+    text = _run_triage_on(tmp_path / "clean.trace", tmp_path, monkeypatch)
+    assert "as recorded: clean" in text and "no corrupted request to follow: clean" in text
+    assert "history of" not in text
+
+
+def test_triage_of_an_imported_probe_log(tmp_path: Path, monkeypatch) -> None:
+    """A probe import holds no kernel launches: the Replay cell stopped at the replay's
+    refusal (UsageError). Now it says why there is no replay and shows the client labels'
+    cross-tab, as `mgtrace report` does."""
+    from mgtrace.recorder.probe_import import import_probe
+    from tests.test_recorder_unit import _probe_logs
+
+    probe, burst, _ = _probe_logs(tmp_path)
+    import_probe(probe, burst, tmp_path / "imp")
+    text = _run_triage_on(tmp_path / "imp", tmp_path, monkeypatch)
+    assert "no replay: the trace holds no align-kernel launches" in text
+    assert "FIRST decode step in Mamba prefill" in text
+    assert "no corrupted request to follow: no replay" in text
+
+
 @pytest.mark.unit
 def test_notebooks_are_stored_without_outputs() -> None:
     for path in NOTEBOOKS.glob("*.ipynb"):
