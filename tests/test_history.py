@@ -209,7 +209,9 @@ def test_a_clean_saved_replay_is_told_apart_from_a_missing_one(fresh_trace: Path
     assert note == f"the saved replay under {fixed.canonical()} found nothing for this request"
     other = RuleSet.parse("bt_row_is_req=false")
     note = findings_note(reader, con, req, other.canonical(), fresh_trace)
-    assert note is not None and note.startswith(f"no replay under {other.canonical()} is saved")
+    assert note is not None and note.startswith(
+        f"no findings of a replay under {other.canonical()}"
+    )
     assert note.endswith(f"run: mgtrace replay {fresh_trace} {other.as_flags()[0]}")
     # the control: no note when the rules are not asked for
     assert findings_note(reader, con, req, None, fresh_trace) is None

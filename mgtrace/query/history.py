@@ -270,7 +270,7 @@ def findings_note(
         return f"the saved replay under {rules} found nothing for this request"
     hint = f"saved replays: {', '.join(saved)}" if saved else "no replay is saved yet"
     command = shlex.join(["mgtrace", "replay", str(trace), *RuleSet.parse(rules).as_flags()])
-    return f"no replay under {rules} is saved ({hint}); run: {command}"
+    return f"no findings of a replay under {rules} ({hint}); run: {command}"
 
 
 def request_span(con: duckdb.DuckDBPyConnection, req_id: str) -> tuple[int, int]:
