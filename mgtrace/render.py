@@ -131,7 +131,11 @@ def render_info(info: dict[str, Any], console: Console) -> None:
     console.print(rows)
 
 
-def render_arrow(table: pa.Table, console: Console, *, more: bool) -> None:
+def render_arrow(
+    table: pa.Table, console: Console, *, more: bool, total: int | None = None
+) -> None:
+    """``table``, the rows shown; ``more``: the result has more rows, ``total`` of them in
+    all where the caller knows (counting them runs the query again)."""
     from mgtrace.query.export import intervals_as_text
 
     table = intervals_as_text(table)
@@ -141,8 +145,10 @@ def render_arrow(table: pa.Table, console: Console, *, more: bool) -> None:
     for row in table.to_pylist():
         t.add_row(*(_text(v, "NULL") for v in row.values()))
     console.print(t)
-    note = f"{table.num_rows} row{'s' if table.num_rows != 1 else ''}"
-    if more:
+    note = f"{table.num_rows:,} row{'s' if table.num_rows != 1 else ''}"
+    if more and total is not None:
+        note = f"{table.num_rows:,} of {total:,} rows shown (raise --max-rows, or use --format csv)"
+    elif more:
         note += " shown; more not shown (raise --max-rows, or use --format csv)"
     console.print(note, style="dim")
 
@@ -189,9 +195,10 @@ def render_history(lines: pa.Table, console: Console, *, max_rows: int) -> None:
     for row in shown.select(names).to_pylist():
         t.add_row(*(_text(v) for v in row.values()))
     console.print(t)
-    note = f"{lines.num_rows} step line{'s' if lines.num_rows != 1 else ''}"
-    if lines.num_rows > max_rows:
-        note += f", {max_rows} shown (raise --max-rows, or use --format csv)"
+    total = lines.num_rows
+    note = f"{total:,} step line{'s' if total != 1 else ''}"
+    if total > max_rows:
+        note = f"{max_rows:,} of {note} shown (raise --max-rows, or use --format csv)"
     console.print(note, style="dim")
 
 

@@ -348,3 +348,19 @@ def test_findings_by_kind_lists_the_kind_that_starts_the_corruption_first() -> N
     order = ["z_first", "c_same_step_more", "a_same_step_fewer", "b_late"]
     table = out.split("findings by kind")[1]
     assert sorted(order, key=table.index) == order, table
+
+
+def test_the_rows_note_says_the_total_where_it_is_known() -> None:
+    """With the total known the note says "20 of 1,343 rows shown"; without it, as before."""
+    import io
+
+    import pyarrow as pa
+    from rich.console import Console
+
+    from mgtrace.render import render_arrow
+
+    shown = pa.table({"x": list(range(20))})
+    for total, note in ((1343, "20 of 1,343 rows shown"), (None, "20 rows shown; more not")):
+        console = Console(file=io.StringIO(), width=200)
+        render_arrow(shown, console, more=True, total=total)
+        assert console.file.getvalue().rstrip().splitlines()[-1].startswith(note)

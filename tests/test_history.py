@@ -215,3 +215,20 @@ def test_a_clean_saved_replay_is_told_apart_from_a_missing_one(fresh_trace: Path
     assert note.endswith(f"run: mgtrace replay {fresh_trace} {other.as_flags()[0]}")
     # the control: no note when the rules are not asked for
     assert findings_note(reader, con, req, None, fresh_trace) is None
+
+
+def test_the_max_rows_note_says_how_many_lines_there_are() -> None:
+    """The note said "1343 step lines, 20 shown"; now "20 of 1,343 step lines shown".
+    Control: all lines shown, the count alone."""
+    import io
+
+    import pyarrow as pa
+    from rich.console import Console
+
+    from mgtrace.render import render_history
+
+    lines = pa.table({"step": list(range(1343)), "scheduler": ["new"] * 1343})
+    for max_rows, note in ((20, "20 of 1,343 step lines shown"), (2000, "1,343 step lines")):
+        console = Console(file=io.StringIO(), width=200)
+        render_history(lines, console, max_rows=max_rows)
+        assert console.file.getvalue().rstrip().splitlines()[-1].startswith(note)
