@@ -182,7 +182,8 @@ def sql(
     force: bool,
     skip_bad_parts: bool,
 ) -> None:
-    """Run a DuckDB QUERY over the views of TRACE (steps, batch_rows, launches, ...).
+    """Run one read-only DuckDB QUERY over the views of TRACE (steps, batch_rows,
+    launches, ...); statements that write (COPY, CREATE, ATTACH, ...) are refused.
 
     QUERY may name a canned triage query as @NAME; --list lists them with the views."""
     from mgtrace.errors import UsageError
@@ -208,7 +209,9 @@ def sql(
     if fmt == "table":
         shown = fetch_arrow(rel, max_rows + 1)
         more = shown.num_rows > max_rows
-        render_arrow(shown.slice(0, max_rows), _stdout(), more=more)
+        # the total only where rows are left out: counting runs the query a second time
+        total = rel.aggregate("count(*)").fetchall()[0][0] if more else None
+        render_arrow(shown.slice(0, max_rows), _stdout(), more=more, total=total)
         return
     export_table(fetch_arrow(rel), fmt, output)
     if output is not None:
@@ -245,14 +248,16 @@ def history(
     differs), its running column, where align mode frees its previous state block, the Mamba
     split, the row moves that carried it, and what saved replays found about it. REQUEST may
     be any unique part of the id."""
+    from rich.text import Text
+
     from mgtrace.query.export import export_table
     from mgtrace.query.history import (
+        findings_note,
         first_finding,
         request_history,
         request_span,
         request_summary,
         resolve_request,
-        saved_rules,
     )
     from mgtrace.render import render_history
     from mgtrace.replayer.rules import RuleSet
@@ -280,25 +285,20 @@ def history(
     out = _stdout()
     if not lines.num_rows:
         lo, hi = request_span(con, req_id)
-        out.print(f"{req_id} is in steps {lo}..{hi} only; none of them is in the range asked")
+        out.print(Text(f"{req_id} is in steps {lo}..{hi} only; none of them is in the range asked"))
         return
-    out.print(f"history of {req_id} in {trace}", highlight=False)
+    out.print(Text(f"history of {req_id} in {trace}"))
     about = request_summary(con, req_id)
     if about:
-        out.print(about, highlight=False)
+        out.print(Text(about))
     render_history(lines, out, max_rows=max_rows)
     first = first_finding(con, req_id, rules=wanted)
     if first is not None:
         step, rank, sentence = first
-        out.print(f"first finding at step {step} (rank {rank}): {sentence}", highlight=False)
-    saved = saved_rules(con)
-    if wanted is not None and wanted not in saved and reader.rows("launches"):
-        hint = f"saved replays: {', '.join(saved)}" if saved else "no replay is saved yet"
-        out.print(
-            f"no findings of a replay under {wanted} ({hint}); run: mgtrace replay {trace}",
-            style="dim",
-            highlight=False,
-        )
+        out.print(Text(f"first finding at step {step} (rank {rank}): {sentence}"))
+    note = findings_note(reader, con, req_id, wanted, trace)
+    if note is not None:
+        out.print(Text(note, style="dim"))
 
 
 @cli.command()

@@ -19,7 +19,7 @@ QUERY = "SELECT step, count(*) AS n FROM batch_rows GROUP BY step ORDER BY step 
 def test_table_output(sample_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sql", str(sample_trace), QUERY, "--max-rows", "2"]) == 0
     out = capsys.readouterr().out
-    assert "2 rows shown; more not shown" in out and "16" in out
+    assert "2 of 4 rows shown" in out and "16" in out
 
 
 def test_csv_json_parquet(sample_trace: Path, tmp_path: Path, capsys) -> None:
