@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from mgtrace.errors import TraceError
+from mgtrace.errors import OutputError, TraceError
 from mgtrace.replayer.bisect import bisect, recheck_log, save_log
 from mgtrace.replayer.diff import diff_rules, diff_traces
 from mgtrace.replayer.loop import replay_trace
@@ -76,7 +78,6 @@ def test_a_log_inside_its_trace_rechecks_from_anywhere(
     """The default log sits in the trace; a log written from one directory re-checks from
     another, and after the trace (with its log) moved. Control: a log naming only the path
     the bisect was given, from elsewhere, finds no trace."""
-    import shutil
 
     trace = tmp_path / "run" / "t.trace"
     shutil.copytree(toggle_trace("reorder-threshold-mismatch", 0), trace)
@@ -102,7 +103,6 @@ def test_a_copied_damaged_or_skipping_log_rechecks_as_logged(
     """A log copied out of its trace finds the trace it names, not the directory it now
     sits in; a damaged log is one sentence, not an internal error; a verdict made with
     --skip-bad-parts is re-checked the same way. Control: each re-check holds."""
-    import shutil
 
     trace = tmp_path / "t.trace"
     shutil.copytree(toggle_trace("reorder-threshold-mismatch", 0), trace)
@@ -330,7 +330,6 @@ def test_minimize_refuses_an_existing_output_before_any_replay(
 ) -> None:
     """Once refused only after every replay of a large trace. Control: a new output path
     goes on to the first replay."""
-    from mgtrace.errors import OutputError
     from mgtrace.replayer import minimize as mod
 
     class Replayed(Exception):
@@ -350,3 +349,103 @@ def test_minimize_refuses_an_existing_output_before_any_replay(
         mod.minimize(trace, tmp_path / "r2")
     with pytest.raises(Replayed):
         mod.minimize(trace, tmp_path / "r3")
+
+
+def test_minimize_force_replaces_only_a_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--force once deleted any directory given as -o, the current one included. Now a
+    folder that is not a trace, the current directory, and a place that cannot hold a
+    directory are refused before any replay, and left as they were. Control: an existing
+    trace is replaced."""
+    from mgtrace.errors import UsageError
+    from mgtrace.replayer import minimize as mod
+
+    class Replayed(Exception):
+        pass
+
+    def no_replay(*args, **kwargs):
+        raise Replayed
+
+    monkeypatch.setattr(mod, "outcome", no_replay)
+    trace = toggle_trace("reorder-threshold-mismatch", 0)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    with pytest.raises(UsageError, match="current directory"):
+        mod.minimize(trace, Path("."), force=True)
+    with pytest.raises(UsageError, match="current directory"):
+        mod.minimize(trace, tmp_path, force=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.csv").write_text("x")
+    with pytest.raises(OutputError, match="not an mgtrace trace"):
+        mod.minimize(trace, other, force=True)
+    with pytest.raises(OutputError, match="not a directory"):
+        mod.minimize(trace, work / "notes.txt" / "repro", force=True)
+    assert (work / "notes.txt").read_text() == "mine" and (other / "data.csv").exists()
+    proc = run_cli("minimize", str(trace), "-o", ".", "--force", cwd=work)
+    assert "current directory" in assert_one_sentence_error(proc, 2)
+    assert (work / "notes.txt").read_text() == "mine"
+    # control: a trace (and an empty folder) may be replaced with --force
+    old = tmp_path / "old.trace"
+    shutil.copytree(trace, old)
+    with pytest.raises(Replayed):
+        mod.minimize(trace, old, force=True)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(Replayed):
+        mod.minimize(trace, tmp_path / "empty", force=True)
+
+
+def _listing(root: Path) -> dict[str, bytes | None]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_minimize_writes_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt while the repro is written, or a test file that cannot be put in place,
+    once left a half-written .NAME.tmp beside an output --force had already deleted. Now the
+    old trace and test file stay as they were and nothing else remains. Control: without a
+    failure the output is replaced."""
+    from mgtrace.replayer import minimize as mod
+
+    trace = toggle_trace("reorder-threshold-mismatch", 0)
+    mem = load_memory(TraceReader(trace))
+    out = tmp_path / "repro"
+
+    def write(sig: str) -> None:
+        mod.write_minimized(mem, out, mem.manifest, trace, sig, 1, RuleSet(), force=True)
+
+    write("first:one")
+    before = _listing(tmp_path)
+    real_part, real_replace = mod.write_part_file, os.replace
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_part(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "write_part_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write("second:two")
+    assert _listing(tmp_path) == before
+    monkeypatch.setattr(mod, "write_part_file", real_part)
+
+    def no_test_file(src, dst, *args, **kwargs):
+        if Path(dst).name == "test_repro.py":
+            raise PermissionError(13, "Permission denied")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", no_test_file)
+    with pytest.raises(OutputError, match="cannot write"):
+        write("second:two")
+    assert _listing(tmp_path) == before
+    monkeypatch.setattr(os, "replace", real_replace)
+    write("second:two")
+    assert "second:two" in (tmp_path / "test_repro.py").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repro", "test_repro.py"]

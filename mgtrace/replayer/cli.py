@@ -406,7 +406,11 @@ def diff_cmd(
 @_rule_options
 @click.option("--rules", "rules_text", metavar="R=V,...", help="Rules to replay under.")
 @click.option("--signature", help="Pin this finding signature (default: the first finding's).")
-@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace an existing output that is an mgtrace trace (never another folder).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def minimize_cmd(
     trace: Path,

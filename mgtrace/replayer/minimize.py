@@ -16,6 +16,8 @@ The result is written as a trace plus a standalone pytest file that replays it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shutil
 import time
@@ -28,7 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mgtrace.errors import InconclusiveError, OutputError
+from mgtrace.atomic import atomic_write
+from mgtrace.errors import InconclusiveError, OutputError, UsageError
 from mgtrace.kernels.reference import run_reference
 from mgtrace.outputs import refuse_overwriting_inputs
 from mgtrace.replayer import checkpoint as ckpt
@@ -36,7 +39,7 @@ from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
 from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import RankTrace, ranks_of, require_replayable
-from mgtrace.schemas.manifest import Manifest, save_manifest
+from mgtrace.schemas.manifest import Manifest, is_trace_directory, save_manifest
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
 from mgtrace.schemas.writer import write_part_file
@@ -376,10 +379,33 @@ class MinimizeResult:
 
 
 def _refuse_existing_output(output: Path, force: bool) -> Path:
-    """The test file beside ``output``; refuses when either exists, unless ``force``."""
+    """The test file beside ``output``; refuses, before any replay, an output this command
+    must not write: one that exists (without ``force``), that is not an mgtrace trace (with
+    it), that is or holds the current directory, or whose directory cannot be written."""
+    output = Path(output)
     test_file = output.parent / f"test_{_module_name(output.name)}.py"
-    if (output.exists() or test_file.exists()) and not force:
+    here = Path.cwd().resolve()
+    out = output.resolve()
+    if out == here or out in here.parents:
+        raise UsageError(
+            f"{output} is (or holds) the current directory; write the output elsewhere"
+        )
+    taken = output.exists() or output.is_symlink()
+    if (taken or test_file.exists()) and not force:
         raise OutputError(f"{output} (or {test_file.name}) already exists; pass --force")
+    empty = output.is_dir() and not output.is_symlink() and not any(output.iterdir())
+    if taken and not empty and not is_trace_directory(output):
+        raise OutputError(f"{output} is not an mgtrace trace; refusing to overwrite it")
+    if test_file.exists() and not test_file.is_file():
+        raise OutputError(f"{test_file} is not a file; refusing to overwrite it")
+    # the nearest existing directory above the output: where the trace gets created
+    above = Path(os.path.abspath(output)).parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise OutputError(f"cannot write {output}: {above} is not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {output}: {above} is not writable")
     return test_file
 
 
@@ -508,34 +534,80 @@ def test_minimized_repro() -> None:
 
 
 def write_trace(trace: MemoryTrace, output: Path, manifest: Manifest) -> None:
-    """Write an in-memory trace as a trace directory, atomically (temporary name, rename)."""
+    """Write an in-memory trace as a trace directory, all or nothing: it is built under a
+    temporary name and renamed into place; on any failure the temporary directory goes and
+    an existing ``output`` stays as it was."""
     output = Path(output)
+    _swap_in(_build_trace(trace, output, manifest), output)
+
+
+def _build_trace(trace: MemoryTrace, output: Path, manifest: Manifest) -> Path:
+    """The trace written in a temporary directory beside ``output``; removed on failure."""
     tmp = output.parent / f".{output.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    m = replace(manifest, parts=[])
-    for name, tab in trace.tables_.items():
-        if tab.num_rows:
-            rel = f"{name}/all-000000.parquet"
-            m.parts.append(write_part_file(tmp, rel, tab.cast(TABLES[name].schema)))
-    if trace.start_state is not None:
-        for rank, cp in trace.start_state.checkpoints.items():
-            if isinstance(cp, Checkpoint):
-                ckpt.save(tmp / START_STATE_DIR, rank, cp)
-            else:  # the start state of the trace this one was cut from, as it was
-                (tmp / START_STATE_DIR).mkdir(exist_ok=True)
-                shutil.copyfile(cp, tmp / START_STATE_DIR / Path(cp).name)
-        m.source = {
-            **m.source,
-            "start_state": {
-                "dir": START_STATE_DIR,
-                "request_ids": trace.start_state.request_ids,
-            },
-        }
-    save_manifest(tmp, m)
-    if output.exists():
-        shutil.rmtree(output)
-    tmp.rename(output)
+    try:
+        tmp.mkdir(parents=True)
+        m = replace(manifest, parts=[])
+        for name, tab in trace.tables_.items():
+            if tab.num_rows:
+                rel = f"{name}/all-000000.parquet"
+                m.parts.append(write_part_file(tmp, rel, tab.cast(TABLES[name].schema)))
+        if trace.start_state is not None:
+            for rank, cp in trace.start_state.checkpoints.items():
+                if isinstance(cp, Checkpoint):
+                    ckpt.save(tmp / START_STATE_DIR, rank, cp)
+                else:  # the start state of the trace this one was cut from, as it was
+                    (tmp / START_STATE_DIR).mkdir(exist_ok=True)
+                    shutil.copyfile(cp, tmp / START_STATE_DIR / Path(cp).name)
+            m.source = {
+                **m.source,
+                "start_state": {
+                    "dir": START_STATE_DIR,
+                    "request_ids": trace.start_state.request_ids,
+                },
+            }
+        save_manifest(tmp, m)
+    except BaseException as exc:  # Ctrl-C included: no half-written directory stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise OutputError(f"cannot write {output}: {exc.strerror or exc}") from None
+        raise
+    return tmp
+
+
+def _swap_in(
+    tmp: Path, output: Path, test_tmp: Path | None = None, test_file: Path | None = None
+) -> None:
+    """Rename the built trace ``tmp`` (and the test file ``test_tmp``) into place. The old
+    output is renamed aside first and put back if anything fails, so either the new files
+    are in place or the old ones are, untouched; ``tmp`` and ``test_tmp`` never remain."""
+    old = output.parent / f".{output.name}.old"
+    moved = placed = False
+    try:
+        if output.exists() or output.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+            output.rename(old)
+            moved = True
+        tmp.rename(output)
+        placed = True
+        if test_tmp is not None and test_file is not None:
+            os.replace(test_tmp, test_file)
+    except BaseException as exc:
+        if placed:  # the new trace went in, its test file did not: take it out again
+            with contextlib.suppress(OSError):
+                output.rename(tmp)
+        if moved:
+            with contextlib.suppress(OSError):
+                old.rename(output)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if test_tmp is not None:
+            with contextlib.suppress(OSError):
+                test_tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OutputError(f"cannot write {output}: {exc.strerror or exc}") from None
+        raise
+    if moved:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _module_name(name: str) -> str:
@@ -568,15 +640,21 @@ def write_minimized(
         "original_first_step": original_step,
         "rules": rules.canonical(),
     }
-    write_trace(trace, output, m)
-    test_file.write_text(
-        TEST_TEMPLATE.format(
-            source=source,
-            rules=rules.canonical(),
-            signature=signature,
-            step=first_step,
-            name=test_file.name,
-            trace_dir=output.name,
-        )
+    text = TEST_TEMPLATE.format(
+        source=source,
+        rules=rules.canonical(),
+        signature=signature,
+        step=first_step,
+        name=test_file.name,
+        trace_dir=output.name,
     )
+    tmp = _build_trace(trace, output, m)
+    # the test file is written in full under a temporary name before anything is replaced
+    test_tmp = test_file.with_name(f".{test_file.name}.tmp")
+    try:
+        atomic_write(test_tmp, lambda fh: fh.write(text.encode()))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _swap_in(tmp, output, test_tmp, test_file)
     return test_file
