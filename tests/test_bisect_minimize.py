@@ -449,3 +449,29 @@ def test_minimize_writes_all_or_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     write("second:two")
     assert "second:two" in (tmp_path / "test_repro.py").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repro", "test_repro.py"]
+
+
+def test_bisect_log_never_overwrites_what_is_not_a_bisect_log(tmp_path: Path) -> None:
+    """--log once wrote anywhere, over TRACE/manifest.json too. Now a path inside a trace
+    other than TRACE/bisect.json, or an existing file that is not a bisect log, is refused
+    before the bisect runs, and left as it was. Control: the default log, a new file and an
+    older bisect log are written."""
+    trace = tmp_path / "t.trace"
+    shutil.copytree(toggle_trace("reorder-threshold-mismatch", 0), trace)
+    manifest = (trace / "manifest.json").read_bytes()
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    for path, words in (
+        (trace / "manifest.json", "lies inside the trace"),
+        (trace / "steps" / "log.json", "lies inside the trace"),
+        (notes, "is not a bisect log"),
+        (tmp_path, "is a directory"),
+    ):
+        proc = run_cli("bisect", str(trace), "--log", str(path))
+        assert words in assert_one_sentence_error(proc, 2)
+    assert (trace / "manifest.json").read_bytes() == manifest
+    assert notes.read_text() == '{"mine": 1}' and not (trace / "steps" / "log.json").exists()
+    verdict = bisect(trace)
+    for path in (trace / "bisect.json", tmp_path / "new.json", tmp_path / "new.json"):
+        save_log(verdict, path)
+        assert json.loads(path.read_text())["format"] == "mgtrace-bisect"

@@ -24,7 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, EXIT_INCONCLUSIVE, MgtraceError
+from mgtrace.errors import (
+    EXIT_CLEAN,
+    EXIT_CORRUPTION,
+    EXIT_INCONCLUSIVE,
+    MgtraceError,
+    UsageError,
+)
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.coverage import unseen_reason
 from mgtrace.replayer.divergence import first_divergence
@@ -298,9 +304,41 @@ def bisect(trace: Path, **kwargs: Any) -> Verdict:
     return Bisector(trace, **kwargs).run()
 
 
+def check_log_path(path: Path, trace: Path) -> None:
+    """Refuse a log path that would overwrite what is not a bisect log: inside a trace (the
+    one bisected or any other) only ``TRACE/bisect.json`` is the log's place, and an
+    existing file must be a bisect log."""
+    log = Path(path).resolve()
+    holders = [p for p in log.parents if p == Path(trace).resolve() or _is_trace(p)]
+    if holders:
+        outer = holders[-1]  # a rank directory's trace is the folder that holds it
+        if log != outer / "bisect.json":
+            raise UsageError(
+                f"{path} lies inside the trace {outer}; a bisect log there is "
+                f"{outer / 'bisect.json'}, or write it outside"
+            )
+    if log.is_dir():
+        raise UsageError(f"{path} is a directory; give the bisect log a file name")
+    if log.exists() and not _is_bisect_log(log):
+        raise UsageError(f"{path} exists and is not a bisect log; refusing to overwrite it")
+
+
+def _is_trace(path: Path) -> bool:
+    return (path / MANIFEST_NAME).is_file() or bool(rank_directories(path))
+
+
+def _is_bisect_log(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("format") == LOG_FORMAT
+
+
 def save_log(v: Verdict, path: Path, *, skip_bad_parts: bool = False) -> None:
     from mgtrace.schemas.manifest import write_json_atomic
 
+    check_log_path(path, Path(v.trace))
     data = v.to_json()
     data["skip_bad_parts"] = skip_bad_parts  # the re-check reads the trace the same way
     # the trace as seen from the log, so the log re-checks from any directory, and after

@@ -16,6 +16,7 @@ from mgtrace.errors import (
     EXIT_CORRUPTION,
     EXIT_INCONCLUSIVE,
     InconclusiveError,
+    MgtraceError,
     OutputError,
     UsageError,
     reason,
@@ -274,7 +275,8 @@ def _counts(findings) -> dict[str, int]:
     "--log",
     "log_path",
     type=click.Path(path_type=Path),
-    help="Write the bisect log here (default: TRACE/bisect.json).",
+    help="Write the bisect log here (default: TRACE/bisect.json); never over a file that "
+    "is not a bisect log, nor elsewhere inside a trace.",
 )
 @click.option(
     "--replay",
@@ -303,7 +305,7 @@ def bisect_cmd(
     trace, 125 inconclusive (dropped steps, incomplete recording).
     """
     from mgtrace.render import render_verdict, stdout_console
-    from mgtrace.replayer.bisect import bisect, recheck_log, save_log
+    from mgtrace.replayer.bisect import bisect, check_log_path, recheck_log, save_log
 
     out = stdout_console()
     if replay_log is not None:
@@ -324,6 +326,8 @@ def bisect_cmd(
     if trace is None:
         raise UsageError("give a TRACE to bisect (or --replay LOG)")
     base = rules_from_options(rule_values, rules_text)
+    if log_path is not None:  # refused before the replays, not after them
+        check_log_path(log_path, trace)
     verdict = bisect(
         trace,
         base=base,
@@ -335,7 +339,7 @@ def bisect_cmd(
     log = log_path or Path(trace) / "bisect.json"
     try:
         save_log(verdict, log, skip_bad_parts=skip_bad_parts)
-    except (OSError, OutputError) as exc:
+    except (OSError, MgtraceError) as exc:
         Console(stderr=True).print(f"mgtrace: could not write the bisect log {log}: {reason(exc)}")
         log = None
     if as_json:
