@@ -475,3 +475,27 @@ def test_bisect_log_never_overwrites_what_is_not_a_bisect_log(tmp_path: Path) ->
     for path in (trace / "bisect.json", tmp_path / "new.json", tmp_path / "new.json"):
         save_log(verdict, path)
         assert json.loads(path.read_text())["format"] == "mgtrace-bisect"
+
+
+def test_minimize_replays_up_to_the_first_gap(tmp_path: Path) -> None:
+    """A gap after the first finding once refused the whole trace (its baseline replay ran
+    across it), though bisect gives a verdict on it. Now only a gap before the first
+    finding is refused; a damaged trace is read with --skip-bad-parts, as by replay and
+    bisect. Control: the gap before the finding is still inconclusive."""
+    from mgtrace.errors import InconclusiveError
+
+    buggy = toggle_trace("reorder-threshold-mismatch", 0)
+    first = _truth(buggy, "reorder-threshold-mismatch")["first_step"]
+    after = _with_steps_removed(buggy, tmp_path / "after.trace", {first + 5})
+    result = minimize(after, tmp_path / "repro")
+    assert result.original_first_step == first
+    before = _with_steps_removed(buggy, tmp_path / "before.trace", {first - 2})
+    with pytest.raises(InconclusiveError, match="gap at step"):
+        minimize(before, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+    damaged = tmp_path / "damaged.trace"
+    shutil.copytree(buggy, damaged)
+    next((damaged / "row_moves").glob("*.parquet")).write_bytes(b"PAR1 garbage")
+    assert run_cli("minimize", str(damaged), "-o", str(tmp_path / "d1")).returncode == 3
+    proc = run_cli("minimize", str(damaged), "-o", str(tmp_path / "d2"), "--skip-bad-parts")
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -416,6 +416,11 @@ def diff_cmd(
     help="Replace an existing output that is an mgtrace trace (never another folder).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--skip-bad-parts",
+    is_flag=True,
+    help="Read the valid parts of a damaged trace (up to the first step a bad part held).",
+)
 def minimize_cmd(
     trace: Path,
     output: Path,
@@ -423,6 +428,7 @@ def minimize_cmd(
     signature: str | None,
     force: bool,
     as_json: bool,
+    skip_bad_parts: bool,
     **rule_values: str | None,
 ) -> int:
     """Delta-debug TRACE down to the fewest requests and steps that still show the same
@@ -447,7 +453,13 @@ def minimize_cmd(
         status.start()
     try:
         result = minimize(
-            trace, output, rules=rules, signature=signature, force=force, progress=progress
+            trace,
+            output,
+            rules=rules,
+            signature=signature,
+            force=force,
+            progress=progress,
+            skip_bad_parts=skip_bad_parts,
         )
     finally:
         if status is not None:

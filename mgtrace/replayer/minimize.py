@@ -38,7 +38,13 @@ from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
 from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
 from mgtrace.replayer.rules import RuleSet
-from mgtrace.replayer.steps import RankTrace, ranks_of, require_replayable
+from mgtrace.replayer.steps import (
+    REPLAY_TABLES,
+    RankTrace,
+    first_gap,
+    ranks_of,
+    require_replayable,
+)
 from mgtrace.schemas.manifest import Manifest, is_trace_directory, save_manifest
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
@@ -417,15 +423,24 @@ def minimize(
     signature: str | None = None,
     force: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
+    skip_bad_parts: bool = False,
 ) -> MinimizeResult:
     rules = rules or RuleSet()
     refuse_overwriting_inputs(output, trace_path)
     _refuse_existing_output(Path(output), force)  # before the replays, not after them
     t0 = time.perf_counter()
-    reader = TraceReader(trace_path)
+    reader = TraceReader(trace_path, skip_bad_parts=skip_bad_parts)
     require_replayable(reader)
     full = load_memory(reader)
-    base = outcome(full, rules)
+    # As bisect does, replay only up to the first gap: the steps after the first finding
+    # are cut anyway, so only a gap before it leaves nothing to trust.
+    gap = _first_gap(reader, full)
+    base = outcome(full if gap is None else truncate(full, gap[1] - 1), rules)
+    if base.first_step is None and gap is not None:
+        raise InconclusiveError(
+            f"rank {gap[0]} of {trace_path} has a gap at step {gap[1]} (dropped, unrecorded or "
+            "left-out steps) before any finding; the shadow state after it cannot be trusted"
+        )
     if base.first_step is None:
         raise InconclusiveError(
             f"{trace_path} replays clean under {rules.canonical()}; there is nothing to minimize"
@@ -504,6 +519,21 @@ def minimize(
         test_file=str(test_file),
         history=history,
     )
+
+
+def _first_gap(reader: TraceReader, trace: MemoryTrace) -> tuple[int, int] | None:
+    """The earliest (rank, step) missing from a rank's steps, or whose rows a part
+    ``--skip-bad-parts`` left out held; None when every rank's steps are whole."""
+    steps = trace.tables_["steps"]
+    found: list[tuple[int, int]] = []
+    for rank in sorted(set(steps.column("rank").to_pylist())):
+        mine = steps.filter(pc.equal(steps.column("rank"), rank)).column("step")
+        gaps = [first_gap(np.sort(np.asarray(mine, np.int64)))]
+        gaps += [max(first, 0) for first, _ in reader.steps_left_out(rank, REPLAY_TABLES)]
+        known = [g for g in gaps if g is not None]
+        if known:
+            found.append((min(known), rank))
+    return (min(found)[1], min(found)[0]) if found else None
 
 
 def _num_steps(trace: MemoryTrace) -> int:
