@@ -213,7 +213,7 @@ def test_minimize_long_trace_to_a_small_repro(
     # a repro minimizes to itself: its start state is read, and written again
     twice = minimize(out, tmp_path / "twice")
     assert (twice.signature, twice.first_step) == (pinned, result.first_step)
-    assert twice.steps <= result.steps
+    assert (twice.steps, twice.requests) == (result.steps, result.requests)  # a fixed point
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", result.test_file],
         capture_output=True,
@@ -499,3 +499,18 @@ def test_minimize_replays_up_to_the_first_gap(tmp_path: Path) -> None:
     assert run_cli("minimize", str(damaged), "-o", str(tmp_path / "d1")).returncode == 3
     proc = run_cli("minimize", str(damaged), "-o", str(tmp_path / "d2"), "--skip-bad-parts")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_minimize_reaches_a_fixed_point(tmp_path: Path) -> None:
+    """The prefix trim once ran last, after the requests and steps were reduced, so a repro
+    minimized again lost more requests and steps. Now the passes repeat until none removes
+    anything: minimizing the repro again changes nothing."""
+    trace = sim_trace("reorder-threshold-mismatch", 1, 500, runner="v1")
+    once = minimize(trace, tmp_path / "once")
+    twice = minimize(tmp_path / "once", tmp_path / "twice")
+    assert (twice.steps, twice.requests, twice.table_updates) == (
+        once.steps,
+        once.requests,
+        once.table_updates,
+    ), (once.history, twice.history)
+    assert twice.first_step == once.first_step and twice.signature == once.signature

@@ -10,6 +10,10 @@ Reductions only delete recorded rows, they never rewrite them:
 3. steps that no longer hold anything, renumbered so the trace stays contiguous (their
    block-table changes move to the next step kept);
 4. block-table row changes to rows that no kept request or kernel row indexes.
+5. history long before the finding, replaced by the replay state it leaves (a start state).
+
+Passes 2-5 repeat until a round removes nothing, so minimizing the result again changes
+nothing.
 
 The result is written as a trace plus a standalone pytest file that replays it.
 """
@@ -53,6 +57,8 @@ from mgtrace.schemas.writer import write_part_file
 STEP_COLUMNS = ("step", "batch_step", "bt_step", "postprocess_step", "first_step", "last_step")
 # Steps of history a repro keeps before its finding; older history becomes a start state.
 PREFIX_WINDOW = 16
+# Rounds of the reductions at most; each ends when a round removes nothing.
+MAX_ROUNDS = 8
 
 
 class MemoryTrace:
@@ -464,34 +470,13 @@ def minimize(
     if not bad(current):
         raise InconclusiveError("the finding does not survive cutting the steps after it")
     history.append({"pass": "truncate", "steps": base.first_step + 1})
-    requests = sorted(set(current.tables_["batch_rows"].column("req_id").to_pylist()))
-
-    def keep_requests(keep: list[str]) -> bool:
-        return bad(without_requests(current, set(requests) - set(keep)))
-
-    kept = ddmin(
-        requests, keep_requests, on_query=lambda n: progress and progress("requests", queries, n)
-    )
-    current = without_requests(current, set(requests) - set(kept))
-    history.append({"pass": "requests", "requests": len(kept)})
-    compacted = compact_steps(current)
-    if bad(compacted):
-        current = compacted
-    history.append({"pass": "steps", "steps": _num_steps(current)})
-    current = _without_unused_rows(current, bad)
-    history.append({"pass": "rows", "table_updates": current.tables_["block_tables"].num_rows})
-    # Start shortly before the finding, from the replay state the earlier steps leave.
-    first = outcome(current, rules).first_step
-    if first is not None and first > PREFIX_WINDOW:
-        trimmed = trim_prefix(current, first - PREFIX_WINDOW, rules)
-        if bad(trimmed):
-            current = trimmed
-            history.append({"pass": "prefix", "starts_after_step": first - PREFIX_WINDOW - 1})
-            # the launches cut with the prefix indexed rows the rest does not
-            current = _without_unused_rows(current, bad)
-            history.append(
-                {"pass": "rows", "table_updates": current.tables_["block_tables"].num_rows}
-            )
+    # The prefix trim can leave requests and steps the earlier passes had to keep (their
+    # history mattered then), so the passes repeat until none removes anything.
+    for _ in range(MAX_ROUNDS):
+        size = _size(current)
+        current = _reduce_once(current, bad, rules, history, progress, lambda: queries)
+        if _size(current) == size:
+            break
     final = outcome(current, rules)
     test_file = write_minimized(
         current,
@@ -534,6 +519,55 @@ def _first_gap(reader: TraceReader, trace: MemoryTrace) -> tuple[int, int] | Non
         if known:
             found.append((min(known), rank))
     return (min(found)[1], min(found)[0]) if found else None
+
+
+def _size(trace: MemoryTrace) -> tuple[int, int, int]:
+    return (
+        _num_steps(trace),
+        len(set(trace.tables_["batch_rows"].column("req_id").to_pylist())),
+        trace.tables_["block_tables"].num_rows,
+    )
+
+
+def _reduce_once(
+    current: MemoryTrace,
+    bad: Callable[[MemoryTrace], bool],
+    rules: RuleSet,
+    history: list[dict[str, Any]],
+    progress: Callable[[str, int, int], None] | None,
+    queries: Callable[[], int],
+) -> MemoryTrace:
+    """One round of the reductions: requests, empty steps, unused block-table rows, and the
+    history before the finding's window."""
+    requests = sorted(set(current.tables_["batch_rows"].column("req_id").to_pylist()))
+
+    def keep_requests(keep: list[str]) -> bool:
+        return bad(without_requests(current, set(requests) - set(keep)))
+
+    kept = ddmin(
+        requests, keep_requests, on_query=lambda n: progress and progress("requests", queries(), n)
+    )
+    current = without_requests(current, set(requests) - set(kept))
+    history.append({"pass": "requests", "requests": len(kept)})
+    compacted = compact_steps(current)
+    if bad(compacted):
+        current = compacted
+    history.append({"pass": "steps", "steps": _num_steps(current)})
+    current = _without_unused_rows(current, bad)
+    history.append({"pass": "rows", "table_updates": current.tables_["block_tables"].num_rows})
+    # Start shortly before the finding, from the replay state the earlier steps leave.
+    first = outcome(current, rules).first_step
+    if first is not None and first > PREFIX_WINDOW:
+        trimmed = trim_prefix(current, first - PREFIX_WINDOW, rules)
+        if bad(trimmed):
+            current = trimmed
+            history.append({"pass": "prefix", "starts_after_step": first - PREFIX_WINDOW - 1})
+            # the launches cut with the prefix indexed rows the rest does not
+            current = _without_unused_rows(current, bad)
+            history.append(
+                {"pass": "rows", "table_updates": current.tables_["block_tables"].num_rows}
+            )
+    return current
 
 
 def _num_steps(trace: MemoryTrace) -> int:
