@@ -514,3 +514,54 @@ def test_minimize_reaches_a_fixed_point(tmp_path: Path) -> None:
         once.table_updates,
     ), (once.history, twice.history)
     assert twice.first_step == once.first_step and twice.signature == once.signature
+
+
+def _with_wall_clock(src: Path, dst: Path, offset: int) -> Path:
+    mem = load_memory(TraceReader(src))
+    steps = mem.tables_["steps"]
+    i = steps.column_names.index("wall_ns")
+    clock = pa.array([offset + 20_000_000 * n for n in range(steps.num_rows)], pa.int64())
+    tables = {**mem.tables_, "steps": steps.set_column(i, steps.schema.field(i), clock)}
+    write_trace(MemoryTrace(mem.manifest, tables), dst, mem.manifest)
+    return dst
+
+
+def test_diff_traces_ignores_timing_and_names_missing_steps(tmp_path: Path) -> None:
+    """Two recordings of the same inputs once "first differed at step 0 in steps" (their
+    clocks), and a step missing inside one trace read as "only A goes on". Control: a
+    trace that ends early still reads so, and a real input difference is still found."""
+    src = sim_trace(None, 0, 300, scenario="pairs", runner="v1")
+    a = _with_wall_clock(src, tmp_path / "a.trace", 0)
+    b = _with_wall_clock(src, tmp_path / "b.trace", 7_000_000_000)
+    assert diff_traces(TraceReader(a), TraceReader(b)).first_step is None
+    gapped = _with_steps_removed(a, tmp_path / "gap.trace", {40, 41})
+    d = diff_traces(TraceReader(a), TraceReader(gapped))
+    said = d.sentence("A", "B")
+    assert d.first_step == 40 and "B lacks steps 40-41 of rank 0, which A has" in said, said
+    ended = _with_steps_removed(a, tmp_path / "end.trace", set(range(250, 300)))
+    said = diff_traces(TraceReader(a), TraceReader(ended)).sentence("A", "B")
+    assert said.endswith("only A goes on"), said
+    other = sim_trace(None, 1, 300, scenario="pairs", runner="v1")
+    assert diff_traces(TraceReader(a), TraceReader(other)).first_step is not None
+
+
+def test_diff_rules_stops_at_a_gap(tmp_path: Path) -> None:
+    """Two rule sets were replayed across a gap, and on an incomplete trace, with a
+    confident answer. Now the replays stop at the first gap and say so, and no divergence
+    before it (or on an incomplete recording) is inconclusive, exit 125. Control: the
+    same trace without the gap diverges at the injected step."""
+    buggy = toggle_trace("reorder-threshold-mismatch", 0)
+    first = _truth(buggy, "reorder-threshold-mismatch")["first_step"]
+    gapped = _with_steps_removed(buggy, tmp_path / "gap.trace", {first - 2})
+    rules = RuleSet.parse("reorder_threshold=1+k")
+    d = diff_rules(TraceReader(gapped), RuleSet(), rules)
+    assert d.first_step is None and d.gap == (0, first - 2) and d.inconclusive
+    said = d.sentence(RuleSet(), rules)
+    assert f"gap at step {first - 2}" in said and "inconclusive" in said, said
+    proc = run_cli("diff", str(gapped), "--rules-b", "reorder_threshold=1+k")
+    assert proc.returncode == 125 and "gap at step" in proc.stdout, proc.stdout + proc.stderr
+    clean = sim_trace(None, 1, 300, scenario="pairs", runner="v1")
+    cut = _with_steps_removed(clean, tmp_path / "cut.trace", set(), complete=False)
+    d = diff_rules(TraceReader(cut), RuleSet(), RuleSet.parse("accepted_source=cpu"))
+    assert d.first_step is None and "did not finish" in (d.inconclusive or "")
+    assert diff_rules(TraceReader(buggy), RuleSet(), rules).first_step == first

@@ -362,13 +362,26 @@ def bisect_cmd(
     "--rules-b", default=None, metavar="R=V,...", help="Rule set of the second replay (one trace)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--skip-bad-parts",
+    is_flag=True,
+    help="Read the valid parts of a damaged trace (compared up to the first step they lack).",
+)
 def diff_cmd(
-    trace_a: Path, trace_b: Path | None, rules_a: str | None, rules_b: str | None, as_json: bool
+    trace_a: Path,
+    trace_b: Path | None,
+    rules_a: str | None,
+    rules_b: str | None,
+    as_json: bool,
+    skip_bad_parts: bool,
 ) -> int:
     """The first step where TRACE_A and TRACE_B differ, or where two rule sets on TRACE_A
-    lead to different shadow state (--rules-a / --rules-b).
+    lead to different shadow state (--rules-a / --rules-b). Timing columns (steps.wall_ns)
+    are not compared. Two rule sets are replayed up to the first gap (dropped or left-out
+    steps) and no further.
 
-    Exit codes: 0 no divergence, 1 divergence found, 2 usage error, 3 unreadable trace.
+    Exit codes: 0 no divergence, 1 divergence found, 2 usage error, 3 unreadable trace,
+    125 inconclusive (no divergence before a gap, or an incomplete recording).
     """
     from dataclasses import asdict
 
@@ -380,13 +393,16 @@ def diff_cmd(
     if trace_b is not None:
         if rules_a is not None or rules_b is not None:
             raise UsageError("compare two traces or two rule sets, not both")
-        result = diff_traces(TraceReader(trace_a), TraceReader(trace_b))
+        result = diff_traces(
+            TraceReader(trace_a, skip_bad_parts=skip_bad_parts),
+            TraceReader(trace_b, skip_bad_parts=skip_bad_parts),
+        )
         sentence = result.sentence(str(trace_a), str(trace_b))
     else:
         if rules_b is None:
             raise UsageError("give a second trace, or --rules-b to compare two rule sets")
         a, b = RuleSet.parse(rules_a or AS_RECORDED), RuleSet.parse(rules_b)
-        result = diff_rules(TraceReader(trace_a), a, b)
+        result = diff_rules(TraceReader(trace_a, skip_bad_parts=skip_bad_parts), a, b)
         sentence = result.sentence(a, b)
     if as_json:
         click.echo(json.dumps({"sentence": sentence, **asdict(result)}, indent=1, default=str))
@@ -395,7 +411,9 @@ def diff_cmd(
         for side in ("a", "b"):
             for f in getattr(result, f"findings_{side}", [])[:3]:
                 out.print(f"  {side}: {f['kind']}: {f['detail']}", highlight=False)
-    return EXIT_CLEAN if result.first_step is None else EXIT_CORRUPTION
+    if result.first_step is not None:
+        return EXIT_CORRUPTION
+    return EXIT_INCONCLUSIVE if getattr(result, "inconclusive", None) else EXIT_CLEAN
 
 
 @click.command("minimize")

@@ -18,12 +18,15 @@ from typing import Any
 import numpy as np
 
 from mgtrace.replayer import checkpoint as ckpt
+from mgtrace.replayer.coverage import unseen_reason
 from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.rules import RuleSet
-from mgtrace.replayer.steps import RankTrace, ranks_of, require_replayable
+from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
 from mgtrace.schemas.reader import TraceReader
 
 INPUT_TABLES = ("steps", "batch_rows", "launches", "block_tables", "sched", "row_moves")
+# Columns that say when, not what: two recordings of the same inputs never share them.
+TIMING_COLUMNS = {"steps": ("wall_ns",)}
 
 
 @dataclass
@@ -31,16 +34,36 @@ class TraceDiff:
     first_step: int | None
     rank: int | None
     tables: list[str] = field(default_factory=list)  # tables that differ at that step
-    only_in: str | None = None  # "a" or "b" when one trace simply has more steps
+    only_in: str | None = None  # "a" or "b" when only one trace has the step
+    # the last step of the run the other trace lacks, when it has later steps (a gap)
+    missing_to: int | None = None
+    left_out_from: int | None = None  # steps from here on were not compared (left-out parts)
 
     def sentence(self, a: str, b: str) -> str:
+        if self.first_step is None and self.left_out_from is not None:
+            return (
+                f"{a} and {b} record the same inputs at every step before step "
+                f"{self.left_out_from}, where rows of a left-out part begin (not compared)"
+            )
         if self.first_step is None:
             return f"{a} and {b} record the same inputs at every step"
         if self.only_in is not None:
-            side = a if self.only_in == "a" else b
+            side, other = (a, b) if self.only_in == "a" else (b, a)
+            agree = (
+                f"the traces agree up to step {self.first_step - 1}; "
+                if self.first_step > 0
+                else ""
+            )
+            if self.missing_to is not None:
+                steps = (
+                    f"step {self.first_step}"
+                    if self.missing_to == self.first_step
+                    else f"steps {self.first_step}-{self.missing_to}"
+                )
+                return f"{agree}{other} lacks {steps} of rank {self.rank}, which {side} has"
             if self.first_step == 0:
                 return f"only {side} has steps"
-            return f"the traces agree up to step {self.first_step - 1}; only {side} goes on"
+            return f"{agree}only {side} goes on"
         return (
             f"the traces first differ at step {self.first_step} (rank {self.rank}) in "
             f"{', '.join(self.tables)}"
@@ -50,9 +73,11 @@ class TraceDiff:
 def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
     per_table: dict[str, tuple[int, int]] = {}
     best: tuple[int, int] | None = None
+    # rows a part --skip-bad-parts left out would read as differences: compare before them
+    cut = _first_left_out(a, b)
     for name in INPUT_TABLES:
         ha, hb = _step_hashes(a, name), _step_hashes(b, name)
-        keys = set(ha) | set(hb)
+        keys = {k for k in set(ha) | set(hb) if cut is None or k[1] < cut}
         diff = [k for k in keys if ha.get(k) != hb.get(k)]
         if diff:
             first = min(diff, key=lambda k: (k[1], k[0]))
@@ -60,7 +85,7 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
             if best is None or (first[1], first[0]) < (best[1], best[0]):
                 best = first
     if best is None:
-        return TraceDiff(None, None)
+        return TraceDiff(None, None, left_out_from=cut)
     rank, step = best
     tables = [t for t, first in per_table.items() if first == best]
     steps_a, steps_b = _steps(a, rank), _steps(b, rank)
@@ -69,7 +94,22 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
         only = "b"
     elif step in steps_a and step not in steps_b:
         only = "a"
-    return TraceDiff(step, rank, tables, only)
+    missing_to = None
+    if only is not None:  # a gap in the other trace, not its end, when it goes on later
+        later = [s for s in (steps_b if only == "a" else steps_a) if s > step]
+        missing_to = min(later) - 1 if later else None
+    return TraceDiff(step, rank, tables, only, missing_to)
+
+
+def _first_left_out(*readers: TraceReader) -> int | None:
+    """The first step whose rows of an input table a skipped part held, in any trace."""
+    firsts = [
+        max(s.min_step if s.min_step is not None else 0, 0)
+        for r in readers
+        for s in r.skipped
+        if s.table in INPUT_TABLES
+    ]
+    return min(firsts, default=None)
 
 
 def _steps(reader: TraceReader, rank: int) -> set[int]:
@@ -79,8 +119,9 @@ def _steps(reader: TraceReader, rank: int) -> set[int]:
 
 def _step_hashes(reader: TraceReader, table: str) -> dict[tuple[int, int], int]:
     con = reader.connect()
+    skip = ", ".join(("rank", "step", *TIMING_COLUMNS.get(table, ())))
     rows = con.execute(
-        f"SELECT rank, step, bit_xor(hash(*COLUMNS(* EXCLUDE (rank, step)))) "
+        f"SELECT rank, step, bit_xor(hash(*COLUMNS(* EXCLUDE ({skip})))) "
         f"FROM {table} GROUP BY rank, step"
     ).fetchall()
     return {(int(r), int(s)): int(h) for r, s, h in rows}
@@ -95,6 +136,8 @@ class RulesDiff:
     findings_b: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0  # rank-steps replayed under each rule set
     ranks: int = 1
+    gap: tuple[int, int] | None = None  # (rank, step): the first gap, where the replays stop
+    inconclusive: str | None = None  # why "identical" cannot speak for the whole run
 
     def sentence(self, a: RuleSet, b: RuleSet) -> str:
         if self.first_step is None:
@@ -103,10 +146,18 @@ class RulesDiff:
                 if self.ranks == 1
                 else f"{self.steps} rank-steps ({self.ranks} ranks)"
             )
-            return (
+            said = (
                 f"{a.canonical()} and {b.canonical()} leave identical shadow state at every "
                 f"one of {steps}"
             )
+            if self.gap is not None:
+                said += (
+                    f", up to rank {self.gap[0]}'s gap at step {self.gap[1]} (dropped, "
+                    "unrecorded or left-out steps), where the replays stop"
+                )
+            if self.inconclusive is not None:
+                said += f"; inconclusive: {self.inconclusive}"
+            return said
         where = f"{a.canonical()} and {b.canonical()} first diverge at step {self.first_step} "
         if not self.blocks:
             return where + f"(rank {self.rank}): the same state, read differently"
@@ -124,12 +175,19 @@ def diff_rules(
     out = RulesDiff(None, None, ranks=len(ranks))
     for rank in ranks:
         trace = RankTrace(reader, rank, ids)
+        # the shadow state cannot be rebuilt across a gap: both replays stop before it
+        found = (first_gap(trace.step_numbers), trace.first_left_out)
+        gap = min((g for g in found if g is not None), default=None)
+        if gap is not None and (out.gap is None or (gap, rank) < (out.gap[1], out.gap[0])):
+            out.gap = (rank, gap)
         ra = RankReplay(trace, a, run, device=device)
         rb = RankReplay(trace, b, run, device=device)
         ckpt.start_from(ra, seed)
         ckpt.start_from(rb, seed)
         for step in trace:
             if out.first_step is not None and step >= out.first_step:
+                break
+            if gap is not None and step >= gap:
                 break
             seen_a, seen_b = len(ra.oracle.findings), len(rb.oracle.findings)
             ra.step(step)
@@ -149,6 +207,10 @@ def diff_rules(
                 out.blocks = np.flatnonzero(differs).tolist()
             out.findings_a, out.findings_b = said_a, said_b
             break
+    if out.first_step is not None and out.gap is not None and out.gap[1] <= out.first_step:
+        out.gap = None  # not reached: a divergence on another rank came first
+    if out.first_step is None:
+        out.inconclusive = unseen_reason(reader, out.gap is not None)
     return out
 
 
