@@ -565,3 +565,30 @@ def test_diff_rules_stops_at_a_gap(tmp_path: Path) -> None:
     d = diff_rules(TraceReader(cut), RuleSet(), RuleSet.parse("accepted_source=cpu"))
     assert d.first_step is None and "did not finish" in (d.inconclusive or "")
     assert diff_rules(TraceReader(buggy), RuleSet(), rules).first_step == first
+
+
+def test_bisect_replay_refuses_what_it_would_ignore(tmp_path: Path) -> None:
+    """--replay re-checks the log's own trace, horizon and rules: a TRACE, --horizon, a
+    rule or --log given with it was silently ignored; now each is a usage error. A log
+    with a field of the wrong type was an internal error (exit 70); now it is a damaged
+    log, in one sentence."""
+    trace = tmp_path / "t.trace"
+    shutil.copytree(toggle_trace("reorder-threshold-mismatch", 0), trace)
+    log = trace / "bisect.json"
+    save_log(bisect(trace), log)
+    for extra in (
+        [str(trace)],
+        ["--horizon", "5"],
+        ["--reorder-threshold=1+k"],
+        ["--rules", "accepted_source=cpu"],
+        ["--log", str(tmp_path / "other.json")],
+    ):
+        err = assert_one_sentence_error(run_cli("bisect", *extra, "--replay", str(log)), 2)
+        assert "--replay re-checks" in err and "drop" in err, err
+    assert not (tmp_path / "other.json").exists()
+    logged = json.loads(log.read_text())
+    for field, value in (("horizon", "x"), ("first_step", "7"), ("requests", 3)):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**logged, field: value}))
+        err = assert_one_sentence_error(run_cli("bisect", "--replay", str(bad)), 2)
+        assert "is a damaged bisect log" in err, err

@@ -358,6 +358,29 @@ def _logged_trace(log: Path, data: dict[str, Any]) -> Path:
     return Path(data["trace"])
 
 
+def _check_types(v: Verdict) -> None:
+    """The fields a re-check uses, of the types a log holds them in (TypeError if not)."""
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    ok = (
+        isinstance(v.status, str)
+        and isinstance(v.trace, str)
+        and isinstance(v.base_rules, str)
+        and is_int(v.horizon)
+        and v.horizon >= 1
+        and (v.first_step is None or is_int(v.first_step))
+        and isinstance(v.requests, list)
+        and isinstance(v.fixes, list)
+        and isinstance(v.explanations, list)
+        and isinstance(v.first_findings, list)
+        and all(isinstance(f, dict) for f in v.first_findings)
+    )
+    if not ok:
+        raise TypeError("a field holds a value of the wrong type")
+
+
 def recheck_log(path: Path, **kwargs: Any) -> tuple[bool, Verdict, Verdict]:
     """Run the bisect again on the trace a log names; True when the verdict still holds."""
     try:
@@ -371,6 +394,7 @@ def recheck_log(path: Path, **kwargs: Any) -> tuple[bool, Verdict, Verdict]:
     try:
         old = Verdict(**{k: data[k] for k in Verdict.__dataclass_fields__ if k in data})
         old.probes = [Probe(**p) for p in data.get("probes", [])]
+        _check_types(old)
         trace = _logged_trace(Path(path), data)
         base = RuleSet.parse(old.base_rules)
     except (TypeError, KeyError, ValueError, AttributeError) as exc:

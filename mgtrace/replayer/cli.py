@@ -309,6 +309,25 @@ def bisect_cmd(
 
     out = stdout_console()
     if replay_log is not None:
+        # a re-check runs the log's own trace, horizon and rules, and writes no log
+        source = click.get_current_context().get_parameter_source
+        given = [
+            flag
+            for name, flag in (
+                ("horizon", "--horizon"),
+                ("log_path", "--log"),
+                ("rules_text", "--rules"),
+                *((r.name, r.flag) for r in RULES.values()),
+            )
+            if source(name) not in (None, click.core.ParameterSource.DEFAULT)
+        ]
+        if trace is not None:
+            given.insert(0, "TRACE")
+        if given:
+            raise UsageError(
+                "--replay re-checks the trace, horizon and rules its log names; drop "
+                + ", ".join(given)
+            )
         same, old, new = recheck_log(
             replay_log, backend=backend, device=device, skip_bad_parts=skip_bad_parts
         )
