@@ -592,3 +592,27 @@ def test_bisect_replay_refuses_what_it_would_ignore(tmp_path: Path) -> None:
         bad.write_text(json.dumps({**logged, field: value}))
         err = assert_one_sentence_error(run_cli("bisect", "--replay", str(bad)), 2)
         assert "is a damaged bisect log" in err, err
+
+
+def test_bisect_and_minimize_name_replays_first_finding(tmp_path: Path) -> None:
+    """bisect listed a step's findings in the oracle's order, replay and minimize in (step,
+    rank, batch row) order, so they named different first findings (this trace's first
+    step has several). A --signature the trace does not show was 'inconclusive' (125);
+    it is a usage error."""
+    trace = sim_trace("stale-condense-row", 0, 500, runner="v1")
+    lead = replay_trace(TraceReader(trace), RuleSet()).findings[0]
+    v = bisect(trace)
+    assert (v.first_findings[0]["req_id"], v.first_findings[0]["batch_row"]) == (
+        lead.req_id,
+        lead.batch_row,
+    )
+    proc = run_cli("minimize", str(trace), "-o", str(tmp_path / "m"), "--signature", "bogus")
+    assert "not among the first findings" in assert_one_sentence_error(proc, 2)
+    # the damaged-trace message names --skip-bad-parts: diff has it too (minimize: above)
+    damaged = tmp_path / "damaged.trace"
+    shutil.copytree(trace, damaged)
+    next((damaged / "row_moves").glob("*.parquet")).write_bytes(b"PAR1 garbage")
+    rules = ("--rules-b", "clear_vacated_rows=true")
+    assert "--skip-bad-parts" in run_cli("diff", str(damaged), *rules).stderr
+    proc = run_cli("diff", str(damaged), *rules, "--skip-bad-parts")
+    assert proc.returncode == 1 and "first diverge" in proc.stdout, proc.stdout + proc.stderr

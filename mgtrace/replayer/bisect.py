@@ -226,6 +226,9 @@ class Bisector:
             return v
         v.status, v.first_step, v.rank = "bad", first, rank
         lead = [f for f in replays[rank].oracle.findings if f.step == first]
+        # in the order replay and minimize list them (step, rank, batch row), not the
+        # oracle's, so all three name the same first finding
+        lead.sort(key=lambda f: f.batch_row if f.batch_row is not None else -1)
         v.first_findings = [_finding_dict(f) for f in lead]
         v.requests = sorted(
             {f.req_id for f in lead}

@@ -456,7 +456,9 @@ def minimize(
     pin = signature or (own if own in base.signatures else base.lead)
     if pin not in base.signatures:
         known = ", ".join(sorted(base.signatures))
-        raise InconclusiveError(f"signature {pin!r} is not among the first findings ({known})")
+        # a --signature the trace does not show is a wrong argument, not an open question
+        error = UsageError if signature is not None else InconclusiveError
+        raise error(f"signature {pin!r} is not among the first findings ({known})")
     queries = 0
 
     def bad(candidate: MemoryTrace) -> bool:
