@@ -52,6 +52,8 @@ def test_bisect_names_first_step_and_undoing_rule(bug: str, seed: int) -> None:
         "good" in v.commands
         and TOGGLES[bug][1].split("=")[0].replace("_", "-") in v.commands["good"]
     )
+    # running the commands to look adds no findings to the trace a second time
+    assert all(" --no-save " in c for c in v.commands.values()), v.commands
 
 
 def test_bisect_clean_trace_and_log_recheck(tmp_path: Path) -> None:

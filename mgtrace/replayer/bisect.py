@@ -291,7 +291,16 @@ class Bisector:
         """The exact replays that show the bad side and, when there is one, the good side."""
 
         def cmd(rules: RuleSet, to_step: int) -> str:
-            parts = ["mgtrace", "replay", str(self.path), *rules.as_flags(), f"--to-step={to_step}"]
+            # --no-save: running them to look must not add their findings to the trace a
+            # second time (the saved findings would then hold duplicates)
+            parts = [
+                "mgtrace",
+                "replay",
+                str(self.path),
+                "--no-save",
+                *rules.as_flags(),
+                f"--to-step={to_step}",
+            ]
             if self.backend_name != "reference":
                 parts += [f"--backend={self.backend_name}", f"--device={self.device}"]
             return " ".join(shlex.quote(p) for p in parts)
