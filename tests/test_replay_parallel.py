@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mgtrace.errors import UsageError
-from mgtrace.replayer.loop import RankReplay, load_backend, replay_trace
+from mgtrace.replayer.loop import RankReplay, ReplayResult, load_backend, replay_trace
 from mgtrace.replayer.parallel import (
     PLACEHOLDER_BASE,
     replay_rank_in_segments,
@@ -39,11 +39,13 @@ def _trace_root(tmp_path_factory: pytest.TempPathFactory) -> None:
     set_root(tmp_path_factory.mktemp("sim"))
 
 
-def _sequential(trace: Path, rank: int, rules: RuleSet) -> tuple[list, int]:
+def _sequential(
+    trace: Path, rank: int, rules: RuleSet, report_from: int | None = None
+) -> tuple[list, int]:
     rep = RankReplay(
         RankTrace(TraceReader(trace), rank, RequestIds()), rules, load_backend("reference", "cpu")
     )
-    rep.run()
+    rep.run(report_from=report_from)
     return rep.oracle.findings, sum(v - 1 for v in rep.oracle.repeats.values())
 
 
@@ -66,6 +68,44 @@ def test_segments_report_what_one_process_reports(bug: str, rules: str) -> None:
         assert got.segments == 4
         assert got.findings == want
         assert got.repeats == want_repeats
+
+
+def _keys(result) -> list[tuple]:
+    return [(f.step, f.req_id, f.signature) for f in result.findings]
+
+
+def test_a_window_reports_the_first_finding_of_each_request_inside_it(tmp_path: Path) -> None:
+    """A window's requests that read foreign state are reported even where the whole replay
+    first saw them earlier; with --jobs and from a cached checkpoint alike, over the same
+    step count."""
+    import shutil
+
+    trace = tmp_path / "t"  # the cache goes into the trace: a copy of the shared one
+    shutil.copytree(toggle_trace(BUG_STALE_ROW, seed=0, steps=1200), trace)
+    full = replay_trace(TraceReader(trace), RuleSet(), checkpoint_every=100)
+    a, b = 166, 206
+    assert full.first_step < a and not [f for f in full.findings if a <= f.step <= b]
+    window = replay_trace(TraceReader(trace), RuleSet(), from_step=a, to_step=b)
+    assert window.findings and window.first_step >= a and window.steps == b - a + 1
+    keys = [(f.req_id, f.signature) for f in window.findings]
+    assert len(keys) == len(set(keys)) and window.repeats > 0
+    # past the first segment's end: the merge forgets what came before the window too
+    late = 700
+    ran: list[int] = []
+    cached = replay_trace(TraceReader(trace), RuleSet(), from_step=late, progress=ran.append)
+    assert sum(ran) == 1200 - 700  # control: it started after the checkpoint of step 699
+    want = _sequential(trace, 0, RuleSet(), report_from=late)
+    assert cached.findings == ReplayResult.of(RuleSet(), want[0], 0, [0], 0).findings
+    assert cached.repeats == want[1] and cached.steps == 1200 - late
+    for first in (a, late):
+        got = replay_rank_in_segments(
+            TraceReader(trace), 0, RuleSet(), report_from=first, **SEGMENTS
+        )
+        assert got.segments == 4
+        want = _sequential(trace, 0, RuleSet(), report_from=first)
+        assert (got.findings, got.repeats, got.steps) == (*want, 1200 - first)
+    jobs = replay_trace(TraceReader(trace), RuleSet(), from_step=late, jobs=2)
+    assert (_keys(jobs), jobs.repeats, jobs.steps) == (_keys(cached), cached.repeats, 500)
 
 
 def test_prefix_hits_are_checked_on_the_words_they_stand_for() -> None:

@@ -371,7 +371,9 @@ def test_a_trace_without_the_mamba_split_decodes_only_rows_past_their_prompt(
 
 
 def test_checkpoints_let_a_replay_start_mid_trace(tmp_path) -> None:
-    """A replay resumed from a cached checkpoint reports what the full replay reports."""
+    """A replay resumed from a cached checkpoint reports what a replay from step 0 reports."""
+    import shutil
+
     from mgtrace.replayer.checkpoint import cache_dir
     from mgtrace.replayer.loop import replay_trace
     from mgtrace.schemas.reader import TraceReader
@@ -388,13 +390,17 @@ def test_checkpoints_let_a_replay_start_mid_trace(tmp_path) -> None:
     full = replay_trace(reader, RuleSet(), checkpoint_every=64)
     cached = sorted(cache_dir(reader, "as-recorded", "compact").glob("*.npz"))
     assert len(cached) == 6  # steps 64, 128, ..., 384
-    late = [f for f in full.findings if f.step >= 300]
-    resumed = replay_trace(reader, RuleSet(), from_step=300)
-    assert resumed.steps == 400 - 256  # resumed after the checkpoint taken after step 255
-    assert [(f.step, f.req_id, f.signature) for f in resumed.findings] == [
-        (f.step, f.req_id, f.signature) for f in late
-    ]
-    assert late, "control: the resumed stretch must hold findings to compare"
+    ran: list[int] = []
+    resumed = replay_trace(reader, RuleSet(), from_step=300, progress=ran.append)
+    assert sum(ran) == 400 - 256  # resumed after the checkpoint taken after step 255
+    shutil.rmtree(out / ".replay-cache")
+    uncached = replay_trace(TraceReader(out), RuleSet(), from_step=300)
+    # the same report either way, over the window's steps
+    assert resumed.steps == uncached.steps == 100
+    assert (resumed.findings, resumed.repeats) == (uncached.findings, uncached.repeats)
+    # a request's first finding in the whole replay is its first in the window too
+    late = {(f.step, f.req_id, f.signature) for f in full.findings if f.step >= 300}
+    assert late and late <= {(f.step, f.req_id, f.signature) for f in resumed.findings}
 
 
 def test_the_checkpoint_cache_outlives_saved_findings_and_damage(tmp_path) -> None:
@@ -411,17 +417,23 @@ def test_the_checkpoint_cache_outlives_saved_findings_and_damage(tmp_path) -> No
     assert run_cli(*base, "--checkpoint-every", "64").returncode == 1  # saves its findings
     whole = _findings_by_replay(out)
     assert len(whole) == 1
-    resumed = run_cli(*base, "--from-step", "300", "--no-save")
-    assert json.loads(resumed.stdout)["steps"] == 400 - 256  # a hit, findings saved or not
+    from mgtrace.replayer.loop import replay_trace
     from mgtrace.schemas.reader import TraceReader
 
+    def replayed_from_300() -> int:
+        ran: list[int] = []
+        replay_trace(TraceReader(out), RuleSet(), from_step=300, progress=ran.append)
+        return sum(ran)
+
+    assert replayed_from_300() == 400 - 256  # a hit, findings saved or not
     cached = sorted(cache_dir(TraceReader(out), "as-recorded", "compact").glob("*.npz"))
     damaged = next(f for f in cached if f.stem.endswith("step000000255"))  # the one it used
     damaged.write_bytes(damaged.read_bytes()[:100])
     resumed = run_cli(*base, "--from-step", "300", "--no-save")
     assert resumed.returncode == 1, resumed.stderr
-    assert json.loads(resumed.stdout)["steps"] == 400 - 192  # the next older one
+    assert json.loads(resumed.stdout)["steps"] == 100  # the window's, whatever the cache held
     assert not damaged.exists()
+    assert replayed_from_300() == 400 - 192  # the next older one
     # a window saves under its own id: the whole replay's findings stay as they were
     assert run_cli(*base, "--from-step", "300").returncode == 1
     after = _findings_by_replay(out)

@@ -88,7 +88,8 @@ def list_rules(console: Console) -> None:
     "--from-step",
     type=click.IntRange(min=0),
     default=None,
-    help="Report findings from this step on.",
+    help="Report findings from this step on: each request's first finding in the window, "
+    "whatever came before it. The summary counts the window's steps.",
 )
 @click.option("--to-step", type=click.IntRange(min=0), default=None, help="Stop after this step.")
 @click.option(

@@ -220,11 +220,15 @@ class RankReplay:
         every: int = 256,
         progress: Callable[[int], None] | None = None,
         on_checkpoint: Callable[[Checkpoint], None] | None = None,
+        report_from: int | None = None,
     ) -> int:
         """Replay steps ``start..until``; return the last step replayed (start-1 if none).
 
         With ``stop_on_finding`` it stops after the first step that produced a finding; with
         ``checkpoints`` it keeps a checkpoint every ``every`` steps (before step s, keyed s).
+        With ``report_from`` the oracle forgets what it reported before it replays that step
+        (the first step of a window): inside the window, each request's first occurrence of
+        a finding is reported, whatever happened before it.
         """
         last = start - 1
         for step in self.trace.steps_from(start):
@@ -237,6 +241,10 @@ class RankReplay:
                     on_checkpoint(self.checkpoint(step - 1))
             elif checkpoints is not None and step == 0:
                 checkpoints[0] = self.checkpoint(-1)
+            if report_from is not None and last < report_from <= step:
+                # after the checkpoints; what a restored one remembered is forgotten too
+                self.flush()
+                self.oracle.forget_reports()
             before = len(self.oracle.findings)
             self._step(step)
             last = step
@@ -803,7 +811,7 @@ def live_uids(uid: np.ndarray, slot: np.ndarray) -> np.ndarray:
 class ReplayResult:
     rules: RuleSet
     findings: list[Finding]
-    steps: int
+    steps: int  # the steps of the window reported (from_step..to_step), summed over ranks
     ranks: list[int]
     first_step: int | None
     repeats: int  # findings suppressed because the same request already had them
@@ -849,7 +857,10 @@ def replay_trace(
     mirror: bool | None = None,
     jobs: int = 1,
 ) -> ReplayResult:
-    """Replay every rank of a trace under ``rules``; findings before ``from_step`` are dropped.
+    """Replay every rank of a trace under ``rules``, reporting the window
+    ``from_step..to_step``: findings before ``from_step`` are dropped, and inside the window
+    each request's first occurrence of a finding is reported (and its repeats counted), as if
+    nothing had been reported before the window. ``steps`` counts the window's steps.
 
     With ``from_step`` a checkpoint cached by an earlier replay under the same rules starts
     the replay close to that step; ``checkpoint_every`` caches new ones on the way. With
@@ -908,9 +919,12 @@ def replay_trace(
             progress=progress,
             every=checkpoint_every or 256,
             on_checkpoint=save,
+            report_from=from_step,
         )
+        # the window's steps, wherever the replay started (a cached checkpoint or step 0)
+        first = max(start, from_step or 0)
         steps_done += int(
-            np.count_nonzero((trace.step_numbers <= last) & (trace.step_numbers >= start))
+            np.count_nonzero((trace.step_numbers <= last) & (trace.step_numbers >= first))
         )
         findings += [f for f in rep.oracle.findings if from_step is None or f.step >= from_step]
         repeats += sum(v - 1 for v in rep.oracle.repeats.values())
@@ -937,7 +951,14 @@ def _replay_in_segments(
             numbers, left_out = step_numbers(reader, rank)
             _require_contiguous(np.array(numbers, dtype=np.int64), rank, left_out)
         outcome = replay_rank_in_segments(
-            reader, rank, rules, jobs=jobs, layout=layout, until=to_step, progress=progress
+            reader,
+            rank,
+            rules,
+            jobs=jobs,
+            layout=layout,
+            until=to_step,
+            report_from=from_step,
+            progress=progress,
         )
         findings += [f for f in outcome.findings if from_step is None or f.step >= from_step]
         repeats += outcome.repeats

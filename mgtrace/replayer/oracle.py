@@ -145,6 +145,17 @@ class Oracle:
             self._keys.append((self._report_clock, len(self._keys)))
         self.findings.append(f)
 
+    def forget_reports(self) -> None:
+        """Start reporting afresh (where a step window begins): every key's next occurrence
+        is reported again, and repeats are counted from here on. Deferred reads are checked
+        first, so that their reports belong to the steps before."""
+        self.flush()
+        self.findings = []
+        self.repeats = {}
+        self._keys = []
+        if self.events is not None:
+            self.events = []
+
     def start_log(self, placeholder_below: int | None) -> None:
         """Log mode from here on, with nothing reported or repeated so far."""
         self.flush()

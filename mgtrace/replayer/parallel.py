@@ -142,15 +142,16 @@ def _finish(
     handoff_after: int | None,
     base: int | None,
     seconds: dict[str, float],
+    report_from: int | None = None,
 ) -> SegmentResult:
     t0 = time.perf_counter()
     handoff = None
     done = first - 1
     if handoff_after is not None:
-        done = rep.run(start=first, until=handoff_after)
+        done = rep.run(start=first, until=handoff_after, report_from=report_from)
         handoff = rep.pool.snapshot()
     if done < last:
-        done = rep.run(start=done + 1, until=last)
+        done = rep.run(start=done + 1, until=last, report_from=report_from)
     o = rep.oracle
     events = [("report", _named_key(rep, e[1]), e[2]) if e[0] == "report" else e for e in o.events]
     counts = {_named_key(rep, k): n for k, n in o.repeats.items()}
@@ -177,11 +178,16 @@ class _Job:
 
 
 def speculate(
-    job: _Job, first: int, last: int, warmup: int, handoff_after: int | None
+    job: _Job,
+    first: int,
+    last: int,
+    warmup: int,
+    handoff_after: int | None,
+    report_from: int | None = None,
 ) -> SegmentResult:
     """In a worker: steps ``first..last`` from a placeholder start ``warmup`` steps earlier
     (exactly from step 0 when that reaches it), handing back the pool after
-    ``handoff_after``."""
+    ``handoff_after``; what it logged before step ``report_from`` is forgotten there."""
     clock = [time.perf_counter()]
     seconds: dict[str, float] = {}
 
@@ -203,7 +209,7 @@ def speculate(
         rep.run(start=start, until=first - 1)
         lap("warmup")
     rep.oracle.start_log(PLACEHOLDER_BELOW if base is not None else None)
-    return _finish(rep, first, last, handoff_after, base, seconds)
+    return _finish(rep, first, last, handoff_after, base, seconds, report_from)
 
 
 def replay_rank_in_segments(
@@ -214,13 +220,15 @@ def replay_rank_in_segments(
     jobs: int,
     layout: str = "compact",
     until: int | None = None,
+    report_from: int | None = None,
     warmup: int = DEFAULT_WARMUP,
     min_segment: int = MIN_SEGMENT,
     progress: Callable[[int], None] | None = None,
     verify: bool = True,
 ) -> RankOutcome:
-    """Replay one rank on up to ``jobs`` processes. ``verify=False`` takes a logged check's
-    placeholders for tags as they are: only for showing that the substitution matters."""
+    """Replay one rank on up to ``jobs`` processes, reporting from step ``report_from`` on
+    as ``RankReplay.run`` does. ``verify=False`` takes a logged check's placeholders for tags
+    as they are: only for showing that the substitution matters."""
     path = getattr(reader, "path", None)
     if path is None:
         raise UsageError("a replay in segments needs a trace on disk")
@@ -230,6 +238,7 @@ def replay_rank_in_segments(
     if not steps:
         return RankOutcome([], 0, 0, 0, 0)
     bounds = segment_bounds(steps, jobs, min_segment)
+    reported = sum(1 for s in steps if report_from is None or s >= report_from)
     # a hand-off point must lie inside the segment before
     warmup = min(warmup, *(steps.index(b) - steps.index(a) for a, b in bounds))
     job = _Job(str(path), bool(getattr(reader, "skipped", None)), rank, rules.canonical(), layout)
@@ -242,12 +251,12 @@ def replay_rank_in_segments(
     if len(bounds) == 1:  # too short to split: no process to start
         _INHERITED[(job.path, rank)] = trace
         try:
-            results = [speculate(job, *bounds[0], warmup, None)]
+            results = [speculate(job, *bounds[0], warmup, None, report_from)]
         finally:
             _INHERITED.clear()
         if progress is not None:
             progress(len(steps))
-        return _merge(checker, results, len(steps), verify)
+        return _merge(checker, results, reported, verify, report_from)
     pool = ProcessPoolExecutor(max_workers=len(bounds), mp_context=_pool_context())
     try:
         _INHERITED[(job.path, rank)] = trace  # the workers start (fork) on the first submit
@@ -256,7 +265,7 @@ def replay_rank_in_segments(
                 # a fork of this process, which has threads: the workers run numpy and Python
                 warnings.simplefilter("ignore", DeprecationWarning)
                 futures = [
-                    pool.submit(speculate, job, a, b, warmup, h)
+                    pool.submit(speculate, job, a, b, warmup, h, report_from)
                     for (a, b), h in zip(bounds, handoffs, strict=True)
                 ]
         finally:
@@ -272,7 +281,7 @@ def replay_rank_in_segments(
         raise
     pool.shutdown()
     t0 = time.perf_counter()
-    outcome = _merge(checker, results, len(steps), verify)
+    outcome = _merge(checker, results, reported, verify, report_from)
     outcome.merge_s = time.perf_counter() - t0
     outcome.worker_seconds = [r.seconds for r in results]
     return outcome
@@ -299,10 +308,15 @@ def step_numbers(reader: TraceReader, rank: int) -> tuple[list[int], int | None]
 
 
 def _merge(
-    checker: RankReplay, results: list[SegmentResult], steps: int, verify: bool
+    checker: RankReplay,
+    results: list[SegmentResult],
+    steps: int,
+    verify: bool,
+    report_from: int | None = None,
 ) -> RankOutcome:
     """The segments' logs in step order: logged checks run on known words, the first
-    report attempt of each key kept."""
+    report attempt of each key kept. A segment that ends before ``report_from`` reports
+    nothing (the one holding that step forgot its earlier log there)."""
     oracle = checker.oracle
     oracle.start_log(None)
     findings: list[Finding] = []
@@ -320,6 +334,8 @@ def _merge(
             exact_base = resolve(results[i - 1].handoff, exact_base)
         else:
             exact_base = None
+        if report_from is not None and res.last < report_from:
+            continue  # its handoff still serves the next segment
         for event in res.events:
             if event[0] == "report":
                 keep_first(event[1], event[2])
