@@ -179,6 +179,10 @@ def test_jobs_refuse_a_backend_they_cannot_split() -> None:
         replay_trace(TraceReader(trace), RuleSet(), backend="triton", jobs=2)
     proc = run_cli("replay", str(trace), "--jobs", "2", "--backend", "triton")
     assert "reference backend" in assert_one_sentence_error(proc, 2)
+    # the reference backend on a GPU: refused as it is without --jobs, not run on the CPU
+    for jobs in ("1", "2"):
+        proc = run_cli("replay", str(trace), "--no-save", "--jobs", jobs, "--device", "cuda")
+        assert "runs on the CPU" in assert_one_sentence_error(proc, 2)
 
 
 def test_a_trace_too_short_to_split_replays_in_this_process() -> None:
@@ -255,3 +259,101 @@ def test_control_a_plain_shutdown_leaves_the_worker_running() -> None:
     for p in procs:  # clean up
         p.terminate()
         p.join(10)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.fixture
+def replay_with_stopped_workers():
+    """A real `mgtrace replay --jobs 2` whose two workers have started and are held
+    (SIGSTOP), so that none can finish before the test acts; every process it started is
+    killed at the end."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    trace = toggle_trace(BUG_REORDER, seed=0, steps=1200)
+    cmd = [sys.executable, "-m", "mgtrace", "replay", str(trace), "--no-save", "--jobs", "2"]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(kids) < 2:
+            assert proc.poll() is None, "the replay ended before both workers were seen"
+            assert time.monotonic() < deadline, "no workers started"
+            kids = _children(proc.pid)
+        for kid in kids:
+            os.kill(kid, signal.SIGSTOP)
+        yield proc, kids
+    finally:
+        for pid in (proc.pid, *kids):
+            if _runs(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def _gone(pids: list[int]) -> bool:
+    import time
+
+    deadline = time.monotonic() + 60  # only a bound on waiting for the kernel to reap them
+    while any(_runs(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_runs(p) for p in pids)
+
+
+@pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_terminated_replay_stops_its_workers(replay_with_stopped_workers, name, code) -> None:
+    """The workers end with the replay, which does not leave them holding its stdout (a
+    reader of the pipe would wait for ever), and it exits as a process killed by the signal."""
+    import signal
+    import subprocess
+
+    proc, kids = replay_with_stopped_workers
+    proc.send_signal(getattr(signal, name))
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the replay's output stayed open: its workers hold it")
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert f"stopped by {name}" in assert_one_sentence_error(done, code)
+    assert _gone(kids)
+
+
+def test_a_killed_replay_takes_its_workers_with_it(replay_with_stopped_workers) -> None:
+    import signal
+
+    proc, kids = replay_with_stopped_workers
+    proc.kill()
+    proc.wait(60)
+    assert proc.returncode == -signal.SIGKILL
+    assert _gone(kids), "the workers outlived their parent"
+
+
+def test_a_worker_killed_from_outside_is_one_sentence(replay_with_stopped_workers) -> None:
+    import os
+    import signal
+    import subprocess
+
+    proc, kids = replay_with_stopped_workers
+    os.kill(kids[0], signal.SIGKILL)  # what the OOM killer does
+    out, err = proc.communicate(timeout=120)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert "a replay worker was killed" in assert_one_sentence_error(done, 2)
+    assert _gone(kids)

@@ -878,6 +878,7 @@ def replay_trace(
                 "--jobs replays with the reference backend, without checkpoints, a trace "
                 "that starts at step 0; drop --jobs for this replay"
             )
+        load_backend(backend, device)  # refuses what a replay without --jobs refuses
         return _replay_in_segments(
             reader, rules, jobs, layout, from_step, to_step, allow_gaps, progress
         )

@@ -26,21 +26,26 @@ whole int32 words, in host memory.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import itertools
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow.compute as pc
 
-from mgtrace.errors import UsageError
+from mgtrace.errors import MgtraceError, UsageError
 from mgtrace.replayer.findings import Finding
 from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.requests import RequestIds
@@ -257,7 +262,37 @@ def replay_rank_in_segments(
         if progress is not None:
             progress(len(steps))
         return _merge(checker, results, reported, verify, report_from)
-    pool = ProcessPoolExecutor(max_workers=len(bounds), mp_context=_pool_context())
+    pool = ProcessPoolExecutor(
+        max_workers=len(bounds),
+        mp_context=_pool_context(),
+        initializer=_worker_start,
+        initargs=(os.getpid(),),
+    )
+    with _stopped_by_signals():
+        results = _run_pool(
+            pool, job, trace, rank, bounds, handoffs, warmup, report_from, steps, progress
+        )
+    t0 = time.perf_counter()
+    outcome = _merge(checker, results, reported, verify, report_from)
+    outcome.merge_s = time.perf_counter() - t0
+    outcome.worker_seconds = [r.seconds for r in results]
+    return outcome
+
+
+def _run_pool(
+    pool: ProcessPoolExecutor,
+    job: _Job,
+    trace: RankTrace,
+    rank: int,
+    bounds: list[tuple[int, int]],
+    handoffs: list[int | None],
+    warmup: int,
+    report_from: int | None,
+    steps: list[int],
+    progress: Callable[[int], None] | None,
+) -> list[SegmentResult]:
+    """Every segment on the pool's workers, in order; the pool ends with it, whatever
+    happens."""
     try:
         _INHERITED[(job.path, rank)] = trace  # the workers start (fork) on the first submit
         try:
@@ -276,15 +311,63 @@ def replay_rank_in_segments(
             if progress is not None:
                 res = results[-1]
                 progress(sum(1 for s in steps if res.first <= s <= res.last))
+        pool.shutdown()
+    except BrokenProcessPool as exc:
+        _stop_workers(pool)
+        raise MgtraceError(
+            "a replay worker was killed (out of memory?); retry with fewer --jobs"
+        ) from exc
     except BaseException:
-        _stop_workers(pool)  # Ctrl-C or a failed segment: the others' work is moot
+        _stop_workers(pool)  # Ctrl-C, SIGTERM or a failed segment: the others' work is moot
         raise
-    pool.shutdown()
-    t0 = time.perf_counter()
-    outcome = _merge(checker, results, reported, verify, report_from)
-    outcome.merge_s = time.perf_counter() - t0
-    outcome.worker_seconds = [r.seconds for r in results]
-    return outcome
+    return results
+
+
+# Signals that end a replay the way Ctrl-C does, when the pool's processes exist.
+_STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """While the workers run, SIGTERM and SIGHUP raise in this process (the main thread's
+    handlers only), so that the workers are stopped before it exits, with 128 + the signal's
+    number as a shell reports a process killed by it; the previous handlers come back
+    after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = []
+
+    def stop(signum: int, frame: object) -> None:
+        if raised:  # a second signal must not cut the stopping of the workers short
+            return
+        raised.append(signum)
+        name = signal.Signals(signum).name
+        raise MgtraceError(f"the replay was stopped by {name}", exit_code=128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
+def _worker_start(parent: int) -> None:
+    """In a worker, first: take SIGTERM and SIGHUP as a plain process does (a fork inherits
+    the parent's handlers, which are for the parent), and on Linux die with the parent, which
+    cannot stop its workers when it is SIGKILLed."""
+    for s in _STOP_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
@@ -294,7 +377,12 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     executor keeps its processes private; 3.14 adds ``kill_workers`` for this."""
     for proc in list((getattr(pool, "_processes", None) or {}).values()):
         proc.kill()
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
+    if manager is not None and manager.ident is not None:  # started
+        # It notices the killed workers and closes its wake-up pipe; left running, it races
+        # the interpreter's exit hook that writes to that pipe (a traceback at exit).
+        manager.join(timeout=30)
 
 
 def step_numbers(reader: TraceReader, rank: int) -> tuple[list[int], int | None]:
