@@ -440,6 +440,40 @@ def test_the_checkpoint_cache_outlives_saved_findings_and_damage(tmp_path) -> No
     assert len(after) == 2 and set(whole.items()) <= set(after.items())
 
 
+def test_a_damaged_checkpoint_that_cannot_be_removed_is_a_miss(tmp_path, monkeypatch, caplog):
+    """In a cache this user cannot write, a damaged checkpoint is skipped, not removed (nor
+    said to be), and the replay goes on from the next older one."""
+    import logging
+    import pathlib
+
+    from mgtrace.replayer.checkpoint import cache_dir
+    from mgtrace.replayer.loop import replay_trace
+    from mgtrace.schemas.reader import TraceReader
+
+    out = tmp_path / "t"
+    simulate_small(out)
+    replay_trace(TraceReader(out), RuleSet(), checkpoint_every=64)
+    cached = sorted(cache_dir(TraceReader(out), "as-recorded", "compact").glob("*.npz"))
+    damaged = next(f for f in cached if f.stem.endswith("step000000255"))
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    unlink = pathlib.Path.unlink
+
+    def refuse(self, missing_ok=False):
+        if self == damaged:  # what a read-only directory says (root is never told so)
+            raise PermissionError(13, "Permission denied", str(self))
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", refuse)
+    ran: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="mgtrace"):
+        result = replay_trace(TraceReader(out), RuleSet(), from_step=300, progress=ran.append)
+    assert sum(ran) == 400 - 192 and not result.clean  # the next older one served
+    assert damaged.exists()
+    assert "skipped" in caplog.text and "removed" not in caplog.text.replace(
+        "cannot be removed", ""
+    )
+
+
 def simulate_small(out) -> None:
     from mgtrace.sim.config import SimConfig
     from mgtrace.sim.engine import simulate

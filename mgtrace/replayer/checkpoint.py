@@ -92,14 +92,18 @@ def _cached(directory: Path, rank: int, step: int) -> list[tuple[int, Path]]:
 
 def restore_cached(rep: RankReplay, directory: Path, rank: int, step: int) -> int | None:
     """Restore the newest readable cached checkpoint before ``step``; return its last step,
-    or None when there is none. A damaged file is a cache miss: it is removed and the next
-    older one tried."""
+    or None when there is none. A damaged file is a cache miss: it is removed (where the
+    cache can be written) and the next older one tried."""
     for _, path in _cached(directory, rank, step):
         try:
             cp = load(path)
         except Exception as exc:  # truncated, foreign or from another layout
-            log.warning("mgtrace: a damaged replay checkpoint was removed (%s: %s)", path, exc)
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+                done = "was removed"
+            except OSError:  # a cache this user cannot write: a miss all the same
+                done = "was skipped (it cannot be removed)"
+            log.warning("mgtrace: a damaged replay checkpoint %s (%s: %s)", done, path, exc)
             continue
         return _restore_loaded(rep, cp)
     return None
