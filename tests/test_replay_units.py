@@ -474,6 +474,29 @@ def test_a_damaged_checkpoint_that_cannot_be_removed_is_a_miss(tmp_path, monkeyp
     )
 
 
+def test_a_window_over_the_whole_trace_saves_as_the_whole_trace(tmp_path) -> None:
+    """--from-step 0 and a --to-step at or past the last step replace the whole replay's
+    findings instead of adding a second copy; a real window still saves apart."""
+    from mgtrace.replayer.cli import replay_id_for
+    from tests.conftest import run_cli
+
+    whole = replay_id_for(RuleSet())
+    assert replay_id_for(RuleSet(), 0, None) == whole
+    assert replay_id_for(RuleSet(), 0, 399, last_step=399) == whole
+    assert replay_id_for(RuleSet(), None, 5000, last_step=399) == whole
+    assert replay_id_for(RuleSet(), 1, None, last_step=399) != whole
+    assert replay_id_for(RuleSet(), 0, 398, last_step=399) != whole
+    out = tmp_path / "t"
+    simulate_small(out)
+    assert run_cli("replay", str(out)).returncode == 1
+    saved = _findings_by_replay(out)
+    for window in (("--from-step", "0"), ("--to-step", "399"), ("--to-step", "900")):
+        assert run_cli("replay", str(out), *window).returncode == 1
+        assert _findings_by_replay(out) == saved, window
+    assert run_cli("replay", str(out), "--to-step", "398").returncode == 1
+    assert len(_findings_by_replay(out)) == 2  # control: a window saves under its own id
+
+
 def simulate_small(out) -> None:
     from mgtrace.sim.config import SimConfig
     from mgtrace.sim.engine import simulate

@@ -24,9 +24,20 @@ from mgtrace.errors import (
 from mgtrace.replayer.rules import AS_RECORDED, RULES, RuleSet
 
 
-def replay_id_for(rules: RuleSet, from_step: int | None = None, to_step: int | None = None) -> str:
+def replay_id_for(
+    rules: RuleSet,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    last_step: int | None = None,
+) -> str:
     """Findings of one rule set replace those of an earlier replay with the same rules over
-    the same steps; a replay of a window never replaces the whole trace's, nor the reverse."""
+    the same steps; a replay of a window never replaces the whole trace's, nor the reverse.
+    A window that covers the whole trace (from step 0, to its ``last_step`` or past it) is
+    the whole trace."""
+    if from_step == 0:
+        from_step = None
+    if to_step is not None and last_step is not None and to_step >= last_step:
+        to_step = None
     key = rules.canonical()
     if from_step is not None or to_step is not None:
         key += f"|steps {from_step}..{to_step}"
@@ -191,7 +202,7 @@ def replay(
     # gaps a replay crosses with --allow-gaps are dropped or left-out steps, which the
     # manifest and the reader say
     unseen = None if result.findings else unseen_reason(reader)
-    replay_id = replay_id_for(rules, from_step, to_step)
+    replay_id = replay_id_for(rules, from_step, to_step, last)
     saved = False
     if not no_save:
         try:
