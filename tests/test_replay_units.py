@@ -497,6 +497,22 @@ def test_a_window_over_the_whole_trace_saves_as_the_whole_trace(tmp_path) -> Non
     assert len(_findings_by_replay(out)) == 2  # control: a window saves under its own id
 
 
+def test_rules_and_a_flag_that_disagree_are_a_usage_error(tmp_path) -> None:
+    from mgtrace.replayer.cli import rules_from_options
+    from tests.conftest import assert_one_sentence_error, run_cli
+
+    with pytest.raises(UsageError, match=r"reorder_threshold=1\+k .* --reorder-threshold sets 2"):
+        rules_from_options({"reorder_threshold": "2"}, "reorder_threshold=1+k")
+    # the same value twice, or a flag for a rule --rules leaves out, is fine
+    same = rules_from_options({"reorder_threshold": "1+K"}, "reorder-threshold=1+k")
+    assert same == RuleSet.parse("reorder_threshold=1+k")
+    both = rules_from_options({"bt_row_is_req": "true"}, "reorder_threshold=1+k")
+    assert both == RuleSet.parse("bt_row_is_req=true,reorder_threshold=1+k")
+    args = ("--rules", "reorder_threshold=1+k", "--reorder-threshold=2")
+    proc = run_cli("replay", str(tmp_path / "nope"), *args)
+    assert "--reorder-threshold sets 2" in assert_one_sentence_error(proc, 2)
+
+
 def simulate_small(out) -> None:
     from mgtrace.sim.config import SimConfig
     from mgtrace.sim.engine import simulate

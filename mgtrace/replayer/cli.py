@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -45,9 +46,25 @@ def replay_id_for(
 
 
 def rules_from_options(values: dict[str, str | None], rules_text: str | None) -> RuleSet:
+    """--rules with the rule flags on top; a flag that names a rule --rules sets, to another
+    value, is a usage error (neither may silently win)."""
     base = RuleSet.parse(rules_text) if rules_text else RuleSet()
     chosen = {name: v for name, v in values.items() if v is not None}
-    return base.with_(**chosen) if chosen else base
+    if not chosen:
+        return base
+    flags = RuleSet().with_(**chosen)  # each flag's value checked and made canonical
+    named = {
+        item.partition("=")[0].replace("-", "_")
+        for item in re.split(r"[,\s]+", rules_text or "")
+        if "=" in item
+    }
+    for name in sorted(named & chosen.keys()):
+        if base[name] != flags[name]:
+            raise UsageError(
+                f"--rules sets {name}={base[name]} but {RULES[name].flag} sets {flags[name]}; "
+                "give one of them"
+            )
+    return base.with_(**chosen)
 
 
 def _rule_options(func):
