@@ -69,6 +69,8 @@ def test_a_left_out_part_makes_the_replay_inconclusive(
     proc = run_cli("bisect", str(trace), "--skip-bad-parts")
     assert proc.returncode == 125, proc.stdout + proc.stderr
     assert "left-out steps" in proc.stdout
+    # it replayed no step: not a clean replay with a caveat
+    assert "no step could be replayed" in proc.stdout and "clean" not in proc.stdout
 
 
 def test_a_left_out_steps_part_is_no_clean_verdict(buggy_trace: Path, tmp_path: Path) -> None:
@@ -174,6 +176,7 @@ def test_a_left_out_part_of_one_rank_leaves_the_other_rank(pp_trace: Path, tmp_p
     assert summary["steps"] == 60 and summary["clean"]  # rank 0's steps, all of them
     # clean where it could look, but rank 1's launches are missing: no clean verdict
     assert proc.returncode == 125 and "left-out steps" in summary["inconclusive"]
+    assert summary["inconclusive"].startswith("the replay is clean, but")  # it replayed some
 
 
 def test_a_pp_summary_counts_steps_per_rank(pp_trace: Path, buggy_trace: Path) -> None:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
-from mgtrace.replayer.steps import REPLAY_TABLES, spec_decodes_run_first
+from mgtrace.replayer.steps import REPLAY_TABLES, complete_steps, spec_decodes_run_first
 
 
 def unseen_reason(reader: Any, gaps: bool = False) -> str | None:
     """Why a clean replay of ``reader``'s trace is inconclusive, or None when it is not.
     ``gaps``: the replay met steps missing from the trace. Only the tables a replay reads
-    count: a left-out part of another one hides nothing from it."""
+    count: a left-out part of another one hides nothing from it. A replay that met no step
+    it could replay is not called clean."""
     problems = []
     left_out = any(s.table in REPLAY_TABLES for s in getattr(reader, "skipped", ()))
     if gaps or left_out or reader.manifest.drops.total_steps:
@@ -22,9 +25,24 @@ def unseen_reason(reader: Any, gaps: bool = False) -> str | None:
         problems.append("the recording did not finish (complete=false)")
     if not problems:
         return None
+    if not _any_step_replayable(reader):
+        return (
+            f"no step could be replayed: {' and '.join(problems)}, so nothing can be said "
+            "about the run"
+        )
     return (
         f"the replay is clean, but {' and '.join(problems)}, so corruption may lie in what "
         "is missing"
+    )
+
+
+def _any_step_replayable(reader: Any) -> bool:
+    """Whether some rank has a step whose replayed rows are all in the trace."""
+    table = reader.table("steps", columns=["rank", "step"])
+    ranks = table.column("rank").to_numpy(zero_copy_only=False)
+    steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+    return any(
+        bool(complete_steps(reader, int(r), steps[ranks == r]).any()) for r in np.unique(ranks)
     )
 
 
