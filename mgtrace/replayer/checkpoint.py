@@ -152,6 +152,7 @@ def start_from(rep: RankReplay, seed: StartState | None) -> int:
     mid-run); return the first step to replay (0 either way)."""
     rank = rep.trace.rank
     if seed is not None and rank in seed.checkpoints:
+        rep.oracle.unwritten_unknown = False  # the start state holds what came before
         return restore(rep, seed.checkpoints[rank]) + 1
     return 0
 

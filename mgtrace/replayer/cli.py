@@ -177,7 +177,12 @@ def replay(
     from mgtrace.render import render_replay
 
     check_step_window(from_step, to_step)
-    from mgtrace.replayer.coverage import rule_note, unmodelled_writes, unseen_reason
+    from mgtrace.replayer.coverage import (
+        mid_run_caveat,
+        rule_note,
+        unmodelled_writes,
+        unseen_reason,
+    )
     from mgtrace.replayer.findings import save_findings
     from mgtrace.replayer.loop import replay_trace
     from mgtrace.replayer.parallel import default_jobs
@@ -227,7 +232,8 @@ def replay(
             saved = True
         except (OSError, OutputError) as exc:
             err.print(f"mgtrace: could not add the findings to {trace}: {reason(exc)}")
-    caveat = unmodelled_writes(reader.manifest.run)
+    caveats = [unmodelled_writes(reader.manifest.run), mid_run_caveat(reader)]
+    caveat = "; ".join(c for c in caveats if c) or None
     note = rule_note(reader.manifest.run, rules)
     if as_json:
         summary = summary_json(result, replay_id, saved)

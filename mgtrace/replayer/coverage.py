@@ -9,7 +9,13 @@ from typing import Any
 import numpy as np
 
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
-from mgtrace.replayer.steps import REPLAY_TABLES, complete_steps, spec_decodes_run_first
+from mgtrace.replayer.steps import (
+    REPLAY_TABLES,
+    complete_steps,
+    in_flight_at_start,
+    spec_decodes_run_first,
+)
+from mgtrace.schemas.tables import SCHED_KINDS
 
 
 def unseen_reason(reader: Any, gaps: bool = False) -> str | None:
@@ -58,6 +64,31 @@ def unmodelled_writes(run: Any) -> str | None:
             "right, and a wrong checkpoint write goes unseen"
         )
     return None
+
+
+def mid_run_caveat(reader: Any) -> str | None:
+    """What a replay cannot judge in a recording that attached to a running engine (a
+    repro's start state holds what came before: nothing then)."""
+    from mgtrace.replayer.checkpoint import start_state
+
+    if start_state(reader) is not None or not reader.rows("sched"):
+        return None
+    sched = reader.table("sched", columns=["rank", "req_id", "kind"])
+    ranks = np.asarray(sched.column("rank").to_numpy(zero_copy_only=False))
+    req_ids = np.asarray(sched.column("req_id").to_numpy(zero_copy_only=False))
+    kinds = np.asarray(
+        [SCHED_KINDS.index(k) for k in sched.column("kind").to_pylist()], dtype=np.int64
+    )
+    order = np.argsort(reader.table("sched", columns=["step"]).column("step"), kind="stable")
+    ranks, req_ids, kinds = ranks[order], req_ids[order], kinds[order]
+    n = max(in_flight_at_start(req_ids[ranks == r], kinds[ranks == r]) for r in set(ranks))
+    if not n:
+        return None
+    return (
+        f"the recording began mid-run, with {n} request(s) in flight: state written before "
+        "it has no writer the replay can know, so a read of a block the trace never saw "
+        "written is left unchecked"
+    )
 
 
 def rule_note(run: Any, rules: RuleSet) -> str | None:

@@ -172,6 +172,8 @@ class RankReplay:
             pool=self.pool,
             ownership=self.ownership,
             conv_keep=conv_keep,
+            # state written before a recording that attached mid-run: no replay can see it
+            unwritten_unknown=self.trace.began_mid_run,
             defer_reads=(
                 self.device != "cpu" and not self.mirror
                 if self.defer_reads is None

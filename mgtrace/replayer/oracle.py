@@ -94,6 +94,9 @@ class Oracle:
     pool: TagPool
     ownership: BlockOwnership
     conv_keep: int  # conv rows a read relies on (K-1)
+    # A trace that began mid-run: a block it never saw written may hold state from before
+    # the recording, whose writer no replay can know, so such a read is left unchecked.
+    unwritten_unknown: bool = False
     # Check reads in bulk at ``flush`` (the tags are gathered at read time on the device):
     # the replay then waits for the device once per flush instead of once per read.
     defer_reads: bool = False
@@ -307,7 +310,8 @@ class Oracle:
         unwritten = ok & (uid_t == NO_REQUEST)
         foreign = ok & ~mine & ~prefix & ~unwritten
         wrong = ok & mine & (tok_t != read.expected_tokens)
-        for i in np.flatnonzero(foreign | wrong | unwritten).tolist():
+        judged = foreign | wrong if self.unwritten_unknown else foreign | wrong | unwritten
+        for i in np.flatnonzero(judged).tolist():
             uid, e, t = int(read.uid[i]), int(read.expected_tokens[i]), int(tok_t[i])
             name = self.ids.name(uid)
             what = read.kind(i)
@@ -382,6 +386,8 @@ class Oracle:
         if not ok.any():
             return
         want_pos = read.expected_tokens[:, None] - self.conv_keep + np.arange(self.conv_keep)
+        if self.unwritten_unknown:  # window rows never seen written are not judged
+            inside = inside & (got_uid != NO_REQUEST)
         may_share = read.may_share
         uid_ok = (got_uid == read.uid[:, None]) | (may_share[:, None] & (got_uid > 0))
         pos_ok = got_pos == want_pos

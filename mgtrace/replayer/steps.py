@@ -198,6 +198,7 @@ class RankTrace:
         )
         self._sched_computed = _numpy(st.column("num_computed"), fill=0)
         self._sched_running = self._sched_kind == SCHED_KINDS.index("cached")
+        self.began_mid_run = in_flight_at_start(self._sched_uid, self._sched_kind) > 0
         processed = processed_tokens(
             self._sched_uid,
             self._sched.steps.astype(np.int64),
@@ -491,6 +492,16 @@ _REGIONS = pa.array(list(REORDER_REGIONS), pa.string())
 _KERNEL_ORDER = {
     KERNELS.index(k): i for i, k in enumerate(("precopy", "aligned_indices", "postprocess"))
 }
+
+
+def in_flight_at_start(req_ids: np.ndarray, kinds: np.ndarray) -> int:
+    """How many requests were already running when the trace began: those whose first
+    scheduler row (rows in step order) is not ``new``. A trace of an engine that started with
+    it has none; a recording attached to a busy engine has every request then in flight."""
+    if not len(req_ids):
+        return 0
+    _, first = np.unique(req_ids, return_index=True)
+    return int(np.count_nonzero(kinds[first] != SCHED_KINDS.index("new")))
 
 
 def _codes(col: pa.ChunkedArray, categories: tuple[str, ...]) -> np.ndarray:
