@@ -126,7 +126,7 @@ class Trace:
         With ``save=True`` the findings are added to the trace's ``findings`` table; with
         ``allow_gaps=True`` the replay crosses dropped or left-out steps (it may mislead).
         """
-        from mgtrace.replayer.cli import replay_id_for
+        from mgtrace.replayer.cli import last_step_of, replay_id_for
         from mgtrace.replayer.findings import save_findings
         from mgtrace.replayer.loop import replay_trace
 
@@ -145,7 +145,7 @@ class Trace:
             save_findings(
                 self.path,
                 result.findings,
-                replay_id=replay_id_for(ruleset, from_step, to_step),
+                replay_id=replay_id_for(ruleset, from_step, to_step, last_step_of(self.reader)),
                 rules=ruleset.canonical(),
             )
             self.reload()

@@ -591,3 +591,18 @@ def test_v2_rule_sorts_an_older_order_again() -> None:
 
     c = batch.cols
     assert mamba_split(c["num_scheduled"], c["num_computed"], c["num_prompt"], 4) == 1
+
+
+def test_the_python_api_saves_a_whole_trace_window_as_the_whole_trace(tmp_path) -> None:
+    """`Trace.replay(to_step=<past the end>, save=True)` added a second copy of the whole
+    replay's findings. Control: a real window still saves apart."""
+    from mgtrace.api import Trace
+
+    out = tmp_path / "t"
+    simulate_small(out)
+    Trace(out).replay(save=True)
+    saved = _findings_by_replay(out)
+    Trace(out).replay(to_step=900, save=True)
+    assert _findings_by_replay(out) == saved
+    Trace(out).replay(to_step=398, save=True)
+    assert len(_findings_by_replay(out)) == 2

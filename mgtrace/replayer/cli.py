@@ -7,6 +7,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -23,6 +24,9 @@ from mgtrace.errors import (
     reason,
 )
 from mgtrace.replayer.rules import AS_RECORDED, RULES, RuleSet
+
+if TYPE_CHECKING:
+    from mgtrace.schemas.reader import TraceReader
 
 
 def replay_id_for(
@@ -43,6 +47,14 @@ def replay_id_for(
     if from_step is not None or to_step is not None:
         key += f"|steps {from_step}..{to_step}"
     return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def last_step_of(reader: TraceReader) -> int | None:
+    """The trace's last step, from its manifest (None for a trace without steps)."""
+    return max(
+        (p.max_step for p in reader.parts if p.table == "steps" and p.max_step is not None),
+        default=None,
+    )
 
 
 def rules_from_options(values: dict[str, str | None], rules_text: str | None) -> RuleSet:
@@ -190,10 +202,7 @@ def replay(
 
     rules = rules_from_options(rule_values, rules_text)
     reader = TraceReader(trace, skip_bad_parts=skip_bad_parts)
-    last = max(
-        (p.max_step for p in reader.parts if p.table == "steps" and p.max_step is not None),
-        default=None,
-    )
+    last = last_step_of(reader)
     if from_step is not None and last is not None and from_step > last:
         raise UsageError(f"--from-step {from_step} is past the last step of {trace} ({last})")
     err = Console(stderr=True)
