@@ -116,7 +116,13 @@ def list_rules(console: Console) -> None:
     show_default=True,
     help="Kernel backend: numpy reference or Triton.",
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the state pool lives and the kernels run (cuda: with --backend triton).",
+)
 @click.option(
     "--layout",
     type=click.Choice(["compact", "full"]),
@@ -314,7 +320,13 @@ def _counts(findings) -> dict[str, int]:
 @click.option(
     "--backend", type=click.Choice(["reference", "triton"]), default="reference", show_default=True
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the state pool lives and the kernels run (cuda: with --backend triton).",
+)
 @click.option(
     "--log",
     "log_path",
