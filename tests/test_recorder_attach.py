@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -295,6 +297,40 @@ def test_gdb_without_the_register_restore_breaks_the_target(tmp_path: Path) -> N
         target.kill()
         out, _ = target.communicate()
     assert target.returncode != 0 and "done" not in out
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_ctrl_c_while_gdb_holds_the_target_lets_gdb_restore_it(tmp_path: Path) -> None:
+    """Ctrl-C arrives while gdb has the target's registers rewritten for the call: mgtrace
+    lets gdb finish (restore, detach) before it gives up; a gdb killed there left the
+    target running from the middle of the call, and it crashed."""
+    marker = tmp_path / "in-call"
+    text = attach.inject.GDB_SCRIPT.read_text()
+    step = '    set_reg("pc", function)\n'
+    assert text.count(step) == 1
+    slow = tmp_path / "gdb_queue_slow.py"
+    hold = f"    open({str(marker)!r}, 'w').close()\n    import time\n    time.sleep(2)\n"
+    slow.write_text(text.replace(step, step + hold))
+    target = _script_target(tmp_path, "sleeper", SLEEPS)
+
+    def interrupt() -> None:
+        _wait(marker.exists, what="gdb inside the call")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            attach.inject._queue(target.pid, QUEUED, script=slow)
+            time.sleep(60)  # the interrupt lands here where gdb finished first
+        out, err = target.communicate(timeout=30)
+    finally:
+        thread.join()
+        if target.poll() is None:
+            target.kill()
+            target.wait()
+    assert target.returncode == 0, err[-500:]
+    assert "done" in out.split(), out
 
 
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")

@@ -42,6 +42,16 @@ PAGE = 4096
 MAX_STOPS = 64  # other threads' stops to let pass while the call runs
 
 
+INTERRUPTED: list[bool] = []
+
+
+def _on_stop(event: gdb.StopEvent) -> None:
+    """gdb got SIGINT (mgtrace gave up waiting): the call is abandoned, the registers go
+    back, gdb detaches; ``continue`` itself just returns."""
+    if isinstance(event, gdb.SignalEvent) and event.stop_signal == "SIGINT":
+        INTERRUPTED.append(True)
+
+
 def reg(name: str) -> int:
     return int(gdb.parse_and_eval(f"${name}"))
 
@@ -110,7 +120,10 @@ def call(
     set_reg("pc", function)
     gdb.execute(f"tbreak *{ret}", to_string=True)
     for _ in range(MAX_STOPS):
+        INTERRUPTED.clear()
         gdb.execute("continue", to_string=True)
+        if INTERRUPTED:
+            raise RuntimeError("interrupted while the call ran")
         if gdb.selected_thread() == thread and reg("pc") == ret:
             return reg("rax") & 0xFFFFFFFF
         thread.switch()
@@ -155,9 +168,10 @@ def main() -> str:
         restore(thread, saved)
 
 
+gdb.events.stop.connect(_on_stop)
 try:
     result = main()
-except Exception as exc:  # reported on stdout, never raised into gdb's batch run
+except BaseException as exc:  # reported on stdout, never raised into gdb's batch run
     result = f"failed {type(exc).__name__}: {exc}"
 print(f"mgtrace-gdb: {result}")
 gdb.execute("detach", to_string=True)

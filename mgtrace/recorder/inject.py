@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ from mgtrace.errors import MgtraceError
 # gdb reads the symbols of every library the target maps (an engine maps gigabytes of CUDA
 # libraries), and a busy host slows it further: one attach took over 30 s under load.
 GDB_TIMEOUT_S = 120.0
+GDB_END_WAIT_S = 15.0  # for gdb to detach once signalled
 
 
 class InjectError(MgtraceError):
@@ -102,17 +104,51 @@ def _run_gdb(pid: int, source: str, script: Path | None = None) -> str:
     (``queued``, ``busy`` or ``failed REASON``)."""
     argv = ["gdb", "-batch", "-nx", "-p", str(pid), "-x", str(script or GDB_SCRIPT)]
     env = {**os.environ, "MGTRACE_PAYLOAD": source}
+    # its own session: a terminal's Ctrl-C must not reach gdb while it holds the target
+    gdb = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=GDB_TIMEOUT_S, env=env)
+        stdout, stderr = gdb.communicate(timeout=GDB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        _end_gdb(gdb, interrupted=False)
         raise InjectError(
             f"gdb did not finish attaching to {pid} in {GDB_TIMEOUT_S:.0f} s"
         ) from None
-    for line in proc.stdout.splitlines():
+    except BaseException:  # Ctrl-C, SIGTERM: let gdb put the target back first
+        _end_gdb(gdb, interrupted=True)
+        raise
+    for line in stdout.splitlines():
         if line.startswith("mgtrace-gdb: "):
             return line.removeprefix("mgtrace-gdb: ").strip()
-    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     return f"failed gdb said: {lines[-1] if lines else 'nothing'}"
+
+
+def _end_gdb(gdb: subprocess.Popen[str], *, interrupted: bool) -> None:
+    """Bring a gdb run to an end without killing it: a gdb killed while attached leaves the
+    target with rewritten registers or a planted breakpoint, and the target crashes. An
+    interrupted run is let finish (the queue takes seconds); a run that will not finish
+    gets SIGINT, which ends the script's call (it restores the registers and detaches),
+    then SIGTERM (gdb detaches as it quits)."""
+    waits = ((None, GDB_TIMEOUT_S if interrupted else 0.0), (signal.SIGINT, GDB_END_WAIT_S))
+    for signum, wait_s in (*waits, (signal.SIGTERM, GDB_END_WAIT_S)):
+        if signum is not None and gdb.poll() is None:
+            gdb.send_signal(signum)
+        try:
+            gdb.communicate(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except KeyboardInterrupt:  # asked again: stop waiting, go on to the signals
+            continue
+    # still attached after all that: left running rather than killed mid-call
 
 
 def _queue(pid: int, source: str, script: Path | None = None) -> None:
