@@ -151,6 +151,40 @@ def test_another_uid_is_refused(engine: subprocess.Popen[str], tmp_path: Path) -
         shutil.rmtree(open_dir, ignore_errors=True)
 
 
+def _record_bg(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [PY, "-c", RECORD, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_sigterm_to_record_stops_the_engine_recording(
+    engine: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    """SIGTERM (or SIGHUP) ends a recording as Ctrl-C does: the agent is stopped, the trace
+    finished, and the exit status says which signal; the engine does not go on recording
+    with nobody left to stop it."""
+    sock = control.socket_path(engine.pid)
+    out = tmp_path / "term"
+    rec = _record_bg("--engine-pid", str(engine.pid), "-o", str(out))
+    try:
+        _wait(lambda: control.send(sock, "status").get("steps", 0) >= 2, what="recording")
+        rec.send_signal(signal.SIGTERM)
+        stdout, stderr = rec.communicate(timeout=120)
+        assert rec.returncode == 128 + signal.SIGTERM, stderr
+        assert "stopped by SIGTERM" in stderr and "Traceback" not in stderr
+        assert control.send(sock, "status")["state"] == "idle"
+        assert TraceReader(out).complete and f"-> {out}" in stdout
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+        control.send(sock, "stop", timeout_s=60.0)
+
+
 @pytest.fixture
 def bare_python(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """A running Python process without the plugin."""
@@ -461,6 +495,31 @@ def test_launch_mode_records_from_the_first_step(tmp_path: Path) -> None:
     steps = reader.connect().execute("SELECT min(step), max(step) FROM steps").fetchone()
     assert steps == (0, 2)
     assert f"recorded steps 0..2 on 1 rank(s) into {out} (complete" in proc.stdout
+
+
+def test_sigterm_in_launch_mode_goes_to_the_engine_and_is_waited_for(tmp_path: Path) -> None:
+    """mgtrace passes SIGTERM on to the engine it started and waits for it (it is not left
+    running on its own); the engine's death by the signal is exit 128+15, named."""
+    out = tmp_path / "launched"
+    rec = _record_bg("-o", str(out), "--", *STANDIN, "--sleep", "0.02")
+    try:
+
+        def engine_pid() -> int | None:
+            kids = [p for p in proctree.tree(rec.pid)[1:] if "recorder_standin" in p.cmdline]
+            return kids[0].pid if kids else None
+
+        child = _wait(engine_pid, what="the engine process")
+        _wait(lambda: control.socket_path(child).exists(), what="the engine's agent")
+        _wait(lambda: control.send(control.socket_path(child), "status").get("steps"))
+        rec.send_signal(signal.SIGTERM)
+        stdout, stderr = rec.communicate(timeout=120)
+        assert rec.returncode == 128 + signal.SIGTERM, stdout + stderr
+        assert "engine was killed by SIGTERM" in stdout + stderr
+        assert not Path(f"/proc/{child}").exists()
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
 
 
 def test_launch_mode_says_when_the_engine_recorded_nothing(tmp_path: Path) -> None:

@@ -95,6 +95,24 @@ def test_a_start_during_a_close_waits_for_it_and_the_step_runs_once(
     other._closer.join(5)  # type: ignore[union-attr]
 
 
+class _InterruptedClose(_SlowClose):
+    """A close during which a second Ctrl-C reaches the process (its terminal's Ctrl-C goes
+    to the whole process group, and the launcher's SIGINT may follow)."""
+
+    def close(self) -> dict[str, Any]:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.4)
+        return {"complete": True}
+
+
+def test_the_close_at_exit_is_not_cut_short_by_ctrl_c() -> None:
+    agent = agent_mod.Agent()
+    sess = _InterruptedClose()
+    agent.session, agent.state = sess, "recording"
+    agent.shutdown()  # raises KeyboardInterrupt where the close is interrupted
+    assert agent.state == "idle" and agent.last_result == {"complete": True}
+
+
 def test_an_arm_hook_left_behind_calls_the_original_not_itself(
     runner_module: type[_Runner],
 ) -> None:

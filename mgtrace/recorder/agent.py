@@ -19,9 +19,11 @@ import importlib.abc
 import importlib.util
 import logging
 import os
+import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +97,19 @@ class Agent:
         return self.status()
 
     def shutdown(self) -> None:
-        """At interpreter exit: close an open recording so the trace ends complete."""
-        sess = self.session
-        if sess is not None:
-            self._finish(sess, inline=True)
-        else:
-            self._await_close()
+        """At interpreter exit: close an open recording so the trace ends complete. SIGINT
+        is ignored meanwhile: a second Ctrl-C (a terminal's reaches the whole process group,
+        the launcher's may follow) must not cut the trace short."""
+        with _sigint_ignored():
+            sess = self.session
+            if sess is not None:
+                self._finish(sess, inline=False)
+            closer = self._closer
+            if closer is None or closer is threading.current_thread():
+                return
+            while closer.is_alive():  # the close bounds its own waits
+                with contextlib.suppress(KeyboardInterrupt):
+                    closer.join()
 
     def abandon_after_fork(self) -> None:
         """In a forked child, where this (the parent's) agent has no threads: take its
@@ -303,6 +312,20 @@ class Agent:
             self.last_result = result
             if self.state == "stopping" and self.session is None:
                 self.state = "idle"
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored meanwhile (main thread only: elsewhere signals cannot be set)."""
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
 
 
 class _ArmOnImport(importlib.abc.MetaPathFinder):

@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,42 @@ class Target:
     socket: Path
     how: str  # plugin | remote_exec | gdb
     status: dict[str, Any] = field(default_factory=dict)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+SIGINT_GRACE_S = 10.0  # for a child that got the terminal's Ctrl-C itself
+
+
+@contextlib.contextmanager
+def signals_as_interrupt() -> Iterator[list[int]]:
+    """SIGTERM and SIGHUP end a recording the way Ctrl-C does (every agent is stopped, the
+    trace finished) rather than killing mgtrace with the engine left recording. Yields the
+    signals received; only the first raises ``KeyboardInterrupt``, so that a repeated one
+    does not cut the stop short."""
+    received: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            raise KeyboardInterrupt
+
+    with _handlers(handler):
+        yield received
+
+
+@contextlib.contextmanager
+def _handlers(handler: Callable[[int, object], None]) -> Iterator[bool]:
+    """``handler`` on STOP_SIGNALS meanwhile; nothing where this is not the main thread."""
+    try:
+        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    except ValueError:  # not the main thread: signals stay as they are
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _wait_socket(path: Path, timeout_s: float) -> bool:
@@ -215,21 +251,59 @@ def launch(
         child = subprocess.Popen(command, env=env)
     except OSError as exc:
         raise UsageError(f"cannot start {command[0]}: {exc.strerror or exc}") from None
-    try:
-        while child.poll() is None:
-            if on_poll is not None:
-                on_poll(_live_targets(child.pid))
-            time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        targets = _live_targets(child.pid)
-        _stop_all([t for t in targets if t.status.get("state") == "recording"])
-        child.send_signal(signal.SIGINT)
+
+    def forward(signum: int, _frame: object) -> None:
+        # the engine decides how to end (it closes its trace at exit); mgtrace waits for it
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    with _handlers(forward):
         try:
-            child.wait(60)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+            while child.poll() is None:
+                if on_poll is not None:
+                    on_poll(_live_targets(child.pid))
+                time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            targets = _live_targets(child.pid)
+            _stop_all([t for t in targets if t.status.get("state") == "recording"])
+            _interrupt(child)
     return child.returncode if child.returncode is not None else 0
+
+
+def _interrupt(child: subprocess.Popen[bytes]) -> None:
+    """End the engine after Ctrl-C. A terminal's Ctrl-C reached the engine too (it is in
+    mgtrace's foreground process group): a second SIGINT now would interrupt its exit, the
+    close of its trace included, so it gets a while to end on its own first."""
+    if not _shares_terminal_sigint(child.pid):
+        child.send_signal(signal.SIGINT)
+    else:
+        try:
+            child.wait(SIGINT_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGINT)
+    try:
+        child.wait(60)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def _shares_terminal_sigint(pid: int) -> bool:
+    """Whether ``pid`` is in this process's group and that group is its terminal's
+    foreground group, which is where a terminal sends Ctrl-C."""
+    try:
+        if os.getpgid(pid) != os.getpgrp():
+            return False
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _live_targets(pid: int) -> list[Target]:

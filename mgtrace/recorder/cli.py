@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import click
@@ -102,35 +103,63 @@ def record_command(
         attach.engine_tree(engine_pid)  # a missing or foreign process: refused before --force
     _prepare_output(output, force)
     if engine_pid is not None:
-        with Live(refresh_per_second=2, transient=False) as live:
-            targets = attach.record_pid(
-                engine_pid,
-                output,
-                duration_s=duration,
-                max_steps=max_steps,
-                on_status=lambda ts: live.update(_status_table(ts)),
-            )
-            live.update(_status_table(targets))
-        return _summary(targets)
-    code = attach.launch(list(command), output, duration_s=duration, max_steps=max_steps)
-    click.echo(_launch_outcome(output, code))
-    return code
+        with attach.signals_as_interrupt() as received:
+            try:
+                with Live(refresh_per_second=2, transient=False) as live:
+                    targets = attach.record_pid(
+                        engine_pid,
+                        output,
+                        duration_s=duration,
+                        max_steps=max_steps,
+                        on_status=lambda ts: live.update(_status_table(ts)),
+                    )
+                    live.update(_status_table(targets))
+            except KeyboardInterrupt:
+                if not received:
+                    raise
+                click.echo(f"mgtrace: stopped by {_signal_name(received[0])}", err=True)
+                return 128 + received[0]
+        if not received:
+            return _summary(targets)
+        # stopped by SIGTERM/SIGHUP: what was recorded is reported, the exit says why
+        click.echo(f"mgtrace: stopped by {_signal_name(received[0])}", err=True)
+        try:
+            _summary(targets)
+        except MgtraceError as exc:
+            click.echo(f"mgtrace: error: {exc.message}", err=True)
+        return 128 + received[0]
+    rc = attach.launch(list(command), output, duration_s=duration, max_steps=max_steps)
+    click.echo(_launch_outcome(output, rc))
+    # a signal's death is reported as a shell does: 128 + its number
+    return 128 - rc if rc < 0 else rc
 
 
-def _launch_outcome(output: Path, code: int) -> str:
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _ended(rc: int) -> str:
+    """How a process with exit status ``rc`` (Popen's: -N for signal N) ended, in words."""
+    return f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with status {rc}"
+
+
+def _launch_outcome(output: Path, rc: int) -> str:
     """What a launched engine left in ``output``, in words; refuses when it left nothing."""
     from mgtrace.schemas.reader import TraceReader
 
     if not output.exists() or not any(output.iterdir()):
         raise MgtraceError(
-            f"the engine exited with status {code} and recorded nothing into {output}: no "
+            f"the engine {_ended(rc)} and recorded nothing into {output}: no "
             "vLLM engine step ran, or its Python environment lacks mgtrace (the vLLM plugin "
             "that records is part of it)"
         )
     try:
         reader = TraceReader(output)
     except MgtraceError as exc:
-        return f"engine exited with status {code}; the trace under {output} is unreadable: {exc}"
+        return f"engine {_ended(rc)}; the trace under {output} is unreadable: {exc}"
     parts = [p for p in reader.parts if p.table == "steps" and p.min_step is not None]
     span = (
         f"steps {min(p.min_step for p in parts)}..{max(p.max_step for p in parts)}"
@@ -140,7 +169,7 @@ def _launch_outcome(output: Path, code: int) -> str:
     ranks = len({p.rank for p in parts})
     state = "complete" if reader.complete else "incomplete"
     return (
-        f"engine exited with status {code}; recorded {span} on {ranks} rank(s) into {output} "
+        f"engine {_ended(rc)}; recorded {span} on {ranks} rank(s) into {output} "
         f"({state}; mgtrace info {output} says more)"
     )
 
