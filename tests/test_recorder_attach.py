@@ -151,6 +151,31 @@ def test_another_uid_is_refused(engine: subprocess.Popen[str], tmp_path: Path) -
         shutil.rmtree(open_dir, ignore_errors=True)
 
 
+def test_a_second_record_is_refused_and_leaves_the_first_alone(
+    engine: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    """An engine that records already is not joined by a second ``record`` (whose stop
+    would end the first one's trace): it is refused in one sentence, and the first goes on."""
+    sock = control.socket_path(engine.pid)
+    first, second = tmp_path / "first", tmp_path / "second"
+    control.send(sock, "start", {"out": str(first)})
+    try:
+        _wait(lambda: control.send(sock, "status").get("steps", 0) >= 1, what="recording")
+        proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(second), "--max-steps", "2")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.strip() == (
+            f"mgtrace: error: process {engine.pid} is already recording into {first}; "
+            "stop that recording first"
+        )
+        assert control.send(sock, "status")["state"] == "recording"
+        assert not second.exists()
+        with pytest.raises(control.ControlError, match=f"already recording into {first}"):
+            control.send(sock, "start", {"out": str(second)})
+    finally:
+        result = control.send(sock, "stop", timeout_s=60.0)
+    assert result["complete"] and TraceReader(first).complete
+
+
 def _record_bg(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [PY, "-c", RECORD, *args],
@@ -484,6 +509,22 @@ def test_record_refuses_a_process_that_is_not_an_engine(tmp_path: Path) -> None:
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_force_keeps_the_old_trace_when_the_pid_is_refused(tmp_path: Path) -> None:
+    """--force replaces the old trace only once recording can start: a pid that is not an
+    engine leaves it in place."""
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"format": "mgtrace-trace"}')
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        proc = _record_cli("--engine-pid", str(sleeper.pid), "-o", str(out), "--force")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert proc.returncode == 2 and "is not a vLLM engine" in proc.stderr
+    assert (out / "manifest.json").is_file()
 
 
 def test_launch_mode_records_from_the_first_step(tmp_path: Path) -> None:

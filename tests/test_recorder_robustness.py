@@ -91,7 +91,8 @@ def test_a_start_during_a_close_waits_for_it_and_the_step_runs_once(
     sess = _SlowClose()
     other.session, other.state = sess, "recording"
     other._finish(sess, inline=False)
-    assert other.start("/tmp/mgtrace-never-written")["state"] == "stopping"
+    with pytest.raises(agent_mod.AgentBusy, match="already recording"):
+        other.start("/tmp/mgtrace-never-written")
     other._closer.join(5)  # type: ignore[union-attr]
 
 

@@ -38,6 +38,13 @@ STEP_WAIT_S = 20.0  # within the 60 s a stop request may take
 CLOSE_WAIT_S = 30.0  # a close flushes the assembler: seconds on a loaded host
 
 
+BUSY = ("armed", "recording", "waiting", "stopping")
+
+
+class AgentBusy(ValueError):
+    """``start`` while a recording is armed, running or closing."""
+
+
 class Agent:
     def __init__(self) -> None:
         self.state = "idle"
@@ -61,9 +68,10 @@ class Agent:
         self._await_close()
         with self._lock:
             # "stopping": the close of the previous recording still runs; arming now would
-            # let that close reset the state under the new arm hook
-            if self.state in ("armed", "recording", "waiting", "stopping"):
-                return self.status()
+            # let that close reset the state under the new arm hook. A second recorder never
+            # joins a running one: each must stop what it started
+            if self.state in BUSY:
+                raise AgentBusy(f"already recording into {self._config.get('out')}")
             self._config = {"out": out, "max_steps": max_steps, "duration_s": duration_s}
             self.refusal = None
             self.last_result = None
@@ -141,6 +149,8 @@ class Agent:
         }
         if self.refusal:
             out["refusal"] = self.refusal
+        if self.state in BUSY:
+            out["out"] = self._config.get("out")  # the session's, once there is one
         sess = self.session
         if sess is not None:
             out.update(sess.status())

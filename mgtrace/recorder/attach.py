@@ -20,6 +20,7 @@ from typing import Any
 
 from mgtrace.errors import MgtraceError, UsageError
 from mgtrace.recorder import control, inject, proctree
+from mgtrace.recorder.agent import BUSY
 from mgtrace.recorder.plugin import ENV_DIR, ENV_DURATION, ENV_MAX_STEPS
 
 SOCKET_WAIT_S = 30.0  # the main thread runs the queued call at its next bytecode
@@ -161,8 +162,11 @@ def record_pid(
     max_steps: int | None,
     on_status: Callable[[list[Target]], None] | None = None,
     allow_inject: bool = True,
+    before_start: Callable[[], None] | None = None,
 ) -> list[Target]:
-    """Activate every process of the tree, poll until the limits or Ctrl-C, stop all."""
+    """Activate every process of the tree, poll until the limits or Ctrl-C, stop all.
+    ``before_start`` runs once every process answers and none records already (the CLI
+    replaces an old trace there, not before the checks)."""
     procs = engine_tree(pid)
     if not proctree.looks_like_vllm(procs) and not _has_agent(procs):
         raise UsageError(f"process {pid} is not a vLLM engine (no vLLM process in its tree)")
@@ -177,12 +181,21 @@ def record_pid(
             errors.append(exc.message)
     if not targets:
         raise AttachError(errors[0] if errors else f"no Python process under {pid}")
+    for t in targets:
+        t.status = control.send(t.socket, "status", timeout_s=10.0)
+        if t.status.get("state") in BUSY:
+            raise AttachError(_busy(t.proc.pid, t.status.get("out")))
+    if before_start is not None:
+        before_start()
     args = {"out": str(out.resolve()), "max_steps": max_steps, "duration_s": duration_s}
     for i, t in enumerate(targets):
         try:
             t.status = control.send(t.socket, "start", args)
-        except BaseException:
+        except BaseException as exc:
             _stop_all(targets[:i])  # none is left armed with nobody to stop it
+            if isinstance(exc, control.ControlError) and "already recording" in exc.message:
+                where = exc.message.rpartition(" into ")[2]
+                raise AttachError(_busy(t.proc.pid, where)) from None
             raise
     recorders = [t for t in targets if t.status.get("runner_modules")]
     if not recorders:
@@ -216,6 +229,10 @@ def record_pid(
     # later, with nobody left to stop it
     _stop_all(targets)
     return recorders
+
+
+def _busy(pid: int, out: object) -> str:
+    return f"process {pid} is already recording into {out}; stop that recording first"
 
 
 def _stop_all(targets: list[Target]) -> None:

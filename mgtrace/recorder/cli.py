@@ -14,18 +14,30 @@ from mgtrace.errors import MgtraceError, OutputError, UsageError
 from mgtrace.schemas.manifest import is_trace_directory
 
 
-def _prepare_output(out: Path, force: bool) -> None:
-    """An empty or new ``out`` is used as it is. With --force, a trace, or a folder that holds
-    only traces (one per recorded process), is replaced; anything else is left alone."""
+def _check_output(out: Path, force: bool) -> bool:
+    """Whether ``out`` holds a trace to replace. An empty or new ``out`` is used as it is.
+    With --force, a trace, or a folder that holds only traces (one per recorded process), is
+    replaced (by ``_replace``, once recording is sure to start); anything else is left
+    alone."""
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        return
+        return False
     if not force:
         raise OutputError(f"{out} already exists; pass --force to overwrite it")
     if not out.is_dir() or not _holds_only_traces(out):
         raise OutputError(
             f"{out} is neither an mgtrace trace nor a folder of traces; refusing to overwrite it"
         )
+    return True
+
+
+def _replace(out: Path) -> None:
     shutil.rmtree(out)
+
+
+def _prepare_output(out: Path, force: bool) -> None:
+    """Check ``out`` and replace an old trace at once (where nothing is left to check)."""
+    if _check_output(out, force):
+        _replace(out)
 
 
 def _holds_only_traces(out: Path) -> bool:
@@ -100,8 +112,8 @@ def record_command(
     if engine_pid is not None:
         if engine_pid <= 0 or engine_pid == os.getpid():
             raise UsageError(f"{engine_pid} is not a vLLM engine process id")
-        attach.engine_tree(engine_pid)  # a missing or foreign process: refused before --force
-    _prepare_output(output, force)
+        attach.engine_tree(engine_pid)  # a missing or foreign process: refused up front
+    replace = _check_output(output, force)
     if engine_pid is not None:
         with attach.signals_as_interrupt() as received:
             try:
@@ -112,6 +124,8 @@ def record_command(
                         duration_s=duration,
                         max_steps=max_steps,
                         on_status=lambda ts: live.update(_status_table(ts)),
+                        # the old trace goes only once every check passed
+                        before_start=(lambda: _replace(output)) if replace else None,
                     )
                     live.update(_status_table(targets))
             except KeyboardInterrupt:
@@ -128,6 +142,8 @@ def record_command(
         except MgtraceError as exc:
             click.echo(f"mgtrace: error: {exc.message}", err=True)
         return 128 + received[0]
+    if replace:
+        _replace(output)
     rc = attach.launch(list(command), output, duration_s=duration, max_steps=max_steps)
     click.echo(_launch_outcome(output, rc))
     # a signal's death is reported as a shell does: 128 + its number

@@ -197,7 +197,11 @@ class ControlServer:
             _reply(conn, {"ok": False, "error": str(exc)})
             return
         if cmd == "start":
-            result = self.agent.start(**args)
+            try:
+                result = self.agent.start(**args)
+            except ValueError as exc:  # busy: already recording elsewhere
+                _reply(conn, {"ok": False, "error": str(exc)})
+                return
         elif cmd == "stop":
             result = self.agent.stop()
         else:

@@ -9,6 +9,7 @@ recording from the start (``mgtrace record -o DIR -- vllm serve ...`` sets it):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -99,6 +100,7 @@ def _activate() -> None:
     serve_control()
     armed = _armed_from_env()
     if armed is not None:
-        from mgtrace.recorder.agent import get_agent
+        from mgtrace.recorder.agent import AgentBusy, get_agent
 
-        get_agent().start(**armed)
+        with contextlib.suppress(AgentBusy):  # armed by an earlier call already
+            get_agent().start(**armed)
