@@ -176,6 +176,19 @@ def test_a_second_record_is_refused_and_leaves_the_first_alone(
     assert result["complete"] and TraceReader(first).complete
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_anything_starts(
+    engine: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    out = tmp_path / "file" / "trace"
+    proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "2")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        f"mgtrace: error: cannot write the trace to {out}: {tmp_path / 'file'} is not a directory"
+    )
+    assert control.send(control.socket_path(engine.pid), "status")["state"] == "idle"
+
+
 def _record_bg(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [PY, "-c", RECORD, *args],
@@ -509,6 +522,30 @@ def test_record_refuses_a_process_that_is_not_an_engine(tmp_path: Path) -> None:
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_an_engine_that_dies_while_recording_is_named_with_its_steps(tmp_path: Path) -> None:
+    """An engine killed mid-recording: its steps so far are reported, with the process gone
+    and the trace incomplete (was: "no step was recorded")."""
+    engine = _spawn([*STANDIN, "--sleep", "0.02"])
+    try:
+        assert engine.stdout is not None and engine.stdout.readline().startswith("READY")
+        sock = control.socket_path(engine.pid)
+        _wait(sock.exists, what="the agent socket")
+        out = tmp_path / "killed"
+        rec = _record_bg("--engine-pid", str(engine.pid), "-o", str(out))
+        _wait(lambda: control.send(sock, "status").get("steps", 0) >= 3, what="recording")
+        engine.kill()
+        engine.wait()
+        _, stderr = rec.communicate(timeout=120)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+    assert rec.returncode == 2, stderr
+    line = stderr.strip()
+    assert line.startswith(f"mgtrace: error: process {engine.pid} went away after "), line
+    assert line.endswith(f" steps; the trace in {out} is incomplete"), line
 
 
 def test_force_keeps_the_old_trace_when_the_pid_is_refused(tmp_path: Path) -> None:

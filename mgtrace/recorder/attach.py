@@ -209,7 +209,8 @@ def record_pid(
                 try:
                     t.status = control.send(t.socket, "status", timeout_s=10.0)
                 except control.ControlError as exc:
-                    t.status = {"state": "gone", "error": exc.message}
+                    # what it recorded stays known: out, steps
+                    t.status = {**t.status, "state": "gone", "error": exc.message}
             if on_status is not None:
                 on_status(recorders)
             states = {t.status.get("state") for t in recorders}

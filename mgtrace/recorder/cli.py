@@ -71,18 +71,52 @@ def _status_table(targets: list) -> object:
 def _summary(targets: list) -> int:
     refusals = [t.status["refusal"] for t in targets if t.status.get("refusal")]
     written = [t for t in targets if t.status.get("out") and t.status.get("steps")]
+    problems = []
     for t in written:
         s = t.status
-        click.echo(
-            f"pid {t.proc.pid}: {s.get('steps', 0)} steps, {s.get('rows', 0)} rows, "
-            f"{s.get('drops', 0)} dropped, {s.get('hook_errors', 0)} hook errors -> {s['out']}"
-            + ("" if s.get("complete", True) else " (incomplete)")
-        )
+        if s.get("state") == "gone":
+            problems.append(
+                f"process {t.proc.pid} went away after {s['steps']} steps; the trace in "
+                f"{s['out']} is incomplete"
+            )
+        elif s.get("writer_failed"):
+            problems.append(
+                f"the trace of process {t.proc.pid} in {s['out']} could not be written "
+                f"({s['writer_failed']}); it is incomplete"
+            )
+        else:
+            click.echo(
+                f"pid {t.proc.pid}: {s.get('steps', 0)} steps, {s.get('rows', 0)} rows, "
+                f"{s.get('drops', 0)} dropped, {s.get('hook_errors', 0)} hook errors -> "
+                f"{s['out']}" + ("" if s.get("complete", True) else " (incomplete)")
+            )
+    gone = [t.proc.pid for t in targets if t.status.get("state") == "gone"]
+    if problems:
+        raise MgtraceError("; ".join(problems))
     if not written and refusals:
         raise MgtraceError(refusals[0])
+    if not written and gone:
+        raise MgtraceError(f"process {gone[0]} went away before a step was recorded")
     if not written:
         raise MgtraceError("no step was recorded (was the engine serving requests?)")
     return 0
+
+
+def _check_writable(out: Path, replace: bool) -> None:
+    """The trace's directory can be written (an empty one kept) or made (the nearest
+    existing folder above it is a writable directory); checked before any engine process
+    is touched."""
+    if out.is_dir() and not replace:
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise OutputError(f"cannot write the trace to {out}: it is not writable")
+        return
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"cannot write the trace to {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write the trace to {out}: {parent} is not writable")
 
 
 def record_command(
@@ -114,6 +148,7 @@ def record_command(
             raise UsageError(f"{engine_pid} is not a vLLM engine process id")
         attach.engine_tree(engine_pid)  # a missing or foreign process: refused up front
     replace = _check_output(output, force)
+    _check_writable(output, replace)
     if engine_pid is not None:
         with attach.signals_as_interrupt() as received:
             try:
