@@ -254,6 +254,53 @@ def test_a_forked_engine_records_with_its_own_agent_only(tmp_path: Path) -> None
     assert line == "RESULT [0, 1, 2, 9] abandoned recording True 3"
 
 
+def test_a_lost_socket_file_is_bound_again_and_a_forked_child_leaves_it(
+    tmp_path: Path,
+) -> None:
+    """The agent's socket file removed from under it is bound again at the next
+    ``serve_control`` (an attach calls it), and a forked child's normal exit does not
+    remove its parent's socket file (the close registered at exit is inherited)."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from pathlib import Path
+        from mgtrace.recorder import control, plugin
+        path = plugin.serve_control()
+        os.unlink(path)
+        again = plugin.serve_control()
+        print(again == path, os.path.exists(path))
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)
+        os.waitpid(child, 0)
+        print(os.path.exists(path), control.send(Path(path), "status")["pid"] == os.getpid())
+        """
+    )
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.stdout.split() == ["True", "True", "True", "True"], proc.stderr[-2000:]
+
+
+def test_deeply_nested_json_gets_an_error_reply(tmp_path: Path) -> None:
+    import socket
+
+    from mgtrace.recorder.control import ControlServer
+
+    server = ControlServer(agent_mod.Agent(), tmp_path / "t.sock")
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(str(server.path))
+            sock.sendall(b"[" * 5000 + b"\n")
+            reply = sock.makefile("rb").readline()
+    finally:
+        server.close()
+    assert json.loads(reply) == {"ok": False, "error": "a request is a flat JSON object"}
+
+
 def test_a_failed_capture_gives_its_slot_back() -> None:
     import torch
 

@@ -129,6 +129,7 @@ class ControlServer:
         self.agent = agent
         self.path = path or socket_path(os.getpid())
         self.refused = 0
+        self.pid = os.getpid()  # the process that made the socket file; only it removes it
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
@@ -149,6 +150,7 @@ class ControlServer:
             os.umask(old)
         sock.listen(8)
         os.replace(tmp, self.path)
+        self.pid = os.getpid()
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name="mgtrace-control", daemon=True)
         self._thread.start()
@@ -158,6 +160,8 @@ class ControlServer:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+        if os.getpid() != self.pid:  # a forked child's exit: the file is its parent's
+            return
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -195,6 +199,9 @@ class ControlServer:
             cmd, args = validate(json.loads(data.decode("utf-8")))
         except (ValueError, UnicodeDecodeError) as exc:
             _reply(conn, {"ok": False, "error": str(exc)})
+            return
+        except RecursionError:  # json's parser on deeply nested input
+            _reply(conn, {"ok": False, "error": "a request is a flat JSON object"})
             return
         if cmd == "start":
             try:

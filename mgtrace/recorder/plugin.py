@@ -29,12 +29,15 @@ def serve_control() -> str | None:
     """Start this process's control socket once; returns its path (None on failure)."""
     global _SERVER
     with _LOCK:
-        if _SERVER is not None and _SERVER.pid == os.getpid():
-            return str(_SERVER.path)
         try:
             from mgtrace.recorder.agent import get_agent
-            from mgtrace.recorder.control import ControlServer
+            from mgtrace.recorder.control import ControlServer, socket_path
 
+            if _SERVER is not None and _SERVER.pid == os.getpid():
+                # still reachable: its file is there, where clients look for it
+                if _SERVER.path == socket_path(os.getpid()) and _SERVER.path.is_socket():
+                    return str(_SERVER.path)
+                _SERVER.close()  # its file was removed (or moved): bind a new one
             server = ControlServer(get_agent())
             server.start()
             server.pid = os.getpid()
