@@ -160,7 +160,7 @@ def test_a_second_record_is_refused_and_leaves_the_first_alone(
     first, second = tmp_path / "first", tmp_path / "second"
     control.send(sock, "start", {"out": str(first)})
     try:
-        _wait(lambda: control.send(sock, "status").get("steps", 0) >= 1, what="recording")
+        _wait(lambda: control.send(sock, "status")["state"] == "recording", what="recording")
         proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(second), "--max-steps", "2")
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert proc.stderr.strip() == (
@@ -209,7 +209,12 @@ def test_sigterm_to_record_stops_the_engine_recording(
     out = tmp_path / "term"
     rec = _record_bg("--engine-pid", str(engine.pid), "-o", str(out))
     try:
-        _wait(lambda: control.send(sock, "status").get("steps", 0) >= 2, what="recording")
+
+        def recording() -> bool:  # this run's (an earlier one's counts linger while idle)
+            status = control.send(sock, "status")
+            return status["state"] == "recording" and status["out"] == str(out)
+
+        _wait(recording, what="recording")
         rec.send_signal(signal.SIGTERM)
         stdout, stderr = rec.communicate(timeout=120)
         assert rec.returncode == 128 + signal.SIGTERM, stderr

@@ -205,7 +205,9 @@ def _launch_outcome(output: Path, rc: int) -> str:
         raise MgtraceError(
             f"the engine {_ended(rc)} and recorded nothing into {output}: no "
             "vLLM engine step ran, or its Python environment lacks mgtrace (the vLLM plugin "
-            "that records is part of it)"
+            "that records is part of it)",
+            # a signal's death keeps its status: it says more than a usage error's 2
+            exit_code=128 - rc if rc < 0 else None,
         )
     try:
         reader = TraceReader(output)
