@@ -102,6 +102,7 @@ def test_record_command_on_a_running_engine(engine: subprocess.Popen[str], tmp_p
     proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "3")
     assert proc.returncode == 0, proc.stderr
     assert "3 steps" in proc.stdout
+    assert f"process {engine.pid}: agent via plugin" in proc.stdout
     reader = TraceReader(out)
     assert reader.complete and reader.rows("steps") == 3
     # failing control: a second run into the same directory is refused in one sentence
@@ -507,6 +508,7 @@ def test_record_attaches_with_gdb_when_the_plugin_is_not_loaded(tmp_path: Path) 
         out = tmp_path / "gdb"
         proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "3")
         assert proc.returncode == 0, proc.stderr
+        assert f"process {engine.pid} (api-server): agent via gdb" in proc.stdout
         reader = TraceReader(out)
         assert reader.complete and reader.rows("steps") == 3
         assert engine.poll() is None
@@ -639,3 +641,24 @@ def test_armed_plugin_arms_when_the_runner_module_is_imported(tmp_path: Path) ->
         [PY, "-c", inert], cwd=REPO, capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.stdout.split() == ["idle", "False"], proc.stderr[-2000:]
+
+
+def test_only_the_engines_processes_are_attached() -> None:
+    """Given a shell above the engine (or pid 1), every Python process under it was a target,
+    gdb injection included. Control: the whole tree under an engine process stays."""
+    from mgtrace.recorder.proctree import Proc, engine_processes
+
+    def proc(pid: int, ppid: int, name: str, cmd: str) -> Proc:
+        return Proc(pid=pid, ppid=ppid, uid=0, name=name, cmdline=cmd)
+
+    tree = [
+        proc(1, 0, "bash", "bash"),
+        proc(2, 1, "python3", "python3 notebook.py"),  # somebody else's Python
+        proc(3, 1, "vllm", "python3 -m vllm.entrypoints.openai.api_server"),
+        proc(4, 3, "VLLM::EngineCore", "python3 -c from multiprocessing.spawn import x"),
+        proc(5, 4, "python3", "python3 -c from multiprocessing.resource_tracker import y"),
+        proc(6, 1, "python3", "python3 agent_loaded.py"),
+    ]
+    kept = engine_processes(tree, lambda p: p.pid == 6)
+    assert [p.pid for p in kept] == [3, 4, 5, 6]
+    assert [p.pid for p in engine_processes(tree[2:5], lambda p: False)] == [3, 4, 5]

@@ -163,12 +163,16 @@ def record_pid(
     on_status: Callable[[list[Target]], None] | None = None,
     allow_inject: bool = True,
     before_start: Callable[[], None] | None = None,
+    on_connect: Callable[[Target], None] | None = None,
 ) -> list[Target]:
     """Activate every process of the tree, poll until the limits or Ctrl-C, stop all.
     ``before_start`` runs once every process answers and none records already (the CLI
-    replaces an old trace there, not before the checks)."""
-    procs = engine_tree(pid)
-    if not proctree.looks_like_vllm(procs) and not _has_agent(procs):
+    replaces an old trace there, not before the checks); ``on_connect`` hears of each
+    process as its agent answers (an injection can take seconds)."""
+    procs = proctree.engine_processes(
+        engine_tree(pid), lambda p: control.socket_path(p.pid).exists()
+    )
+    if not procs:
         raise UsageError(f"process {pid} is not a vLLM engine (no vLLM process in its tree)")
     targets: list[Target] = []
     errors: list[str] = []
@@ -179,6 +183,9 @@ def record_pid(
             targets.append(connect(p, allow_inject=allow_inject))
         except AttachError as exc:
             errors.append(exc.message)
+            continue
+        if on_connect is not None:
+            on_connect(targets[-1])
     if not targets:
         raise AttachError(errors[0] if errors else f"no Python process under {pid}")
     for t in targets:
@@ -242,10 +249,6 @@ def _stop_all(targets: list[Target]) -> None:
             t.status = control.send(t.socket, "stop", timeout_s=60.0)
         except control.ControlError as exc:
             t.status = {**t.status, "state": "gone", "error": exc.message}
-
-
-def _has_agent(procs: list[proctree.Proc]) -> bool:
-    return any(control.socket_path(p.pid).exists() for p in procs)
 
 
 def launch(

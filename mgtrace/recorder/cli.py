@@ -7,11 +7,15 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from mgtrace.errors import MgtraceError, OutputError, UsageError
 from mgtrace.schemas.manifest import is_trace_directory
+
+if TYPE_CHECKING:
+    from mgtrace.recorder.proctree import Proc
 
 
 def _check_output(out: Path, force: bool) -> bool:
@@ -66,6 +70,11 @@ def _status_table(targets: list) -> object:
             str(s.get("hook_errors", 0)),
         )
     return table
+
+
+def _named(proc: Proc) -> str:
+    """``process PID``, with vLLM's role for it where the name or command line tells."""
+    return f"process {proc.pid}" + (f" ({proc.role})" if proc.role != "other" else "")
 
 
 def _summary(targets: list) -> int:
@@ -161,6 +170,9 @@ def record_command(
                         on_status=lambda ts: live.update(_status_table(ts)),
                         # the old trace goes only once every check passed
                         before_start=(lambda: _replace(output)) if replace else None,
+                        on_connect=lambda t: live.console.print(
+                            f"{_named(t.proc)}: agent via {t.how}", highlight=False
+                        ),
                     )
                     live.update(_status_table(targets))
             except KeyboardInterrupt:
@@ -257,7 +269,8 @@ record = click.command(
             "-o",
             "--output",
             type=click.Path(path_type=Path),
-            help="Trace directory (per rank: DIR/rank-NNN when there are several).",
+            help="Trace directory (per rank: DIR/rank-NNN when there are several); "
+            "default with --engine-pid: mgtrace-PID in the current directory.",
         )(
             click.option("--duration", type=float, help="Stop after this many seconds.")(
                 click.option("--max-steps", type=int, help="Stop after this many steps.")(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,5 +79,12 @@ def tree(root: int) -> list[Proc]:
     return out
 
 
-def looks_like_vllm(procs: list[Proc]) -> bool:
-    return any("vllm" in f"{p.name} {p.cmdline}".lower() for p in procs)
+def engine_processes(procs: list[Proc], has_agent: Callable[[Proc], bool]) -> list[Proc]:
+    """Of ``procs`` (parents before children), the engine's: vLLM's own processes (by name
+    or command line), those with an agent, and everything under one of them. A shell or
+    supervisor above the engine, and its other children, are left alone."""
+    inside: set[int] = set()
+    for p in procs:
+        if p.role != "other" or p.ppid in inside or has_agent(p):
+            inside.add(p.pid)
+    return [p for p in procs if p.pid in inside]
