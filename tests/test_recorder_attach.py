@@ -662,3 +662,21 @@ def test_only_the_engines_processes_are_attached() -> None:
     kept = engine_processes(tree, lambda p: p.pid == 6)
     assert [p.pid for p in kept] == [3, 4, 5, 6]
     assert [p.pid for p in engine_processes(tree[2:5], lambda p: False)] == [3, 4, 5]
+
+
+def test_the_engines_own_runtime_directory_is_where_its_agent_is_looked_for(
+    engine: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    """A shell whose XDG_RUNTIME_DIR differs from the engine's looked in the wrong place and
+    went on to inject an agent into a process that had one. Control: the engine's socket is
+    not under the shell's directory."""
+    other = tmp_path / "other-runtime"
+    other.mkdir(mode=0o700)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(other))
+    out = tmp_path / "t"
+    argv = [PY, "-c", RECORD, "--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "3"]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"process {engine.pid}: agent via plugin" in proc.stdout
+    assert TraceReader(out).rows("steps") == 3
+    assert not (other / "mgtrace" / f"{engine.pid}.sock").exists()

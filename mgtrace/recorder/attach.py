@@ -96,7 +96,7 @@ def _wait_socket(path: Path, timeout_s: float) -> bool:
 
 def connect(proc: proctree.Proc, *, allow_inject: bool = True) -> Target:
     """A control connection to ``proc``, injecting the agent when it is not loaded."""
-    path = control.socket_path(proc.pid)
+    path = control.engine_socket_path(proc.pid)
     if path.exists():
         try:
             control.send(path, "status", timeout_s=5.0)
@@ -170,7 +170,7 @@ def record_pid(
     replaces an old trace there, not before the checks); ``on_connect`` hears of each
     process as its agent answers (an injection can take seconds)."""
     procs = proctree.engine_processes(
-        engine_tree(pid), lambda p: control.socket_path(p.pid).exists()
+        engine_tree(pid), lambda p: control.engine_socket_path(p.pid).exists()
     )
     if not procs:
         raise UsageError(f"process {pid} is not a vLLM engine (no vLLM process in its tree)")
@@ -330,7 +330,7 @@ def _shares_terminal_sigint(pid: int) -> bool:
 def _live_targets(pid: int) -> list[Target]:
     out = []
     for p in proctree.tree(pid):
-        path = control.socket_path(p.pid)
+        path = control.engine_socket_path(p.pid)
         if path.exists():
             with contextlib.suppress(control.ControlError):
                 out.append(Target(p, path, "plugin", control.send(path, "status", timeout_s=2)))

@@ -18,6 +18,7 @@ import socket
 import stat
 import struct
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,11 @@ class ControlError(MgtraceError):
     """The control socket could not be reached or answered badly."""
 
 
-def runtime_dir(uid: int | None = None) -> Path:
-    """The private directory holding the sockets, created 0700 when missing."""
+def runtime_dir(uid: int | None = None, environ: Mapping[str, str] | None = None) -> Path:
+    """The private directory holding the sockets, created 0700 when missing; ``environ``:
+    the environment whose runtime directory counts (this process's by default)."""
     uid = os.geteuid() if uid is None else uid
-    base = os.environ.get("XDG_RUNTIME_DIR")
+    base = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
     if not base or not os.path.isdir(base):
         base = f"/run/user/{uid}" if os.path.isdir(f"/run/user/{uid}") else "/tmp"
     path = Path(base) / ("mgtrace" if base != "/tmp" else f"mgtrace-{uid}")
@@ -61,6 +63,20 @@ def runtime_dir(uid: int | None = None) -> Path:
 
 def socket_path(pid: int, uid: int | None = None) -> Path:
     return runtime_dir(uid) / f"{pid}.sock"
+
+
+def engine_socket_path(pid: int) -> Path:
+    """Where process ``pid``'s agent listens: under the runtime directory of ``pid``'s own
+    environment (a shell with another XDG_RUNTIME_DIR than the engine's would look in the
+    wrong place), or of this process's where that environment cannot be read."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return socket_path(pid)
+    env = dict(
+        item.decode(errors="replace").partition("=")[::2] for item in raw.split(b"\0") if item
+    )
+    return runtime_dir(environ=env) / f"{pid}.sock"
 
 
 def peer_uid(conn: socket.socket) -> int:
