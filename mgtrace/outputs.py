@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from mgtrace.errors import UsageError
+from mgtrace.errors import OutputError, UsageError
 
 
 def refuse_overwriting_inputs(output: Path, *inputs: Path | None) -> None:
@@ -21,3 +22,15 @@ def refuse_overwriting_inputs(output: Path, *inputs: Path | None) -> None:
             )
         if src in out.parents:
             raise UsageError(f"{output} lies inside the input {given}; write the output elsewhere")
+
+
+def require_writable_parent(output: Path, what: str) -> None:
+    """Refuse, before any work, an ``output`` whose nearest existing folder above it is not a
+    directory this user can write (``what``: how the sentence names the output)."""
+    above = Path(os.path.abspath(output)).parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise OutputError(f"cannot write {what}: {above} is not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {what}: {above} is not writable")

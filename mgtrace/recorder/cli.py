@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from mgtrace.errors import MgtraceError, OutputError, UsageError
+from mgtrace.outputs import require_writable_parent
 from mgtrace.schemas.manifest import is_trace_directory
 
 if TYPE_CHECKING:
@@ -119,13 +120,7 @@ def _check_writable(out: Path, replace: bool) -> None:
         if not os.access(out, os.W_OK | os.X_OK):
             raise OutputError(f"cannot write the trace to {out}: it is not writable")
         return
-    parent = out.absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise OutputError(f"cannot write the trace to {out}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write the trace to {out}: {parent} is not writable")
+    require_writable_parent(out, f"the trace to {out}")
 
 
 def record_command(

@@ -105,6 +105,15 @@ def list_rules(console: Console) -> None:
     console.print(t)
 
 
+DEVICE_OPTION = click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the state pool lives and the kernels run (cuda: with --backend triton).",
+)
+
+
 @click.command("replay")
 @click.argument("trace", type=click.Path(path_type=Path), required=False)
 @_rule_options
@@ -116,13 +125,7 @@ def list_rules(console: Console) -> None:
     show_default=True,
     help="Kernel backend: numpy reference or Triton.",
 )
-@click.option(
-    "--device",
-    type=click.Choice(["cpu", "cuda"]),
-    default="cpu",
-    show_default=True,
-    help="Where the state pool lives and the kernels run (cuda: with --backend triton).",
-)
+@DEVICE_OPTION
 @click.option(
     "--layout",
     type=click.Choice(["compact", "full"]),
@@ -320,13 +323,7 @@ def _counts(findings) -> dict[str, int]:
 @click.option(
     "--backend", type=click.Choice(["reference", "triton"]), default="reference", show_default=True
 )
-@click.option(
-    "--device",
-    type=click.Choice(["cpu", "cuda"]),
-    default="cpu",
-    show_default=True,
-    help="Where the state pool lives and the kernels run (cuda: with --backend triton).",
-)
+@DEVICE_OPTION
 @click.option(
     "--log",
     "log_path",

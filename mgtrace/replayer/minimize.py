@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 from mgtrace.atomic import atomic_write
 from mgtrace.errors import InconclusiveError, OutputError, UsageError
 from mgtrace.kernels.reference import run_reference
-from mgtrace.outputs import refuse_overwriting_inputs
+from mgtrace.outputs import refuse_overwriting_inputs, require_writable_parent
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
 from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
@@ -410,14 +410,7 @@ def _refuse_existing_output(output: Path, force: bool) -> Path:
         raise OutputError(f"{output} is not an mgtrace trace; refusing to overwrite it")
     if test_file.exists() and not test_file.is_file():
         raise OutputError(f"{test_file} is not a file; refusing to overwrite it")
-    # the nearest existing directory above the output: where the trace gets created
-    above = Path(os.path.abspath(output)).parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
-    if not above.is_dir():
-        raise OutputError(f"cannot write {output}: {above} is not a directory")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write {output}: {above} is not writable")
+    require_writable_parent(output, str(output))
     return test_file
 
 
