@@ -204,7 +204,7 @@ def test_workload_is_seeded() -> None:
         ({"bugs": ("nope",)}, "unknown bug"),
         ({"bugs": ("batch-row-block-table",)}, "needs --runner v2"),
         ({"runner": "v1", "pp": 2}, "V1 runner does not support"),
-        ({"mamba_block_size": 3}, "must exceed k"),
+        ({"mamba_block_size": 3}, "must exceed --k"),
         ({"bugs": ("async-accepted-race",), "async_scheduling": False}, "async"),
     ],
 )
