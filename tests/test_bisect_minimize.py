@@ -327,6 +327,21 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert "--replay" not in proc.stdout and "is now removed" in proc.stdout
 
 
+class _Replayed(Exception):
+    """A minimize got as far as its first replay."""
+
+
+def _no_replay(monkeypatch: pytest.MonkeyPatch) -> type[_Replayed]:
+    """Make minimize's replays raise: what a test expects refused must be refused first."""
+    from mgtrace.replayer import minimize as mod
+
+    def no_replay(*args, **kwargs):
+        raise _Replayed
+
+    monkeypatch.setattr(mod, "outcome", no_replay)
+    return _Replayed
+
+
 def test_minimize_refuses_an_existing_output_before_any_replay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -334,13 +349,7 @@ def test_minimize_refuses_an_existing_output_before_any_replay(
     goes on to the first replay."""
     from mgtrace.replayer import minimize as mod
 
-    class Replayed(Exception):
-        pass
-
-    def no_replay(*args, **kwargs):
-        raise Replayed
-
-    monkeypatch.setattr(mod, "outcome", no_replay)
+    Replayed = _no_replay(monkeypatch)
     trace = toggle_trace("reorder-threshold-mismatch", 0)
     taken = tmp_path / "r1"
     taken.mkdir()
@@ -363,13 +372,7 @@ def test_minimize_force_replaces_only_a_trace(
     from mgtrace.errors import UsageError
     from mgtrace.replayer import minimize as mod
 
-    class Replayed(Exception):
-        pass
-
-    def no_replay(*args, **kwargs):
-        raise Replayed
-
-    monkeypatch.setattr(mod, "outcome", no_replay)
+    Replayed = _no_replay(monkeypatch)
     trace = toggle_trace("reorder-threshold-mismatch", 0)
     work = tmp_path / "work"
     work.mkdir()
