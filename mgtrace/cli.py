@@ -155,7 +155,9 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @SKIP_BAD_PARTS
 def info(trace: Path, as_json: bool, skip_bad_parts: bool) -> None:
-    """Run metadata, steps, requests, ranks, size, completeness and drops of TRACE."""
+    """Run metadata, steps, requests, ranks, size, completeness and drops of TRACE.
+
+    Exit codes: 0 shown, 2 usage error, 3 unreadable trace."""
     from mgtrace.query.info import trace_info
     from mgtrace.render import render_info
 
@@ -185,7 +187,9 @@ def sql(
     """Run one read-only DuckDB QUERY over the views of TRACE (steps, batch_rows,
     launches, ...); statements that write (COPY, CREATE, ATTACH, ...) are refused.
 
-    QUERY may name a canned triage query as @NAME; --list lists them with the views."""
+    QUERY may name a canned triage query as @NAME; --list lists them with the views.
+
+    Exit codes: 0 shown, 2 usage error (bad query or option), 3 unreadable trace."""
     from mgtrace.errors import UsageError
     from mgtrace.query.canned import NAMED, named
     from mgtrace.query.export import export_table
@@ -247,7 +251,10 @@ def history(
     row and slot, the counts its kernels consumed (the CPU-held accepted count where it
     differs), its running column, where align mode frees its previous state block, the Mamba
     split, the row moves that carried it, and what saved replays found about it. REQUEST may
-    be any unique part of the id."""
+    be any unique part of the id.
+
+    Exit codes: 0 shown, 2 usage error (no such request, or more than one), 3 unreadable
+    trace."""
     from rich.text import Text
 
     from mgtrace.query.export import export_table
@@ -310,7 +317,9 @@ def history(
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
 @SKIP_BAD_PARTS
 def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_parts: bool) -> None:
-    """Write one self-contained HTML report of TRACE: run, timeline, findings, verdict."""
+    """Write one self-contained HTML report of TRACE: run, timeline, findings, verdict.
+
+    Exit codes: 0 written, 2 usage error (output exists), 3 unreadable trace."""
     from mgtrace.api import Trace
     from mgtrace.outputs import refuse_overwriting_inputs
     from mgtrace.query.export import check_output_path

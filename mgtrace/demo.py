@@ -29,7 +29,10 @@ from mgtrace.render import render_replay, render_verdict, stdout_console
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output trace.")
 def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
-    """Simulate a buggy engine, replay its trace, bisect it and print the verdict."""
+    """Simulate a buggy engine, replay its trace, bisect it and print the verdict.
+
+    Exit codes: 0 when bisect finds the injected first step, 1 when it does not, 2 usage
+    error."""
     from mgtrace.replayer.bisect import bisect, save_log
     from mgtrace.replayer.findings import save_findings
     from mgtrace.replayer.loop import replay_trace

@@ -132,7 +132,10 @@ def record_command(
     command: tuple[str, ...],
 ) -> int:
     """Record a running vLLM engine (--engine-pid PID), or start one with recording armed
-    (-- vllm serve ...)."""
+    (-- vllm serve ...).
+
+    Exit codes: 0 recorded, 2 refused (bad option, no engine, nothing recorded), 130 Ctrl-C,
+    143/129 SIGTERM/SIGHUP; with an engine command, the engine's own exit status."""
     from rich.live import Live
 
     from mgtrace.recorder import attach
@@ -235,7 +238,10 @@ def _launch_outcome(output: Path, rc: int) -> str:
 
 
 def import_probe_command(probe: Path, burst: Path | None, output: Path, force: bool) -> int:
-    """Convert the field probe log (and load-generator output) into a trace."""
+    """Convert the field probe log (and load-generator output) into a trace.
+
+    Malformed lines are counted and reported, not fatal. Exit codes: 0 written, 2 usage
+    error (unreadable log, output exists)."""
     from mgtrace.recorder.probe_import import import_probe
 
     report = import_probe(probe, burst, output, force=force)

@@ -99,6 +99,8 @@ def _simulate(
     Bug toggles (off by default; repeat --bug): reorder-threshold-mismatch,
     batch-row-block-table (needs --runner v2 --pp 2+), async-accepted-race,
     stale-condense-row. The manifest's ground_truth says which step each one first corrupts.
+
+    Exit codes: 0 written, 2 usage error (bad option, output exists).
     """
     if output is None:
         raise UsageError("missing the output trace path; pass -o TRACE")

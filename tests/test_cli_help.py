@@ -1,0 +1,43 @@
+"""Every command's --help says what its exit codes mean, and only codes the README lists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mgtrace.cli import cli
+
+pytestmark = pytest.mark.unit
+
+# a number standing alone: not part of a name, a version or a duration
+CODE = re.compile(r"(?<![\w.-])(\d{1,3})(?![\w.-]|\s*(?:s|steps)\b)")
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_codes() -> set[int]:
+    table = README.read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    return {int(c) for c in re.findall(r"^\| ([\d, ]+) \|", table, re.M) for c in c.split(",")}
+
+
+def _help(name: str) -> str:
+    result = CliRunner().invoke(cli, [name, "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("name", sorted(cli.list_commands(None)))  # type: ignore[arg-type]
+def test_every_command_help_names_its_exit_codes(name: str) -> None:
+    text = _help(name)
+    said = re.search(r"Exit (?:codes: )?(.*?)(?:Options:|$)", text)
+    assert said, f"mgtrace {name} --help says nothing of its exit codes"
+    codes = {int(c) for c in re.findall(CODE, said.group(1))}
+    assert codes, said.group(1)
+    assert codes <= _readme_codes(), f"{name}: {sorted(codes - _readme_codes())} not in README"
+
+
+def test_the_readme_table_is_read() -> None:
+    # the control: the parser above finds every code of the README's table
+    assert _readme_codes() == {0, 1, 2, 3, 70, 125, 129, 130, 143}
