@@ -46,13 +46,15 @@ def test_corrupt_manifest(fresh_trace: Path) -> None:
     assert "is not valid JSON" in err and "Decode" not in err
 
 
-def test_unknown_schema_version(fresh_trace: Path) -> None:
+@pytest.mark.parametrize("version", [99, True, 1.0, "1"])
+def test_unknown_schema_version(fresh_trace: Path, version: object) -> None:
+    """Only the integer itself is a schema version: true and 1.0 equal 1 in Python."""
     path = fresh_trace / MANIFEST_NAME
     data = json.loads(path.read_text())
-    data["schema_version"] = 99
+    data["schema_version"] = version
     path.write_text(json.dumps(data))
     err = assert_one_sentence_error(run_cli("sql", str(fresh_trace), "SELECT 1"), 3)
-    assert "schema version 99" in err
+    assert f"schema version {version!r}" in err
 
 
 def _edit_manifest(trace: Path, edit) -> None:

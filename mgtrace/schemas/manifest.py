@@ -153,7 +153,7 @@ class Manifest:
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where} is not an mgtrace manifest (no format: {FORMAT_NAME!r})")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or version != SCHEMA_VERSION:  # true and 1.0 equal 1
             raise SchemaVersionError(
                 f"{where} has schema version {version!r}, but this mgtrace reads version "
                 f"{SCHEMA_VERSION} only; use the mgtrace release that wrote it"
