@@ -26,7 +26,7 @@ def main() -> None:
 
     def replace_then_maybe_hang(src: str, dst: str) -> None:
         nonlocal parts_seen
-        if marker is not None and str(src).endswith(".parquet.tmp"):
+        if marker is not None and ".parquet." in str(src) and str(src).endswith(".tmp"):
             parts_seen += 1
             if parts_seen == hang_at_part:
                 marker.write_text("a part is open")

@@ -114,6 +114,57 @@ def test_append_table_adds_findings_part(fresh_trace: Path) -> None:
     assert reader.complete
 
 
+def _finding(replay_id: str) -> pa.Table:
+    return pa.Table.from_pylist(
+        [{"replay_id": replay_id, "kind": "foreign_state", "signature": "sig", "step": 4}],
+        schema=TABLES["findings"].schema,
+    )
+
+
+def _unlisted_files(trace: Path) -> list[str]:
+    """Files in the table folders that the manifest does not list (temporary ones too)."""
+    listed = {p.path for p in TraceReader(trace).parts}
+    files = (p.relative_to(trace).as_posix() for p in trace.glob("*/*") if p.is_file())
+    return sorted(f for f in files if f not in listed)
+
+
+def test_a_failed_append_leaves_nothing_behind(
+    fresh_trace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part write that fails left its temporary file (an "open part" beside a complete
+    trace), and a manifest save that fails left the new part unlisted."""
+    import os
+
+    from mgtrace.errors import OutputError
+    from mgtrace.schemas import writer
+
+    assert _unlisted_files(fresh_trace) == []  # the control
+    real_replace = os.replace
+
+    def disk_full_on_parts(src: str, dst: str) -> None:
+        if str(dst).endswith(".parquet"):
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", disk_full_on_parts)
+        with pytest.raises((OSError, OutputError), match="No space left"):
+            append_table(fresh_trace, "findings", _finding("a"), tag="replay-a")
+    assert _unlisted_files(fresh_trace) == []
+
+    def manifest_refused(*args: object) -> None:
+        raise OutputError("cannot write manifest.json: No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(writer, "save_manifest", manifest_refused)
+        with pytest.raises(OutputError, match="No space left"):
+            append_table(fresh_trace, "findings", _finding("b"), tag="replay-b")
+    assert _unlisted_files(fresh_trace) == []
+    before = TraceReader(fresh_trace).rows("findings")
+    append_table(fresh_trace, "findings", _finding("c"), tag="replay-c")  # with room: added
+    assert TraceReader(fresh_trace).rows("findings") == before + 1
+
+
 def test_unknown_schema_version_is_refused(fresh_trace: Path) -> None:
     path = fresh_trace / MANIFEST_NAME
     data = json.loads(path.read_text())

@@ -17,7 +17,6 @@ import functools
 import hashlib
 import itertools
 import logging
-import os
 import shutil
 import threading
 import time
@@ -33,6 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mgtrace import __version__
+from mgtrace.atomic import atomic_write
 from mgtrace.errors import OutputError
 from mgtrace.schemas.manifest import (
     Manifest,
@@ -387,10 +387,7 @@ def write_part_file(trace_dir: Path, rel_path: str, table: pa.Table) -> PartInfo
     data = sink.getvalue()
     target = trace_dir / rel_path
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + TMP_SUFFIX)
-    with open(tmp, "wb") as fh:
-        fh.write(memoryview(data))
-    os.replace(tmp, target)
+    atomic_write(target, lambda fh: fh.write(memoryview(data)))  # no .tmp left on failure
     steps = table.column("step") if "step" in table.column_names else None
     min_step = max_step = None
     if steps is not None and len(steps) and steps.null_count < len(steps):
@@ -417,11 +414,20 @@ def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag
     """Add one part to an existing, closed trace (replay findings) and update its manifest."""
     trace_dir = Path(trace_dir)
     spec = TABLES[table_name]
-    manifest = load_manifest(trace_dir)
     table = table.cast(spec.schema)
-    info = write_part_file(trace_dir, f"{table_name}/{tag}{PART_SUFFIX}", table)
-    manifest.parts = [p for p in manifest.parts if p.path != info.path] + [info]
-    save_manifest(trace_dir, manifest)
+    manifest = load_manifest(trace_dir)
+    rel = f"{table_name}/{tag}{PART_SUFFIX}"
+    listed = any(p.path == rel for p in manifest.parts)
+    try:
+        info = write_part_file(trace_dir, rel, table)
+        manifest.parts = [p for p in manifest.parts if p.path != rel] + [info]
+        save_manifest(trace_dir, manifest)
+    except BaseException:
+        if not listed:  # leave no part, nor folder, that the manifest does not list
+            with contextlib.suppress(OSError):
+                (trace_dir / rel).unlink(missing_ok=True)
+                (trace_dir / table_name).rmdir()  # only when empty
+        raise
     return info
 
 
