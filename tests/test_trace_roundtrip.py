@@ -121,6 +121,60 @@ def _finding(replay_id: str) -> pa.Table:
     )
 
 
+# Each child adds one findings part; its part write waits (at most a while) until every
+# child is writing, so that without a lock all of them add to the manifest they read first.
+_APPEND_CHILD = """
+import sys, time
+from pathlib import Path
+import pyarrow as pa
+from mgtrace.schemas import writer
+from mgtrace.schemas.tables import TABLES
+
+trace, meet, me, n = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+real_write = writer.write_part_file
+
+def write_when_all_write(*args):
+    (meet / f"writing-{me}").touch()
+    deadline = time.monotonic() + 0.5
+    while len(list(meet.glob("writing-*"))) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return real_write(*args)
+
+writer.write_part_file = write_when_all_write
+(meet / f"ready-{me}").touch()
+while len(list(meet.glob("ready-*"))) < n:  # start together
+    time.sleep(0.005)
+table = pa.Table.from_pylist(
+    [{"replay_id": me, "kind": "foreign_state", "signature": "sig", "step": 4}],
+    schema=TABLES["findings"].schema,
+)
+writer.append_table(trace, "findings", table, tag=f"replay-{me}")
+"""
+
+
+def test_appends_from_processes_at_once_all_stay_listed(fresh_trace: Path, tmp_path: Path) -> None:
+    """Replays that save into one trace at the same time each read, extend and rewrite its
+    manifest: without a lock between them, each part but the last one saved went unlisted."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    meet, n = tmp_path / "meet", 4
+    meet.mkdir()
+    before = {p.path for p in TraceReader(fresh_trace).parts}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _APPEND_CHILD, str(fresh_trace), str(meet), f"c{i}", str(n)],
+            cwd=REPO,
+        )
+        for i in range(n)
+    ]
+    assert [c.wait(timeout=120) for c in children] == [0] * n
+    listed = {p.path for p in TraceReader(fresh_trace).parts}
+    assert listed == before | {f"findings/replay-c{i}.parquet" for i in range(n)}
+
+
 def _unlisted_files(trace: Path) -> list[str]:
     """Files in the table folders that the manifest does not list (temporary ones too)."""
     listed = {p.path for p in TraceReader(trace).parts}

@@ -13,15 +13,17 @@ buffers must hand over copies.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import itertools
 import logging
+import os
 import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ log = logging.getLogger("mgtrace.writer")
 
 PART_SUFFIX = ".parquet"
 TMP_SUFFIX = ".tmp"
+APPEND_LOCK = ".append.lock"  # serialises the processes that add parts to a closed trace
 COMPRESSION = "zstd"
 IDLE_WAKE_S = 0.25  # the writer thread's longest sleep (steps then wait at most this long)
 WAKE_BATCH = 64  # queued single steps that wake the writer thread before IDLE_WAKE_S
@@ -410,24 +413,38 @@ def write_part_file(trace_dir: Path, rel_path: str, table: pa.Table) -> PartInfo
     )
 
 
+@contextlib.contextmanager
+def _appending(trace_dir: Path) -> Iterator[None]:
+    """Hold the trace's append lock: adding a part reads, extends and rewrites the manifest,
+    and two processes doing that at once would each drop the other's part."""
+    fd = os.open(trace_dir / APPEND_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag: str) -> PartInfo:
     """Add one part to an existing, closed trace (replay findings) and update its manifest."""
     trace_dir = Path(trace_dir)
     spec = TABLES[table_name]
     table = table.cast(spec.schema)
-    manifest = load_manifest(trace_dir)
-    rel = f"{table_name}/{tag}{PART_SUFFIX}"
-    listed = any(p.path == rel for p in manifest.parts)
-    try:
-        info = write_part_file(trace_dir, rel, table)
-        manifest.parts = [p for p in manifest.parts if p.path != rel] + [info]
-        save_manifest(trace_dir, manifest)
-    except BaseException:
-        if not listed:  # leave no part, nor folder, that the manifest does not list
-            with contextlib.suppress(OSError):
-                (trace_dir / rel).unlink(missing_ok=True)
-                (trace_dir / table_name).rmdir()  # only when empty
-        raise
+    load_manifest(trace_dir)  # a directory that is no trace is refused before the lock file
+    with _appending(trace_dir):
+        manifest = load_manifest(trace_dir)  # under the lock: the parts others added
+        rel = f"{table_name}/{tag}{PART_SUFFIX}"
+        listed = any(p.path == rel for p in manifest.parts)
+        try:
+            info = write_part_file(trace_dir, rel, table)
+            manifest.parts = [p for p in manifest.parts if p.path != rel] + [info]
+            save_manifest(trace_dir, manifest)
+        except BaseException:
+            if not listed:  # leave no part, nor folder, that the manifest does not list
+                with contextlib.suppress(OSError):
+                    (trace_dir / rel).unlink(missing_ok=True)
+                    (trace_dir / table_name).rmdir()  # only when empty
+            raise
     return info
 
 
