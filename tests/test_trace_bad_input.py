@@ -293,3 +293,37 @@ def test_a_full_disk_leaves_no_simulated_trace(
     assert err.startswith("mgtrace: error: cannot write") and "No space left" in err
     assert not out.exists()
     assert main(args) == 0 and (out / MANIFEST_NAME).is_file()
+
+
+def test_a_replay_of_a_trace_still_being_written_says_its_findings_were_not_added(
+    tmp_path: Path,
+) -> None:
+    """The open writer rewrites the manifest from its own copy, so findings saved meanwhile
+    went unlisted although the replay said they were added. The replay still runs and
+    reports; one line says the findings were not added. Control: once closed, they are."""
+    import time
+
+    import numpy as np
+
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.schemas.sample import SAMPLE_RUN, sample_step
+    from mgtrace.schemas.writer import TraceWriter
+
+    trace, rng = tmp_path / "live", np.random.default_rng(0)
+    with TraceWriter(trace, run=SAMPLE_RUN, source={"kind": "sample"}, flush_seconds=0) as w:
+        for step in range(60):
+            w.write_step(0, step, sample_step(step, 8, rng))
+        deadline = time.monotonic() + 60
+        while TraceReader(trace).rows("steps") != 60:
+            assert time.monotonic() < deadline, "the writer never wrote the steps"
+            time.sleep(0.01)
+        proc = run_cli("replay", str(trace), "--json")
+        assert proc.returncode in (0, 1), proc.stderr
+        assert json.loads(proc.stdout)["replay_id"] is None
+        assert proc.stderr.strip() == (
+            f"mgtrace: could not add the findings to {trace}: the trace is still being written"
+        )
+    assert not any(p.table == "findings" for p in TraceReader(trace).parts)
+    saved = run_cli("replay", str(trace), "--json")
+    assert json.loads(saved.stdout)["replay_id"] is not None, saved.stderr
+    assert any(p.table == "findings" for p in TraceReader(trace).parts)

@@ -175,6 +175,26 @@ def test_appends_from_processes_at_once_all_stay_listed(fresh_trace: Path, tmp_p
     assert listed == before | {f"findings/replay-c{i}.parquet" for i in range(n)}
 
 
+def test_a_trace_still_being_written_refuses_appends(tmp_path: Path) -> None:
+    """The open writer rewrites the manifest from its own copy after every part and on
+    close: a part added meanwhile went unlisted although the append had succeeded."""
+    from mgtrace.errors import OutputError
+
+    trace = tmp_path / "t"
+    rng = np.random.default_rng(0)
+    w = TraceWriter(trace, run=SAMPLE_RUN, source={"kind": "test"})
+    w.write_step(0, 0, sample_step(0, 4, rng))
+    with pytest.raises(OutputError, match="the trace is still being written"):
+        append_table(trace, "findings", _finding("early"), tag="replay-early")
+    w.close()
+    append_table(trace, "findings", _finding("late"), tag="replay-late")  # closed: added
+    reader = TraceReader(trace)
+    assert [p.path for p in reader.parts if p.path.startswith("findings/replay-")] == [
+        "findings/replay-late.parquet"
+    ]
+    assert reader.complete and not reader.open_parts_left()
+
+
 def _unlisted_files(trace: Path) -> list[str]:
     """Files in the table folders that the manifest does not list (temporary ones too)."""
     listed = {p.path for p in TraceReader(trace).parts}

@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.sample import sample_step
-from mgtrace.schemas.writer import TraceWriter
+from mgtrace.schemas.tables import TABLES
+from mgtrace.schemas.writer import TraceWriter, append_table
 from tests.conftest import REPO, run_cli
 
 CHILD = [sys.executable, "-m", "tests.crash_writer_child"]
@@ -57,6 +59,13 @@ def test_kill_with_a_part_open_leaves_readable_trace(tmp_path: Path) -> None:
     assert len(reader.parts) == 3
     proc = run_cli("info", str(trace))
     assert proc.returncode == 0 and "incomplete" in proc.stdout and "open part left" in proc.stdout
+    # a killed writer holds the trace no more: findings can still be added to it
+    findings = pa.Table.from_pylist(
+        [{"replay_id": "r", "kind": "foreign_state", "signature": "sig", "step": 1}],
+        schema=TABLES["findings"].schema,
+    )
+    append_table(trace, "findings", findings, tag="replay-r")
+    assert TraceReader(trace).rows("findings") == 1
 
 
 @pytest.mark.slow

@@ -249,7 +249,9 @@ def replay(
             save_findings(trace, result.findings, replay_id=replay_id, rules=rules.canonical())
             saved = True
         except (OSError, OutputError) as exc:
-            err.print(f"mgtrace: could not add the findings to {trace}: {reason(exc)}")
+            err.print(
+                f"mgtrace: could not add the findings to {trace}: {reason(exc)}", soft_wrap=True
+            )
     caveats = [unmodelled_writes(reader.manifest.run), mid_run_caveat(reader)]
     caveat = "; ".join(c for c in caveats if c) or None
     note = rule_note(reader.manifest.run, rules)

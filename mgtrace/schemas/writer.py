@@ -51,6 +51,7 @@ log = logging.getLogger("mgtrace.writer")
 PART_SUFFIX = ".parquet"
 TMP_SUFFIX = ".tmp"
 APPEND_LOCK = ".append.lock"  # serialises the processes that add parts to a closed trace
+WRITING_LOCK = ".writing.lock"  # held by the open TraceWriter, removed when it closes
 COMPRESSION = "zstd"
 IDLE_WAKE_S = 0.25  # the writer thread's longest sleep (steps then wait at most this long)
 WAKE_BATCH = 64  # queued single steps that wake the writer thread before IDLE_WAKE_S
@@ -425,13 +426,35 @@ def _appending(trace_dir: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def writer_is_open(trace_dir: Path) -> bool:
+    """Whether a TraceWriter still has this trace open (in any process): it holds the
+    writing lock until it closes, and a writer that was killed holds it no more."""
+    try:
+        fd = os.open(trace_dir / WRITING_LOCK, os.O_RDONLY)
+    except FileNotFoundError:  # closed, or written before writers locked
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag: str) -> PartInfo:
-    """Add one part to an existing, closed trace (replay findings) and update its manifest."""
+    """Add one part to an existing, closed trace (replay findings) and update its manifest.
+
+    Raises OutputError while the trace's writer is still open: it rewrites the manifest from
+    its own copy after every part and on close, which would drop this part's entry.
+    """
     trace_dir = Path(trace_dir)
     spec = TABLES[table_name]
     table = table.cast(spec.schema)
     load_manifest(trace_dir)  # a directory that is no trace is refused before the lock file
     with _appending(trace_dir):
+        if writer_is_open(trace_dir):
+            raise OutputError("the trace is still being written")
         manifest = load_manifest(trace_dir)  # under the lock: the parts others added
         rel = f"{table_name}/{tag}{PART_SUFFIX}"
         listed = any(p.path == rel for p in manifest.parts)
@@ -487,9 +510,11 @@ class TraceWriter:
             created_unix=time.time(),
             mgtrace_version=__version__,
         )
+        self._writing_lock = self._hold_writing_lock()  # before the manifest makes it a trace
         try:
             save_manifest(self.path, self.manifest)
         except OutputError:  # nothing of the trace exists yet: leave no directory it made
+            self._release_writing_lock()
             if self._made_directory:
                 shutil.rmtree(self.path, ignore_errors=True)
             raise
@@ -590,13 +615,16 @@ class TraceWriter:
         self._closing.set()
         self._wake.set()
         self._thread.join()
-        with self._lock:
-            self._fold_drops()
-            self.manifest.complete = complete and self._failed is None
-            self.manifest.closed_unix = time.time()
-            if self._failed is not None:
-                self.manifest.errors.setdefault("writer", {"count": 1, "first": self._failed})
-            save_manifest(self.path, self.manifest)
+        try:
+            with self._lock:
+                self._fold_drops()
+                self.manifest.complete = complete and self._failed is None
+                self.manifest.closed_unix = time.time()
+                if self._failed is not None:
+                    self.manifest.errors.setdefault("writer", {"count": 1, "first": self._failed})
+                save_manifest(self.path, self.manifest)
+        finally:  # the manifest is final: others may add parts now
+            self._release_writing_lock()
         return self.manifest
 
     def discard(self) -> None:
@@ -611,6 +639,25 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _hold_writing_lock(self) -> int | None:
+        """Lock WRITING_LOCK while this writer is open, so that ``append_table`` refuses the
+        trace until the manifest is final; the kernel drops the lock of a killed writer."""
+        try:
+            fd = os.open(self.path / WRITING_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            return None  # the manifest write that follows says why
+        # held only by a process probing it at this instant: never wait for that
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+
+    def _release_writing_lock(self) -> None:
+        fd, self._writing_lock = self._writing_lock, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                (self.path / WRITING_LOCK).unlink()
+            os.close(fd)
 
     # ---------------------------------------------------------------- writer thread
     def _prepare_directory(self, overwrite: bool) -> None:
