@@ -100,6 +100,8 @@ def test_findings_are_added_beside_the_ranks_and_the_union_stays_fresh(
     proc = run_cli("replay", str(rec))
     assert proc.returncode == 1, proc.stderr
     assert (rec / MANIFEST_NAME).is_file()  # the merged directory's own parts
+    own = json.loads((rec / MANIFEST_NAME).read_text())["parts"]
+    assert own and {p["table"] for p in own} == {"findings"}  # no rank part copied up
     reader = TraceReader(rec)
     assert reader.rows("findings") > 0
     assert reader.rows("batch_rows") == TraceReader(whole).rows("batch_rows")  # not doubled

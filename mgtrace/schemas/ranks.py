@@ -15,7 +15,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from mgtrace.errors import ManifestError
-from mgtrace.schemas.manifest import MANIFEST_NAME, Drops, Manifest, RunMetadata, StateLayout
+from mgtrace.schemas.manifest import (
+    MANIFEST_NAME,
+    Drops,
+    Manifest,
+    PartInfo,
+    RunMetadata,
+    StateLayout,
+)
 
 RANK_DIR = re.compile(r"rank-(\d{3,})")
 MERGED_KIND = "merged-ranks"
@@ -93,8 +100,13 @@ def merge_ranks(
         ]
         merged.errors.update({f"{name}: {key}": value for key, value in child.errors.items()})
     if own is not None:
-        merged.parts += [p for p in own.parts if not RANK_DIR.fullmatch(p.path.split("/", 1)[0])]
+        merged.parts += own_parts(own.parts)
     return merged
+
+
+def own_parts(parts: list[PartInfo]) -> list[PartInfo]:
+    """The parts added to the whole trace: none of a ``rank-NNN`` directory."""
+    return [p for p in parts if not RANK_DIR.fullmatch(p.path.split("/", 1)[0])]
 
 
 def _merged_run(runs: list[RunMetadata]) -> RunMetadata:

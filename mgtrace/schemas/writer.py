@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 from mgtrace import __version__
 from mgtrace.atomic import atomic_write
 from mgtrace.errors import OutputError
+from mgtrace.schemas import ranks
 from mgtrace.schemas.manifest import (
     Manifest,
     PartInfo,
@@ -456,6 +457,8 @@ def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag
         if writer_is_open(trace_dir):
             raise OutputError("the trace is still being written")
         manifest = load_manifest(trace_dir)  # under the lock: the parts others added
+        if ranks.is_merged(manifest):  # the rank parts stay in the ranks' own manifests
+            manifest.parts = ranks.own_parts(manifest.parts)
         rel = f"{table_name}/{tag}{PART_SUFFIX}"
         listed = any(p.path == rel for p in manifest.parts)
         try:
