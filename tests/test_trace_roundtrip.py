@@ -195,6 +195,52 @@ def test_a_trace_still_being_written_refuses_appends(tmp_path: Path) -> None:
     assert reader.complete and not reader.open_parts_left()
 
 
+_KILLED_WRITER_WITH_A_CHILD = """
+import os, sys, time
+from mgtrace.schemas.sample import SAMPLE_RUN
+from mgtrace.schemas.writer import TraceWriter
+w = TraceWriter(sys.argv[1], run=SAMPLE_RUN, source={"kind": "test"})
+child = os.fork()
+if child == 0:  # a child forked without exec outlives the writer's process
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1), os.dup2(null, 2)  # the parent's pipes close when the parent exits
+    time.sleep(30)
+    os._exit(0)
+print(child, flush=True)
+os._exit(0)  # the writer's process dies without closing, as a killed one does
+"""
+
+
+def test_a_forked_child_does_not_keep_a_killed_writers_trace_locked(tmp_path: Path) -> None:
+    """A child forked while a writer was open held a copy of its lock: after the writer's
+    process died, appends were refused as "still being written" for as long as the child
+    lived. Control: the same process alive and writing is seen as open."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from mgtrace.schemas.writer import writer_is_open
+
+    trace = tmp_path / "t"
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER_WITH_A_CHILD, str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stdout.strip().isdigit(), proc.stderr[-2000:]
+    try:
+        assert not writer_is_open(trace)  # the child sleeps on
+    finally:
+        os.kill(int(proc.stdout), signal.SIGKILL)
+    live = TraceWriter(tmp_path / "u", run=SAMPLE_RUN, source={"kind": "test"})
+    try:
+        assert writer_is_open(tmp_path / "u")
+    finally:
+        live.close()
+
+
 def _unlisted_files(trace: Path) -> list[str]:
     """Files in the table folders that the manifest does not list (temporary ones too)."""
     listed = {p.path for p in TraceReader(trace).parts}

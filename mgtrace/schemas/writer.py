@@ -22,6 +22,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -415,6 +416,22 @@ def write_part_file(trace_dir: Path, rel_path: str, table: pa.Table) -> PartInfo
     )
 
 
+_OPEN_WRITERS: weakref.WeakSet[TraceWriter] = weakref.WeakSet()
+
+
+def _drop_inherited_writing_locks() -> None:
+    """In a forked child: close the copies of the open writers' lock descriptors. The lock
+    is the parent's; a child that kept a copy would hold it for as long as it lives."""
+    for writer in list(_OPEN_WRITERS):
+        fd, writer._writing_lock = writer._writing_lock, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+os.register_at_fork(after_in_child=_drop_inherited_writing_locks)
+
+
 @contextlib.contextmanager
 def _appending(trace_dir: Path) -> Iterator[None]:
     """Hold the trace's append lock: adding a part reads, extends and rewrites the manifest,
@@ -653,6 +670,7 @@ class TraceWriter:
         # held only by a process probing it at this instant: never wait for that
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _OPEN_WRITERS.add(self)
         return fd
 
     def _release_writing_lock(self) -> None:
