@@ -20,7 +20,7 @@ from mgtrace.schemas.writer import TraceWriter
 def main() -> None:
     out = Path(sys.argv[1])
     marker = Path(sys.argv[2]) if len(sys.argv) > 2 else None
-    hang_at_part = 4
+    hang_at_part = 9  # the third of the second flush's six parts (one per table)
     real_replace = os.replace
     parts_seen = 0
 

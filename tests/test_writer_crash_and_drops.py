@@ -56,7 +56,8 @@ def test_kill_with_a_part_open_leaves_readable_trace(tmp_path: Path) -> None:
         child.wait(timeout=30)
     reader = _check_killed_trace(trace)
     assert reader.open_parts_left(), "the open part should be left under its temporary name"
-    assert len(reader.parts) == 3
+    # the manifest names a flush's parts once all are written: the first flush's six
+    assert len(reader.parts) == 6
     proc = run_cli("info", str(trace))
     assert proc.returncode == 0 and "incomplete" in proc.stdout and "open part left" in proc.stdout
     # a killed writer holds the trace no more: findings can still be added to it
@@ -169,3 +170,105 @@ def test_idle_writer_sleeps_until_a_step_arrives(tmp_path: Path, monkeypatch) ->
     rounds, w = _idle_rounds(tmp_path, "polling", idle_s)
     w.close()
     assert rounds > idle_s / 0.25 + 3
+
+
+def _written_steps(trace: Path) -> dict[str, list[int]]:
+    """Per per-step table, the distinct steps the trace holds."""
+    reader = TraceReader(trace)
+    return {
+        t: sorted(set(reader.table(t).column("step").to_pylist()))
+        for t in ("steps", "batch_rows", "launches")
+    }
+
+
+def _ranges(manifest) -> set[int]:
+    return {s for _, lo, hi in manifest.drops.step_ranges for s in range(lo, hi + 1)}
+
+
+def _bulk(batch: list[tuple[int, dict]]) -> dict[str, dict]:
+    """Many steps' tables as one chunk per table with a step column, every column a list."""
+    out: dict[str, dict] = {}
+    for step, tables in batch:
+        for name, columns in tables.items():
+            n = max((len(v) for v in columns.values() if not np.isscalar(v)), default=1)
+            merged = out.setdefault(name, {"step": []})
+            merged["step"] += [step] * n
+            for col, v in columns.items():
+                merged.setdefault(col, []).extend([v] * n if np.isscalar(v) else list(v))
+    return out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bulk", [False, True])
+@pytest.mark.parametrize("odd", [None, 12345, "ok"])
+def test_a_bad_value_costs_its_own_step_only(tmp_path: Path, bulk: bool, odd: object) -> None:
+    """A request id that is None (the column allows no nulls) or not a string cannot go
+    into a part: that step is refused and counted, in every table, and the rest is
+    written, whether it came alone or in a batch of steps. Control: ``"ok"``, a string,
+    loses nothing."""
+    rng = np.random.default_rng(1)
+    steps = [sample_step(s, 8, rng) for s in range(20)]
+    steps[5]["batch_rows"]["req_id"] = [*steps[5]["batch_rows"]["req_id"][:7], odd]
+    with TraceWriter(tmp_path / "t") as writer:
+        if bulk:
+            for first in (0, 10):
+                batch = [(s, steps[s]) for s in range(first, first + 10)]
+                assert writer.write_steps(0, first, first + 9, _bulk(batch))
+        else:
+            assert all(writer.write_step(0, s, t) for s, t in enumerate(steps))
+    manifest = writer.manifest
+    assert manifest.complete and "writer" not in manifest.errors
+    bad = [] if odd == "ok" else [5]
+    want = [s for s in range(20) if s not in bad]
+    assert _written_steps(tmp_path / "t") == {t: want for t in ("steps", "batch_rows", "launches")}
+    assert manifest.drops.malformed_steps == len(bad) and _ranges(manifest) == set(bad)
+    assert writer.stats().steps_written == len(want)
+
+
+class FailingWriter(TraceWriter):
+    """A writer flushed by hand, whose disk refuses the ``fail_at``-th part of ``table``."""
+
+    def __init__(self, *args, table: str, fail_at: int, **kwargs) -> None:
+        self.table, self.fail_at, self.seen = table, fail_at, 0
+        super().__init__(*args, **kwargs)
+
+    def _run(self) -> None:  # the test drains and flushes
+        self._closing.wait()
+
+    def flush_now(self) -> None:
+        self._drain()
+        self._flush()
+
+    def _write_part(self, rel_path, table):
+        if rel_path.startswith(self.table + "/"):
+            self.seen += 1
+            if self.seen == self.fail_at:
+                raise OSError(28, "No space left on device")
+        return super()._write_part(rel_path, table)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fail_at", [2, 99])
+def test_a_part_that_fails_loses_its_flush_counted_and_whole(tmp_path: Path, fail_at: int) -> None:
+    """When the disk refuses the second flush's launches part, the steps of that flush
+    are counted as dropped, and the part of batch_rows written before it in that flush is
+    removed: every table holds the same steps. The steps after it are dropped and counted
+    as well. Control (``fail_at=99``): nothing fails, nothing is dropped."""
+    rng = np.random.default_rng(1)
+    writer = FailingWriter(tmp_path / "t", table="launches", fail_at=fail_at)
+    for first in (0, 10, 20):
+        for s in range(first, first + 10):
+            assert writer.write_step(0, s, sample_step(s, 8, rng)) is (first < 20 or fail_at > 2)
+        writer.flush_now()
+    manifest = writer.close()
+    written = _written_steps(tmp_path / "t")
+    listed = {p.path for p in manifest.parts}
+    on_disk = {str(p.relative_to(tmp_path / "t")) for p in (tmp_path / "t").rglob("*.parquet")}
+    assert on_disk == listed
+    if fail_at == 2:
+        assert not manifest.complete and "writer" in manifest.errors
+        assert written == {t: list(range(10)) for t in written}
+        assert manifest.drops.steps == 20 and _ranges(manifest) == set(range(10, 30))
+    else:
+        assert manifest.complete and manifest.drops.steps == 0
+        assert written == {t: list(range(30)) for t in written}

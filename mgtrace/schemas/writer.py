@@ -330,7 +330,54 @@ class _Pending:
                     arrays.append(pa.nulls(rows, f.type))
                 else:
                     arrays.append(_column(values, self.counts, f))
+            if not f.nullable and arrays[-1].null_count:  # Parquet would refuse the part
+                raise MalformedStep(f"table {spec.name!r}: column {name!r} holds nulls")
         return pa.Table.from_arrays(arrays, schema=_with_array_types(spec.schema, arrays))
+
+    def step_numbers(self) -> list[np.ndarray]:
+        """The step of every row, per chunk (per-step tables only)."""
+        return [
+            np.broadcast_to(np.asarray(c["step"] if s is None else s, np.int64), n)
+            for c, s, n in zip(self.chunks, self.steps, self.counts, strict=True)
+        ]
+
+    def without(self, bad: set[int]) -> tuple[_Pending, int]:
+        """These rows less those of the steps ``bad``; and how many rows that left out."""
+        kept = _Pending(self.spec, self.rank)
+        for c, s, n, steps in zip(
+            self.chunks, self.steps, self.counts, self.step_numbers(), strict=True
+        ):
+            keep = ~np.isin(steps, list(bad))
+            if keep.all():
+                kept.add(s, c, n)
+            elif keep.any():
+                kept.add(s, {k: _take(v, keep) for k, v in c.items()}, int(keep.sum()))
+        return kept, self.rows - kept.rows
+
+    def by_step(self) -> list[tuple[int, _Pending]]:
+        """These rows one step at a time."""
+        out = []
+        for c, s, n, steps in zip(
+            self.chunks, self.steps, self.counts, self.step_numbers(), strict=True
+        ):
+            for step in np.unique(steps).tolist():
+                keep = steps == step
+                rows = int(keep.sum())
+                one = _Pending(self.spec, self.rank)
+                one.add(s, c if rows == n else {k: _take(v, keep) for k, v in c.items()}, rows)
+                out.append((step, one))
+        return out
+
+
+def _take(value: Any, keep: np.ndarray) -> Any:
+    """The rows ``keep`` of one column value (a scalar applies to every row)."""
+    if _column_length(value) is None:
+        return value
+    if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        return value.filter(pa.array(keep))
+    if isinstance(value, np.ndarray):
+        return value[keep]
+    return list(itertools.compress(value, keep))
 
 
 def _with_array_types(schema: pa.Schema, arrays: list[pa.Array | pa.ChunkedArray]) -> pa.Schema:
@@ -742,9 +789,13 @@ class TraceWriter:
             if bulk and spec.per_step:
                 if "step" not in columns:
                     raise MalformedStep(f"bulk rows of table {name!r} need a step column")
-                columns = {k: v for k, v in columns.items() if k != "step"} | {
-                    "step": columns["step"]
-                }
+                try:  # as numbers now: a flush that fails sorts its rows by step
+                    steps = np.asarray(columns["step"], np.int64)
+                except (TypeError, ValueError):
+                    raise MalformedStep(
+                        f"table {name!r}: the step column is not integers"
+                    ) from None
+                columns = {k: v for k, v in columns.items() if k != "step"} | {"step": steps}
                 n = _validate_chunk(spec, {k: v for k, v in columns.items() if k != "step"})
                 if _column_length(columns["step"]) not in (None, n):
                     raise MalformedStep(f"table {name!r}: the step column has the wrong length")
@@ -788,34 +839,151 @@ class TraceWriter:
             drops.add_step(int(rank or 0), int(step))
 
     def _flush(self) -> None:
-        pending, self._pending = self._pending, {}
-        for (table, rank), pend in sorted(
-            pending.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)
-        ):
-            if not pend.counts or self._failed is not None:
-                continue
+        """Write what is pending, one part per (table, rank), all or nothing: a step is in
+        every table's part or in none, and the manifest names the parts only once all are
+        written. A part that cannot be written (disk full) stops the writer: the steps of
+        this flush are counted as dropped and its parts already written removed."""
+        pending = {k: p for k, p in self._pending.items() if p.counts}
+        self._pending = {}
+        if not pending:
+            return
+        if self._failed is not None:
+            self._count_unwritten(pending)
+            return
+        written: list[PartInfo] = []
+        for (table, rank), arrow in self._convert(pending):
             seq = self._part_seq.get((table, rank), 0)
             self._part_seq[(table, rank)] = seq + 1
             tag = "all" if rank is None else f"r{rank:03d}"
             rel = f"{table}/{tag}-{seq:06d}{PART_SUFFIX}"
             try:
-                info = self._write_part(rel, pend.to_table())
+                written.append(self._write_part(rel, arrow))
             except Exception as exc:  # disk full, permissions: stop writing, say so on close
                 self._failed = f"writing {rel} failed: {exc.__class__.__name__}: {exc}"
                 log.error("mgtrace: %s; further steps are dropped and counted", self._failed)
-                continue
-            with self._lock:
-                self._fold_drops()
-                self.manifest.parts.append(info)
-                self._bytes_written += info.bytes
-                try:
-                    save_manifest(self.path, self.manifest)
-                except Exception as exc:  # as a part that fails: stop writing, say so
-                    self._failed = f"updating the manifest failed: {exc}"
-                    log.error("mgtrace: %s; further steps are dropped and counted", self._failed)
+                for info in written:
+                    with contextlib.suppress(OSError):
+                        (self.path / info.path).unlink()
+                self._count_unwritten(pending)
+                return
+        with self._lock:
+            self._fold_drops()
+            self.manifest.parts += written
+            self._bytes_written += sum(info.bytes for info in written)
+            try:
+                save_manifest(self.path, self.manifest)
+            except Exception as exc:  # as a part that fails: stop writing, say so
+                self._failed = f"updating the manifest failed: {exc}"
+                log.error("mgtrace: %s; further steps are dropped and counted", self._failed)
+
+    def _convert(
+        self, pending: dict[tuple[str, int | None], _Pending]
+    ) -> list[tuple[tuple[str, int | None], pa.Table]]:
+        """The pending rows as Arrow tables, in part order. When some do not convert (a
+        value of the wrong type, a null where none may be), the steps at fault are found
+        one by one and refused, in every table, and the rest is kept; were no single step
+        at fault, the flush's steps are all refused. Either way the writer goes on."""
+        order = sorted(pending, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+        try:
+            return [(key, pending[key].to_table()) for key in order]
+        except Exception:
+            pass  # rare: look for the steps at fault
+        parts = [pending[k] for k in order]
+        per_step = [p for p in parts if p.spec.per_step]
+        bad, why = _unconvertible_steps(per_step)
+        tables, left_out, failure, lost_rows = _convert_without(parts, bad)
+        if failure is not None:  # no single step at fault: the flush's steps are refused
+            bad, why = _steps_by_rank(per_step), failure
+            tables, left_out, _, lost_rows = _convert_without(parts, bad)
+        for message in lost_rows:  # rows of a table without steps: only they are lost
+            self.count_error("malformed_rows", message)
+        for rank, steps in bad.items():
+            self._count_refused(rank, sorted(steps), why)
+        with self._lock:
+            self.manifest.drops.rows += left_out
+        return [((t.spec.name, t.rank), table) for t, table in tables]
+
+    def _count_refused(self, rank: int | None, steps: list[int], why: str) -> None:
+        """Steps found malformed at a flush: counted as refused, none of their rows kept."""
+        self._steps_written -= len(steps)
+        with self._lock:
+            drops = self.manifest.drops
+            drops.malformed_steps += len(steps)
+            for s in steps:
+                drops.add_step(int(rank or 0), s)
+            entry = self.manifest.errors.setdefault("malformed_step", {"count": 0, "first": why})
+            entry["count"] += len(steps)
+        if entry["count"] == len(steps):
+            log.warning("mgtrace: refused malformed steps %s: %s", steps[:8], why)
+
+    def _count_unwritten(self, pending: dict[tuple[str, int | None], _Pending]) -> None:
+        """The steps of a flush that could not be written: counted as dropped."""
+        steps = _steps_by_rank([p for p in pending.values() if p.spec.per_step])
+        with self._lock:
+            drops = self.manifest.drops
+            for rank, numbers in sorted(steps.items(), key=lambda kv: kv[0] or 0):
+                self._steps_written -= len(numbers)
+                drops.steps += len(numbers)
+                for s in sorted(numbers):
+                    drops.add_step(int(rank or 0), s)
+            drops.rows += sum(p.rows for p in pending.values() if p.spec.per_step)
 
     def _write_part(self, rel_path: str, table: pa.Table) -> PartInfo:
         return write_part_file(self.path, rel_path, table)
+
+
+def _steps_by_rank(pending: list[_Pending]) -> dict[int | None, set[int]]:
+    """The steps the rows of these per-step tables belong to, per rank."""
+    out: dict[int | None, set[int]] = {}
+    for pend in pending:
+        steps = out.setdefault(pend.rank, set())
+        for numbers in pend.step_numbers():
+            steps.update(np.unique(numbers).tolist())
+    return out
+
+
+def _convert_without(
+    parts: list[_Pending], bad: dict[int | None, set[int]]
+) -> tuple[list[tuple[_Pending, pa.Table]], int, str | None, list[str]]:
+    """``parts`` less the rows of the steps ``bad``, converted: the tables, the rows left
+    out, why a per-step table still did not convert (None when all did) and why each table
+    without steps did not (those are left out)."""
+    tables, left_out, failure, lost_rows = [], 0, None, []
+    for pend in parts:
+        if pend.spec.per_step and bad.get(pend.rank):
+            pend, n = pend.without(bad[pend.rank])
+            left_out += n
+        if not pend.counts:
+            continue
+        try:
+            tables.append((pend, pend.to_table()))
+        except Exception as exc:
+            why = f"{exc.__class__.__name__}: {exc}"
+            if pend.spec.per_step:
+                failure = why
+            else:
+                lost_rows.append(why)
+    return tables, left_out, failure, lost_rows
+
+
+def _unconvertible_steps(pending: list[_Pending]) -> tuple[dict[int | None, set[int]], str]:
+    """Per rank, the steps whose rows of some table do not convert on their own; and why
+    the last of them did not."""
+    bad: dict[int | None, set[int]] = {}
+    why = ""
+    for pend in pending:
+        try:
+            pend.to_table()
+            continue
+        except Exception as exc:
+            why = f"{exc.__class__.__name__}: {exc}"
+        for step, one in pend.by_step():
+            try:
+                one.to_table()
+            except Exception as exc:
+                why = f"{exc.__class__.__name__}: {exc}"
+                bad.setdefault(pend.rank, set()).add(step)
+    return bad, why
 
 
 def _rows_of(tables: StepTables) -> int:
