@@ -370,3 +370,118 @@ def test_a_step_whose_capture_never_landed_is_dropped_not_written_without_it(
     assert result["drops"] == 1
     manifest = json.loads((out / "manifest.json").read_text())
     assert "capture_unfinished" in manifest["errors"] and manifest["drops"]["steps"] == 1
+
+
+def _written(out: Path) -> list[int]:
+    """The steps the trace's manifest names parts for."""
+    from mgtrace.schemas.reader import TraceReader
+
+    reader = TraceReader(out)
+    if not any(p.table == "steps" for p in reader.parts):
+        return []
+    return sorted(set(reader.table("steps").column("step").to_pylist()))
+
+
+def _dropped(manifest: dict[str, Any]) -> set[int]:
+    return {s for _, lo, hi in manifest["drops"]["step_ranges"] for s in range(lo, hi + 1)}
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop", None])
+def test_steps_a_dead_assembler_had_taken_are_counted(tmp_path: Path, fault: str | None) -> None:
+    """An assembler killed (or stopped, then killed by the close) after the pipe took the
+    steps loses them before any part holds them: every step neither written nor counted
+    yet is counted as dropped, so the written steps and the drops add up to the steps
+    recorded. Control (None): an assembler that lives writes them all, drops nothing."""
+    out = tmp_path / "t"
+    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="process")
+    assert sess.wait_ready(60.0)
+    proc = sess.sink.proc  # type: ignore[union-attr]
+    if fault == "stop":
+        os.kill(proc.pid, signal.SIGSTOP)
+    _record_steps(sess, 12)
+    _drain_until_idle(sess, written=True)  # the pipe took every step
+    if fault == "kill":
+        os.kill(proc.pid, signal.SIGKILL)
+    result = sess.close(2.0 if fault == "stop" else 30.0)
+    manifest = json.loads((out / "manifest.json").read_text())
+    written = _written(out)
+    lost = set(range(12)) - set(written)
+    assert _dropped(manifest) == lost and manifest["drops"]["steps"] == len(lost)
+    assert result["drops"] == len(lost)
+    if fault is None:
+        assert result["complete"] and written == list(range(12))
+    else:
+        assert not result["complete"] and lost  # the assembler wrote no part in time
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_a_writer_that_fails_in_the_assembler_stops_the_recording(
+    tmp_path: Path, fail: bool
+) -> None:
+    """The assembler's writer cannot write the steps part (a file where its folder goes):
+    the failure reaches the engine process, and the recording stops at the next step
+    boundary, its steps counted as dropped. Control: a writer that writes its first parts
+    leaves the recording running."""
+    import time
+
+    out = tmp_path / "t"
+    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="process")
+    assert sess.wait_ready(60.0)
+    if fail:
+        (out / "steps").write_text("not a folder")
+    _record_steps(sess, 5)
+    deadline = time.monotonic() + 60
+    while not sess.stop_requested and not sess.status()["bytes"]:
+        assert time.monotonic() < deadline, "the assembler neither wrote nor failed"
+        time.sleep(0.02)
+    assert sess.stop_requested is fail
+    assert sess.begin_step(_so([f"r{i}" for i in range(6)], 0)) is not fail
+    result = sess.close(30.0)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert result["complete"] is not fail and "engine_exited" not in manifest["errors"]
+    if fail:
+        assert "writer" in manifest["errors"] and _written(out) == []
+        assert _dropped(manifest) == set(range(5)) and result["drops"] == 5
+
+
+def test_the_close_of_a_failed_recording_never_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """When the disk refuses even the manifest that says the recording failed, the engine
+    process logs one line and goes on. Control: the same manifest, writable, is updated."""
+    from mgtrace.errors import OutputError
+    from mgtrace.schemas.writer import TraceWriter
+
+    out = tmp_path / "t"
+    TraceWriter(out).close()
+    assert outproc.mark_failed(out, "gone", {}, [], 0, 3) == 3  # control
+
+    def full(*args: Any) -> None:
+        raise OutputError(f"cannot write {out}/manifest.json: No space left on device")
+
+    monkeypatch.setattr(outproc, "save_manifest", full)
+    assert outproc.mark_failed(out, "gone", {}, [], 0, 5) is None
+    assert [r.message for r in caplog.records] == [
+        f"mgtrace: cannot record the failure in {out}/manifest.json: cannot write "
+        f"{out}/manifest.json: No space left on device"
+    ]
+
+
+def test_an_assembler_that_cannot_close_the_trace_says_so_in_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The assembler process cannot write the manifest at the close (here a folder stands
+    where it goes; a full disk does the same): one line into the engine's stderr, no
+    traceback, and the engine process's close does not raise."""
+    out = tmp_path / "t"
+    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="process")
+    assert sess.wait_ready(60.0)
+    _record_steps(sess, 3)
+    _drain_until_idle(sess, written=True)
+    (out / "manifest.json").unlink()
+    (out / "manifest.json").mkdir()
+    result = sess.close(30.0)
+    assert not result["complete"]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    assert "mgtrace: the assembler process could not close the trace: cannot write" in err

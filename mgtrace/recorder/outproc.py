@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -23,6 +24,8 @@ import time
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from mgtrace.recorder import wire
 from mgtrace.recorder.assembler import Assembler
@@ -35,6 +38,8 @@ STATS_EVERY_S = 0.2
 PIPE_BYTES = 1 << 20  # room for many steps while the child catches up
 MAX_BACKLOG = 64 << 20  # frames held here while the pipe is full; more are dropped
 CHILD_NICE = 10  # the child yields the CPU to the engine on a loaded host
+
+log = logging.getLogger("mgtrace.recorder")
 
 
 def chosen_sched() -> str:
@@ -85,7 +90,7 @@ class ThreadSink:
         return {
             "rows": self.assembler.rows,
             "bytes": st.bytes_written,
-            "steps_dropped": st.steps_dropped,
+            "steps_dropped": st.steps_dropped + st.malformed_steps,
             "assemble_errors": self.assembler.errors,
             "failed": st.failed,
         }
@@ -121,7 +126,10 @@ class ProcessSink:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             # the same refusal the writer gives, before a child is started
             TraceWriter(out, run=run, source=source).close()
+        # failed: nothing more reaches the trace (the child is gone, or its writer failed);
+        # _dead: the child or its pipe is gone, so nothing more is written to it either
         self.failed: str | None = None
+        self._dead: str | None = None
         self._stats: dict[str, Any] = {}
         self._partial = b""
         to_child_r, self._to_child = os.pipe()
@@ -182,7 +190,7 @@ class ProcessSink:
         return True
 
     def _flush(self) -> None:
-        while self._out and self.failed is None:
+        while self._out and self._dead is None:
             view = self._out[0]
             try:
                 n = os.write(self._to_child, view)
@@ -203,12 +211,12 @@ class ProcessSink:
         for fd in (self._to_child, self._from_child):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self.failed = "abandoned in a forked process"
+        self.failed = self._dead = "abandoned in a forked process"
 
     def tick(self) -> None:
         self._flush()
         self._read_stats()
-        if self.failed is None and self.proc.poll() is not None:
+        if self._dead is None and self.proc.poll() is not None:
             self._died(f"the assembler process exited with code {self.proc.returncode}")
 
     def wait_ready(self, timeout_s: float) -> bool:
@@ -237,22 +245,22 @@ class ProcessSink:
 
     def close(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        while self._out and self.failed is None and time.monotonic() < deadline:
+        while self._out and self._dead is None and time.monotonic() < deadline:
             self._flush()
             if self._out:
                 self._read_stats()  # keep the child's reports flowing while it catches up
                 if self.proc.poll() is not None:
                     self._died(f"the assembler process exited with code {self.proc.returncode}")
                 time.sleep(0.002)
-        if self._out and self.failed is None:
+        if self._out and self._dead is None:
             self._died(f"the assembler process did not catch up within {timeout_s:.0f} s")
-        if self.failed is None:
+        if self._dead is None:
             # the end mark: the child tells a closed recording from an engine that died
             end = wire.encode([("end",)])
             self._out.append(memoryview(end))
             self._backlog += len(end)
             until = max(deadline, time.monotonic() + 1.0)  # a few bytes, into a drained pipe
-            while self._out and self.failed is None and time.monotonic() < until:
+            while self._out and self._dead is None and time.monotonic() < until:
                 self._flush()
                 if self._out:
                     time.sleep(0.002)
@@ -267,7 +275,7 @@ class ProcessSink:
         self._read_stats()
         with contextlib.suppress(OSError):
             os.close(self._from_child)
-        if self.proc.returncode != 0 and self.failed is None:
+        if self.proc.returncode != 0 and self._dead is None:
             self._died(f"the assembler process exited with code {self.proc.returncode}")
         return bool(self._stats.get("complete")) and self.failed is None
 
@@ -286,33 +294,58 @@ class ProcessSink:
             with contextlib.suppress(ValueError):
                 self._stats = json.loads(line)
                 break
+        if self.failed is None and self._stats.get("failed"):
+            # the child's writer failed: it drops every step from now on, so the
+            # recording stops as for a dead child
+            self.failed = str(self._stats["failed"])
 
     def _died(self, why: str) -> None:
-        self.failed = why
+        self._dead = why
+        if self.failed is None:
+            self.failed = why
 
 
 def mark_failed(
-    out: Path, why: str, errors: dict[str, dict[str, Any]], drops: list[int], rank: int
-) -> None:
-    """The engine process's account of a dead assembler: the manifest says so."""
+    out: Path,
+    why: str,
+    errors: dict[str, dict[str, Any]],
+    drops: list[int],
+    rank: int,
+    steps: int,
+) -> int | None:
+    """The engine process's account of a failed assembler: the manifest says so, and
+    counts as dropped every one of the ``steps`` opened (0..steps-1) and ``drops`` that no
+    written part holds and no drop counts yet: the ones the assembler had taken and lost.
+    Returns the steps the manifest counts as dropped; None when it could not be updated."""
     path = out / MANIFEST_NAME
     try:
         manifest = read_manifest_file(path)
     except Exception:
-        return
+        return None
     manifest.complete = False
     manifest.errors.setdefault("writer", {"count": 1, "first": why})
     for kind, entry in errors.items():
         manifest.errors.setdefault(kind, dict(entry))
-    ranges = [tuple(r) for r in manifest.drops.step_ranges]
-    for step in drops:
-        if any(r == rank and first <= step <= last for r, first, last in ranges):
-            continue  # the assembler counted it before it died
+    accounted = np.zeros(max([steps, *(s + 1 for s in drops)]), bool)
+    held = [
+        (p.min_step, p.max_step)
+        for p in manifest.parts
+        if p.table == "steps" and p.rank in (rank, None) and p.min_step is not None
+    ]
+    counted = [(first, last) for r, first, last in manifest.drops.step_ranges if r == rank]
+    for first, last in held + counted:
+        accounted[max(first, 0) : last + 1] = True
+    for step in np.flatnonzero(~accounted).tolist():
         manifest.drops.steps += 1
         manifest.drops.add_step(rank, step)
     if manifest.closed_unix is None:
         manifest.closed_unix = time.time()
-    save_manifest(out, manifest)
+    try:
+        save_manifest(out, manifest)
+    except Exception as exc:  # e.g. the disk is full: the trace stays as the child left it
+        log.warning("mgtrace: cannot record the failure in %s: %s", path, exc)
+        return None
+    return manifest.drops.total_steps
 
 
 # ---------------------------------------------------------------- the child
@@ -350,7 +383,7 @@ def _child(config: dict[str, Any]) -> int:
             "rows": asm.rows,
             "bytes": st.bytes_written,
             "steps_written": st.steps_written,
-            "steps_dropped": st.steps_dropped,
+            "steps_dropped": st.steps_dropped + st.malformed_steps,
             "assemble_errors": asm.errors,
             "failed": st.failed,
             "complete": complete,
@@ -388,10 +421,22 @@ def _child(config: dict[str, Any]) -> int:
             "killed): the steps it had not yet handed over are missing",
         )
     asm.finish()
-    manifest = writer.close(complete=asm.ended)
+    try:
+        manifest = writer.close(complete=asm.ended)
+    except Exception as exc:  # e.g. the disk is full: the engine process says the rest
+        print(f"mgtrace: the assembler process could not close the trace: {exc}", file=sys.stderr)
+        report(False)
+        return 1
     report(manifest.complete)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_child(json.loads(sys.argv[1])))
+    try:
+        sys.exit(_child(json.loads(sys.argv[1])))
+    except Exception as exc:  # one line into the engine's stderr, never a traceback
+        print(
+            f"mgtrace: the assembler process failed: {exc.__class__.__name__}: {exc}",
+            file=sys.stderr,
+        )
+        sys.exit(1)

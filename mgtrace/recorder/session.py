@@ -257,12 +257,17 @@ class Session:
         if self._send(notices, essential=True):
             self._lost_sent = max(self._lost_sent, lost)
         complete = self.sink.close(timeout_s)
+        result = self.status()
         failed = self.sink.failed
         if failed is not None and isinstance(self.sink, outproc.ProcessSink):
             self._log_once("sink", "mgtrace: %s; the trace is incomplete", failed)
-            outproc.mark_failed(self.out, failed, self._error_totals, self._lost_steps, self.rank)
+            dropped = outproc.mark_failed(
+                self.out, failed, self._error_totals, self._lost_steps, self.rank, self.step + 1
+            )
+            if dropped is not None:  # the steps the assembler took and lost count too
+                result["drops"] = dropped
             complete = False
-        return {"complete": complete, **self.status()}
+        return {"complete": complete, **result}
 
     # ------------------------------------------------------------ recorder thread
     def _loop(self) -> None:
