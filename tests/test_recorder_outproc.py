@@ -444,6 +444,39 @@ def test_a_writer_that_fails_in_the_assembler_stops_the_recording(
         assert _dropped(manifest) == set(range(5)) and result["drops"] == 5
 
 
+@pytest.mark.parametrize("kill", [True, False])
+def test_a_dead_assembler_leaves_the_recorder_thread_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill: bool
+) -> None:
+    """Drop notices a dead assembler refuses are not work done: the recorder thread's
+    drain says it is idle (and sleeps) instead of resending them forever. Control: an
+    assembler alive takes them, and the drain says so once."""
+    import time
+
+    monkeypatch.setattr(Session, "_loop", lambda self: None)  # its _drain, driven by hand
+    out = tmp_path / "t"
+    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="process")
+    sink = sess.sink
+    deadline = time.monotonic() + 60
+    while not sink._stats:  # type: ignore[union-attr]  # until it has opened the trace
+        assert time.monotonic() < deadline, "the assembler never reported"
+        sink.tick()
+        time.sleep(0.01)
+    if kill:
+        os.kill(sink.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        sink.proc.wait()  # type: ignore[union-attr]
+        sink.tick()
+        assert sink.failed is not None
+    sess._lost_steps.append(0)  # a step dropped here: the assembler is to be told
+    assert sess._drain() is not kill
+    assert [sess._drain() for _ in range(3)] == [False] * 3
+    sess._closing.set()
+    result = sess.close(10.0)
+    assert result["complete"] is not kill
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert 0 in _dropped(manifest)
+
+
 def test_the_close_of_a_failed_recording_never_raises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -316,7 +316,8 @@ class Session:
         capture of its own or an earlier step), as one frame: the pipe write releases the
         GIL, and while the engine runs Python, getting it back costs a switch interval."""
         notices, lost = self._notices()
-        if notices and self._send(notices, essential=True):
+        sent = bool(notices) and self._send(notices, essential=True)
+        if sent:
             self._lost_sent = max(self._lost_sent, lost)
         messages: list[tuple[Any, ...]] = []
         steps = 0
@@ -346,7 +347,9 @@ class Session:
                 self.hook_failed("forward", exc)
                 self._lost_steps.append(rec["step"])
         self._send(messages)
-        return bool(messages or notices)
+        # notices a failed sink refused are not work done: they wait for the close (which
+        # writes them into the manifest), and the thread sleeps instead of resending them
+        return bool(messages) or sent
 
     def _send(self, messages: list[tuple[Any, ...]], *, essential: bool = False) -> bool:
         """Hand a frame to the sink; ``essential`` frames (errors, drop notices: small)
