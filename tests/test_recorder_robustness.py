@@ -583,3 +583,56 @@ def test_step_end_hooks_mark_only_real_ends() -> None:
     plain.step_ends_observed, plain.step, plain.rec = False, -1, None
     plain.stop_requested, plain.max_steps, plain.deadline = False, None, None
     assert plain.begin_step(None) and not plain.in_step
+
+
+@pytest.mark.parametrize("fails", ["step", "hand-over", None])
+def test_a_step_the_assembler_cannot_assemble_is_dropped_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str | None
+) -> None:
+    """A step whose record does not assemble (e.g. a row count its arrays disagree with)
+    is dropped and counted, and its launches are not written without it; a batch the
+    assembler cannot hand to the writer drops its steps, counted. Control (None): every
+    step and launch written."""
+    import torch
+
+    from mgtrace.recorder import assemble
+    from mgtrace.recorder.step_tables import StepTables
+
+    build, merge = StepTables.build, assemble.merge_steps
+
+    def bad_build(self: StepTables, rec: dict[str, Any], captured: Any) -> Any:
+        if fails == "step" and rec["step"] == 1:
+            raise ValueError("operands could not be broadcast together")
+        return build(self, rec, captured)
+
+    def bad_merge(batch: list[Any]) -> Any:
+        if fails == "hand-over":
+            raise ValueError("a batch that does not merge")
+        return merge(batch)
+
+    monkeypatch.setattr(StepTables, "build", bad_build)
+    monkeypatch.setattr(assemble, "merge_steps", bad_merge)
+    monkeypatch.setattr(Session, "_loop", lambda self: None)  # its _drain, driven by hand
+    out = tmp_path / "t"
+    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="thread")
+    ctx = SimpleNamespace()
+    vec = torch.arange(4, dtype=torch.int32)
+    names = ["state_idx", "src_col", "token_bias"]
+    for _ in range(3):
+        sess.begin_step(_so())
+        sess.grab([vec] * 3, [4] * 3, _tag(sess, ctx, "precopy", 4, names))
+    sess.end_step()
+    sess._drain()
+    if fails == "hand-over":
+        result = sess.close(5.0)
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert not (out / "steps").exists() and not (out / "launches").exists()
+        assert result["drops"] == 3 and manifest["drops"]["step_ranges"] == [[0, 0, 2]]
+        return
+    result, manifest, steps = _close_whole(sess, out)
+    if fails == "step":
+        assert steps == [0, 2] and result["drops"] == 1 and result["hook_errors"] == 1
+        assert manifest["drops"]["step_ranges"] == [[0, 1, 1]]
+        assert "hook:assemble_step" in manifest["errors"]
+    else:
+        assert steps == [0, 1, 2] and result["drops"] == 0

@@ -63,7 +63,12 @@ class Assembler:
         if what == "cap":
             self._guard("launch", self._on_wire_capture, *message[1:])
         elif what == "step":
-            self._guard("step", lambda rec: self._on_step(self._wire.record(rec)), message[1])
+            rec = message[1]
+            if not self._guard("step", lambda: self._on_step(self._wire.record(rec))):
+                # a step that cannot be assembled is dropped and counted, its launches too
+                step = rec.get("step") if isinstance(rec, dict) else None
+                if isinstance(step, int):
+                    self.drop_step(step)
         elif what == "err":
             self.writer.count_error(message[1], message[2])
         elif what == "drop":
@@ -81,19 +86,22 @@ class Assembler:
     def tick(self) -> None:
         """Hand over a batch that has waited long enough."""
         if self._batch and time.monotonic() - self._batch_started > BATCH_S:
-            self._guard("flush", self._flush_batch)
+            self._flush_batch()
 
     def finish(self) -> None:
         self._guard("orphans", self._flush_orphans)
-        self._guard("flush", self._flush_batch)
+        self._flush_batch()
 
     # ------------------------------------------------------------ assembly
-    def _guard(self, what: str, fn: Any, *args: Any) -> None:
+    def _guard(self, what: str, fn: Any, *args: Any) -> bool:
+        """Run ``fn``; False when it raised (counted, the first of each kind logged)."""
         try:
             fn(*args)
         except Exception as exc:
             self.errors += 1
             count_failure(self.writer.count_error, self._logged, f"assemble_{what}", exc)
+            return False
+        return True
 
     def _flush_orphans(self) -> None:
         """Launch rows of a step whose bookkeeping never closed (stopped mid-step)."""
@@ -217,5 +225,9 @@ class Assembler:
         """Hand the buffered steps to the writer as one chunk per table."""
         batch, self._batch = self._batch, []
         self._batch_started = time.monotonic()
-        if batch:
-            self.writer.write_steps(self.rank, batch[0][0], batch[-1][0], asm.merge_steps(batch))
+        if batch and not self._guard("flush", self._hand_over, batch):
+            for step in sorted({step for step, _ in batch}):  # none written, all counted
+                self.writer.count_dropped_step(self.rank, step)
+
+    def _hand_over(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
+        self.writer.write_steps(self.rank, batch[0][0], batch[-1][0], asm.merge_steps(batch))
