@@ -69,14 +69,50 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+# errors (manifest kinds) that drop the steps they happen in, and how `info` names them
+_DROP_CAUSES = {
+    "writer": "writing failed",
+    "stopped_mid_step": "stopped mid-step",
+    "capture_ring_full": "capture ring full",
+    "capture_too_large": "capture too large",
+    "captures_dropped": "captures dropped",
+    "capture_unfinished": "captures never landed",
+}
+
+
+def _drop_causes(errors: dict[str, Any]) -> str:
+    """What the manifest's errors say dropped steps; steps that no error accounts for
+    were dropped by a full queue or backlog (nothing else drops a step uncounted)."""
+    causes = []
+    for kind in errors:
+        cause = _DROP_CAUSES.get(kind) or ("a hook failed" if kind.startswith("hook:") else None)
+        if cause is not None and cause not in causes:
+            causes.append(cause)
+    return ", ".join(causes) if causes else "queue full"
+
+
+def _incomplete_why(info: dict[str, Any]) -> str:
+    """Why a trace is not complete, from its manifest."""
+    errors = info["errors"]
+    if "writer" in errors:
+        return f"writing stopped: {errors['writer']['first']}"
+    if "engine_exited" in errors:
+        return "the engine exited without stopping the recording"
+    if "interrupted" in errors:
+        return "interrupted"
+    if info.get("closed_unix") is None:
+        return "writer did not close"
+    return "closed before its end"
+
+
 def render_info(info: dict[str, Any], console: Console) -> None:
     t = Table(title=_text(f"trace {info['path']}"), show_header=False, title_justify="left")
     t.add_column("field", style="bold")
     t.add_column("value")
-    status = (
-        "[green]complete[/]" if info["complete"] else "[red]incomplete[/] (writer did not close)"
-    )
-    t.add_row("status", status)
+    if info["complete"]:
+        t.add_row("status", "[green]complete[/]")
+    else:
+        t.add_row("status", Text.assemble(("incomplete", "red"), f" ({_incomplete_why(info)})"))
     source = info["source"]
     kind = str(source.get("kind", "unknown"))
     if "ranks" in source and isinstance(source["ranks"], dict):
@@ -100,11 +136,15 @@ def render_info(info: dict[str, Any], console: Console) -> None:
     t.add_row("size on disk", f"{human_bytes(info['bytes_on_disk'])} in {info['parts']} parts")
     drops = info["drops"]
     dropped = drops["steps"] + drops["malformed_steps"]
+    causes = _drop_causes(info["errors"])
     t.add_row(
         "drops",
         "none"
         if not dropped
-        else f"[red]{drops['steps']} steps (queue full), {drops['malformed_steps']} malformed[/]",
+        else Text(
+            f"{drops['steps']} steps ({causes}), {drops['malformed_steps']} malformed",
+            style="red",
+        ),
     )
     for kind, entry in info["errors"].items():
         t.add_row(_text(f"errors: {kind}"), _text(f"{entry['count']} (first: {entry['first']})"))

@@ -272,3 +272,31 @@ def test_a_part_that_fails_loses_its_flush_counted_and_whole(tmp_path: Path, fai
     else:
         assert manifest.complete and manifest.drops.steps == 0
         assert written == {t: list(range(30)) for t in written}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cause", ["disk", "queue"])
+def test_info_names_why_a_trace_is_incomplete_and_its_steps_dropped(
+    tmp_path: Path, cause: str
+) -> None:
+    """A writer that failed, then closed, is neither 'did not close' nor 'queue full':
+    ``info`` says writing stopped, and why. Control: steps a full queue dropped are told
+    as such, in a trace that is complete."""
+    rng = np.random.default_rng(1)
+    fail_at = 2 if cause == "disk" else 99
+    writer = FailingWriter(tmp_path / "t", table="launches", fail_at=fail_at, max_queue_steps=10)
+    for first in (0, 10, 20):
+        for s in range(first, first + 12):  # two more than the queue holds
+            writer.write_step(0, s, sample_step(s, 8, rng))
+        writer.flush_now()
+    writer.close()
+    proc = run_cli("info", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stderr
+    out = " ".join(proc.stdout.split())  # the table wraps long cells
+    assert "did not close" not in out
+    if cause == "disk":
+        assert "incomplete (writing stopped: writing launches/r000-000001.parquet failed:" in out
+        assert "steps (writing failed)" in out and "queue full" not in out
+    else:
+        assert "complete" in out and "incomplete" not in out
+        assert "6 steps (queue full), 0 malformed" in out
