@@ -112,8 +112,8 @@ class PartInfo:
 class Drops:
     """Everything that did not make it into the trace, counted, never silent."""
 
-    steps: int = 0  # steps dropped because the writer queue was full
-    malformed_steps: int = 0  # steps refused because their columns were inconsistent
+    steps: int = 0  # steps dropped: a full queue, a failed write, a lost capture or hook
+    malformed_steps: int = 0  # steps refused: their columns or values do not fit the schema
     rows: int = 0  # rows inside those steps
     step_ranges: list[list[int]] = field(default_factory=list)  # [rank, first, last], merged
 
