@@ -136,16 +136,12 @@ def render_info(info: dict[str, Any], console: Console) -> None:
     t.add_row("size on disk", f"{human_bytes(info['bytes_on_disk'])} in {info['parts']} parts")
     drops = info["drops"]
     dropped = drops["steps"] + drops["malformed_steps"]
-    causes = _drop_causes(info["errors"])
-    t.add_row(
-        "drops",
-        "none"
-        if not dropped
-        else Text(
-            f"{drops['steps']} steps ({causes}), {drops['malformed_steps']} malformed",
-            style="red",
-        ),
-    )
+    told = []
+    if drops["steps"]:
+        told.append(f"{drops['steps']} steps ({_drop_causes(info['errors'])})")
+    if drops["malformed_steps"]:
+        told.append(f"{drops['malformed_steps']} malformed")
+    t.add_row("drops", Text(", ".join(told), style="red") if dropped else "none")
     for kind, entry in info["errors"].items():
         t.add_row(_text(f"errors: {kind}"), _text(f"{entry['count']} (first: {entry['first']})"))
     truth = info["ground_truth"]

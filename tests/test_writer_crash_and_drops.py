@@ -299,4 +299,4 @@ def test_info_names_why_a_trace_is_incomplete_and_its_steps_dropped(
         assert "steps (writing failed)" in out and "queue full" not in out
     else:
         assert "complete" in out and "incomplete" not in out
-        assert "6 steps (queue full), 0 malformed" in out
+        assert "drops │ 6 steps (queue full) │" in out
