@@ -601,3 +601,15 @@ def test_dictionary_pages_only_for_columns_where_they_pay(tmp_path: Path) -> Non
     }
     rows = TraceReader(tmp_path / "t").table("batch_rows").to_pylist()
     assert [r["num_computed"] for r in rows] == [5, 9, 5, 9]
+
+
+def test_drop_ranges_counted_out_of_order_are_saved_sorted_and_joined(tmp_path: Path) -> None:
+    """The writer, the recorder and a failed assembler each count drops; their ranges came
+    out as [[0, 594, 1319], [0, 1540, 1561], [0, 1320, 1539]]."""
+    from mgtrace.schemas.manifest import Drops, Manifest
+
+    m = Manifest(drops=Drops(steps=4, step_ranges=[[0, 9, 9], [1, 2, 2], [0, 3, 5], [0, 6, 7]]))
+    save_manifest(tmp_path, m)
+    saved = load_manifest(tmp_path).drops.step_ranges
+    assert saved == [[0, 3, 7], [0, 9, 9], [1, 2, 2]]  # rank 1's stays apart; 8 was kept
+    assert m.drops.step_ranges[0] == [0, 9, 9]  # saving leaves the counting object alone

@@ -125,6 +125,17 @@ class Drops:
                 return
         self.step_ranges.append([rank, step, step])
 
+    def merged_ranges(self) -> list[list[int]]:
+        """The ranges sorted, those that touch or overlap joined: drops counted by several
+        parties (the writer, the recorder, a failed assembler) arrive out of order."""
+        merged: list[list[int]] = []
+        for rank, first, last in sorted(self.step_ranges):
+            if merged and merged[-1][0] == rank and first <= merged[-1][2] + 1:
+                merged[-1][2] = max(merged[-1][2], last)
+            else:
+                merged.append([rank, first, last])
+        return merged
+
     @property
     def total_steps(self) -> int:
         return self.steps + self.malformed_steps
@@ -146,7 +157,9 @@ class Manifest:
     format: str = FORMAT_NAME
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["drops"]["step_ranges"] = self.drops.merged_ranges()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = MANIFEST_NAME) -> Manifest:
