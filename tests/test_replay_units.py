@@ -606,3 +606,55 @@ def test_the_python_api_saves_a_whole_trace_window_as_the_whole_trace(tmp_path) 
     assert _findings_by_replay(out) == saved
     Trace(out).replay(to_step=398, save=True)
     assert len(_findings_by_replay(out)) == 2
+
+
+# ---------------------------------------------------------------- inputs that lose a state
+def _sim(tmp_path, name: str, **engine):
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    out = tmp_path / name
+    simulate(SimConfig(output=out, **engine).validate())
+    return TraceReader(out)
+
+
+def test_a_post_process_that_skips_a_boundary_copy_is_found_where_it_skips_it(tmp_path) -> None:
+    """A post-process row whose own num_computed is one too many no longer sees the block
+    boundary its batch row crosses, so the kernel skips the copy the prefix cache keeps.
+    The replay once checked the boundary only where the kernel copied, and passed it."""
+    from mgtrace.replayer.loop import replay_trace
+
+    block = 16
+    reader = _sim(tmp_path, "src", scenario="mixed", steps=120, seed=3, k=3, mamba_block_size=block)
+    brows = {(r["step"], r["batch_row"]): r for r in reader.table("batch_rows").to_pylist()}
+
+    def crosses_at_its_running_state(launch) -> bool:
+        # The running state itself sits on the boundary (no bias), in a column before the
+        # running one: one more computed token and the kernel sees no boundary at all.
+        if launch["kernel"] != "postprocess" or launch["req_slot"] < 0:
+            return False
+        r = brows[(launch["step"], launch["batch_row"])]
+        running = r["num_computed"] + r["num_scheduled"] - r["num_draft"]
+        return (
+            r["accepted"] is not None
+            and r["num_draft"] > 0
+            and running % block == 0
+            and (running + r["accepted"] - 1) // block == running // block
+        )
+
+    target = next(
+        x for x in reader.table("launches").to_pylist() if crosses_at_its_running_state(x)
+    )
+
+    def skip_the_copy(name, rows):
+        if name == "launches":
+            hit = next(r for r in rows if r == target)
+            hit["num_computed"] += 1
+
+    assert replay_trace(_rewritten(reader, tmp_path / "same")).clean
+    findings = replay_trace(_rewritten(reader, tmp_path / "lost", skip_the_copy)).findings
+    assert findings, "the lost copy went unreported"
+    first = findings[0]
+    assert first.step == target["step"] and first.batch_row == target["batch_row"]
+    assert first.mechanism.startswith("cached-state:")

@@ -508,12 +508,24 @@ class RankReplay:
         """After a post-process: a row that crossed a block boundary saved the state at the
         boundary into the boundary block's column; when that is not its running column, the
         request's own block there must hold its state at the boundary, whatever block the
-        kernel wrote. (With the running column, ``_check_next_state`` reads it anyway.)"""
+        kernel wrote. (With the running column, ``_check_next_state`` reads it anyway.)
+
+        Which rows crossed a boundary is decided twice: by the kernel's own inputs (the
+        column it copied into) and by the batch rows' counts, as the forward model knows
+        them. A kernel fed a wrong count skips a copy the request needed; the second
+        decision still reads that column, so the lost copy is named at this step."""
         saved = keep & plan.copies & (plan.src_col != plan.dst_col)
-        if not np.count_nonzero(saved):
+        at, want = self._boundary_rows(view, b, keep)
+        if len(at):  # the rows the kernel saved into the same column are read below anyway
+            lost = ~(saved[at] & (plan.dst_col[at] == want))
+            at, want = at[lost], want[lost]
+        if len(at):  # never in a consistent trace: the two decisions agree
+            rows = np.concatenate([b[saved], b[at]])
+            dst = np.concatenate([plan.dst_col[saved].astype(np.int64), want])
+        elif np.count_nonzero(saved):
+            rows, dst = b[saved], plan.dst_col[saved].astype(np.int64)
+        else:
             return
-        rows = b[saved]
-        dst = plan.dst_col[saved].astype(np.int64)
         blocks = self.tables.gather_groups(self.own_kind, view.slot64[rows], dst)
         # a null column: the engine keeps no state there (in any group: groups share columns)
         kept = (blocks > 0).all(axis=0)
@@ -524,6 +536,31 @@ class RankReplay:
         boundary = (dst + 1) * self.block_size
         zero = np.zeros(len(rows), dtype=np.int64)
         self._read(step, np.full(len(rows), CACHED_STATE), view, rows, boundary, rel, zero, rel)
+
+    def _boundary_rows(
+        self, view: RowView, b: np.ndarray, keep: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The post-process rows (indices into ``b``, view positions, among ``keep``) whose
+        batch row's counts cross a block boundary in a column other than the running one,
+        and that column. The counts are the ones ``_check_next_state`` expects the state to
+        cover: ``R = computed + scheduled - draft`` in the running state, ``R + accepted - 1``
+        after acceptance. A row that sampled nothing (accepted -1) ends in its running
+        column, whose state the next-state check reads."""
+        none = np.zeros(0, dtype=np.int64)
+        if not view.num_rows:
+            return none, none
+        # positions of -1 (rows the view lacks) index its last row: ``keep`` drops them
+        acc = view.accepted64[b]
+        running = view.computed64[b] + view.scheduled64[b] - view.draft64[b]
+        # A boundary lies in (R-1, R+accepted-1] exactly when (R-1) mod B + accepted >= B
+        # (which an accepted count below 1 never reaches).
+        cross = ((running - 1) % self.block_size + acc >= self.block_size) & keep
+        at = cross.nonzero()[0]
+        if not len(at):
+            return none, none
+        col = (running[at] + acc[at] - 1) // self.block_size - 1
+        other = (col >= 0) & (col != view.state_col64[b[at]])
+        return at[other], col[other]
 
     # ----------------------------------------------------------------- forward model
     def _read(
