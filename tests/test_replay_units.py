@@ -658,3 +658,36 @@ def test_a_post_process_that_skips_a_boundary_copy_is_found_where_it_skips_it(tm
     first = findings[0]
     assert first.step == target["step"] and first.batch_row == target["batch_row"]
     assert first.mechanism.startswith("cached-state:")
+
+
+def test_a_v2_input_block_table_that_is_not_its_source_row_is_malformed(tmp_path) -> None:
+    """V2's forward takes its state indices from the gathered input tables: an input row
+    whose running column names another block than its request's source row was never
+    compared (the replay follows the source rows) and replayed clean."""
+    from mgtrace.replayer.findings import MALFORMED
+    from mgtrace.replayer.loop import replay_trace
+
+    reader = _sim(tmp_path, "src", runner="v2", scenario="mixed", steps=80, seed=3)
+    brows = {(r["step"], r["batch_row"]): r for r in reader.table("batch_rows").to_pylist()}
+    tables = reader.table("block_tables").to_pylist()
+    target = next(t for t in tables if t["table"] == "input" and t["step"] >= 40 and t["block_ids"])
+    col = brows[(target["step"], target["row"])]["state_col"]
+    other = next(
+        t["block_ids"][col]
+        for t in tables
+        if t["table"] == "input"
+        and len(t["block_ids"]) > col
+        and t["block_ids"][col] not in (0, target["block_ids"][col])
+    )
+
+    def point_elsewhere(name, rows):
+        if name == "block_tables":
+            hit = next(r for r in rows if r == target)
+            hit["block_ids"][col] = other
+
+    assert replay_trace(_rewritten(reader, tmp_path / "same")).clean
+    findings = replay_trace(_rewritten(reader, tmp_path / "bad", point_elsewhere)).findings
+    assert findings, "the input row was not compared with its source row"
+    first = findings[0]
+    assert (first.kind, first.mechanism) == (MALFORMED, "block-table:input-not-source")
+    assert (first.step, first.batch_row, first.block_id) == (target["step"], target["row"], other)

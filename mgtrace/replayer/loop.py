@@ -106,6 +106,8 @@ class _Checkpoints:
     uids: np.ndarray
     rows: np.ndarray
     tokens: np.ndarray
+    positions: np.ndarray  # the rows' positions in the step's view
+    cols: np.ndarray
 
 
 @dataclass
@@ -661,6 +663,14 @@ class RankReplay:
             np.concatenate([view.slot64[rows_a], view.slot64[order]]),
             np.concatenate([view.state_col64[rows_a] + j, view.state_col64[order]]),
         )
+        if self.runner == "v2":
+            self._check_input_table(
+                step,
+                view,
+                np.concatenate([rows, rows_a]),
+                np.concatenate([view.state_col64[rows] + col, view.state_col64[rows_a] + j]),
+                np.concatenate([read_blocks[:, 0], blocks[:, : len(rows_a)]], axis=1),
+            )
         writes = _ForwardWrites(
             blocks_a=blocks[:, : len(rows_a)],
             uids_a=view.uid64[rows_a],
@@ -690,6 +700,8 @@ class RankReplay:
                 writes.brow_a[kept],
             )
         ckpt = self._prefill_checkpoints(view, live & prefill)
+        if ckpt is not None and self.runner == "v2":
+            self._check_input_table(step, view, ckpt.positions, ckpt.cols, ckpt.blocks)
         # Mamba2's prefill kernels store the checkpoints, before its decodes run.
         ckpt_first = ckpt is not None and not self._decodes_run_first
         first_r = first[rows]
@@ -746,6 +758,49 @@ class RankReplay:
         mark.fill(False)
         return bool(hit)
 
+    def _check_input_table(
+        self,
+        step: int,
+        view: RowView,
+        positions: np.ndarray,
+        cols: np.ndarray,
+        own: np.ndarray,
+    ) -> None:
+        """V2: the forward takes its state indices from the gathered, batch-ordered input
+        tables, while the replay follows each request's source row (``own``: [group, n], the
+        blocks at view ``positions`` and absolute ``cols``). The gather copies the source row
+        of ``idx_mapping[b]`` into input row ``b``, so every column the forward touches must
+        agree; an entry either side does not hold (-1: out of the pool, never seen written)
+        is left out. The first column that differs is reported, per row."""
+        if not len(positions):
+            return
+        brow = view.batch_row[positions]
+        given = self.tables.gather_groups("input", brow, cols)
+        differs = (given != own) & (given >= 0) & (own >= 0)
+        if not np.count_nonzero(differs):
+            return
+        hit = differs.any(axis=0)
+        seen: set[int] = set()
+        for i in hit.nonzero()[0].tolist():
+            p = int(positions[i])
+            if p in seen:
+                continue
+            seen.add(p)
+            g = int(differs[:, i].nonzero()[0][0])
+            uid = int(view.uid[p])
+            self._malformed(
+                step,
+                "block-table:input-not-source",
+                (uid, self.trace.ids.name(uid)),
+                int(brow[i]),
+                f"row {int(brow[i])} of the input block table (group {g}) holds block "
+                f"{int(given[g, i])} at column {int(cols[i])}, which the forward reads, but "
+                f"the source row of its request slot {int(view.slot[p])} holds block "
+                f"{int(own[g, i])} there; the replay follows the source row",
+                group=g,
+                block_id=int(given[g, i]),
+            )
+
     def _write_states(self, step: int, w: _ForwardWrites, part: bool | None) -> None:
         """Write the forward model's tags: every row's (``part`` None), or only the first
         kernel group's (True) or the second's (False)."""
@@ -778,13 +833,14 @@ class RankReplay:
         rows = (prefill & (view.checkpoint_col >= 0)).nonzero()[0]
         if not len(rows):
             return None
+        cols = view.checkpoint_col[rows].astype(np.int64)
         return _Checkpoints(
-            blocks=self.tables.gather_groups(
-                self.own_kind, view.slot64[rows], view.checkpoint_col[rows].astype(np.int64)
-            ),
+            blocks=self.tables.gather_groups(self.own_kind, view.slot64[rows], cols),
             uids=view.uid64[rows],
             rows=view.batch_row[rows],
             tokens=view.checkpoint_tokens[rows].astype(np.int64),
+            positions=rows,
+            cols=cols,
         )
 
     def _write_checkpoints(self, step: int, ckpt: _Checkpoints) -> None:
