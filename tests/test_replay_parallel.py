@@ -357,3 +357,38 @@ def test_a_worker_killed_from_outside_is_one_sentence(replay_with_stopped_worker
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert "a replay worker was killed" in assert_one_sentence_error(done, 2)
     assert _gone(kids)
+
+
+_SIGNAL_WHILE_A_THREAD_STARTS = """
+import os, signal, sys, threading
+from mgtrace.cli import main
+real = threading._start_new_thread
+def start_then_signal(*args, **kwargs):
+    ident = real(*args, **kwargs)
+    if threading.current_thread() is threading.main_thread():
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this returns
+    return ident
+threading._start_new_thread = start_then_signal
+sys.exit(main(["replay", sys.argv[1], "--no-save", "--jobs", "2"]))
+"""
+
+
+def test_a_signal_while_the_pool_starts_a_thread_is_one_sentence() -> None:
+    """The pool starts a thread as it takes the first segment. A SIGTERM handled inside
+    ``Thread.start``, just after the thread began, raised there: the threading module then
+    dropped the thread from its books, and the thread's own bookkeeping failed with a
+    traceback (KeyError) at exit. The signal now waits until the pool has started."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    trace = toggle_trace(BUG_REORDER, seed=0, steps=1200)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_WHILE_A_THREAD_STARTS, str(trace)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "stopped by SIGTERM" in assert_one_sentence_error(proc, 143)

@@ -268,9 +268,9 @@ def replay_rank_in_segments(
         initializer=_worker_start,
         initargs=(os.getpid(),),
     )
-    with _stopped_by_signals():
+    with _stopped_by_signals() as stop:
         results = _run_pool(
-            pool, job, trace, rank, bounds, handoffs, warmup, report_from, steps, progress
+            pool, job, trace, rank, bounds, handoffs, warmup, report_from, steps, progress, stop
         )
     t0 = time.perf_counter()
     outcome = _merge(checker, results, reported, verify, report_from)
@@ -290,13 +290,14 @@ def _run_pool(
     report_from: int | None,
     steps: list[int],
     progress: Callable[[int], None] | None,
+    stop: _SignalStop,
 ) -> list[SegmentResult]:
     """Every segment on the pool's workers, in order; the pool ends with it, whatever
     happens."""
     try:
         _INHERITED[(job.path, rank)] = trace  # the workers start (fork) on the first submit
         try:
-            with warnings.catch_warnings():
+            with stop.held(), warnings.catch_warnings():
                 # a fork of this process, which has threads: the workers run numpy and Python
                 warnings.simplefilter("ignore", DeprecationWarning)
                 futures = [
@@ -330,27 +331,50 @@ _STOP_SIGNALS = tuple(
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-@contextlib.contextmanager
-def _stopped_by_signals() -> Iterator[None]:
+class _SignalStop:
     """While the workers run, SIGTERM and SIGHUP raise in this process (the main thread's
     handlers only), so that the workers are stopped before it exits, with 128 + the signal's
-    number as a shell reports a process killed by it; the previous handlers come back
-    after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    raised = []
+    number as a shell reports a process killed by it. Inside ``held()`` (the pool starting
+    its threads) a signal only waits: raised inside ``Thread.start`` it would leave the
+    threading module's bookkeeping half done, and a traceback at exit."""
 
-    def stop(signum: int, frame: object) -> None:
-        if raised:  # a second signal must not cut the stopping of the workers short
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.holding = False
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:  # a second signal must not cut the stopping short
             return
-        raised.append(signum)
-        name = signal.Signals(signum).name
-        raise MgtraceError(f"the replay was stopped by {name}", exit_code=128 + signum)
+        self.signum = signum
+        if not self.holding:
+            self.raise_it()
 
-    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+    def raise_it(self) -> None:
+        assert self.signum is not None
+        name = signal.Signals(self.signum).name
+        raise MgtraceError(f"the replay was stopped by {name}", exit_code=128 + self.signum)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.signum is not None:
+            self.raise_it()
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[_SignalStop]:
+    """Install a ``_SignalStop`` for the block; the previous handlers come back after."""
+    stop = _SignalStop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {s: signal.signal(s, stop.handle) for s in _STOP_SIGNALS}
     try:
-        yield
+        yield stop
     finally:
         for s, handler in previous.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
