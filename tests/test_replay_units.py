@@ -691,3 +691,39 @@ def test_a_v2_input_block_table_that_is_not_its_source_row_is_malformed(tmp_path
     first = findings[0]
     assert (first.kind, first.mechanism) == (MALFORMED, "block-table:input-not-source")
     assert (first.step, first.batch_row, first.block_id) == (target["step"], target["row"], other)
+
+
+@pytest.mark.unit
+def test_a_deferred_boundary_copy_into_a_block_its_request_just_freed_is_its_own(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """V2 with pipeline parallelism runs step T's post-process at the start of step T+pp.
+    When T's accepted tokens cross a block boundary, that post-process saves the state into
+    the boundary block; the scheduling of T+pp has freed that block (the request moved past
+    it) and may hand it to another request, whose use comes after, in T+pp's forward. The
+    replay called this a foreign write on a clean simulation. Control: judged against the
+    owners after the step's scheduling, the same trace gives that finding."""
+    from mgtrace.replayer.loop import replay_trace
+    from mgtrace.replayer.oracle import Oracle
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    out = tmp_path / "t"
+    cfg = SimConfig(
+        runner="v2", scenario="mixed", k=3, seed=9, steps=1000, mamba_block_size=64, pp=3,
+        async_scheduling=False, max_num_seqs=16, num_blocks=40, output=out,
+    )  # fmt: skip
+    simulate(cfg.validate())
+    assert replay_trace(TraceReader(out), RuleSet()).findings == []
+
+    check_writes = Oracle.check_writes
+
+    def after_scheduling(self, step, what, group, blocks, uid, rows, owned_until_now=None):
+        return check_writes(self, step, what, group, blocks, uid, rows)
+
+    monkeypatch.setattr(Oracle, "check_writes", after_scheduling)
+    found = replay_trace(TraceReader(out), RuleSet()).findings
+    assert found and {(f.kind, f.step, f.mechanism) for f in found} == {
+        ("foreign_block_write", 942, "postprocess-copy")
+    }

@@ -154,6 +154,9 @@ class RankReplay:
             spec_blocks=self.k,
             num_uids=len(self.trace.ids.names) + 1,
         )
+        # (group, block) -> uid: the blocks this step's scheduler freed as their request
+        # moved past them (see ``_run_copy`` for a deferred post-process)
+        self._retired_now: dict[tuple[int, int], int] = {}
         width0 = self.pool.groups[0].width if self.pool.groups else 0
         conv_keep = width0 - self.k if width0 > self.k else width0
         self._conv_lead = width0 - 1 - conv_keep  # a conv window's last row, past its state
@@ -319,7 +322,8 @@ class RankReplay:
 
     def _own(self, step: int) -> None:
         # align mode frees the blocks a request moved past as it schedules, before it allocates
-        self.ownership.retire(*self.trace.running(step))
+        freed = self.ownership.retire(*self.trace.running(step))
+        self._retired_now = {(group, block): uid for uid, group, _, block in freed}
         sched = self.trace.sched(step)
         if sched["uid"]:
             self.ownership.apply(step, sched["uid"], sched["kind"], sched["new_block_ids"])
@@ -394,8 +398,15 @@ class RankReplay:
         if copies.rows.size and view is not None:
             rows = launch.column("batch_row")[copies.rows]
             uid = view.uid_at(view.positions(rows))
+            # A post-process deferred from an earlier step (V2 pipeline parallelism) runs at
+            # the start of this one, before the forward: a boundary copy into a block its own
+            # request's scheduling freed at this step lands before any new owner uses it.
+            deferred = launch.batch_step is not None and launch.batch_step < step
+            own_until_now = self._retired_now if deferred else None
             for g in range(len(self.pool.groups)):
-                self.oracle.check_writes(step, f"{launch.kernel}-copy", g, copies.dst[g], uid, rows)
+                self.oracle.check_writes(
+                    step, f"{launch.kernel}-copy", g, copies.dst[g], uid, rows, own_until_now
+                )
         if launch.kernel == "postprocess" and view is not None:
             if copies.rows.size:
                 self._touched_after_forward.append(copies.dst.ravel())

@@ -12,6 +12,7 @@ Each finding names a mechanism without ids or numbers, so that its signature
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -469,8 +470,13 @@ class Oracle:
         blocks: np.ndarray,
         uid: np.ndarray,
         rows: np.ndarray,
+        owned_until_now: Mapping[tuple[int, int], int] | None = None,
     ) -> None:
-        """Writes into blocks another live request owns, and two rows hitting one block."""
+        """Writes into blocks another live request owns, and two rows hitting one block.
+
+        ``owned_until_now`` maps (group, block) to the request that held the block until this
+        step's scheduling freed it: a write by that request, ordered before the step's own
+        use of its blocks, is its own."""
         if not len(blocks):
             return
         blocks = np.asarray(blocks, dtype=np.int64)
@@ -481,6 +487,8 @@ class Oracle:
         owner = self.ownership.owner_or_free(group, clamped)
         bad = (owner != 0) & (owner != uid)
         for i in bad.nonzero()[0].tolist() if np.count_nonzero(bad) else ():
+            if owned_until_now and owned_until_now.get((group, int(blocks[i]))) == uid[i]:
+                continue
             writer = self.ids.name(int(uid[i]))
             victim = self.ids.name(int(owner[i]))
             note = self._behind_note(int(owner[i]), group, int(blocks[i]))
