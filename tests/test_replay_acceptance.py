@@ -178,7 +178,7 @@ def test_writes_onto_retired_blocks_are_no_finding(tmp_path, monkeypatch) -> Non
     assert replay_trace(TraceReader(out)).findings == []
     # the failing control: ownership that never retires names the blocks' former owners,
     # and says where the blocks sit in their rows
-    monkeypatch.setattr(BlockOwnership, "retire", lambda self, uids, freed_below: None)
+    monkeypatch.setattr(BlockOwnership, "retire", lambda self, uids, freed_below: [])
     found = replay_trace(TraceReader(out)).findings
     assert [f.step for f in found] == [351, 378]
     assert all(f.kind == "foreign_block_write" for f in found)
