@@ -550,6 +550,30 @@ def test_diff_traces_ignores_timing_and_names_missing_steps(tmp_path: Path) -> N
     assert diff_traces(TraceReader(a), TraceReader(other)).first_step is not None
 
 
+def _with_half_a_part(src: Path, dst: Path, table: str) -> Path:
+    """A copy of SRC whose first part of TABLE is cut in half, as a full disk leaves it."""
+    shutil.copytree(src, dst)
+    part = sorted((dst / table).glob("*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    return dst
+
+
+def test_diff_traces_before_a_left_out_step_0_is_inconclusive(tmp_path: Path) -> None:
+    """Two traces that differ at step 0, one with a left-out part from step 0 on, were
+    "the same at every step before step 0", exit 0. Nothing was compared: exit 125, and
+    it says so. Control: the whole traces differ at step 0, exit 1."""
+    a = sim_trace(None, 0, 300, scenario="pairs", runner="v1")
+    b = sim_trace(None, 1, 300, scenario="pairs", runner="v1")
+    cut = _with_half_a_part(a, tmp_path / "cut.trace", "launches")
+    proc = run_cli("diff", str(cut), str(b), "--skip-bad-parts")
+    assert proc.returncode == 125, proc.stdout + proc.stderr
+    assert "share no step to compare" in proc.stdout, proc.stdout
+    said = json.loads(run_cli("diff", str(cut), str(b), "--skip-bad-parts", "--json").stdout)
+    assert said["left_out_from"] == 0 and said["inconclusive"], said
+    proc = run_cli("diff", str(a), str(b))
+    assert proc.returncode == 1 and "first differ at step 0" in proc.stdout, proc.stdout
+
+
 def test_diff_rules_stops_at_a_gap(tmp_path: Path) -> None:
     """Two rule sets were replayed across a gap, and on an incomplete trace, with a
     confident answer. Now the replays stop at the first gap and say so, and no divergence

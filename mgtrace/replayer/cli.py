@@ -479,7 +479,8 @@ def diff_cmd(
         result = diff_rules(TraceReader(trace_a, skip_bad_parts=skip_bad_parts), a, b)
         sentence = result.sentence(a, b)
     if as_json:
-        click.echo(json.dumps({"sentence": sentence, **asdict(result)}, indent=1, default=str))
+        fields = {"sentence": sentence, **asdict(result), "inconclusive": result.inconclusive}
+        click.echo(json.dumps(fields, indent=1, default=str))
     else:
         out.print(sentence, highlight=False)
         for side in ("a", "b"):
@@ -487,7 +488,7 @@ def diff_cmd(
                 out.print(f"  {side}: {f['kind']}: {f['detail']}", highlight=False)
     if result.first_step is not None:
         return EXIT_CORRUPTION
-    return EXIT_INCONCLUSIVE if getattr(result, "inconclusive", None) else EXIT_CLEAN
+    return EXIT_INCONCLUSIVE if result.inconclusive is not None else EXIT_CLEAN
 
 
 @click.command("minimize")

@@ -39,7 +39,16 @@ class TraceDiff:
     missing_to: int | None = None
     left_out_from: int | None = None  # steps from here on were not compared (left-out parts)
 
+    @property
+    def inconclusive(self) -> str | None:
+        """Why "the same inputs" cannot speak for the whole run: steps left uncompared."""
+        if self.first_step is None and self.left_out_from is not None:
+            return f"steps from {self.left_out_from} on are in a left-out part (not compared)"
+        return None
+
     def sentence(self, a: str, b: str) -> str:
+        if self.first_step is None and self.left_out_from == 0:
+            return f"{a} and {b} share no step to compare: a left-out part holds rows of step 0"
         if self.first_step is None and self.left_out_from is not None:
             return (
                 f"{a} and {b} record the same inputs at every step before step "
