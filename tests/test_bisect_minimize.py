@@ -506,6 +506,21 @@ def test_minimize_replays_up_to_the_first_gap(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("table", ["launches", "batch_rows", "sched", "steps"])
+def test_minimize_names_a_gap_at_step_0(tmp_path: Path, table: str) -> None:
+    """A left-out part holding step 0 once left an empty trace to replay: "the trace holds
+    no align-kernel launches" (exit 2), or, with the steps part gone, "replays clean" though
+    nothing was replayed. Both are the gap at step 0, inconclusive (exit 125)."""
+    buggy = toggle_trace("reorder-threshold-mismatch", 0)
+    damaged = _with_half_a_part(buggy, tmp_path / "damaged.trace", table)
+    if table == "steps":  # the part gone, not only cut: no step row is left at all
+        next((damaged / "steps").glob("*.parquet")).unlink()
+    proc = run_cli("minimize", str(damaged), "-o", str(tmp_path / "m"), "--skip-bad-parts")
+    err = assert_one_sentence_error(proc, 125)
+    assert "has a gap at step 0" in err and "before any finding" in err, err
+    assert not (tmp_path / "m").exists()
+
+
 def test_minimize_reaches_a_fixed_point(tmp_path: Path) -> None:
     """The prefix trim once ran last, after the requests and steps were reduced, so a repro
     minimized again lost more requests and steps. Now the passes repeat until none removes

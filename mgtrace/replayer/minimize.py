@@ -434,12 +434,11 @@ def minimize(
     # As bisect does, replay only up to the first gap: the steps after the first finding
     # are cut anyway, so only a gap before it leaves nothing to trust.
     gap = _first_gap(reader, full)
+    if gap is not None and gap[1] <= 0:  # no step before it to replay
+        raise _untrusted(trace_path, gap)
     base = outcome(full if gap is None else truncate(full, gap[1] - 1), rules)
     if base.first_step is None and gap is not None:
-        raise InconclusiveError(
-            f"rank {gap[0]} of {trace_path} has a gap at step {gap[1]} (dropped, unrecorded or "
-            "left-out steps) before any finding; the shadow state after it cannot be trusted"
-        )
+        raise _untrusted(trace_path, gap)
     if base.first_step is None:
         raise InconclusiveError(
             f"{trace_path} replays clean under {rules.canonical()}; there is nothing to minimize"
@@ -501,12 +500,25 @@ def minimize(
     )
 
 
+def _untrusted(trace_path: Path, gap: tuple[int, int]) -> InconclusiveError:
+    return InconclusiveError(
+        f"rank {gap[0]} of {trace_path} has a gap at step {gap[1]} (dropped, unrecorded or "
+        "left-out steps) before any finding; the shadow state after it cannot be trusted"
+    )
+
+
 def _first_gap(reader: TraceReader, trace: MemoryTrace) -> tuple[int, int] | None:
     """The earliest (rank, step) missing from a rank's steps, or whose rows a part
     ``--skip-bad-parts`` left out held; None when every rank's steps are whole."""
     steps = trace.tables_["steps"]
     found: list[tuple[int, int]] = []
-    for rank in sorted(set(steps.column("rank").to_pylist())):
+    ranks = set(steps.column("rank").to_pylist())
+    # a rank whose steps rows were all left out has no row to be named by
+    left_out = [s for s in reader.skipped if s.table in REPLAY_TABLES]
+    ranks |= {s.rank for s in left_out if s.rank is not None}
+    if left_out and not ranks:
+        ranks = {0}
+    for rank in sorted(ranks):
         mine = steps.filter(pc.equal(steps.column("rank"), rank)).column("step")
         gaps = [first_gap(np.sort(np.asarray(mine, np.int64)))]
         gaps += [max(first, 0) for first, _ in reader.steps_left_out(rank, REPLAY_TABLES)]
