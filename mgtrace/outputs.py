@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import tempfile
 from pathlib import Path
 
 from mgtrace.errors import OutputError, UsageError
@@ -26,11 +29,20 @@ def refuse_overwriting_inputs(output: Path, *inputs: Path | None) -> None:
 
 def require_writable_parent(output: Path, what: str) -> None:
     """Refuse, before any work, an ``output`` whose nearest existing folder above it is not a
-    directory this user can write (``what``: how the sentence names the output)."""
+    directory this user can write (``what``: how the sentence names the output).
+
+    Writable is tried, not inferred: a file is created there and removed again, since
+    permission bits say nothing for root, a read-only mount or /proc."""
     above = Path(os.path.abspath(output)).parent
     while not above.exists() and above != above.parent:
         above = above.parent
     if not above.is_dir():
         raise OutputError(f"cannot write {what}: {above} is not a directory")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write {what}: {above} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mgtrace-probe-", dir=above)
+    except OSError as exc:  # ENOENT: a file system that makes no files (/proc) says only that
+        why = "" if exc.errno == errno.ENOENT else f" ({exc.strerror or exc})"
+        raise OutputError(f"cannot write {what}: no file can be created in {above}{why}") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)

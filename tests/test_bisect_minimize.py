@@ -358,6 +358,10 @@ def test_minimize_refuses_an_existing_output_before_any_replay(
     (tmp_path / "test_r2.py").write_text("")
     with pytest.raises(OutputError, match="already exists"):
         mod.minimize(trace, tmp_path / "r2")
+    # /proc takes no new file, though its permission bits let root pass
+    if Path("/proc/self").is_dir():
+        with pytest.raises(OutputError, match="no file can be created in /proc"):
+            mod.minimize(trace, Path("/proc/r4"))
     with pytest.raises(Replayed):
         mod.minimize(trace, tmp_path / "r3")
 
@@ -474,6 +478,21 @@ def test_bisect_log_never_overwrites_what_is_not_a_bisect_log(tmp_path: Path) ->
     ):
         proc = run_cli("bisect", str(trace), "--log", str(path))
         assert words in assert_one_sentence_error(proc, 2)
+    # a folder that cannot hold the log was found out only after the whole bisect
+    (tmp_path / "afile").write_text("x")
+    for path, words in (
+        (tmp_path / "nodir" / "v.json", "does not exist"),
+        (tmp_path / "afile" / "v.json", "is not a directory"),
+        *(
+            [(Path("/proc/v.json"), "no file can be created")]
+            if Path("/proc/self").is_dir()
+            else []
+        ),
+    ):
+        proc = run_cli("bisect", str(trace), "--log", str(path))
+        assert words in assert_one_sentence_error(proc, 2)
+        assert not proc.stdout, proc.stdout  # no verdict: refused before the bisect ran
+    assert not (tmp_path / "nodir").exists()
     assert (trace / "manifest.json").read_bytes() == manifest
     assert notes.read_text() == '{"mine": 1}' and not (trace / "steps" / "log.json").exists()
     verdict = bisect(trace)

@@ -364,3 +364,33 @@ def test_the_rows_note_says_the_total_where_it_is_known() -> None:
         console = Console(file=io.StringIO(), width=200)
         render_arrow(shown, console, more=True, total=total)
         assert console.file.getvalue().rstrip().splitlines()[-1].startswith(note)
+
+
+def test_an_output_no_file_can_be_made_at_is_refused_before_any_work(
+    sample_trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """report -o FILE/r.html once replayed and bisected the whole trace, then failed "Not a
+    directory": only the parent's existence was checked. A parent that is a file, or a
+    folder no file can be created in (/proc: permission bits let root pass), is refused
+    first. Control: a writable folder gets the report."""
+    from mgtrace import report
+
+    made: list[Path] = []
+    monkeypatch.setattr(report, "write_report", lambda trace, out, **kw: made.append(out))
+    (tmp_path / "afile").write_text("x")
+    cases = [(tmp_path / "afile", f"{tmp_path / 'afile'} is not a directory")]
+    if Path("/proc/self").is_dir():
+        cases.append((Path("/proc"), "no file can be created in /proc"))
+    for folder, words in cases:
+        for argv, name in (
+            (["report", str(sample_trace)], "r.html"),
+            (["sql", str(sample_trace), QUERY], "r.csv"),
+        ):
+            out = folder / name
+            assert main([*argv, "-o", str(out)]) == 2
+            err = capsys.readouterr().err
+            assert err == f"mgtrace: error: cannot write {out}: {words}\n", err
+    assert made == []
+    assert main(["report", str(sample_trace), "-o", str(tmp_path / "r.html")]) == 0
+    assert made == [tmp_path / "r.html"]
+    assert not list(tmp_path.glob(".mgtrace-probe-*"))  # the probe file is gone again

@@ -751,3 +751,21 @@ def test_recorded_run_metadata_is_always_readable() -> None:
     assert run.runner_reorder_threshold is None
     with pytest.raises(ManifestError, match="num_blocks must be at least 1"):
         read_back(RunMetadata(num_blocks=0))  # the control: the raw value is refused
+
+
+def test_record_refuses_an_output_no_file_can_be_created_in(tmp_path: Path) -> None:
+    """As root, permission bits let /proc pass: the engine ran, and was then blamed for
+    recording nothing. The folder is now tried before the engine starts. Control: a
+    file for a parent is refused the same way."""
+    from tests.conftest import assert_one_sentence_error, run_cli
+
+    (tmp_path / "afile").write_text("x")
+    outs = [(tmp_path / "afile" / "t", f"{tmp_path / 'afile'} is not a directory")]
+    if Path("/proc/self").is_dir():
+        outs.append((Path("/proc/t"), "no file can be created in /proc"))
+    marker = tmp_path / "engine-ran"
+    for out, words in outs:
+        proc = run_cli("record", "-o", str(out), "--", "touch", str(marker))
+        err = assert_one_sentence_error(proc, 2)
+        assert err == f"mgtrace: error: cannot write the trace to {out}: {words}", err
+    assert not marker.exists()

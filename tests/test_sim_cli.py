@@ -76,6 +76,26 @@ def test_an_output_in_a_missing_directory_is_refused(tmp_path: Path) -> None:
     assert _invoke("--steps", "5", "-o", str(out)).exception is None
 
 
+def test_an_output_no_file_can_be_created_in_is_refused_before_simulating(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parent that is a file read as "the directory does not exist"; /proc, whose bits let
+    root pass, failed only after the whole simulation."""
+    import mgtrace.sim.cli as mod
+
+    ran: list[object] = []
+    monkeypatch.setattr(mod, "run_simulation", lambda cfg, **kw: ran.append(cfg))
+    (tmp_path / "afile").write_text("x")
+    cases = [(tmp_path / "afile" / "t", "is not a directory")]
+    if Path("/proc/self").is_dir():
+        cases.append((Path("/proc/t"), "no file can be created in /proc"))
+    for out, words in cases:
+        res = _invoke("--steps", "5", "-o", str(out))
+        assert isinstance(res.exception, MgtraceError), res.exception
+        assert words in res.exception.message and res.exception.exit_code == 2
+    assert ran == []
+
+
 def test_python_m_mgtrace_sim_keeps_the_error_contract(tmp_path: Path) -> None:
     """An OSError (here a name too long) was a traceback there; `mgtrace simulate` said it in
     one sentence. Control: the same command through mgtrace."""

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from mgtrace.atomic import atomic_write
 from mgtrace.errors import OutputError
+from mgtrace.outputs import require_writable_parent
 
 FORMATS = ("table", "csv", "json", "parquet")
 
@@ -133,6 +134,7 @@ def check_output_path(path: Path, *, force: bool) -> None:
         raise OutputError(f"{path} already exists; pass --force to overwrite it")
     if path.exists() and path.is_dir():
         raise OutputError(f"{path} is a directory; give a file name")
+    require_writable_parent(path, str(path))  # a file or /proc above it fails here, not later
     if not path.parent.exists():
         raise OutputError(f"the directory {path.parent} does not exist")
 
