@@ -16,6 +16,7 @@ import click
 
 from mgtrace.errors import EXIT_CORRUPTION
 from mgtrace.render import render_replay, render_verdict, stdout_console
+from mgtrace.shell import shell_path
 
 
 @click.command("demo")
@@ -89,7 +90,7 @@ def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
             f"total {time.perf_counter() - t0:.1f} s"
         )
         if kept:
-            out.print(f"next: mgtrace sql {output} --list")
+            out.print(f"next: mgtrace sql {shell_path(output)} --list", markup=False)
         else:
             out.print(
                 "the trace was temporary and is now removed; `mgtrace demo -o DIR` keeps it, "

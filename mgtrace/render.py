@@ -10,6 +10,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from mgtrace.shell import shell_path
+
 
 class _PipedConsole(Console):
     def on_broken_pipe(self) -> None:
@@ -302,7 +304,8 @@ def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str |
     if replay_id is not None:
         console.print(
             _text(
-                f'next: mgtrace sql {trace} "SELECT step, req_id, kind, detail FROM findings '
+                f"next: mgtrace sql {shell_path(trace)} "
+                f'"SELECT step, req_id, kind, detail FROM findings '
                 f"WHERE replay_id = '{replay_id}' ORDER BY step LIMIT 20\""
             ),
             highlight=False,
@@ -327,5 +330,6 @@ def render_verdict(v: Any, console: Console, *, log: Any) -> None:
     )
     if log is not None:
         console.print(
-            _text(f"log: {log} (re-check with: mgtrace bisect --replay {log})"), style="dim"
+            _text(f"log: {log} (re-check with: mgtrace bisect --replay {shell_path(log)})"),
+            style="dim",
         )

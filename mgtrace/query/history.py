@@ -27,6 +27,7 @@ from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.schemas.manifest import RunMetadata
 from mgtrace.schemas.tables import SCHED_KINDS
 from mgtrace.schemas.writer import PART_SUFFIX
+from mgtrace.shell import path_arg
 
 if TYPE_CHECKING:
     from mgtrace.schemas.reader import TraceReader
@@ -269,7 +270,7 @@ def findings_note(
     if rules in saved or replay_saved(reader, rules):
         return f"the saved replay under {rules} found nothing for this request"
     hint = f"saved replays: {', '.join(saved)}" if saved else "no replay is saved yet"
-    command = shlex.join(["mgtrace", "replay", str(trace), *RuleSet.parse(rules).as_flags()])
+    command = shlex.join(["mgtrace", "replay", path_arg(trace), *RuleSet.parse(rules).as_flags()])
     return f"no findings of a replay under {rules} ({hint}); run: {command}"
 
 

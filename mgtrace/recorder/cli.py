@@ -14,6 +14,7 @@ import click
 from mgtrace.errors import MgtraceError, OutputError, UsageError
 from mgtrace.outputs import require_writable_parent
 from mgtrace.schemas.manifest import is_trace_directory
+from mgtrace.shell import shell_path
 
 if TYPE_CHECKING:
     from mgtrace.recorder.proctree import Proc
@@ -233,7 +234,7 @@ def _launch_outcome(output: Path, rc: int) -> str:
     state = "complete" if reader.complete else "incomplete"
     return (
         f"engine {_ended(rc)}; recorded {span} on {ranks} rank(s) into {output} "
-        f"({state}; mgtrace info {output} says more)"
+        f"({state}; mgtrace info {shell_path(output)} says more)"
     )
 
 

@@ -43,6 +43,7 @@ from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_repla
 from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.ranks import rank_directories
 from mgtrace.schemas.reader import TraceReader
+from mgtrace.shell import path_arg
 
 LOG_FORMAT = "mgtrace-bisect"
 DEFAULT_HORIZON = 32
@@ -297,7 +298,7 @@ class Bisector:
             parts = [
                 "mgtrace",
                 "replay",
-                str(self.path),
+                path_arg(self.path),
                 "--no-save",
                 *rules.as_flags(),
                 f"--to-step={to_step}",

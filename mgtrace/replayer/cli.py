@@ -24,6 +24,7 @@ from mgtrace.errors import (
     reason,
 )
 from mgtrace.replayer.rules import AS_RECORDED, RULES, RuleSet
+from mgtrace.shell import shell_path
 
 if TYPE_CHECKING:
     from mgtrace.schemas.reader import TraceReader
@@ -575,7 +576,9 @@ def minimize_cmd(
     )
     out.print(f"{result.queries} replays in {result.wall_s:.1f} s", style="dim")
     out.print(f"wrote {result.output} and {result.test_file}", highlight=False)
-    out.print(f"next: python -m pytest {result.test_file}", highlight=False)
+    out.print(
+        f"next: python -m pytest {shell_path(result.test_file)}", markup=False, highlight=False
+    )
     return EXIT_CLEAN
 
 

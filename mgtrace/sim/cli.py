@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mgtrace.errors import UsageError
 from mgtrace.outputs import require_writable_parent
+from mgtrace.shell import shell_path
 from mgtrace.sim.config import BUGS, SimConfig
 from mgtrace.sim.engine import simulate as run_simulation
 
@@ -140,7 +141,7 @@ def _simulate(
         where = f"first corrupts step {first}" if first is not None else "corrupted nothing"
         n = len(entry["affected_requests"])
         err.print(f"  {name}: {where}, {n} request{'s' if n != 1 else ''} affected")
-    err.print(f"next: mgtrace info {output}")
+    err.print(f"next: mgtrace info {shell_path(output)}", markup=False, highlight=False)
 
 
 simulate = click.command("simulate")(_simulate)
