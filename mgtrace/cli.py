@@ -23,6 +23,8 @@ from mgtrace.errors import EXIT_USAGE, MgtraceError
 EXIT_INTERNAL = 70  # sysexits EX_SOFTWARE: a bug in mgtrace, not in the input
 
 TRACE = click.Path(path_type=Path)
+# More rows than any terminal shows, and few enough that a SQL LIMIT (an int64) takes one more.
+MAX_ROWS_SHOWN = 2**62
 SKIP_BAD_PARTS = click.option(
     "--skip-bad-parts", is_flag=True, help="Read the valid parts and say which were skipped."
 )
@@ -46,7 +48,7 @@ def tabular_output(max_rows: int, noun: str) -> Callable[[Callable[..., Any]], C
         ),
         click.option(
             "--max-rows",
-            type=click.IntRange(min=1),
+            type=click.IntRange(min=1, max=MAX_ROWS_SHOWN),
             default=max_rows,
             show_default=True,
             help=f"{noun} shown by --format table.",

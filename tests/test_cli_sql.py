@@ -394,3 +394,17 @@ def test_an_output_no_file_can_be_made_at_is_refused_before_any_work(
     assert main(["report", str(sample_trace), "-o", str(tmp_path / "r.html")]) == 0
     assert made == [tmp_path / "r.html"]
     assert not list(tmp_path.glob(".mgtrace-probe-*"))  # the probe file is gone again
+
+
+@pytest.mark.parametrize("command", [["sql", QUERY], ["history", "req-0"]])
+def test_a_max_rows_too_large_to_use_is_a_usage_error(
+    sample_trace: Path, command: list[str], capsys
+) -> None:
+    """--max-rows past int64 was an internal error (exit 70) in history, and "the query
+    failed: Conversion Error" in sql (the LIMIT takes one more row). Both are refused as
+    usage errors. Control: the largest allowed value shows every row."""
+    trace, *rest = [str(sample_trace), *command[1:]]
+    for huge in (str(2**63 - 1), "10000000000000000000"):
+        assert main([command[0], trace, *rest, "--max-rows", huge]) == 2
+        assert "--max-rows" in capsys.readouterr().err
+    assert main([command[0], trace, *rest, "--max-rows", str(2**62)]) == 0
