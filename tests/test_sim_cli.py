@@ -57,6 +57,9 @@ def test_simulate_writes_a_trace_with_ground_truth(tmp_path: Path) -> None:
         ("--pp", "2"),
         ("--seed", "-1"),
         ("--num-blocks", "99999999999"),
+        # more than a manifest may hold: the trace was written, then unreadable
+        ("--block-size", "2000000", "--max-num-batched-tokens", "2000000"),
+        ("--max-num-batched-tokens", "3000000000"),
     ],
 )
 def test_bad_values_are_one_usage_error(tmp_path: Path, args: tuple[str, ...]) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mgtrace.schemas.manifest import MANIFEST_NAME
+from mgtrace.schemas.manifest import MANIFEST_NAME, RUN_LIMITS
 from tests.conftest import assert_one_sentence_error, run_cli
 
 pytestmark = pytest.mark.slow
@@ -78,6 +78,24 @@ def _edit_manifest(trace: Path, edit) -> None:
         (lambda m: m["run"].update(num_blocks=[4]), "run.num_blocks must be an integer or null"),
         (lambda m: m["run"].update(mamba_block_size=0), "run.mamba_block_size must be at least 1"),
         (lambda m: m["run"].update(runner="v3"), "run.runner must be v1 or v2"),
+        # values past any engine's: a replay sized arrays by them and failed inside numpy
+        (lambda m: m["run"].update(num_blocks=10**30), "run.num_blocks must be at most 2147483648"),
+        (lambda m: m["run"].update(num_blocks=10**12), "not 1000000000000"),
+        (
+            lambda m: m["run"].update(num_speculative_tokens=10**30),
+            "run.num_speculative_tokens must be at most 1024",
+        ),
+        (lambda m: m["run"].update(max_num_seqs=10**9), "run.max_num_seqs must be at most"),
+        (lambda m: m["run"].update(mamba_block_size=10**30), "run.mamba_block_size must be at"),
+        (lambda m: m["run"].update(pp_size=10**30), "run.pp_size must be at most 1024"),
+        (lambda m: m["run"]["states"][0].update(shape=[]), "run.states[0].shape must list one"),
+        (lambda m: m["run"]["states"][1].update(shape=[10**30, 4, 8]), "run.states[1].shape"),
+        (lambda m: m["run"]["states"][1].update(shape=[2, 0, 8]), "dimensions of 1 to 2**31"),
+        (lambda m: m["run"]["states"][1].update(shape=[2**20] * 3), "at most 2**40 elements"),
+        (lambda m: m["run"]["states"][0].update(shape=[6]), "conv state must have two dim"),
+        (lambda m: m["run"]["states"][0].update(group=-1), "run.states[0].group and layer"),
+        (lambda m: m["run"]["states"][0].update(kind="ssm"), "kind must be conv or temporal"),
+        (lambda m: m["run"]["states"][0].update(conv_layout="XY"), "conv_layout must be SD or DS"),
         (lambda m: m["run"].update(states=[["conv"]]), "run.states[0] must be an object"),
         (
             lambda m: m["run"]["states"][0].update(shape="6x64"),
@@ -123,6 +141,8 @@ def test_manifest_entries_of_the_right_type_are_read(fresh_trace: Path) -> None:
 
     def edit(m: dict) -> None:
         m["run"].update(num_speculative_tokens=2, async_scheduling=True, num_blocks=None)
+        m["run"].update({k: v for k, v in RUN_LIMITS.items() if k != "num_blocks"})
+        m["run"]["states"][0].update(shape=[4, 2**31], conv_layout="DS")
         m["drops"].update(step_ranges=[])
         m.update(errors={"a": {"count": 2, "first": "why"}})
         m.update(ground_truth={"injected": ["x"], "first_step": 3, "bugs": {}})
@@ -327,3 +347,25 @@ def test_a_replay_of_a_trace_still_being_written_says_its_findings_were_not_adde
     saved = run_cli("replay", str(trace), "--json")
     assert json.loads(saved.stdout)["replay_id"] is not None, saved.stderr
     assert any(p.table == "findings" for p in TraceReader(trace).parts)
+
+
+def test_a_pool_too_large_to_allocate_is_one_sentence(fresh_trace: Path) -> None:
+    """A pool within the manifest's limits can still be more than this machine holds: numpy's
+    MemoryError (or "maximum dimension exceeded") was an internal error, exit 70. Now the
+    replay names the size it needed. Control: the recorded pool replays."""
+    replay = ("replay", str(fresh_trace), "--no-save", "--layout", "full")
+    assert run_cli(*replay).returncode in (0, 1)
+    # pages of the recorded state sizes: 2**31 blocks of 2**38 bytes is past any memory
+    _edit_manifest(fresh_trace, lambda m: m["run"].update(num_blocks=2**31))
+    _edit_manifest(fresh_trace, lambda m: m["run"]["states"][1].update(shape=[2**12] * 3))
+    err = assert_one_sentence_error(run_cli(*replay), 2)
+    assert "the state pool of 2147483648 blocks" in err and "cannot be allocated" in err, err
+
+
+def test_block_tables_too_large_to_allocate_are_one_sentence() -> None:
+    from mgtrace.errors import UsageError
+    from mgtrace.replayer.tables import TableStore
+
+    with pytest.raises(UsageError, match=r"the block tables .* cannot be allocated here"):
+        TableStore(("v1",), 1, 2**40, 2**30)
+    assert TableStore(("v1",), 1, 4, 8).rows == 4  # the control

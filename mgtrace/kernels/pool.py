@@ -176,15 +176,27 @@ class StatePool:
                 raise UsageError(f"the pool buffer must be a flat uint8 array of >= {size} bytes")
             self._host = buffer
         elif buffer is None and str(device) == "cpu":
-            self._host = np.zeros(size, dtype=np.uint8)
+            try:
+                self._host = np.zeros(size, dtype=np.uint8)
+            except (MemoryError, ValueError):  # ValueError: more than numpy can index
+                raise self._too_large(size, device) from None
         else:
             import torch
 
             if buffer is None:
-                buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+                try:
+                    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+                except (MemoryError, RuntimeError):  # torch.OutOfMemoryError is a RuntimeError
+                    raise self._too_large(size, device) from None
             if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < size:
                 raise UsageError(f"the pool buffer must be a flat uint8 tensor of >= {size} bytes")
             self._buffer = buffer
+
+    def _too_large(self, size: int, device: object) -> UsageError:
+        return UsageError(
+            f"the state pool of {self.num_blocks} blocks of {self.page_bytes} bytes "
+            f"({size / 2**30:.1f} GiB) cannot be allocated on {device}"
+        )
 
     @property
     def buffer(self) -> torch.Tensor:

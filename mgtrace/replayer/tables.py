@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mgtrace.errors import UsageError
 from mgtrace.kernels.pool import BlockTables
 
 Update = tuple[int, str, int, list[int]]
@@ -48,8 +49,17 @@ class TableStore:
         self._flat: dict[str, list[np.ndarray]] = {}
         self.tables: dict[str, list[np.ndarray]] = {}
         self._snapshots: dict[str, BlockTables] = {}
-        for kind in kinds:
-            self._set(kind, [np.zeros((rows, width), dtype=np.int32) for _ in range(num_groups)])
+        kinds = tuple(kinds)
+        try:
+            for kind in kinds:
+                tables = [np.zeros((rows, width), dtype=np.int32) for _ in range(num_groups)]
+                self._set(kind, tables)
+        except (MemoryError, ValueError):  # ValueError: more than numpy can index
+            need = len(kinds) * num_groups * rows * width * 4 * 2  # each table, and its flat copy
+            raise UsageError(
+                f"the block tables ({len(kinds) * num_groups} of {rows} rows by {width} blocks, "
+                f"{need / 2**30:.1f} GiB) cannot be allocated here"
+            ) from None
 
     def _set(self, kind: str, tables: list[np.ndarray]) -> None:
         """Each table is a view into a flat buffer with one extra -1 at the end, so a gather

@@ -10,7 +10,17 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from mgtrace.schemas.manifest import Drops, Manifest, PartInfo, RunMetadata, StateLayout
+from mgtrace.schemas.manifest import (
+    MAX_STATE_DIM,
+    MAX_STATE_ELEMENTS,
+    RUN_LIMITS,
+    STATE_KINDS,
+    Drops,
+    Manifest,
+    PartInfo,
+    RunMetadata,
+    StateLayout,
+)
 from mgtrace.schemas.tables import SCHEMA_VERSION, TABLES
 
 HEADER = f"""# mgtrace trace format (schema version {SCHEMA_VERSION})
@@ -32,9 +42,10 @@ at a time under `.append.lock`, and never to a trace whose writer is still open.
 
 Readers refuse any `schema_version` other than {SCHEMA_VERSION}, a manifest entry whose value
 does not have its field's type (or a `run` value no engine can have, such as a block size of
-0), and a part that is missing or differs from its manifest entry. With `--skip-bad-parts` they
-read the rest; a replay then treats the steps a left-out part held rows of as gaps
-(inconclusive, exit 125, unless `--allow-gaps`). Token ids and prompt text are never recorded.
+0, or one past the limits below), and a part that is missing or differs from its manifest
+entry. With `--skip-bad-parts` they read the rest; a replay then treats the steps a left-out
+part held rows of as gaps (inconclusive, exit 125, unless `--allow-gaps`). Token ids and
+prompt text are never recorded.
 
 Keys marked **key** are the table's natural key and are never null.
 """
@@ -77,6 +88,11 @@ def _dataclass_section(title: str, cls: type) -> list[str]:
     return [*lines, ""]
 
 
+def _power(n: int) -> str:
+    """2**k for a power of two (as the limits are chosen), else the number."""
+    return f"2**{n.bit_length() - 1}" if n > 0 and n & (n - 1) == 0 else str(n)
+
+
 def render() -> str:
     lines = [HEADER, "## Manifest (`manifest.json`)", ""]
     lines += ["The top-level object. `run` describes the engine; `parts` the files.", ""]
@@ -88,6 +104,16 @@ def render() -> str:
         ("drops", Drops),
     ):
         lines += _dataclass_section(title, cls)
+        if cls is RunMetadata:
+            limits = ", ".join(f"`{k}` {_power(v)}" for k, v in RUN_LIMITS.items())
+            lines += [f"Largest values read (past any engine's): {limits}.", ""]
+        if cls is StateLayout:
+            lines += [
+                f"`kind` is one of {', '.join(STATE_KINDS)}; `group` and `layer` are 0 or more; "
+                f"`shape` lists one or more dimensions of 1 to {_power(MAX_STATE_DIM)}, at most "
+                f"{_power(MAX_STATE_ELEMENTS)} elements in all (two dimensions for conv).",
+                "",
+            ]
     lines += ["# Tables", ""]
     for name in TABLES:
         lines += _table_section(name)

@@ -8,6 +8,7 @@ each part, so a crashed writer leaves a manifest that lists only whole parts.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,21 @@ from mgtrace.schemas.tables import SCHEMA_VERSION, TABLES
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "mgtrace-trace"
 STATE_KINDS = ("conv", "temporal")
+# The largest values a manifest may hold: far past any engine's, yet small enough that a
+# replay sizing arrays by them (a pool of blocks, a table of rows) can say how much memory
+# it needs instead of failing inside numpy. A damaged manifest is refused at them.
+RUN_LIMITS = {
+    "mamba_block_size": 2**20,  # tokens per Mamba block
+    "num_speculative_tokens": 2**10,
+    "tp_size": 2**16,
+    "pp_size": 2**10,
+    "num_mamba_groups": 2**10,
+    "num_blocks": 2**31,  # blocks of the state pool
+    "max_num_seqs": 2**20,
+    "max_num_batched_tokens": 2**31,
+}
+MAX_STATE_DIM = 2**31  # one dimension of a state tensor, per block
+MAX_STATE_ELEMENTS = 2**40  # elements of a state tensor, per block
 
 
 @dataclass
@@ -32,6 +48,22 @@ class StateLayout:
     shape: list[int]  # per block, without the leading block dimension
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
     conv_layout: str | None = None  # SD (state_len, dim) | DS (dim, state_len); conv only
+
+    def problem(self) -> str | None:
+        """The first value no engine's state can have, in words; None when all can be."""
+        if self.kind not in STATE_KINDS:
+            return f"kind must be conv or temporal, not {self.kind!r:.60}"
+        if self.group < 0 or self.layer < 0:
+            return f"group and layer must be 0 or more, not {self.group} and {self.layer}"
+        if not self.shape or not all(1 <= d <= MAX_STATE_DIM for d in self.shape):
+            return f"shape must list one or more dimensions of 1 to 2**31, not {self.shape!r:.60}"
+        if math.prod(self.shape) > MAX_STATE_ELEMENTS:
+            return f"shape must hold at most 2**40 elements, not {self.shape!r:.60}"
+        if self.kind == "conv" and len(self.shape) != 2:
+            return f"shape of a conv state must have two dimensions, not {self.shape!r:.60}"
+        if self.kind == "conv" and (self.conv_layout or "SD") not in ("SD", "DS"):
+            return f"conv_layout must be SD or DS, not {self.conv_layout!r:.60}"
+        return None
 
 
 @dataclass
@@ -91,6 +123,14 @@ class RunMetadata:
         for name, (value, low) in at_least.items():
             if value is not None and value < low:
                 return f"run.{name} must be at least {low}, not {value}"
+            high = RUN_LIMITS[name]
+            if value is not None and value > high:
+                shown = value if value < 10**15 else f"{value:.3g}"
+                return f"run.{name} must be at most {high} (more than any engine has), not {shown}"
+        for i, state in enumerate(self.states):
+            problem = state.problem()
+            if problem:
+                return f"run.states[{i}].{problem}"
         return None
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mgtrace.errors import UsageError
+from mgtrace.schemas.manifest import RUN_LIMITS
 
 SCENARIOS = ("pairs", "mixed", "steady")
 RUNNERS = ("v1", "v2")
@@ -113,6 +114,13 @@ class SimConfig:
             raise UsageError(f"--max-num-seqs must be between 1 and 4096, got {self.max_num_seqs}")
         if self.mamba_block_size < 2 or self.mamba_block_size <= self.k:
             raise UsageError(f"--block-size ({self.mamba_block_size}) must exceed --k ({self.k})")
+        # what a manifest may hold (a trace read back refuses more)
+        for flag, value, name in (
+            ("--block-size", self.mamba_block_size, "mamba_block_size"),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens, "max_num_batched_tokens"),
+        ):
+            if value > RUN_LIMITS[name]:
+                raise UsageError(f"{flag} must be at most {RUN_LIMITS[name]}, got {value}")
         if self.max_num_batched_tokens < self.mamba_block_size:
             raise UsageError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
