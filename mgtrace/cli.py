@@ -321,7 +321,8 @@ def history(
 def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_parts: bool) -> None:
     """Write one self-contained HTML report of TRACE: run, timeline, findings, verdict.
 
-    Exit codes: 0 written, 2 usage error (output exists), 3 unreadable trace."""
+    Exit codes: 0 written, 2 usage error (output exists or cannot be written), 3 unreadable
+    trace."""
     from mgtrace.api import Trace
     from mgtrace.outputs import refuse_overwriting_inputs
     from mgtrace.query.export import check_output_path

@@ -41,3 +41,15 @@ def test_every_command_help_names_its_exit_codes(name: str) -> None:
 def test_the_readme_table_is_read() -> None:
     # the control: the parser above finds every code of the README's table
     assert _readme_codes() == {0, 1, 2, 3, 70, 125, 129, 130, 143}
+
+
+def test_the_interrupted_row_says_what_is_kept() -> None:
+    """The 130 row said "nothing half-written is left" of every command, but simulate keeps
+    the steps it wrote as a trace marked incomplete (test_sim_cli checks that it does), and
+    record keeps its trace. The row, and simulate's --help, say so."""
+    table = README.read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in table.splitlines() if line.startswith("| 130 |"))
+    assert "simulate" in row and "incomplete" in row and "record" in row, row
+    assert "nothing half-written is left" not in row, row
+    said = _help("simulate").split("Exit codes:", 1)[1]
+    assert "130 interrupted" in said and "incomplete" in said, said

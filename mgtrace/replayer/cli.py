@@ -528,7 +528,8 @@ def minimize_cmd(
     """Delta-debug TRACE down to the fewest requests and steps that still show the same
     finding (pinned by its signature); write it with a standalone pytest file.
 
-    Exit codes: 0 minimized, 2 usage error, 3 unreadable trace, 125 nothing to minimize.
+    Exit codes: 0 minimized, 2 usage error, 3 unreadable trace, 125 nothing to minimize
+    (a clean replay, or a gap before the first finding).
     """
     from dataclasses import asdict
 

@@ -102,7 +102,8 @@ def _simulate(
     batch-row-block-table (needs --runner v2 --pp 2+), async-accepted-race,
     stale-condense-row. The manifest's ground_truth says which step each one first corrupts.
 
-    Exit codes: 0 written, 2 usage error (bad option, output exists).
+    Exit codes: 0 written, 2 usage error (bad option, output exists or cannot be written),
+    130 interrupted (the steps written so far are kept, in a trace marked incomplete).
     """
     if output is None:
         raise UsageError("missing the output trace path; pass -o TRACE")
