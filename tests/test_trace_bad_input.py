@@ -92,7 +92,6 @@ def _edit_manifest(trace: Path, edit) -> None:
         (lambda m: m["run"]["states"][1].update(shape=[10**30, 4, 8]), "run.states[1].shape"),
         (lambda m: m["run"]["states"][1].update(shape=[2, 0, 8]), "dimensions of 1 to 2**31"),
         (lambda m: m["run"]["states"][1].update(shape=[2**20] * 3), "at most 2**40 elements"),
-        (lambda m: m["run"]["states"][0].update(shape=[6]), "conv state must have two dim"),
         (lambda m: m["run"]["states"][0].update(group=-1), "run.states[0].group and layer"),
         (lambda m: m["run"]["states"][0].update(kind="ssm"), "kind must be conv or temporal"),
         (lambda m: m["run"]["states"][0].update(conv_layout="XY"), "conv_layout must be SD or DS"),
@@ -150,6 +149,19 @@ def test_manifest_entries_of_the_right_type_are_read(fresh_trace: Path) -> None:
     _edit_manifest(fresh_trace, edit)
     proc = run_cli("info", str(fresh_trace))
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("shape", [[6], [2, 3, 4]])
+def test_a_conv_state_of_other_dimensions_is_read_but_not_replayed(
+    fresh_trace: Path, shape: list[int]
+) -> None:
+    """An engine whose conv state is not (state_len, dim) per block still has a trace to
+    query; only a replay, which models that window, refuses it (the first of these used to
+    stop in an IndexError, exit 70)."""
+    _edit_manifest(fresh_trace, lambda m: m["run"]["states"][0].update(shape=shape))
+    assert run_cli("info", str(fresh_trace)).returncode == 0
+    err = assert_one_sentence_error(run_cli("replay", str(fresh_trace), "--no-save"), 2)
+    assert "conv state has shape" in err, err
 
 
 def test_truncated_part(fresh_trace: Path) -> None:

@@ -159,6 +159,11 @@ class GroupStates:
 def _group_conv_width(run: RunMetadata, group: int) -> tuple[int, str]:
     for s in run.states:
         if s.group == group and s.kind == "conv":
+            if len(s.shape) != 2:  # readable (info, sql), but not a window this replay models
+                raise UsageError(
+                    f"group {group}'s conv state has shape {list(s.shape)}; the replay models "
+                    "a conv state of two dimensions per block (SD or DS)"
+                )
             layout = s.conv_layout or "SD"
             return int(s.shape[0] if layout == "SD" else s.shape[1]), layout
     return 0, "SD"

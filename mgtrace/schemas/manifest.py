@@ -59,8 +59,6 @@ class StateLayout:
             return f"shape must list one or more dimensions of 1 to 2**31, not {self.shape!r:.60}"
         if math.prod(self.shape) > MAX_STATE_ELEMENTS:
             return f"shape must hold at most 2**40 elements, not {self.shape!r:.60}"
-        if self.kind == "conv" and len(self.shape) != 2:
-            return f"shape of a conv state must have two dimensions, not {self.shape!r:.60}"
         if self.kind == "conv" and (self.conv_layout or "SD") not in ("SD", "DS"):
             return f"conv_layout must be SD or DS, not {self.conv_layout!r:.60}"
         return None
