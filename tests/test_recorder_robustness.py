@@ -316,6 +316,27 @@ def test_a_failed_capture_gives_its_slot_back() -> None:
     assert not ring.grab([good], [4], {}) and ring.dropped == 1
 
 
+def _hand_driven_session(
+    out: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Session, SimpleNamespace, Any, list[str]]:
+    """A thread-assembler session whose recorder thread does nothing (its ``_drain`` is
+    driven by hand), a launch context, a capture vector and the precopy's vector names."""
+    import torch
+
+    monkeypatch.setattr(Session, "_loop", lambda self: None)
+    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="thread")
+    return (
+        sess,
+        SimpleNamespace(),
+        torch.arange(4, dtype=torch.int32),
+        [
+            "state_idx",
+            "src_col",
+            "token_bias",
+        ],
+    )
+
+
 def _so() -> SimpleNamespace:
     return SimpleNamespace(
         total_num_scheduled_tokens=0,
@@ -428,16 +449,11 @@ def test_a_failing_required_hook_drops_its_step_counted(
     (a launch, a row move): the step is dropped and counted, the others stay whole. An
     optional hook (a builder's split) only leaves its column empty: nothing is dropped,
     the control."""
-    import torch
 
     from mgtrace.recorder.hooks_common import hook
 
-    monkeypatch.setattr(Session, "_loop", lambda self: None)  # its _drain, driven by hand
     out = tmp_path / "t"
-    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="thread")
-    ctx = SimpleNamespace()
-    vec = torch.arange(4, dtype=torch.int32)
-    names = ["state_idx", "src_col", "token_bias"]
+    sess, ctx, vec, names = _hand_driven_session(out, monkeypatch)
 
     def before(s: Session, args: Any, kwargs: Any) -> None:
         if s.step == 1:
@@ -593,7 +609,6 @@ def test_a_step_the_assembler_cannot_assemble_is_dropped_counted(
     is dropped and counted, and its launches are not written without it; a batch the
     assembler cannot hand to the writer drops its steps, counted. Control (None): every
     step and launch written."""
-    import torch
 
     from mgtrace.recorder import assemble
     from mgtrace.recorder.step_tables import StepTables
@@ -612,12 +627,8 @@ def test_a_step_the_assembler_cannot_assemble_is_dropped_counted(
 
     monkeypatch.setattr(StepTables, "build", bad_build)
     monkeypatch.setattr(assemble, "merge_steps", bad_merge)
-    monkeypatch.setattr(Session, "_loop", lambda self: None)  # its _drain, driven by hand
     out = tmp_path / "t"
-    sess = Session(out, rank=0, kind="v1", run=RunMetadata(), assembler="thread")
-    ctx = SimpleNamespace()
-    vec = torch.arange(4, dtype=torch.int32)
-    names = ["state_idx", "src_col", "token_bias"]
+    sess, ctx, vec, names = _hand_driven_session(out, monkeypatch)
     for _ in range(3):
         sess.begin_step(_so())
         sess.grab([vec] * 3, [4] * 3, _tag(sess, ctx, "precopy", 4, names))
