@@ -274,6 +274,18 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _sigterm_is_default(pid: int) -> bool:
+    """Whether the process no longer catches SIGTERM (its SigCgt mask in /proc)."""
+    import signal
+
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(x for x in status.splitlines() if x.startswith("SigCgt:")).split()[1], 16)
+    return not caught & (1 << (signal.SIGTERM - 1))
+
+
 @pytest.fixture
 def replay_with_stopped_workers():
     """A real `mgtrace replay --jobs 2` whose two workers have started and are held
@@ -299,6 +311,11 @@ def replay_with_stopped_workers():
             assert proc.poll() is None, "the replay ended before both workers were seen"
             assert time.monotonic() < deadline, "no workers started"
             kids = _children(proc.pid)
+        # a worker stopped before its start-up asked to die with its parent would outlive
+        # it: wait until it has (its SIGTERM handler is the default again, which comes last)
+        while not all(_sigterm_is_default(kid) for kid in kids):
+            assert time.monotonic() < deadline, "the workers did not start up"
+            time.sleep(0.01)
         for kid in kids:
             os.kill(kid, signal.SIGSTOP)
         yield proc, kids

@@ -383,15 +383,16 @@ def _stopped_by_signals() -> Iterator[_SignalStop]:
 def _worker_start(parent: int) -> None:
     """In a worker, first: take SIGTERM and SIGHUP as a plain process does (a fork inherits
     the parent's handlers, which are for the parent), and on Linux die with the parent, which
-    cannot stop its workers when it is SIGKILLed."""
+    cannot stop its workers when it is SIGKILLed. The handlers go last: once they are the
+    defaults again (``SigCgt`` in /proc), the worker dies with its parent."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
     for s in _STOP_SIGNALS:
         signal.signal(s, signal.SIG_DFL)
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
