@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,36 @@ def test_append_table_adds_findings_part(fresh_trace: Path) -> None:
     assert reader.complete
 
 
+def test_append_table_leaves_no_lock_file(fresh_trace: Path) -> None:
+    """The append lock is a file of its own; a finished trace holds only the trace's files."""
+    append_table(fresh_trace, "findings", _finding("r2"), tag="replay-r2")
+    assert not list(fresh_trace.glob(".*.lock"))
+
+
+def test_an_appender_whose_lock_file_was_removed_locks_anew(
+    fresh_trace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An appender that waited on the lock of a file its holder then removed holds a lock no
+    later appender sees; it must lock the file at the path instead."""
+    from mgtrace.schemas import writer
+
+    real_flock = writer.fcntl.flock
+    locked: list[int] = []
+
+    def flock_as_the_holder_finishes(fd: int, op: int) -> None:
+        real_flock(fd, op)
+        if op == writer.fcntl.LOCK_EX:
+            locked.append(os.fstat(fd).st_ino)
+            if len(locked) == 1:  # the previous holder removes the file as we get its lock
+                (fresh_trace / writer.APPEND_LOCK).unlink()
+
+    monkeypatch.setattr(writer.fcntl, "flock", flock_as_the_holder_finishes)
+    append_table(fresh_trace, "findings", _finding("r3"), tag="replay-r3")
+    assert len(locked) == 2
+    assert "findings/replay-r3.parquet" in {p.path for p in TraceReader(fresh_trace).parts}
+    assert not list(fresh_trace.glob(".*.lock"))
+
+
 def _finding(replay_id: str) -> pa.Table:
     return pa.Table.from_pylist(
         [{"replay_id": replay_id, "kind": "foreign_state", "signature": "sig", "step": 4}],
@@ -173,6 +204,7 @@ def test_appends_from_processes_at_once_all_stay_listed(fresh_trace: Path, tmp_p
     assert [c.wait(timeout=120) for c in children] == [0] * n
     listed = {p.path for p in TraceReader(fresh_trace).parts}
     assert listed == before | {f"findings/replay-c{i}.parquet" for i in range(n)}
+    assert not list(fresh_trace.glob(".*.lock"))  # removed by whichever appender was last
 
 
 def test_a_trace_still_being_written_refuses_appends(tmp_path: Path) -> None:

@@ -38,7 +38,8 @@ part with its row count, byte size and SHA-256. A reader trusts only the manifes
 file is an open part of an interrupted writer and is never read. `complete` is true only
 when the writer closed cleanly. An open writer holds an `flock` on `.writing.lock` (removed
 when it closes); parts added to a closed trace later (replay findings) are added one process
-at a time under `.append.lock`, and never to a trace whose writer is still open.
+at a time under an `flock` on `.append.lock` (removed when the part is added), and never to
+a trace whose writer is still open.
 
 Readers refuse any `schema_version` other than {SCHEMA_VERSION}, a manifest entry whose value
 does not have its field's type (or a `run` value no engine can have, such as a block size of

@@ -482,13 +482,38 @@ os.register_at_fork(after_in_child=_drop_inherited_writing_locks)
 @contextlib.contextmanager
 def _appending(trace_dir: Path) -> Iterator[None]:
     """Hold the trace's append lock: adding a part reads, extends and rewrites the manifest,
-    and two processes doing that at once would each drop the other's part."""
-    fd = os.open(trace_dir / APPEND_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    and two processes doing that at once would each drop the other's part.
+
+    The lock file is removed before the lock is released, so a finished trace holds only
+    its own files. A process that waited on a file removed meanwhile holds a lock nobody
+    else sees: it finds the path gone or naming another file, and opens the path anew."""
+    path = trace_dir / APPEND_LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(fd, path):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # while still locked: no one can hold this file's lock after us
         os.close(fd)  # releases the lock
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def writer_is_open(trace_dir: Path) -> bool:
