@@ -160,6 +160,12 @@ def render_info(info: dict[str, Any], console: Console) -> None:
         t.add_row("[yellow]skipped part[/]", _text(f"{s['path']}: {s['reason']}"))
     for p in info["open_parts_left"]:
         t.add_row("[yellow]open part left[/]", _text(p))
+    if info["unlisted_parts"]:
+        unlisted = info["unlisted_parts"]
+        more = f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""
+        t.add_row(
+            "[yellow]unlisted parts[/]", _text(f"{unlisted[0]}{more} (not counted, never read)")
+        )
     console.print(t)
     rows = Table(title="rows per table", title_justify="left")
     rows.add_column("table")

@@ -124,6 +124,23 @@ def test_info_json(sample_trace: Path, capsys) -> None:
     assert info["bytes_on_disk"] > 0
 
 
+def test_info_counts_only_the_parts_the_manifest_lists(fresh_trace: Path, capsys) -> None:
+    """A part renamed by a writer killed before it updated the manifest is no part of the
+    trace: it was counted in the size on disk."""
+    import shutil
+
+    assert main(["info", str(fresh_trace), "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    listed = next((fresh_trace / "batch_rows").glob("*.parquet"))
+    shutil.copy(listed, fresh_trace / "batch_rows" / "r0-999999.parquet")
+    assert main(["info", str(fresh_trace), "--json"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    assert after["bytes_on_disk"] == before["bytes_on_disk"]
+    assert after["unlisted_parts"] == ["batch_rows/r0-999999.parquet"]
+    assert main(["info", str(fresh_trace)]) == 0
+    assert "batch_rows/r0-999999.parquet (not counted" in capsys.readouterr().out
+
+
 def test_info_table(sample_trace: Path, capsys) -> None:
     assert main(["info", str(sample_trace)]) == 0
     out = capsys.readouterr().out

@@ -43,4 +43,5 @@ def trace_info(reader: TraceReader) -> dict[str, Any]:
         "replays": int(replays),
         "skipped_parts": [asdict(s) for s in reader.skipped],
         "open_parts_left": reader.open_parts_left(),
+        "unlisted_parts": reader.unlisted_parts(),
     }

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from mgtrace.errors import PartError, TraceNotFoundError
 from mgtrace.schemas.manifest import Manifest, PartInfo, load_manifest
 from mgtrace.schemas.tables import TABLES, table_spec
-from mgtrace.schemas.writer import TMP_SUFFIX
+from mgtrace.schemas.writer import PART_SUFFIX, TMP_SUFFIX
 
 _HASH_CHUNK = 1 << 22
 
@@ -135,7 +135,15 @@ class TraceReader:
         ]
 
     def size_on_disk(self) -> int:
-        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+        """Bytes of the usable parts the manifest lists: a file it does not list (a part
+        renamed by a writer killed before its manifest update) is not part of the trace."""
+        return sum(p.bytes for p in self.parts)
+
+    def unlisted_parts(self) -> list[str]:
+        """Complete part files that the manifest does not list (never read)."""
+        listed = {p.path for p in self.manifest.parts}
+        found = [*self.path.glob(f"*/*{PART_SUFFIX}"), *self.path.glob(f"rank-*/*/*{PART_SUFFIX}")]
+        return sorted(r for p in found if (r := p.relative_to(self.path).as_posix()) not in listed)
 
     def part_files(self, table: str) -> list[Path]:
         table_spec(table)
