@@ -584,6 +584,21 @@ def test_diff_traces_ignores_timing_and_names_missing_steps(tmp_path: Path) -> N
     assert diff_traces(TraceReader(a), TraceReader(other)).first_step is not None
 
 
+def test_diff_traces_of_an_unfinished_recording_is_inconclusive(tmp_path: Path) -> None:
+    """Two traces with the same inputs, one of a recording that did not finish, were "the
+    same at every step", exit 0, though the run may go on where the recording stopped:
+    exit 125, as replay and bisect say of such a trace. Control: both finished, exit 0."""
+    clean = sim_trace(None, 1, 300, scenario="pairs", runner="v1")
+    whole = _with_steps_removed(clean, tmp_path / "whole.trace", set())
+    cut = _with_steps_removed(clean, tmp_path / "cut.trace", set(), complete=False)
+    proc = run_cli("diff", str(whole), str(cut))
+    assert proc.returncode == 125, proc.stdout + proc.stderr
+    assert "did not finish" in proc.stdout, proc.stdout
+    said = json.loads(run_cli("diff", str(cut), str(whole), "--json").stdout)
+    assert "the first trace: the recording did not finish" in said["inconclusive"], said
+    assert run_cli("diff", str(whole), str(clean)).returncode == 0
+
+
 def _with_half_a_part(src: Path, dst: Path, table: str) -> Path:
     """A copy of SRC whose first part of TABLE is cut in half, as a full disk leaves it."""
     shutil.copytree(src, dst)

@@ -18,17 +18,24 @@ from mgtrace.replayer.steps import (
 from mgtrace.schemas.tables import SCHED_KINDS
 
 
-def unseen_reason(reader: Any, gaps: bool = False) -> str | None:
-    """Why a clean replay of ``reader``'s trace is inconclusive, or None when it is not.
-    ``gaps``: the replay met steps missing from the trace. Only the tables a replay reads
-    count: a left-out part of another one hides nothing from it. A replay that met no step
-    it could replay is not called clean."""
+def missing_from(reader: Any, gaps: bool = False) -> list[str]:
+    """What ``reader``'s trace lacks of the run, each as a clause: dropped or left-out steps
+    (of the tables a replay reads; ``gaps``: steps found missing), an unfinished recording."""
     problems = []
     left_out = any(s.table in REPLAY_TABLES for s in getattr(reader, "skipped", ()))
     if gaps or left_out or reader.manifest.drops.total_steps:
         problems.append("the trace has dropped or left-out steps")
     if not reader.manifest.complete:
         problems.append("the recording did not finish (complete=false)")
+    return problems
+
+
+def unseen_reason(reader: Any, gaps: bool = False) -> str | None:
+    """Why a clean replay of ``reader``'s trace is inconclusive, or None when it is not.
+    ``gaps``: the replay met steps missing from the trace. Only the tables a replay reads
+    count: a left-out part of another one hides nothing from it. A replay that met no step
+    it could replay is not called clean."""
+    problems = missing_from(reader, gaps)
     if not problems:
         return None
     if not _any_step_replayable(reader):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mgtrace.replayer import checkpoint as ckpt
-from mgtrace.replayer.coverage import unseen_reason
+from mgtrace.replayer.coverage import missing_from, unseen_reason
 from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
@@ -38,13 +38,25 @@ class TraceDiff:
     # the last step of the run the other trace lacks, when it has later steps (a gap)
     missing_to: int | None = None
     left_out_from: int | None = None  # steps from here on were not compared (left-out parts)
+    # what each trace lacks of its run (dropped steps, an unfinished recording), when they
+    # record the same inputs: the run may differ where it is missing
+    missing_a: list[str] = field(default_factory=list)
+    missing_b: list[str] = field(default_factory=list)
 
     @property
     def inconclusive(self) -> str | None:
         """Why "the same inputs" cannot speak for the whole run: steps left uncompared."""
-        if self.first_step is None and self.left_out_from is not None:
+        if self.first_step is not None:
+            return None
+        if self.left_out_from is not None:
             return f"steps from {self.left_out_from} on are in a left-out part (not compared)"
+        if self.missing_a or self.missing_b:
+            return self._missing("the first trace", "the second trace")
         return None
+
+    def _missing(self, a: str, b: str) -> str:
+        said = [f"{a}: {p}" for p in self.missing_a] + [f"{b}: {p}" for p in self.missing_b]
+        return "; ".join(said) + ", so the runs may differ in what is missing"
 
     def sentence(self, a: str, b: str) -> str:
         if self.first_step is None and self.left_out_from == 0:
@@ -53,6 +65,11 @@ class TraceDiff:
             return (
                 f"{a} and {b} record the same inputs at every step before step "
                 f"{self.left_out_from}, where rows of a left-out part begin (not compared)"
+            )
+        if self.first_step is None and (self.missing_a or self.missing_b):
+            return (
+                f"{a} and {b} record the same inputs at every step; inconclusive: "
+                + self._missing(a, b)
             )
         if self.first_step is None:
             return f"{a} and {b} record the same inputs at every step"
@@ -94,7 +111,9 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
             if best is None or (first[1], first[0]) < (best[1], best[0]):
                 best = first
     if best is None:
-        return TraceDiff(None, None, left_out_from=cut)
+        return TraceDiff(
+            None, None, left_out_from=cut, missing_a=missing_from(a), missing_b=missing_from(b)
+        )
     rank, step = best
     tables = [t for t, first in per_table.items() if first == best]
     steps_a, steps_b = _steps(a, rank), _steps(b, rank)
