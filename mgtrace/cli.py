@@ -221,7 +221,7 @@ def sql(
         return
     export_table(fetch_arrow(rel), fmt, output)
     if output is not None:
-        _stderr().print(f"wrote {output}")
+        _stderr().print(f"wrote {output}", markup=False, highlight=False)
 
 
 @cli.command()
@@ -289,7 +289,7 @@ def history(
     if fmt != "table":
         export_table(lines, fmt, output)
         if output is not None:
-            _stderr().print(f"wrote {output}")
+            _stderr().print(f"wrote {output}", markup=False, highlight=False)
         return
     out = _stdout()
     if not lines.num_rows:
@@ -331,7 +331,7 @@ def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_par
     refuse_overwriting_inputs(output, trace)
     check_output_path(output, force=force)
     write_report(Trace(trace, skip_bad_parts=skip_bad_parts), output, bisect=not no_bisect)
-    _stderr().print(f"wrote {output}")
+    _stderr().print(f"wrote {output}", markup=False, highlight=False)
 
 
 def main(

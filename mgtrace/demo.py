@@ -70,7 +70,8 @@ def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
         truth = (manifest.ground_truth or {}).get("bugs", {}).get(BUG_REORDER, {})
         out.print(
             f"wrote {output}: {steps} steps, {manifest.source.get('num_requests')} requests; "
-            f"the simulator injected the bug first at step {truth.get('first_step')}"
+            f"the simulator injected the bug first at step {truth.get('first_step')}",
+            markup=False,  # the path is printed as it is, brackets included
         )
         out.rule("2. replay (as recorded)")
         reader = TraceReader(output)

@@ -172,6 +172,16 @@ def test_canned_queries_are_listed_and_unknown_names_refused(sample_trace: Path,
     assert err.startswith("mgtrace: error: no canned query '@nope'") and len(err.splitlines()) == 1
 
 
+def test_wrote_line_prints_a_path_with_brackets_as_it_is(
+    sample_trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """The "wrote" line went through rich markup: "x[bold]y.csv" was printed as "xy.csv"."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["sql", str(sample_trace), "SELECT 1 AS one", "-o", "x[bold]y.csv"]) == 0
+    assert (tmp_path / "x[bold]y.csv").is_file()
+    assert "wrote x[bold]y.csv" in capsys.readouterr().err
+
+
 def test_output_format_follows_the_file_suffix(sample_trace: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "r.json"
     assert main(["sql", str(sample_trace), QUERY, "-o", str(out)]) == 0

@@ -93,6 +93,15 @@ def test_report_refuses_to_overwrite(report: Path) -> None:
     assert "already exists" in assert_one_sentence_error(proc, 2)
 
 
+def test_report_prints_a_path_with_brackets_as_it_is(report: Path, tmp_path: Path) -> None:
+    """The "wrote" line went through rich markup: "r[bold]x.html" was printed as "rx.html"."""
+    proc = run_cli(
+        "report", str(report.parent / "run"), "-o", "r[bold]x.html", "--no-bisect", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote r[bold]x.html" in proc.stderr and (tmp_path / "r[bold]x.html").is_file()
+
+
 def test_report_of_a_trace_with_a_left_out_part(report: Path, tmp_path: Path) -> None:
     """Gaps make the verdict inconclusive, not the report impossible: it still shows what a
     replay across them finds, under a warning. (It used to stop at the replay's refusal.)"""

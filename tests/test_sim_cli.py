@@ -191,3 +191,26 @@ def test_demo_refuses_an_existing_output_before_printing_anything(tmp_path: Path
         isinstance(res.exception, MgtraceError) and "not an mgtrace trace" in res.exception.message
     )
     assert res.output == "" and (out / "notes.txt").read_text() == "mine"
+
+
+def test_simulate_prints_a_path_with_brackets_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The "wrote" line went through rich markup: "s[bold]x" was printed as "sx". A
+    relative path keeps the line short enough not to wrap."""
+    monkeypatch.chdir(tmp_path)
+    res = _invoke("--steps", "5", "-o", "s[bold]x")
+    assert res.exception is None, res.output
+    assert "wrote s[bold]x (5 steps" in res.output + getattr(res, "stderr", "")
+
+
+def test_demo_prints_a_path_with_brackets_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The "wrote" line went through rich markup: "d[bold]x" was printed as "dx"."""
+    from mgtrace.demo import demo
+
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(demo, ["-o", "d[bold]x", "--steps", "100"], standalone_mode=False)
+    assert res.exception is None, res.output
+    assert "wrote d[bold]x: 100 steps" in res.output

@@ -136,7 +136,11 @@ def _simulate(
             cfg, progress=lambda n: bar.advance(task, n), argv=["mgtrace", *sys.argv[1:]]
         )
     truth = manifest.ground_truth or {}
-    err.print(f"wrote {output} ({cfg.steps} steps, {manifest.source.get('num_requests')} requests)")
+    err.print(
+        f"wrote {output} ({cfg.steps} steps, {manifest.source.get('num_requests')} requests)",
+        markup=False,  # the path is printed as it is, brackets included
+        highlight=False,
+    )
     for name, entry in truth.get("bugs", {}).items():
         first = entry["first_step"]
         where = f"first corrupts step {first}" if first is not None else "corrupted nothing"
