@@ -88,6 +88,34 @@ def _edit_manifest(trace: Path, edit) -> None:
         (lambda m: m["run"].update(max_num_seqs=10**9), "run.max_num_seqs must be at most"),
         (lambda m: m["run"].update(mamba_block_size=10**30), "run.mamba_block_size must be at"),
         (lambda m: m["run"].update(pp_size=10**30), "run.pp_size must be at most 1024"),
+        (
+            lambda m: m["run"].update(prefill_checkpoint_blocks=10**30),
+            "run.prefill_checkpoint_blocks must be at most 2147483648",
+        ),
+        (
+            lambda m: m["run"].update(prefill_checkpoint_blocks=-1),
+            "run.prefill_checkpoint_blocks must be at least 0",
+        ),
+        (
+            lambda m: m["run"].update(runner_reorder_threshold=10**30),
+            "run.runner_reorder_threshold must be at most 2147483648",
+        ),
+        (
+            lambda m: m["run"].update(runner_reorder_threshold=-4),
+            "run.runner_reorder_threshold must be at least 0",
+        ),
+        (
+            lambda m: m["run"].update(builder_reorder_thresholds={"mamba2": 10**30}),
+            "run.builder_reorder_thresholds['mamba2'] must be at most 2147483648",
+        ),
+        (
+            lambda m: m["run"].update(builder_reorder_thresholds={"mamba2": -1}),
+            "run.builder_reorder_thresholds['mamba2'] must be at least 0",
+        ),
+        (
+            lambda m: m["run"].update(max_num_batched_tokens=10**30),
+            "run.max_num_batched_tokens must be at most 2147483648",
+        ),
         (lambda m: m["run"]["states"][0].update(shape=[]), "run.states[0].shape must list one"),
         (lambda m: m["run"]["states"][1].update(shape=[10**30, 4, 8]), "run.states[1].shape"),
         (lambda m: m["run"]["states"][1].update(shape=[2, 0, 8]), "dimensions of 1 to 2**31"),
@@ -140,7 +168,9 @@ def test_manifest_entries_of_the_right_type_are_read(fresh_trace: Path) -> None:
 
     def edit(m: dict) -> None:
         m["run"].update(num_speculative_tokens=2, async_scheduling=True, num_blocks=None)
-        m["run"].update({k: v for k, v in RUN_LIMITS.items() if k != "num_blocks"})
+        limits = {k: v for k, v in RUN_LIMITS.items() if k != "num_blocks"}
+        limits["builder_reorder_thresholds"] = {"mamba2": limits["builder_reorder_thresholds"]}
+        m["run"].update(limits)
         m["run"]["states"][0].update(shape=[4, 2**31], conv_layout="DS")
         m["drops"].update(step_ranges=[])
         m.update(errors={"a": {"count": 2, "first": "why"}})

@@ -33,6 +33,10 @@ RUN_LIMITS = {
     "num_blocks": 2**31,  # blocks of the state pool
     "max_num_seqs": 2**20,
     "max_num_batched_tokens": 2**31,
+    # a reorder threshold is a query length in tokens: never more than a batch holds
+    "runner_reorder_threshold": 2**31,
+    "builder_reorder_thresholds": 2**31,  # each builder's
+    "prefill_checkpoint_blocks": 2**31,  # blocks per request: never more than the pool
 }
 MAX_STATE_DIM = 2**31  # one dimension of a state tensor, per block
 MAX_STATE_ELEMENTS = 2**40  # elements of a state tensor, per block
@@ -117,11 +121,19 @@ class RunMetadata:
             "num_mamba_groups": (self.num_mamba_groups, 1),
             "num_blocks": (self.num_blocks, 1),
             "max_num_seqs": (self.max_num_seqs, 1),
+            "max_num_batched_tokens": (self.max_num_batched_tokens, 1),
+            "runner_reorder_threshold": (self.runner_reorder_threshold, 0),
+            "prefill_checkpoint_blocks": (self.prefill_checkpoint_blocks, 0),
         }
-        for name, (value, low) in at_least.items():
+        bounds = [(name, value, low, RUN_LIMITS[name]) for name, (value, low) in at_least.items()]
+        high = RUN_LIMITS["builder_reorder_thresholds"]
+        bounds += [
+            (f"builder_reorder_thresholds[{builder!r:.60}]", value, 0, high)
+            for builder, value in self.builder_reorder_thresholds.items()
+        ]
+        for name, value, low, high in bounds:
             if value is not None and value < low:
                 return f"run.{name} must be at least {low}, not {value}"
-            high = RUN_LIMITS[name]
             if value is not None and value > high:
                 shown = value if value < 10**15 else f"{value:.3g}"
                 return f"run.{name} must be at most {high} (more than any engine has), not {shown}"
