@@ -694,3 +694,14 @@ def test_bisect_and_minimize_name_replays_first_finding(tmp_path: Path) -> None:
     assert "--skip-bad-parts" in run_cli("diff", str(damaged), *rules).stderr
     proc = run_cli("diff", str(damaged), *rules, "--skip-bad-parts")
     assert proc.returncode == 1 and "first diverge" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_diff_prints_paths_with_brackets_as_they_are(tmp_path: Path) -> None:
+    """diff's sentence names both traces and went through rich markup: "a[bold]x" printed
+    as "ax". Relative paths keep the sentence short enough not to wrap."""
+    src = sim_trace(None, 0, 300, scenario="pairs", runner="v1")
+    shutil.copytree(src, tmp_path / "a[bold]x")
+    shutil.copytree(src, tmp_path / "b[bold]x")
+    proc = run_cli("diff", "a[bold]x", "b[bold]x", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "a[bold]x and b[bold]x record the same inputs" in proc.stdout, proc.stdout

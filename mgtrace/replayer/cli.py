@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mgtrace.errors import (
@@ -251,7 +252,9 @@ def replay(
             saved = True
         except (OSError, OutputError) as exc:
             err.print(
-                f"mgtrace: could not add the findings to {trace}: {reason(exc)}", soft_wrap=True
+                f"mgtrace: could not add the findings to {trace}: {reason(exc)}",
+                soft_wrap=True,
+                markup=False,
             )
     caveats = [unmodelled_writes(reader.manifest.run), mid_run_caveat(reader)]
     caveat = "; ".join(c for c in caveats if c) or None
@@ -268,11 +271,11 @@ def replay(
     else:
         render_replay(result, out, trace=trace, replay_id=replay_id if saved else None)
         if unseen is not None:
-            out.print(f"[yellow]inconclusive[/]: {unseen}")
+            out.print(f"[yellow]inconclusive[/]: {escape(unseen)}")
         if caveat is not None:
-            out.print(f"[yellow]caveat[/]: {caveat}", highlight=False)
+            out.print(f"[yellow]caveat[/]: {escape(caveat)}", highlight=False)
         if note is not None:
-            out.print(f"note: {note}", highlight=False)
+            out.print(f"note: {note}", markup=False, highlight=False)
     if result.findings:
         return EXIT_CORRUPTION
     return EXIT_CLEAN if unseen is None else EXIT_INCONCLUSIVE
@@ -394,8 +397,8 @@ def bisect_cmd(
                 )
             )
         else:
-            out.print(f"logged: {old.sentence()}", highlight=False)
-            out.print(f"now:    {new.sentence()}", highlight=False)
+            out.print(f"logged: {old.sentence()}", markup=False, highlight=False)
+            out.print(f"now:    {new.sentence()}", markup=False, highlight=False)
             out.print("[green]the verdict holds[/]" if same else "[red]the verdict changed[/]")
         return new.exit_code if same else 125
     if trace is None:
@@ -415,7 +418,9 @@ def bisect_cmd(
     try:
         save_log(verdict, log, skip_bad_parts=skip_bad_parts)
     except (OSError, MgtraceError) as exc:
-        Console(stderr=True).print(f"mgtrace: could not write the bisect log {log}: {reason(exc)}")
+        Console(stderr=True).print(
+            f"mgtrace: could not write the bisect log {log}: {reason(exc)}", markup=False
+        )
         log = None
     if as_json:
         click.echo(json.dumps(verdict.to_json(), indent=1, default=str))
@@ -483,10 +488,10 @@ def diff_cmd(
         fields = {"sentence": sentence, **asdict(result), "inconclusive": result.inconclusive}
         click.echo(json.dumps(fields, indent=1, default=str))
     else:
-        out.print(sentence, highlight=False)
+        out.print(sentence, markup=False, highlight=False)
         for side in ("a", "b"):
             for f in getattr(result, f"findings_{side}", [])[:3]:
-                out.print(f"  {side}: {f['kind']}: {f['detail']}", highlight=False)
+                out.print(f"  {side}: {f['kind']}: {f['detail']}", markup=False, highlight=False)
     if result.first_step is not None:
         return EXIT_CORRUPTION
     return EXIT_INCONCLUSIVE if result.inconclusive is not None else EXIT_CLEAN
@@ -568,15 +573,17 @@ def minimize_cmd(
         f"{_count(result.original_requests, 'request')} -> {_count(result.steps, 'step')} and "
         f"{_count(len(result.requests), 'request')} ({', '.join(result.requests)}), "
         f"{_count(result.table_updates, 'block-table change')}",
+        markup=False,
         highlight=False,
     )
     out.print(
         f"pinned finding: {result.signature} at step {result.first_step} of the repro "
         f"(step {result.original_first_step} of {trace}; the repro's steps start at 0)",
+        markup=False,
         highlight=False,
     )
     out.print(f"{result.queries} replays in {result.wall_s:.1f} s", style="dim")
-    out.print(f"wrote {result.output} and {result.test_file}", highlight=False)
+    out.print(f"wrote {result.output} and {result.test_file}", markup=False, highlight=False)
     out.print(
         f"next: python -m pytest {shell_path(result.test_file)}", markup=False, highlight=False
     )
