@@ -727,3 +727,39 @@ def test_a_deferred_boundary_copy_into_a_block_its_request_just_freed_is_its_own
     assert found and {(f.kind, f.step, f.mechanism) for f in found} == {
         ("foreign_block_write", 942, "postprocess-copy")
     }
+
+
+@pytest.mark.parametrize(
+    "runner, mixer", [("v1", "mamba2"), ("v2", "mamba2"), ("v1", "gdn"), ("v2", "gdn")]
+)
+def test_a_decode_count_its_rows_do_not_mark_is_malformed(
+    tmp_path, runner: str, mixer: str
+) -> None:
+    """steps.num_mamba_decodes was never compared with the rows' split: a step whose builder
+    counts one decode fewer than its rows mark (the engine's metadata disagreeing with
+    itself) replayed clean. Control: a count past the rows of an all-decode step is padded
+    rows, and the copy unchanged replays clean."""
+    from mgtrace.replayer.findings import MALFORMED
+    from mgtrace.replayer.loop import replay_trace
+
+    reader = _sim(tmp_path, "src", runner=runner, mixer=mixer, scenario="mixed", steps=120, seed=3)
+    splits: dict[int, list[str]] = {}
+    for r in reader.table("batch_rows").to_pylist():
+        splits.setdefault(r["step"], []).append(r["mamba_split"])
+    mixed = min(s for s, rows in splits.items() if s >= 40 and {"decode", "prefill"} <= set(rows))
+    padded = [s for s, rows in splits.items() if set(rows) == {"decode"}]
+
+    def recount(name, rows):
+        if name == "steps":
+            for r in rows:
+                if r["step"] == mixed:
+                    r["num_mamba_decodes"] -= 1
+                elif padded and r["step"] == padded[0]:
+                    r["num_mamba_decodes"] += 1
+
+    assert replay_trace(_rewritten(reader, tmp_path / "same")).clean
+    findings = replay_trace(_rewritten(reader, tmp_path / "bad", recount)).findings
+    assert findings, "the decode count was never compared with the rows' split"
+    assert {(f.step, f.kind, f.mechanism) for f in findings} == {
+        (mixed, MALFORMED, "steps:num-decodes-mismatch")
+    }

@@ -29,7 +29,7 @@ from mgtrace.replayer.findings import MALFORMED, Finding
 from mgtrace.replayer.mirror import MirroredKernels
 from mgtrace.replayer.oracle import READ_KINDS, Oracle, StateRead
 from mgtrace.replayer.ownership import BlockOwnership
-from mgtrace.replayer.requests import DUMMY_REQUEST, PADDED_ROW, SCHEDULER
+from mgtrace.replayer.requests import BUILDER, DUMMY_REQUEST, PADDED_ROW, SCHEDULER
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.replayer.steps import (
     RankTrace,
@@ -331,6 +331,7 @@ class RankReplay:
     def _step(self, step: int) -> None:
         trace = self.trace
         view = self._enter(step)
+        self._check_decode_count(step)
         self._copy_blocks(step)
         launches = [
             launch_under_rules(launch, self.rules, runner=self.runner)
@@ -352,6 +353,46 @@ class RankReplay:
         for launch in current:
             if launch.kernel == "postprocess":
                 self._run_copy(step, launch)
+
+    def _check_decode_count(self, step: int) -> None:
+        """The Mamba builder's recorded decode count must agree with its rows' recorded split
+        (rules aside: this is the recording's own metadata). A positional split runs its
+        first ``num_decodes`` rows as decodes (a count past the rows: padded rows); a GDN
+        spec mask (a step without a builder threshold) marks rows anywhere, and both the
+        count and the rows' split are read from it, so the rows never mark more."""
+        got = self.trace.recorded_split(step)
+        if got is None:
+            return
+        recorded, prefill = got
+        decode = ~prefill
+        marked = int(np.count_nonzero(decode))
+        who: tuple[int, str] = (DUMMY_REQUEST, BUILDER)
+        row: int | None = None
+        masked = (
+            self._decodes_run_first
+            and self.k > 0
+            and self.trace.step_value("mamba_threshold", step) is None
+        )
+        if masked:
+            if recorded >= marked:
+                return
+        else:
+            wrong = np.flatnonzero(decode != (np.arange(len(decode)) < recorded))
+            if not len(wrong):
+                return
+            batch = self.trace.batch(step)
+            row = int(batch.cols["batch_row"][wrong[0]])
+            uid = int(batch.uid[wrong[0]])
+            who = (uid, self.trace.ids.name(uid))
+        self._malformed(
+            step,
+            "steps:num-decodes-mismatch",
+            who,
+            row,
+            f"the Mamba builder recorded {recorded} decode row(s), but the step's rows mark "
+            f"{marked} of {len(decode)} as decodes"
+            + (f" (row {row} first disagrees)" if row is not None else ""),
+        )
 
     def _copy_blocks(self, step: int) -> None:
         """The scheduler's whole-block copies (copy-on-write of partially hit prefix blocks),

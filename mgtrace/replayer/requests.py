@@ -12,6 +12,7 @@ NO_REQUEST = 0  # uid of "nobody": a zeroed tag, a free block
 DUMMY_REQUEST = -1  # uid a padded (dummy) row writes with
 PADDED_ROW = "<padded row>"  # the writer a finding names for a padded row
 SCHEDULER = "<scheduler>"  # ... for the scheduler's own block copies
+BUILDER = "<mamba builder>"  # ... for a split its rows do not tell apart
 
 
 def is_request(name: str | None) -> bool:

@@ -216,6 +216,7 @@ class RankTrace:
         # a fresh prefill would read a window it has not got), and a GDN model's split is
         # derived as its builder makes it
         split = bt.column("mamba_split")
+        self._batch_split_recorded = split.is_valid().to_numpy(zero_copy_only=False)
         self._batch_prefill = (
             pc.if_else(
                 pc.is_null(split),
@@ -347,6 +348,22 @@ class RankTrace:
             return None
         v = int(self.step_info[name][i])
         return None if v == -1 else v
+
+    def recorded_split(self, step: int) -> tuple[int, np.ndarray] | None:
+        """The builder's decode count as the step recorded it, and its rows' split in batch
+        order (True where a row ran the prefill kernels), where the step recorded both for
+        each of its rows; None where it did not, or lacks rows (a minimized trace)."""
+        if "num_mamba_decodes" not in self.step_info:
+            return None
+        decodes = self.step_value("num_mamba_decodes", step)
+        if decodes is None:
+            return None
+        lo, hi = self._batch.bounds(step)
+        if hi - lo != self.step_value("num_reqs", step):
+            return None
+        if np.count_nonzero(self._batch_split_recorded[lo:hi]) < hi - lo:
+            return None
+        return decodes, self._batch_prefill[lo:hi]
 
     def block_copies(self, step: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The whole-block copies (sources, destinations) run before the step's forward."""
