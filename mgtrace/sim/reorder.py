@@ -72,14 +72,36 @@ def mamba_split(
     num_computed: np.ndarray,
     num_prompt: np.ndarray,
     threshold: int,
+    in_prompt: np.ndarray | None = None,
 ) -> int:
     """Number of leading rows the Mamba builder treats as decodes.
 
     A row still in its prompt counts as a prefill, except a one-token chunk with prior state,
-    which the builder promotes to a decode (it can replay a decode graph).
+    which the builder promotes to a decode (it can replay a decode graph). ``in_prompt``:
+    ``num_computed < num_prompt`` where the caller has it.
     """
-    prefilling = (num_computed < num_prompt) & ((num_computed <= 0) | (num_scheduled != 1))
-    return decode_count(num_scheduled, prefilling, threshold)
+    n = len(num_scheduled)
+    if n == 0 or num_scheduled[0] > threshold:
+        return 0  # decode_count's answer whatever the rows
+    if in_prompt is None:
+        in_prompt = num_computed < num_prompt
+    is_prefill = num_scheduled > threshold
+    if np.count_nonzero(in_prompt):  # most steps: no row in its prompt
+        is_prefill |= in_prompt & ((num_computed <= 0) | (num_scheduled != 1))
+    return _first_or_len(is_prefill)
+
+
+def _first_or_len(mask: np.ndarray) -> int:
+    """The first True row of a non-empty mask, or its length when there is none."""
+    i = int(mask.argmax())
+    return i if mask[i] else len(mask)
+
+
+def _leading(n: int, count: int) -> np.ndarray:
+    """A mask of ``n`` rows, True for the first ``count``."""
+    out = np.zeros(n, bool)
+    out[:count] = True
+    return out
 
 
 class BuilderSplit(NamedTuple):
@@ -97,18 +119,19 @@ def builder_split(
     num_prompt: np.ndarray,
     num_draft: np.ndarray,
     k: int,
+    in_prompt: np.ndarray | None = None,
 ) -> BuilderSplit:
     """The Mamba2 builder's positional split at 1 + k, or the GDN builder's.
 
     GDN with spec decode marks a row when it schedules exactly its drafts plus one, or is a
     one-token decode past its prompt (a spec row with zero drafts); with no marked row, and
     without spec decode, it splits by position at threshold 1, where a row with no prior
-    state is a prefill.
+    state is a prefill. ``in_prompt``: ``num_computed < num_prompt`` where the caller has it.
     """
     n = len(num_scheduled)
     if mixer == "mamba2":
-        split = mamba_split(num_scheduled, num_computed, num_prompt, 1 + k)
-        return BuilderSplit(np.arange(n) < split, split, 1 + k)
+        split = mamba_split(num_scheduled, num_computed, num_prompt, 1 + k, in_prompt)
+        return BuilderSplit(_leading(n, split), split, 1 + k)
     if k > 0:
         spec = gdn_spec_rows(num_scheduled, num_computed, num_prompt, num_draft)
         marked = int(np.count_nonzero(spec))
@@ -116,8 +139,8 @@ def builder_split(
             return BuilderSplit(spec, marked, None)
     # GDN's positional split at 1 counts a row without prior state as a prefill; at that
     # threshold this is the Mamba2 rule
-    split = mamba_split(num_scheduled, num_computed, num_prompt, 1)
-    return BuilderSplit(np.arange(n) < split, split, 1)
+    split = mamba_split(num_scheduled, num_computed, num_prompt, 1, in_prompt)
+    return BuilderSplit(_leading(n, split), split, 1)
 
 
 def gdn_spec_rows(
@@ -139,13 +162,9 @@ def decode_count(num_scheduled: np.ndarray, is_prefilling: np.ndarray, threshold
     A row is prefill-like when it schedules more than ``threshold`` tokens or is prefilling;
     every row from the first prefill-like one on counts as a prefill.
     """
-    n = len(num_scheduled)
-    if n == 0 or num_scheduled[0] > threshold:
+    if len(num_scheduled) == 0 or num_scheduled[0] > threshold:
         return 0
-    is_prefill = (num_scheduled > threshold) | is_prefilling
-    if not np.count_nonzero(is_prefill):
-        return n
-    return int(is_prefill.argmax())
+    return _first_or_len((num_scheduled > threshold) | is_prefilling)
 
 
 def v2_sort(

@@ -70,6 +70,14 @@ class RunnerV1:
             row=(np.int64, -1),  # InputBatch row while in the batch
         )
         self._last_idx = np.zeros(0, np.int64)
+        # 0..n-1 as slices of one array each (a slice costs less than an arange per step);
+        # the int32 one is recorded, so it is read-only
+        self._positions = np.arange(cfg.max_num_seqs)
+        self._rows32 = np.arange(cfg.max_num_seqs, dtype=np.int32)
+        self._rows32.flags.writeable = False
+        self._race = cfg.has(BUG_ASYNC_RACE)
+        self._reorder_bug = cfg.has(BUG_REORDER)
+        self._stale_bug = cfg.has(BUG_STALE_ROW)
         self.pending: np.ndarray | None = None  # the in-flight device-to-host copy
         self._kept: dict[str, list[int]] = {}  # block rows of requests out of the batch
         self.builder_thresholds: dict[str, int | None] = {
@@ -95,7 +103,7 @@ class RunnerV1:
         cfg = self.cfg
         step = so.step
         B = self.B
-        race = cfg.has(BUG_ASYNC_RACE)
+        race = self._race
         ib = self.rows
         pr = self.req
         kinds = so.kind
@@ -109,7 +117,7 @@ class RunnerV1:
         n_prev = ib.num_reqs
         # where each request sits in this step's SchedulerOutput (-1: not scheduled)
         pr.pos[self._last_idx] = -1
-        pr.pos[so.idx] = np.arange(m)
+        pr.pos[so.idx] = self._positions[:m]
         self._last_idx = so.idx
         has_pending = self.pending is not None and cfg.async_scheduling
         landed = bool(landed_early) if has_pending else True
@@ -172,22 +180,22 @@ class RunnerV1:
                 run_region.sort()
                 perm = pr.pos[ib.key[:n]]
                 sched_n = so.num_scheduled[perm]
-        rows64 = np.arange(n)
+        rows64 = self._positions[:n]
         pr.row[ib.key[:n]] = rows64
         if race and has_pending and not landed:
             ib.acc[:n_prev] = self.pending
 
-        req_ids = ib.req_ids()
         ridx = so.idx[perm]
-        nc_sched = ib.nc[:n].copy()
+        nc_sched = ib.nc[:n]  # views: the rows do not change for the rest of the step
         nc = pr.true_nc[ridx]
-        prompt = ib.prompt[:n].copy()
+        prompt = ib.prompt[:n]
         draft = so.num_draft[perm]
         samples = so.samples[perm]
 
         # _prepare_inputs: accepted counts through the previous step's row positions
         seen = pr.last_seen[ridx] == step - 1
-        correct = np.where(seen, pr.true_acc[ridx], 1).astype(np.int32, copy=False)
+        correct = pr.true_acc[ridx]  # int32, a fancy-indexed copy
+        correct[~seen] = 1
         if race and has_pending:
             prev_pos = np.where(seen, pr.prev_row[ridx], -1)
             consumed = np.where(seen, ib.acc[np.maximum(prev_pos, 0)], 1).astype(np.int32)
@@ -212,8 +220,8 @@ class RunnerV1:
             region = regions(sched_n, nc_sched, prompt, self.cfg.mamba_threshold)
         if T_run is None:
             run_region = region
-        split = builder_split(cfg.mixer, sched_n, nc, prompt, draft, self.k)
         prefilling = nc < prompt
+        split = builder_split(cfg.mixer, sched_n, nc, prompt, draft, self.k, prefilling)
 
         # sampling and the align post-process
         acc_now = accepted[perm]
@@ -222,7 +230,8 @@ class RunnerV1:
         computed = end - draft + acc_now - 1
         # copy_boundary's decision with destination column curr: computed // B - 1 == curr; the
         # copy is then needed as well, since (curr + 1) * B >= end >= end - draft
-        normalised = np.where(computed // B == curr + 1, 1, acc_now).astype(np.int32)
+        normalised = acc_now.astype(np.int32)
+        normalised[computed // B == curr + 1] = 1
         self.pending = normalised
         pr.true_acc[ridx] = normalised
         if np.count_nonzero(samples) == n:  # every row sampled: all rejected drafts count
@@ -233,7 +242,9 @@ class RunnerV1:
         pr.last_seen[ridx] = step
 
         events: list[dict[str, Any]] = []
-        if cfg.has(BUG_REORDER):
+        # the rows' request ids, for the bug events only
+        req_ids = ib.req_ids() if self._reorder_bug or (race and has_pending) else []
+        if self._reorder_bug:
             # GDN marks its spec decodes wherever they sit: none is ever left out
             bad = (region == REGION_DECODE) & ~split.decode
             for i in bad.nonzero()[0].tolist():
@@ -281,7 +292,7 @@ class RunnerV1:
                 continue
             owners = owners if owners is not None else live_owner()
             hit = [(b, owners[b]) for b in cols if b and b in owners]
-            if hit and cfg.has(BUG_STALE_ROW):
+            if hit and self._stale_bug:
                 for b, owner in hit:
                     events.append(
                         {
@@ -299,7 +310,7 @@ class RunnerV1:
         # the recorded int32 columns, built once and shared by the tables and launches that
         # record them (never mutated afterwards)
         cols = _Cols(
-            rows=np.arange(n, dtype=np.int32),
+            rows=self._rows32[:n],
             sched_n=sched_n.astype(np.int32),
             nc=nc.astype(np.int32),
             draft=draft.astype(np.int32),
