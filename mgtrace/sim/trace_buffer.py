@@ -14,6 +14,7 @@ Ownership: chunks are kept by reference until the flush, as the writer itself do
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
@@ -70,6 +71,7 @@ def _rows(columns: Columns) -> int:
 _NONE = type(None)
 _SEQUENCES = frozenset((list, tuple, np.ndarray, np.ma.MaskedArray, Nullable, GroupIds, ReqIds))
 _ARRAY_ONLY = frozenset((np.ndarray,))
+_LIST_ONLY = frozenset((list,))
 _ARRAYS_OR_NONE = frozenset((np.ndarray, Nullable, _NONE))
 _NONE_ONLY = frozenset((_NONE,))
 _GROUP_IDS_OR_NONE = frozenset((GroupIds, _NONE))
@@ -94,6 +96,8 @@ def _join_numeric(values: list[Any], counts: np.ndarray, dtype: np.dtype, types:
         joined = _join_arrays(values, counts, dtype, types)
         if joined is not None:
             return joined
+    if types == _LIST_ONLY:  # per-row Python values (row moves): one conversion
+        return _join_number_lists(values, dtype)
     if types.isdisjoint(_SEQUENCES):
         if _NONE in types:
             mask = np.array([v is None for v in values])
@@ -134,6 +138,15 @@ def _join_numeric(values: list[Any], counts: np.ndarray, dtype: np.dtype, types:
         [np.zeros(len(d), bool) if m is None else m for d, m in zip(data, masks, strict=True)]
     )
     return np.ma.MaskedArray(joined, mask)
+
+
+def _join_number_lists(values: list[list[Any]], dtype: np.dtype) -> Any:
+    """Lists of numbers and None (null) as one array, masked where a value is null."""
+    flat = list(chain.from_iterable(values))
+    if not any(x is None for x in flat):
+        return np.array(flat, dtype)
+    data = np.array([0 if x is None else x for x in flat], dtype)
+    return np.ma.MaskedArray(data, np.array([x is None for x in flat], bool))
 
 
 def _join_arrays(
@@ -184,6 +197,8 @@ def _join_categorical(
 ) -> Any:
     """Integer codes into the categories from codes, strings, string lists and None."""
     try:
+        if types == _LIST_ONLY:  # per-row names (row moves): one pass over all of them
+            return np.array([_code(index, x) for x in chain.from_iterable(values)], np.int32)
         if types.isdisjoint(_SEQUENCES):  # one value per chunk
             get = index.get
             codes = [-1 if v is None else get(v, _UNKNOWN) for v in values]
@@ -276,21 +291,40 @@ def _join_string(values: list[Any], counts: np.ndarray) -> Any:
 
 
 class _TableBuffer:
-    __slots__ = ("chunks", "counts", "steps")
+    __slots__ = ("chunks", "counts", "dicts", "names", "steps")
 
     def __init__(self) -> None:
         self.chunks: list[Columns] = []
         self.counts: list[int] = []
         self.steps: list[int] = []
+        self.names: set[str] = set()  # the columns some chunk gives
+        self.dicts = True  # every chunk is a dict (its get can be mapped over them)
+
+    def add(self, step: int, columns: Columns) -> None:
+        self.chunks.append(columns)
+        self.counts.append(_rows(columns))
+        self.steps.append(step)
+        self.names.update(columns)
+        if type(columns) is not dict:
+            self.dicts = False
+
+    def column(self, name: str) -> list[Any]:
+        """The column's value in every chunk, None where a chunk does not give it."""
+        chunks = self.chunks
+        if self.dicts:
+            return list(map(dict.get, chunks, repeat(name, len(chunks))))
+        return [c.get(name) for c in chunks]
 
     def to_columns(self, kinds: dict[str, tuple[int, Any]]) -> dict[str, Any]:
         counts = np.asarray(self.counts, np.int64)
         out: dict[str, Any] = {"step": np.repeat(np.asarray(self.steps, np.int64), counts)}
         for name, (kind, info) in kinds.items():
-            values = [c.get(name) for c in self.chunks]
+            if name not in self.names:
+                continue  # the writer records nulls for a column nobody gave
+            values = self.column(name)
             types = set(map(type, values))
             if types == _NONE_ONLY:
-                continue  # the writer records nulls for a column nobody gave
+                continue  # given as None everywhere: as above
             if kind == NUM:
                 out[name] = _join_numeric(values, counts, info, types)
             elif kind == CAT:
@@ -330,9 +364,7 @@ class StepBuffer:
         buf = tables.get(table)
         if buf is None:
             buf = tables[table] = _TableBuffer()
-        buf.chunks.append(columns)
-        buf.counts.append(_rows(columns))
-        buf.steps.append(step)
+        buf.add(step, columns)
         span = self._span.get(rank)
         if span is None:
             self._span[rank] = [step, step]
