@@ -95,6 +95,8 @@ def source_info(cfg: SimConfig, argv: list[str] | None) -> dict[str, Any]:
 # the scheduler's kind numbers as codes into the sched table's categories (the writer's cheap
 # form for a categorical column), and the codes of the rows of requests that left
 _KIND_CODES = np.array([SCHED_KINDS.index(k) for k in KIND_NAMES], np.int8)
+# the scheduler's numbers are the codes themselves (its int8 array is then recorded as is)
+_KINDS_ARE_CODES = _KIND_CODES.tolist() == list(range(len(KIND_NAMES)))
 _FINISHED, _PREEMPTED = SCHED_KINDS.index("finished"), SCHED_KINDS.index("preempted")
 
 
@@ -107,7 +109,7 @@ def sched_rows(so: SchedOut) -> list[dict[str, Any]]:
     if m:
         rows: dict[str, Any] = {
             "req_id": ReqIds(so.idx, so.names),
-            "kind": _KIND_CODES[so.kind],
+            "kind": so.kind if _KINDS_ARE_CODES else _KIND_CODES[so.kind],
             "num_scheduled": so.num_scheduled.astype(np.int32),
             "num_computed": so.num_computed.astype(np.int32),
             "num_spec": so.num_draft.astype(np.int32),
