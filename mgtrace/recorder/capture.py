@@ -18,6 +18,7 @@ capture is equally exact.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -80,6 +81,9 @@ class CaptureRing:
             self.events = [self._make_event(device=device) for _ in range(slots)]
             self._copy_stream = torch.cuda.Stream(device=device)
         self._views: dict[int, tuple[Any, np.ndarray]] = {}
+        # (ids and lengths) -> (the tensors, their numpy views cut to the lengths)
+        self._cuts: dict[tuple[int, ...], tuple[tuple[Any, ...], list[np.ndarray]]] = {}
+        self._rows: list[np.ndarray] | None = None  # per-slot host views, made on first use
         self._slots: dict[tuple[int, int], Any] = {}  # staging views
         self._free: deque[int] = deque(range(slots))
         # [slot, lengths, tag, event of the copy to the host (None until it is issued)]
@@ -128,8 +132,8 @@ class CaptureRing:
             # Host tensors: numpy views of them are free and a numpy copy costs a fraction
             # of a torch op, which matters on a busy engine thread.
             try:
-                views = [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)]
-                np.concatenate(views, out=self._host_view()[i, :total], casting="unsafe")
+                views = self._cut_views(tensors, lengths)
+                np.concatenate(views, out=self._host_rows()[i][:total], casting="unsafe")
             except BaseException:
                 self._free.appendleft(i)
                 raise
@@ -152,6 +156,27 @@ class CaptureRing:
         if self._host_np is None:
             self._host_np = self.host.numpy()
         return self._host_np
+
+    def _host_rows(self) -> list[np.ndarray]:
+        """One numpy view per host slot: a list index costs less than a 2-D index."""
+        if self._rows is None:
+            self._rows = list(self._host_view())
+        return self._rows
+
+    def _cut_views(self, tensors: Sequence[Any], lengths: Sequence[int]) -> list[np.ndarray]:
+        """Numpy views of host tensors cut to ``lengths``, cached per group of tensors and
+        lengths: a launch passes the same buffers step after step, and one look-up costs
+        less than a view and a slice per tensor. The cache holds the tensors, so their ids
+        cannot be reused while cached; it is bounded for callers that pass fresh tensors."""
+        key = (*map(id, tensors), *lengths)
+        hit = self._cuts.get(key)
+        if hit is not None and all(map(operator.is_, hit[0], tensors)):
+            return hit[1]
+        if len(self._cuts) >= MAX_VIEWS:
+            self._cuts.clear()
+        views = [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)]
+        self._cuts[key] = (tuple(tensors), views)
+        return views
 
     def _view(self, t: Any) -> np.ndarray:
         """A cached numpy view of a host tensor (the cache holds the tensor, so its id
