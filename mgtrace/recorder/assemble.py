@@ -238,10 +238,11 @@ class BlockTableDiff:
         }
 
 
+_SIZED = (np.ndarray, list, tuple, Nullable)
+
+
 def _length(value: Any) -> int:
-    if isinstance(value, (np.ndarray, list, tuple, Nullable)):
-        return len(value)
-    return 0
+    return len(value) if isinstance(value, _SIZED) else 0
 
 
 def merge_columns(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -278,17 +279,22 @@ NUMPY_TYPES = {
     pa.float64(): np.float64,
 }
 SCALARS = (int, float, bool, np.int32, np.int64, np.float64, np.bool_)
+_NONE = type(None)
+_ARRAYS = {np.ndarray}
+_ARRAYS_OR_NONE = {np.ndarray, _NONE}
+_SCALAR_KINDS = {*SCALARS, _NONE}
 
 
 def _rows_in(columns: dict[str, Any]) -> int:
-    return max((_length(v) for v in columns.values()), default=0) or 1
+    return max(map(_length, columns.values()), default=0) or 1
 
 
 def _concat(values: list[Any], counts: list[int], field: pa.Field) -> Any:
     """One column over many steps, in the cheapest form the writer converts without a
     Python loop: a plain array, a masked array where some steps have nulls, integer codes
     for categorical columns, or (strings, nested lists) one flat list."""
-    if all(type(v) is np.ndarray for v in values):
+    kinds = set(map(type, values))  # one C-level pass instead of a test per value
+    if kinds == _ARRAYS:
         return np.concatenate(values)
     type_ = field.type
     if categories_of(field):
@@ -300,7 +306,13 @@ def _concat(values: list[Any], counts: list[int], field: pa.Field) -> Any:
         )
     np_type = NUMPY_TYPES.get(type_)
     if np_type is not None:
-        if all(v is None or type(v) in SCALARS for v in values):
+        if kinds <= _SCALAR_KINDS and _NONE not in kinds:  # the common case: no nulls
+            return np.repeat(np.asarray(values, dtype=np_type), counts)
+        if kinds <= _ARRAYS_OR_NONE:  # arrays, some steps without the column
+            masked = _masked_arrays(values, counts, np_type)
+            if masked is not None:
+                return masked
+        if kinds <= _SCALAR_KINDS:
             # per-step scalars (the steps table, launch-wide columns): one array, repeated
             present = np.fromiter((v is not None for v in values), bool, len(values))
             data = np.asarray([0 if v is None else v for v in values], dtype=np_type)
@@ -337,6 +349,24 @@ def _concat(values: list[Any], counts: list[int], field: pa.Field) -> Any:
         else:
             flat.extend([v] * n)
     return flat
+
+
+def _masked_arrays(values: list[Any], counts: list[int], np_type: Any) -> Any:
+    """Arrays and None (a step without the column) as one masked array, filled in place:
+    two slice copies per array and none per None, where a zero and a mask array per value
+    and two joins cost several times that. None where an array is not one flat numeric
+    vector of its step's rows (the general path then decides)."""
+    data = np.zeros(sum(counts), np_type)
+    mask = np.ones(len(data), bool)
+    start = 0
+    for v, n in zip(values, counts, strict=True):
+        if v is not None:
+            if v.ndim != 1 or len(v) != n or v.dtype == object:
+                return None
+            data[start : start + n] = v
+            mask[start : start + n] = False
+        start += n
+    return np.ma.MaskedArray(data, mask=mask)
 
 
 def merge_steps(batch: list[tuple[int, dict[str, dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
