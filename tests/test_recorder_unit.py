@@ -478,6 +478,18 @@ def test_import_probe_survives_lines_that_break_the_json_reader_or_int64(tmp_pat
     assert reader.complete and reader.manifest.run.builder_reorder_thresholds["MambaB"] is None
 
 
+def test_import_probe_counts_a_dropped_duplicate_as_unmatched(tmp_path: Path) -> None:
+    """A request id the burst file repeats keeps its first row; the repeat, counted as
+    malformed, once also counted as matched to an engine id."""
+    pp, bp, _ = _probe_logs(tmp_path)
+    lines = bp.read_text().splitlines()
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text("\n".join([*lines, lines[0]]) + "\n")  # the first request, matched, again
+    report = import_probe(pp, dup, tmp_path / "t")
+    assert report.malformed["duplicate_request"] == 1
+    assert (report.requests, report.matched_requests) == (41, 40)
+
+
 def test_engine_id_maps_to_the_client_id_like_the_reanalysis() -> None:
     # the re-analysis joins on the engine id minus its last "-suffix"
     assert re.sub(r"-[^-]*$", "", "chatcmpl-abc-123-deadbeef") == "chatcmpl-abc-123"

@@ -340,13 +340,13 @@ class ProbeImporter:
         for row in rows:
             api_id = row.get("req_id")
             engine_id = self.engine_ids.get(api_id) if isinstance(api_id, str) else None
-            if engine_id is not None:
-                self.report.matched_requests += 1
             req_id = engine_id or (api_id if isinstance(api_id, str) else f"client-{row['i']}")
             if req_id in seen:
                 self.malformed("duplicate_request", f"{path.name} i={row['i']}", req_id)
                 continue
             seen.add(req_id)
+            if engine_id is not None:  # a duplicate dropped above is not counted as matched
+                self.report.matched_requests += 1
             has_text = "text" in row
             corrupt, marker = corruption(row) if has_text else (None, None)
             steps = self.req_steps.get(engine_id or "", [])
