@@ -428,6 +428,14 @@ def test_import_probe_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="no probe events"):
         import_probe(junk, None, tmp_path / "t2")
     assert not (tmp_path / "t2").exists()
+    # an empty log with an empty burst file, or the two swapped, write no empty trace
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    pp, bp, _ = _probe_logs(tmp_path)
+    for probe, burst in ((empty, empty), (bp, pp)):
+        with pytest.raises(UsageError, match=r"no probe events and .* no requests"):
+            import_probe(probe, burst, tmp_path / "t3")
+        assert not (tmp_path / "t3").exists()
 
 
 def test_import_probe_counts_values_no_trace_column_holds(tmp_path: Path) -> None:

@@ -362,8 +362,8 @@ class ProbeImporter:
             cols["corrupt"].append(corrupt)
             cols["corruption_marker"].append(marker)
             cols["client_id"].append(str(row["i"]))
-        self.report.requests = len(cols["req_id"])
-        return cols
+        self.report.requests = len(cols.get("req_id", ()))  # [] would insert the key
+        return dict(cols)
 
 
 def import_probe(
@@ -382,11 +382,12 @@ def import_probe(
         requests = imp.read_burst(burst_path) if burst_path is not None else None
     except OSError as exc:
         raise UsageError(f"cannot read the probe logs: {exc.strerror or exc}") from None
-    if not imp.steps and not requests:
+    if not imp.steps and not imp.report.requests:
+        bad = imp.report.malformed_total
+        also = "" if burst_path is None else f" and {burst_path} no requests"
         raise UsageError(
-            f"{probe} holds no probe events mgtrace can import "
-            f"({imp.report.malformed_total} malformed line"
-            f"{'' if imp.report.malformed_total == 1 else 's'})"
+            f"{probe} holds no probe events{also} mgtrace can import "
+            f"({bad} malformed line{'' if bad == 1 else 's'})"
         )
     start = imp.start or {}
     run = RunMetadata(
