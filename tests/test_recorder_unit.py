@@ -486,6 +486,54 @@ def test_import_probe_survives_lines_that_break_the_json_reader_or_int64(tmp_pat
     assert reader.complete and reader.manifest.run.builder_reorder_thresholds["MambaB"] is None
 
 
+def test_import_probe_counts_lone_surrogates_as_malformed_lines(tmp_path: Path) -> None:
+    """JSON may escape a lone surrogate ("\\udc80"), which no UTF-8 column holds: one such
+    request id once cost the whole requests table (or a step) while the import reported
+    success. Now the line is malformed, counted, and the other rows are kept; what the
+    report counts is what the trace holds. Control: the clean logs."""
+    pp, bp, _ = _probe_logs(tmp_path)
+    clean = import_probe(pp, bp, tmp_path / "clean")
+    bad_pp, bad_bp = tmp_path / "bad_probe.jsonl", tmp_path / "bad_burst.jsonl"
+    odd = [
+        {"event": "prefill", "pid": 1, "step": 900, "num_reqs": 1, "rows": [["x\udc80-1", 5, 1]]},
+        {"event": "swap", "pid": 1, "step": 901, "swaps": [[0, 1, "a-1", "b\ud800-2", 1, 1]]},
+    ]
+    bad_pp.write_text(pp.read_text() + "".join(json.dumps(e) + "\n" for e in odd))
+    row = {"i": 10_000, "req_id": "x\udc80", "text": "hi", "completion_tokens": 3}
+    pair = {"i": 10_001, "req_id": "smile\U0001f600", "text": "hi", "completion_tokens": 1}
+    bad_bp.write_text(bp.read_text() + json.dumps(row) + "\n" + json.dumps(pair) + "\n")
+    report = import_probe(bad_pp, bad_bp, tmp_path / "bad")
+    assert report.malformed["probe_line"] == clean.malformed["probe_line"] + 2
+    assert report.malformed["burst_line"] == clean.malformed["burst_line"] + 1
+    assert (report.steps, report.requests) == (clean.steps, clean.requests + 1)  # + the pair
+    reader = TraceReader(tmp_path / "bad")
+    assert "malformed_rows" not in reader.manifest.errors
+    con = reader.connect()
+    assert con.execute("SELECT count(*) FROM requests").fetchone() == (report.requests,)
+    assert con.execute("SELECT count(*) FROM steps").fetchone() == (report.steps,)
+
+
+def test_import_probe_leaves_no_trace_the_writer_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a value the importer let through be refused by the writer, the trace would
+    hold less than the import reports: it is an error that says so, and no trace is left."""
+    from mgtrace.errors import OutputError
+    from mgtrace.recorder import probe_import
+    from mgtrace.recorder.cli import import_probe as command
+
+    pp, bp, _ = _probe_logs(tmp_path)
+    monkeypatch.setattr(probe_import, "corruption", lambda row: (True, "salad\udc80"))
+    with pytest.raises(OutputError, match="refused 1 batch of request rows"):
+        import_probe(pp, bp, tmp_path / "t")
+    assert not (tmp_path / "t").exists()
+    code, text = _invoke(command, [str(pp), str(bp), "-o", str(tmp_path / "t")])
+    assert code == 2 and "refused 1 batch of request rows" in text
+    assert not (tmp_path / "t").exists()
+    monkeypatch.undo()  # control: the same logs import
+    assert import_probe(pp, bp, tmp_path / "t").requests == 41
+
+
 def test_import_probe_counts_a_dropped_duplicate_as_unmatched(tmp_path: Path) -> None:
     """A request id the burst file repeats keeps its first row; the repeat, counted as
     malformed, once also counted as matched to an engine id."""

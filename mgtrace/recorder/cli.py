@@ -242,7 +242,8 @@ def import_probe_command(probe: Path, burst: Path | None, output: Path, force: b
     """Convert the field probe log (and load-generator output) into a trace.
 
     Malformed lines are counted and reported, not fatal. Exit codes: 0 written, 2 usage
-    error (unreadable log, output exists)."""
+    error (unreadable log, nothing to import, output exists, or a row the trace writer
+    refused: no trace is left then, so the counts printed are always the trace's)."""
     from mgtrace.recorder.probe_import import import_probe
 
     report = import_probe(probe, burst, output, force=force)

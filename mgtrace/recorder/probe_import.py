@@ -32,7 +32,7 @@ import numpy as np
 
 from mgtrace.errors import OutputError, UsageError
 from mgtrace.outputs import refuse_overwriting_inputs
-from mgtrace.schemas.manifest import RunMetadata
+from mgtrace.schemas.manifest import Drops, RunMetadata
 from mgtrace.schemas.tables import MAMBA_SPLITS, ROW_MOVE_OPS
 from mgtrace.schemas.writer import TraceWriter
 
@@ -132,6 +132,21 @@ def _wall_ns(t: Any) -> int | None:
     return int(t * 1e9)
 
 
+# JSON can escape a lone surrogate ("\udc80"): Python parses it into a str that no UTF-8
+# column holds, so the writer would refuse the whole step or table. Only such an escape
+# makes one, so a line without it is not encoded a second time.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(line: str, obj: Any) -> None:
+    """Refuse a parsed line whose strings (keys or values) are not valid Unicode."""
+    if _SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise _Malformed("a string holds a lone surrogate escape (not valid Unicode)") from None
+
+
 def _opt_int(value: Any) -> int | None:
     """An optional integer; anything else (or one no trace column holds) is absent."""
     return value if type(value) is int and -INT_LIMIT <= value < INT_LIMIT else None
@@ -178,6 +193,7 @@ class ProbeImporter:
                     ev = json.loads(line)
                     if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
                         raise _Malformed("not an event object")
+                    _check_unicode(line, ev)
                     self._event(ev)
                 except _BAD_LINE as exc:
                     self.malformed("probe_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
@@ -326,6 +342,7 @@ class ProbeImporter:
                     row = json.loads(line)
                     if not isinstance(row, dict) or _opt_int(row.get("i")) is None:
                         raise _Malformed("not a request object with an integer i")
+                    _check_unicode(line, row)
                     if "text" in row and not isinstance(row["text"], str):
                         raise _Malformed("text is not a string")
                     tokens = row.get("completion_tokens")
@@ -425,12 +442,26 @@ def import_probe(
             for _ in range(count):
                 writer.count_error(f"import:{kind}", first)
         writer.update_source(malformed=dict(imp.report.malformed))
-        writer.close()
-        failed = writer.stats().failed
+        manifest = writer.close()
+        failed = writer.stats().failed or _refused(manifest.errors, manifest.drops)
     except BaseException:
         writer.discard()
         raise
     if failed is not None:  # never leave a trace that holds less than was imported
         writer.discard()
-        raise OutputError(f"cannot write {out}: {failed}")
+        raise OutputError(f"cannot write {out}: {failed}; no trace was left")
     return imp.report
+
+
+def _refused(errors: dict[str, Any], drops: Drops) -> str | None:
+    """What the writer left out of the rows the importer handed it, in words; None when
+    nothing. The importer counts every line it cannot import before the writer sees it, so
+    a refusal here is a value it let through: the trace would hold less than it reports."""
+    steps = drops.steps + drops.malformed_steps
+    tables = errors.get("malformed_rows", {}).get("count", 0)
+    if not steps and not tables:
+        return None
+    first = errors.get("malformed_step", errors.get("malformed_rows", {})).get("first")
+    parts = [f"{steps} step{'' if steps == 1 else 's'}"] if steps else []
+    parts += [f"{tables} batch{'' if tables == 1 else 'es'} of request rows"] if tables else []
+    return f"the trace writer refused {' and '.join(parts)} ({first or 'no reason given'})"
