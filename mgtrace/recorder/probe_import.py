@@ -14,8 +14,18 @@ its own ``garbage`` flag. Corruption follows the field re-analysis: word salad (
 "thousands of tokens that render to nothing" (over 200 tokens, under 2 % of them words).
 
 Probe steps count from 1; trace steps from 0 (``step = probe step - 1``). One rank per
-process id, in order of first appearance. A step's ``prefill`` rows are taken from its
-first ``prefill`` event, as the re-analysis does (several builders log the same step).
+process id, in order of first appearance, and one step per (process id, step): its
+``prefill`` rows are taken from that process's first ``prefill`` event of the step (several
+builders log the same step). A string no UTF-8 column holds (a JSON lone surrogate escape)
+makes its line malformed.
+
+Two differences from the field re-analysis script are deliberate. It keeps the first
+``prefill`` event per step number across all processes; that agrees with this for
+tensor-parallel logs (every process logs the same steps) but not for processes with
+different batches (an engine restart appending to the log, data-parallel ranks), whose steps
+are all kept here. And it counts every row of the load generator's file, where a request id
+that repeats keeps its first row here and counts the others as malformed
+(``duplicate_request``).
 """
 
 from __future__ import annotations
@@ -265,7 +275,7 @@ class ProbeImporter:
             if len(checked) > num_reqs:
                 raise _Malformed("more prefill rows than rows in the batch")
             rec = self._step(ev)
-            if rec.prefill is None:  # first event of the step wins, as in the re-analysis
+            if rec.prefill is None:  # the process's first event of the step wins
                 rec.prefill = checked
                 rec.prefill_num_reqs = num_reqs
                 rec.num_reqs = num_reqs
