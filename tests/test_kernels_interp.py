@@ -18,7 +18,7 @@ from mgtrace.kernels import AlignLaunch, BlockTables, StatePool, StateSpec, run_
 from mgtrace.kernels.check import run_check
 from mgtrace.kernels.runtime import load_triton_kernels
 from mgtrace.kernels.validate import find_hazards, validate_launch
-from tests.kernel_builders import precopy
+from tests.kernel_builders import postprocess, precopy
 
 pytestmark = pytest.mark.interp
 
@@ -304,3 +304,51 @@ def test_campaign_without_vllm_is_clean(kernels) -> None:
     report = run_check(40, 1234, False, "cpu")
     assert report.ok, report.mismatches
     assert report.compared["triton"] == 40
+
+
+@pytest.mark.parametrize(
+    ("specs", "state_idx", "accepted", "cell", "problems", "accepted_out"),
+    [
+        # The temporal source column wraps int32 back into range: refused, never launched.
+        ([("temporal", (4,))], 3 - 2**31, 1 - 2**31, None, ["temporal_src_col"], 1 - 2**31),
+        # A bias wrapped to -2**31 with a conv state: the window wraps too, nothing is copied.
+        ([("conv", (4, 2))], 1, 1 - 2**31, None, [], 1 - 2**31),
+        # In place, destination block past the pool: refused, the count reset all the same.
+        ([("conv", (4, 2)), ("temporal", (3,))], 1, 3, (0, 1), ["block_id"], 1),
+    ],
+)
+def test_wrapped_biases_and_refused_rows_agree(
+    kernels, specs, state_idx, accepted, cell, problems, accepted_out
+) -> None:
+    pool = StatePool([StateSpec(0, kind, shape, "uint8") for kind, shape in specs], 20)
+    pool.numpy()[:] = np.arange(pool.numpy().size) % 251
+    table = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
+    if cell is not None:
+        table[cell] = 25
+    tables = BlockTables([table])
+    block = 4 if cell is not None else 16
+    computed = 8 if cell is not None else 16
+    launch = postprocess([0], [accepted], [state_idx], [computed], mode="precomputed", block=block)
+    ref_pool, tri_pool = pool.clone(), pool.clone()
+    ref = run_reference(launch, ref_pool, tables)
+    tri = kernels.run_triton(launch, tri_pool, tables)
+    assert [p.what for p in tri.validation.problems] == problems
+    assert np.array_equal(ref_pool.numpy(), pool.numpy())
+    assert np.array_equal(tri_pool.numpy(), pool.numpy())
+    assert ref.accepted_out.tolist() == tri.accepted_out.tolist() == [accepted_out]
+
+
+def test_streamed_counts_of_a_refused_in_place_row_match_the_host(kernels) -> None:
+    """The streamed backend checks the kernel's accepted counts against the host decision:
+    a refused row never runs, yet the host resets its count (in place, no index needed)."""
+    from mgtrace.kernels.streamed import StreamedTriton
+
+    specs = [StateSpec(0, "conv", (4, 2), "uint8", "SD"), StateSpec(0, "temporal", (3,), "uint8")]
+    table = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
+    table[0, 1] = 25  # row 0's in-place column, past the pool
+    launch = postprocess([0, 1], [3, 3], [1, 1], [8, 8], mode="precomputed")
+    backend = StreamedTriton(tiles=1)
+    result = backend(launch, StatePool(specs, 20), BlockTables([table]))
+    assert [(p.batch_row, p.what) for p in result.validation.problems] == [(0, "block_id")]
+    assert result.accepted_out.tolist() == [1, 1]
+    backend.verify()  # raises KernelDisagreement on any difference

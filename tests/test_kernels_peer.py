@@ -130,3 +130,31 @@ def test_check_kernels_cli_against_vllm(vllm) -> None:
     report = json.loads(proc.stdout)
     assert report["ok"] and report["mismatches"] == [] and report["against_vllm"]
     assert report["vllm_version"] == "0.33.0" and report["compared"]
+
+
+def test_wrapped_bias_and_a_refused_in_place_row_match_vllm(vllm) -> None:
+    """Decisions on int32 counts that wrapped, and the count reset of an in-place row whose
+    block lies past the pool, as vLLM's kernel makes them."""
+    from mgtrace.kernels.vllm_peer import run_vllm
+
+    # A bias wrapped to -2**31 with a conv state: vLLM's window wraps as well, copies nothing.
+    pool = StatePool([StateSpec(0, "conv", (4, 2), "uint8", "SD")], 20)
+    pool.numpy()[:] = np.arange(pool.numpy().size) % 251
+    tables = BlockTables([np.array([[1, 2, 3, 4, 5, 0, 0, 0]], dtype=np.int32)])
+    launch = postprocess([0], [1 - 2**31], [1], [16], mode="precomputed", block=16)
+    ref_pool, vllm_pool = pool.clone(), pool.clone()
+    ref = run_reference(launch, ref_pool, tables)
+    out = run_vllm(vllm, launch, vllm_pool, tables)
+    assert ref.accepted_out.tolist() == out.tolist() == [1 - 2**31]
+    assert np.array_equal(ref_pool.numpy(), vllm_pool.numpy())
+    assert np.array_equal(ref_pool.numpy(), pool.numpy())
+    # In place (column 1, bias 2) through block 25: outside a 20-block pool the row is
+    # refused; vLLM, given a pool that holds block 25, resets the count before any copy.
+    specs = [StateSpec(0, "conv", (4, 2), "uint8", "SD"), StateSpec(0, "temporal", (3,), "uint8")]
+    tables = BlockTables([np.array([[1, 2, 3, 25, 5, 6, 7, 8]], dtype=np.int32)])
+    launch = postprocess([0], [3], [1], [8], mode="precomputed")
+    ref = run_reference(launch, StatePool(specs, 20), tables)
+    assert [p.what for p in ref.validation.problems] == ["block_id"]
+    assert (
+        ref.accepted_out.tolist() == run_vllm(vllm, launch, StatePool(specs, 30), tables).tolist()
+    )

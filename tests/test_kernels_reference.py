@@ -123,3 +123,27 @@ def test_pages_past_two_gib_are_addressed_in_64_bits() -> None:
     wrapped = (2 * page) % 2**32
     assert wrapped == 48
     assert not data[wrapped : wrapped + 28].any()
+
+
+@pytest.mark.parametrize("slices", [False, True])
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+def test_a_wrapped_negative_bias_keeps_no_conv_token(
+    slices: bool, layout: str, monkeypatch
+) -> None:
+    """A post-process bias that wrapped int32 to -2**31 slides the conv window by
+    ``width - bias`` tokens, which wraps too: the device copies nothing."""
+    if slices:
+        monkeypatch.setattr(reference_mod, "PLAN_LIMIT", 0)
+    shape = (5, 2) if layout == "SD" else (2, 5)
+    pool = filled_pool([StateSpec(0, "conv", shape, "uint8", layout)], 8)  # conv only
+    tables = BlockTables([np.array([[1, 2, 3, 4, 5]], dtype=np.int32)])
+    # new_computed 16, accepted 1 - 2**31: running 2**31 + 16 wraps, bias 2**31 wraps.
+    launch = postprocess([0], [1 - 2**31], [1], [16], mode="precomputed", block=16)
+    before = pool.numpy().copy()
+    result = run_reference(launch, pool, tables)
+    assert result.validation.ok and result.validation.copies.bias.tolist() == [-(2**31)]
+    assert np.array_equal(pool.numpy(), before)
+    assert result.accepted_out.tolist() == [1 - 2**31]
+    # Control: bias 2 (running 14) shifts the window from column 1 into column 0.
+    run_reference(postprocess([0], [3], [1], [16], mode="precomputed", block=16), pool, tables)
+    assert not np.array_equal(pool.numpy(), before)

@@ -10,7 +10,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from mgtrace.kernels import AlignLaunch, BlockTables, run_reference, validate_launch
+from mgtrace.kernels import (
+    AlignLaunch,
+    BlockTables,
+    StatePool,
+    StateSpec,
+    run_reference,
+    validate_launch,
+)
 from mgtrace.kernels.validate import MalformedMetadata, find_hazards
 from tests.kernel_builders import distinct_tables, postprocess, precopy, two_state_pool
 
@@ -180,3 +187,59 @@ def test_hazards_name_rows_sharing_a_block(pool, tables) -> None:
     v = validate_launch(launch, pool, shared)
     kinds = {(h.batch_row, h.other_row, h.kind) for h in find_hazards(v, pool)}
     assert (1, 0, "write_write") in kinds
+
+
+def _temporal_only_launch(state_idx: int, accepted: int) -> tuple:
+    """A linear-attention group (temporal state only) and a precomputed post-process whose
+    destination is column 0: ``accepted`` sets the bias (16 - running)."""
+    pool = StatePool([StateSpec(0, "temporal", (4,), "uint8")], 20)
+    tables = BlockTables([np.arange(1, 17, dtype=np.int32).reshape(2, COLS)])
+    launch = postprocess([0], [accepted], [state_idx], [16], mode="precomputed", block=16)
+    return pool, tables, launch
+
+
+def test_temporal_source_column_is_checked_without_int32_wrap() -> None:
+    # accepted 1 - 2**31 wraps the bias to -2**31; with state_idx 3 - 2**31 the int32 sum
+    # wraps back to column 3, but the device adds the two to the row pointer one at a time.
+    pool, tables, launch = _temporal_only_launch(3 - 2**31, 1 - 2**31)
+    before = pool.numpy().copy()
+    result = run_reference(launch, pool, tables)
+    assert result.validation.problems == [
+        MalformedMetadata(0, "temporal_src_col", 3 - 2**32, COLS, 0)
+    ]
+    assert not result.validation.copies.rows.size
+    assert np.array_equal(pool.numpy(), before)
+    # Control: a source column that is really in range (bias 1, column 2 + 1).
+    pool, tables, launch = _temporal_only_launch(2, 2)
+    assert validate_launch(launch, pool, tables).ok
+
+
+def test_a_wrapped_bias_whose_conv_window_still_fits_int32_is_refused(tables) -> None:
+    # Block size 2**30: the boundary 2**30 minus a running count wrapped to -2**31 leaves a
+    # bias of -2**30, and 4 - bias fits int32: the device would slide 2**30 + 4 tokens.
+    # (A conv-only group: no temporal source column to refuse the row first.)
+    conv_only = StatePool([StateSpec(0, "conv", (4, 2), "uint8", "SD")], BLOCKS)
+    launch = postprocess([0], [1 - 2**30], [1], [2**30], mode="precomputed", block=2**30)
+    v = validate_launch(launch, conv_only, tables)
+    assert v.problems == [MalformedMetadata(0, "token_bias", -(2**30), None)]
+    assert not v.copies.rows.size
+    # Control: at -2**31 the window length wraps as well, and nothing is copied.
+    launch = postprocess([0], [1 - 2**31], [1], [16], mode="precomputed", block=16)
+    v = validate_launch(launch, conv_only, tables)
+    assert v.ok and v.copies.bias.tolist() == [-(2**31)]
+
+
+def test_a_row_refused_for_an_index_still_resets_its_accepted_count(tables) -> None:
+    # In place (state_idx 1 == destination column 1, bias 2) with the destination block past
+    # the pool: the device resets the count before it reads any table.
+    pool = two_state_pool(num_blocks=BLOCKS)
+    launch = postprocess([0], [3], [1], [8], mode="precomputed")
+    bad_tables = with_cell(tables, 0, 1, BLOCKS)
+    result = run_reference(launch, pool, bad_tables)
+    assert [p.what for p in result.validation.problems] == ["block_id"]
+    assert result.accepted_out.tolist() == [1]
+    # Control: a row whose decision inputs are unusable keeps its recorded count.
+    undecided = postprocess([0], [3], [1], [8], mode="precomputed")
+    result = run_reference(undecided, pool, bad_tables, max_slots=0)
+    assert [p.what for p in result.validation.problems] == ["req_slot"]
+    assert result.accepted_out.tolist() == [3]

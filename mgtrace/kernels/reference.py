@@ -156,7 +156,9 @@ def _copy_by_plan(pool: StatePool, num_groups: int, copies: ResolvedCopies) -> N
     a = blocks.shape[2]
     # An int64 factor widens the int32 block ids before the multiply can wrap.
     base = np.multiply(blocks.transpose(2, 1, 0), plan.page_grains, order="C").reshape(a, -1)
-    bias = np.minimum(copies.bias, plan.max_bias32)
+    # A negative bias (a post-process subtraction that wrapped int32) keeps no conv token on
+    # the device: as unsigned it clamps to the widest window, which keeps none either.
+    bias = np.minimum(copies.bias.astype(np.int32, copy=False).view(np.uint32), plan.max_bias)
     picks = plan.row_selectors(a)
     if picks is not None:
         # Selectors already offset by each row's position: one gather fewer per launch.
@@ -188,7 +190,7 @@ def _copy_by_slices(pool: StatePool, copies: ResolvedCopies) -> None:
                 data[dst : dst + spec.nbytes] = data[src : src + spec.nbytes]
                 continue
             keep = spec.width - bias
-            if keep <= 0:
+            if keep <= 0 or bias < 0:  # a wrapped negative bias keeps no token (see above)
                 continue
             src = int(copies.conv_src[g, i]) * page + off
             span = keep * spec.unit_bytes

@@ -110,6 +110,9 @@ class StreamedTriton:
             for name, i in row.items():
                 packed[i] = safe.column(name)
             packed[-2] = packed[-1] = safe.column("num_accepted")
+            if validation.problems and result.accepted_out is not None:
+                # Refused rows never run: their output counts start as the host decision.
+                packed[-1] = np.where(validation.bad, result.accepted_out, packed[-2])
             dev = self._staging(pool.device).upload(packed).unbind(0)
             computed = dev[row["num_computed"]]
             launch_postprocess(

@@ -530,6 +530,11 @@ def run_triton(
             chunk=chunk,
         )
         result.accepted_out = out.cpu().numpy()
+        if validation.problems:
+            # Refused rows never ran; their counts are the host decision (reset or kept).
+            host = validation.accepted_out(launch)
+            if host is not None:
+                result.accepted_out = np.where(validation.bad, host, result.accepted_out)
     elif safe.kernel == "precopy":
         launch_precopy(
             layout,

@@ -8,6 +8,9 @@ that fails is reported as a :class:`MalformedMetadata` problem and is never laun
 backends receive it as a padded row. Rows that would not index anything (padding, rows with
 nothing to copy) are not checked, because the kernel does not read their indices either.
 
+Column sums are checked in int64: the device adds a column and a bias to the row pointer one
+at a time, so a sum that wraps int32 back into range is still out of range there.
+
 The same pass resolves the block ids of the rows that copy, which is all the reference
 backend needs besides the pool.
 """
@@ -75,19 +78,24 @@ class Validation:
     bad: np.ndarray  # bool [n]: rows that are never launched
     plan: RowPlan
     copies: ResolvedCopies
+    # bool [n]: bad rows whose decision inputs are themselves unusable (null, missing, out
+    # of order, slot out of range); the other bad rows fail only on table or block indices.
+    undecided: np.ndarray | None = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def accepted_out(self, launch: AlignLaunch) -> np.ndarray | None:
-        """Post-process accepted counts after the launch; rows never launched keep theirs."""
+        """Post-process accepted counts after the launch. The device resets a count before
+        it reads any table, so a row refused for a table or block index is still reset;
+        only rows whose decision inputs are unusable keep their recorded count."""
         accepted = launch.column_or_none("num_accepted")
         if self.plan.accepted_out is None or accepted is None:
             return None
-        if not self.problems:
+        if self.undecided is None or not np.count_nonzero(self.undecided):
             return self.plan.accepted_out
-        return np.where(self.bad, accepted, self.plan.accepted_out).astype(np.int32)
+        return np.where(self.undecided, accepted, self.plan.accepted_out).astype(np.int32)
 
     def sanitized(self, launch: AlignLaunch) -> AlignLaunch:
         """The launch with every bad row turned into a padded row (req_slot -1)."""
@@ -157,8 +165,9 @@ def validate_launch(
     check_layout(pool, tables)
     n = launch.num_rows
     rep = _Report(n)
+    undecided = None
     if not launch.well_formed or max_slots is not None:
-        _check_rows(launch, rep, max_slots)
+        undecided = _check_rows(launch, rep, max_slots)
     plan = _empty_plan(launch) if launch.lacks_required else plan_launch(launch)
     active = plan.copies & ~rep.bad if rep.problems else plan.copies
     # count_nonzero and nonzero: a fraction of the cost of .any() and flatnonzero here.
@@ -167,6 +176,8 @@ def validate_launch(
         # A negative shift would start the conv window before the block.
         rep.add(rows, "token_bias", plan.bias[rows], None)
         active = active & ~rep.bad
+    if launch.kernel == "postprocess" and np.count_nonzero(plan.bias[active] < 0):
+        active = _check_wrapped_bias(pool, plan, active, rep)
     idx = active.nonzero()[0]
     copies = _fast_resolve(launch, plan, pool, tables, idx)
     if copies is None:
@@ -178,7 +189,26 @@ def validate_launch(
     if len(rep.problems) > 1:
         rep.problems.sort(key=lambda p: (p.batch_row, p.what))
     bad = rep.bad if rep.problems else _no_bad_rows(n)
-    return Validation(problems=rep.problems, bad=bad, plan=plan, copies=copies)
+    return Validation(problems=rep.problems, bad=bad, plan=plan, copies=copies, undecided=undecided)
+
+
+def _check_wrapped_bias(
+    pool: StatePool, plan: RowPlan, active: np.ndarray, rep: _Report
+) -> np.ndarray:
+    """A post-process bias is negative only when its int32 subtraction wrapped. The device
+    then slides each conv window by ``width - bias`` tokens, in int32 as well: where that
+    wraps too, it copies nothing; where it still fits, the window would run past the state.
+    Those rows are refused; the rest keep no conv token (the reference does the same)."""
+    widths = [s.width for s in pool.specs if s.kind == "conv"]
+    if not widths:
+        return active
+    # width - bias <= int32 max, for the narrowest window (the first not to wrap).
+    fits = plan.bias.astype(np.int64) >= min(widths) - np.iinfo(np.int32).max
+    rows = np.nonzero(active & (plan.bias < 0) & fits)[0]
+    if not rows.size:
+        return active
+    rep.add(rows, "token_bias", plan.bias[rows], None)
+    return active & ~rep.bad
 
 
 _NO_BAD: dict[int, np.ndarray] = {}
@@ -194,8 +224,9 @@ def _no_bad_rows(n: int) -> np.ndarray:
     return mask
 
 
-def _check_rows(launch: AlignLaunch, rep: _Report, max_slots: int | None) -> None:
-    """Row-level checks that need no table: structure, nulls, slot bounds."""
+def _check_rows(launch: AlignLaunch, rep: _Report, max_slots: int | None) -> np.ndarray:
+    """Row-level checks that need no table: structure, nulls, slot bounds. Returns the rows
+    whose decision inputs are unusable (every bad row but those with only a wrong bt_row)."""
     n = launch.num_rows
     batch_row = launch.column("batch_row")
     if not launch.rows_in_order:
@@ -219,6 +250,10 @@ def _check_rows(launch: AlignLaunch, rep: _Report, max_slots: int | None) -> Non
         rows = np.nonzero(missing & live)[0]  # every missing input of a row is named
         if rows.size:
             rep.add(rows, name, None, None)
+    if max_slots is not None and (slot >= max_slots).any():
+        rows = np.nonzero(live & (slot >= max_slots) & ~rep.bad)[0]
+        rep.add(rows, "req_slot", slot[rows], max_slots)
+    undecided = rep.bad.copy()
     if not launch.bt_row_consistent:
         recorded = launch.column("bt_row")
         expected = launch.column("batch_row") if launch.row_rule == "batch_row" else slot
@@ -226,9 +261,7 @@ def _check_rows(launch: AlignLaunch, rep: _Report, max_slots: int | None) -> Non
         rows = np.nonzero((recorded != expected) & live & ~rep.bad)[0]
         if rows.size:
             rep.add(rows, "bt_row", recorded[rows], None)
-    if max_slots is not None and (slot >= max_slots).any():
-        rows = np.nonzero(live & (slot >= max_slots) & ~rep.bad)[0]
-        rep.add(rows, "req_slot", slot[rows], max_slots)
+    return undecided
 
 
 def _column_sets(
@@ -243,7 +276,7 @@ def _column_sets(
     return [
         ("dst_col", plan.dst_col, every),
         ("src_col", plan.src_col, kinds[0]),
-        ("temporal_src_col", plan.src_col + plan.bias, kinds[1]),
+        ("temporal_src_col", plan.src_col.astype(np.int64) + plan.bias, kinds[1]),
     ]
 
 
@@ -277,6 +310,10 @@ def _fast_resolve(
     m[1] = plan.dst_col
     m[2] = plan.src_col
     np.add(plan.src_col, plan.bias, out=m[3])
+    # A sum that wrapped int32 (both addends' signs differ from it) is out of range on the
+    # device however small its wrapped value: the slow path checks it in int64.
+    if np.count_nonzero(((plan.src_col ^ m[3]) & (plan.bias ^ m[3])) < 0):
+        return None
     every_row = idx.size == plan.bt_row.size
     if not every_row:
         m = m[:, idx]
@@ -363,7 +400,7 @@ def _resolve(
     blocks = np.zeros((len(tables), 3, rows.size), dtype=np.int32)
     if rows.size:
         r = plan.bt_row[rows]
-        src = plan.src_col[rows]
+        src = plan.src_col[rows].astype(np.int64)
         for g in range(len(tables)):
             t = tables[g]
             blocks[g, 0] = t[r, plan.dst_col[rows]]
