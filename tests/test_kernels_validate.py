@@ -243,3 +243,30 @@ def test_a_row_refused_for_an_index_still_resets_its_accepted_count(tables) -> N
     result = run_reference(undecided, pool, bad_tables, max_slots=0)
     assert [p.what for p in result.validation.problems] == ["req_slot"]
     assert result.accepted_out.tolist() == [3]
+
+
+def test_padded_rows_of_the_aligned_indices_gather_are_checked(pool, tables) -> None:
+    def indices(seq, slots, rule):
+        return AlignLaunch(
+            "aligned_indices",
+            batch_row=np.arange(len(seq)),
+            req_slot=slots,
+            row_rule=rule,
+            seq_len=seq,
+            block_size=4,
+            num_speculative_tokens=2,
+        )
+
+    # vLLM's gather reads padded rows too: row 1's columns run far past the table.
+    launch = indices([5, 10**6], [0, -1], "batch_row")
+    v = validate_launch(launch, pool, tables)
+    assert v.problems == [MalformedMetadata(1, "state_col", (10**6 - 1) // 4, COLS, 0)]
+    assert run_reference(launch, pool, tables).aligned_indices[0, 1].tolist() == [-1, -1, -1]
+    # A padded row's recorded table row is checked too.
+    rows = replace(indices([5, 5], [0, -1], "req_slot"), bt_row=np.array([0, ROWS]))
+    assert validate_launch(rows, pool, tables).problems == [
+        MalformedMetadata(1, "bt_row", ROWS, ROWS, 0)
+    ]
+    # Controls: in range, or a padded row that names no table row (slot rule, slot -1).
+    assert validate_launch(indices([5, 4 * (COLS - 3) + 1], [0, -1], "batch_row"), pool, tables).ok
+    assert validate_launch(indices([5, 10**6], [0, -1], "req_slot"), pool, tables).ok

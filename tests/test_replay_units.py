@@ -763,3 +763,28 @@ def test_a_decode_count_its_rows_do_not_mark_is_malformed(
     assert {(f.step, f.kind, f.mechanism) for f in findings} == {
         (mixed, MALFORMED, "steps:num-decodes-mismatch")
     }
+
+
+def test_a_padded_row_whose_gather_leaves_the_table_is_malformed(tmp_path) -> None:
+    """A padded row of a CUDA-graph batch gathers its state indices like any row: a
+    sequence length whose columns lie past the block table was read as "no block" and
+    passed clean."""
+    from mgtrace.replayer.findings import MALFORMED
+    from mgtrace.replayer.loop import replay_trace
+
+    reader = _sim(tmp_path, "src", scenario="pairs", steps=200, seed=2)
+    target = next(
+        x for x in reader.table("launches").to_pylist() if x["kernel"] == "aligned_indices"
+    )
+
+    def far_past_the_table(name, rows):
+        if name == "launches":
+            hit = next(r for r in rows if r == target)
+            hit["seq_len"] = 10**6
+
+    assert replay_trace(_rewritten(reader, tmp_path / "same")).clean
+    findings = replay_trace(_rewritten(reader, tmp_path / "bad", far_past_the_table)).findings
+    assert findings, "the padded row's gather went unchecked"
+    first = findings[0]
+    assert (first.kind, first.mechanism) == (MALFORMED, "aligned_indices:state_col")
+    assert (first.step, first.batch_row) == (target["step"], target["batch_row"])

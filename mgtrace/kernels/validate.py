@@ -6,7 +6,8 @@ would use is checked here first, against the block-table shapes and the pool siz
 order the device code would use it (row, then column, then the block id read there). A row
 that fails is reported as a :class:`MalformedMetadata` problem and is never launched: the
 backends receive it as a padded row. Rows that would not index anything (padding, rows with
-nothing to copy) are not checked, because the kernel does not read their indices either.
+nothing to copy) are not checked, because the kernel does not read their indices either;
+the exception is the aligned-indices gather, which vLLM runs over CUDA-graph padding too.
 
 Column sums are checked in int64: the device adds a column and a bias to the row pointer one
 at a time, so a sum that wraps int32 back into range is still out of range there.
@@ -178,14 +179,17 @@ def validate_launch(
         active = active & ~rep.bad
     if launch.kernel == "postprocess" and np.count_nonzero(plan.bias[active] < 0):
         active = _check_wrapped_bias(pool, plan, active, rep)
+    checked = plan
+    if launch.kernel == "aligned_indices" and not launch.all_live:
+        checked, active = _with_padded_gathers(launch, plan, active, rep)
     idx = active.nonzero()[0]
-    copies = _fast_resolve(launch, plan, pool, tables, idx)
+    copies = _fast_resolve(launch, checked, pool, tables, idx)
     if copies is None:
         kinds = pool.group_kinds(len(tables))
-        col_sets = _column_sets(launch, plan, kinds)
-        _check_indices(launch, plan, pool, tables, idx, col_sets, rep)
+        col_sets = _column_sets(launch, checked, kinds)
+        _check_indices(launch, checked, pool, tables, idx, col_sets, rep)
         good = idx[~rep.bad[idx]]
-        copies = _resolve(plan, tables, good, *kinds, launch.kernel)
+        copies = _resolve(checked, tables, good, *kinds, launch.kernel)
     if len(rep.problems) > 1:
         rep.problems.sort(key=lambda p: (p.batch_row, p.what))
     bad = rep.bad if rep.problems else _no_bad_rows(n)
@@ -209,6 +213,23 @@ def _check_wrapped_bias(
         return active
     rep.add(rows, "token_bias", plan.bias[rows], None)
     return active & ~rep.bad
+
+
+def _with_padded_gathers(
+    launch: AlignLaunch, plan: RowPlan, active: np.ndarray, rep: _Report
+) -> tuple[RowPlan, np.ndarray]:
+    """vLLM's aligned-indices gather reads every row below its row count, CUDA-graph padding
+    included: a padded row is checked at the block-table row it records (a negative or null
+    one names no row: there is nothing to read)."""
+    recorded = launch.column("bt_row")
+    named = ~plan.live & (recorded >= 0)
+    if launch.has_nulls:
+        named &= ~np.ma.getmaskarray(launch.bt_row) & ~np.ma.getmaskarray(launch.req_slot)
+    if rep.problems:
+        named &= ~rep.bad
+    if not np.count_nonzero(named):
+        return plan, active
+    return replace(plan, bt_row=np.where(named, recorded, plan.bt_row)), active | named
 
 
 _NO_BAD: dict[int, np.ndarray] = {}

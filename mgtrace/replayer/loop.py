@@ -25,6 +25,7 @@ from mgtrace.errors import InconclusiveError, OutputError, UsageError
 from mgtrace.kernels.launch import AlignLaunch
 from mgtrace.kernels.plan import RowPlan
 from mgtrace.kernels.reference import LaunchResult, run_reference
+from mgtrace.kernels.validate import MalformedMetadata, Validation
 from mgtrace.replayer.findings import MALFORMED, Finding
 from mgtrace.replayer.mirror import MirroredKernels
 from mgtrace.replayer.oracle import READ_KINDS, Oracle, StateRead
@@ -426,15 +427,7 @@ class RankReplay:
         self.pool.settle()  # the kernels read the tags written so far
         result = self.backend(launch, self.pool.pool, self.tables.block_tables(kind))
         view = self.views.get(launch.batch_step if launch.batch_step is not None else step)
-        for p in result.validation.problems:
-            self._malformed(
-                step,
-                f"{launch.kernel}:{p.what}",
-                self._row_owner(view, p.batch_row),
-                p.batch_row,
-                p.sentence(),
-                group=p.group,
-            )
+        self._report_problems(step, launch, result.validation, view)
         copies = result.validation.copies
         if copies.rows.size and view is not None:
             rows = launch.column("batch_row")[copies.rows]
@@ -452,6 +445,19 @@ class RankReplay:
             if copies.rows.size:
                 self._touched_after_forward.append(copies.dst.ravel())
             self._check_next_state(step, launch, result, view)
+
+    def _report_problems(
+        self, step: int, launch: AlignLaunch, validation: Validation, view: RowView | None
+    ) -> None:
+        for p in validation.problems:
+            self._malformed(
+                step,
+                f"{launch.kernel}:{p.what}",
+                self._row_owner(view, p.batch_row),
+                p.batch_row,
+                p.sentence(),
+                group=p.group,
+            )
 
     def _report_out_of_pool(self, step: int, entry: OutOfPool, view: RowView) -> None:
         """A block-table row names a block outside the pool: the replay reads it as no
@@ -910,23 +916,27 @@ class RankReplay:
 
     def _padded_rows(self, step: int, launch: AlignLaunch, view: RowView) -> None:
         """Padded rows of a CUDA-graph batch run the decode kernel on the state indices their
-        (stale) block-table row gives: they write wherever those point."""
+        (stale) block-table row gives: they write wherever those point. The gather reads
+        those rows like any other: a row or column outside the table is malformed, and the
+        row is left out."""
         slots = np.asarray(np.ma.getdata(launch.req_slot))
         pad = np.flatnonzero(slots < 0)
         if not len(pad) or launch.seq_len is None:
             return
+        kind = launch.bt_table if launch.bt_table in self.tables.tables else self.own_kind
         rows = np.asarray(np.ma.getdata(launch.bt_row), dtype=np.int64)[pad]
-        if self.rules["clear_vacated_rows"] == "true":
-            num_reqs = self.trace.step_value("num_reqs", step) or view.num_rows
-            rows = rows[rows < num_reqs]  # rows past the batch read as cleared
-            if not len(rows):
-                return
-            pad = pad[: len(rows)]
         seq = np.asarray(launch.column("seq_len"), dtype=np.int64)[pad]
         first = np.maximum((seq - 1) // self.block_size, 0)
-        kind = launch.bt_table if launch.bt_table in self.tables.tables else self.own_kind
+        cols = first[:, None] + np.arange(self.k + 1)[None, :]
+        inside = self._check_padded_gather(step, launch, view, pad, rows, cols)
+        if self.rules["clear_vacated_rows"] == "true":
+            num_reqs = self.trace.step_value("num_reqs", step) or view.num_rows
+            inside &= rows < num_reqs  # rows past the batch read as cleared
+        if np.count_nonzero(inside) < len(pad):
+            pad, rows, cols = pad[inside], rows[inside], cols[inside]
+            if not len(pad):
+                return
         for g in range(len(self.pool.groups)):
-            cols = first[:, None] + np.arange(self.k + 1)[None, :]
             blocks = self.tables.gather(kind, g, rows[:, None], cols)
             flat = blocks.ravel()
             ok = flat > 0
@@ -939,6 +949,40 @@ class RankReplay:
             self.pool.write_temporal(
                 g, flat[ok], dummy, np.zeros_like(dummy), step, np.full_like(dummy, DUMMY)
             )
+
+    def _check_padded_gather(
+        self,
+        step: int,
+        launch: AlignLaunch,
+        view: RowView,
+        pad: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+    ) -> np.ndarray:
+        """The padded rows whose gather stays inside the tables (every group's table has the
+        same shape); each other one is reported as the kernel validation would, group 0
+        first. A negative row names no table row: nothing is read, nothing reported."""
+        height, width = self.tables.rows, self.tables.width
+        named = rows >= 0
+        bad_row = named & (rows >= height)
+        off = (cols < 0) | (cols >= width)
+        bad_col = named & ~bad_row & off.any(axis=1)
+        for i in np.flatnonzero(bad_row | bad_col).tolist():
+            batch_row = int(launch.batch_row[pad[i]])
+            if bad_row[i]:
+                problem = MalformedMetadata(batch_row, "bt_row", int(rows[i]), height, 0)
+            else:
+                col = int(cols[i][off[i]][0])
+                problem = MalformedMetadata(batch_row, "state_col", col, width, 0)
+            self._malformed(
+                step,
+                f"{launch.kernel}:{problem.what}",
+                self._row_owner(view, batch_row),
+                batch_row,
+                problem.sentence(),
+                group=problem.group,
+            )
+        return named & ~bad_row & ~bad_col
 
 
 def _clamped(block_ids: np.ndarray, end: int) -> np.ndarray:
