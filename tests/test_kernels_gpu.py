@@ -103,3 +103,22 @@ def test_postprocess_replayed_from_a_cuda_graph(kernels) -> None:
     torch.cuda.synchronize()
     assert np.array_equal(pool.buffer.cpu().numpy(), ref.buffer.numpy())
     assert out.cpu().numpy().tolist() == expected.accepted_out.tolist()
+
+
+def test_streamed_counts_of_a_refused_in_place_row_match_the_host_on_the_gpu() -> None:
+    """The compiled streamed backend on a row refused for its block id: the row never runs,
+    yet its in-place count is reset to 1 as on the host (the kernel's counts are checked
+    against the host's decision by ``verify``)."""
+    from mgtrace.kernels import BlockTables, StatePool, StateSpec
+    from mgtrace.kernels.streamed import StreamedTriton
+    from tests.kernel_builders import postprocess
+
+    specs = [StateSpec(0, "conv", (4, 2), "uint8", "SD"), StateSpec(0, "temporal", (3,), "uint8")]
+    table = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
+    table[0, 1] = 25  # row 0's in-place column, past the pool
+    launch = postprocess([0, 1], [3, 3], [1, 1], [8, 8], mode="precomputed")
+    backend = StreamedTriton(tiles=1)
+    result = backend(launch, StatePool(specs, 20, device="cuda"), BlockTables([table]))
+    assert [(p.batch_row, p.what) for p in result.validation.problems] == [(0, "block_id")]
+    assert result.accepted_out.tolist() == [1, 1]
+    backend.verify()  # raises KernelDisagreement on any difference
