@@ -19,6 +19,7 @@ from mgtrace.sim.block_pool import (
     PoolExhausted,
     PrefixCache,
 )
+from mgtrace.sim.engine import StepView, run_engine
 from mgtrace.sim.reorder import (
     apply_swaps,
     mamba_split,
@@ -301,3 +302,33 @@ def test_new_requests_join_the_batch_before_resumed_ones(tmp_path: Path, runner:
                 both += 1
                 assert kinds == sorted(kinds, key=lambda k: k != "new"), kinds
     assert both >= 2
+
+
+def test_v2_frees_request_slots_sorted_by_request_id() -> None:
+    """V2's finish_requests frees ``sorted(finished | preempted)`` so every TP rank frees
+    slots in the same order; with a LIFO free list that order picks the slots the next
+    requests get. Control: the run holds steps where the scheduler lists them unsorted."""
+    cfg = SimConfig(
+        scenario="steady",
+        steps=400,
+        runner="v2",
+        k=3,
+        seed=5,
+        max_num_seqs=24,
+        mamba_block_size=16,
+        length_scale=0.2,
+        num_blocks=40,
+    )
+    unsorted = 0
+
+    def observe(step: int, view: StepView) -> None:
+        nonlocal unsorted
+        so = view.so
+        listed = [r.req_id for r in so.finished] + [r.req_id for r in so.preempted]
+        unsorted += listed != sorted(listed)
+        moves = view.results[-1].tables.get("row_moves", {"op": [], "req_id": []})
+        removed = [r for op, r in zip(moves["op"], moves["req_id"], strict=True) if op == "remove"]
+        assert removed[: len(set(listed))] == sorted(set(listed)), step
+
+    run_engine(cfg, observe)
+    assert unsorted >= 1

@@ -100,7 +100,9 @@ class RunnerV2:
 
         # finish / free / add / update
         ids = so.req_ids
-        gone = [r.req_id for r in so.finished] + [r.req_id for r in so.preempted]
+        # vLLM frees finished and preempted requests sorted by id (every TP rank frees slots
+        # in the same order); the ids sort as their arrival numbers (zero-padded)
+        gone = sorted({r.req_id for r in so.finished} | {r.req_id for r in so.preempted})
         gone += [
             ids[p]
             for p in (so.kind == KIND_RESUMED).nonzero()[0].tolist()
