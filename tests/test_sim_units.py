@@ -29,6 +29,7 @@ from mgtrace.sim.reorder import (
     v2_sort,
 )
 from mgtrace.sim.runner_common import capture_size, copy_boundary
+from mgtrace.sim.scheduler import KIND_RESUMED
 from mgtrace.sim.workload import Client
 
 pytestmark = pytest.mark.unit
@@ -332,3 +333,44 @@ def test_v2_frees_request_slots_sorted_by_request_id() -> None:
 
     run_engine(cfg, observe)
     assert unsorted >= 1
+
+
+def test_v2_resumed_request_prefills_all_its_tokens() -> None:
+    """V2 re-adds a resumed request with all its tokens as the prefill (prefill_len =
+    len(all_token_ids)), so its recorded prompt length and is_prefilling count the output it
+    replays. Control: a resumed request had output before its preemption."""
+    cfg = SimConfig(
+        scenario="mixed",
+        steps=800,
+        runner="v2",
+        k=3,
+        seed=1,
+        max_num_seqs=32,
+        mamba_block_size=16,
+        num_blocks=40,
+        length_scale=0.3,
+        max_num_batched_tokens=64,
+    )
+    prefill_len: dict[str, int] = {}
+    replayed = 0
+
+    def observe(step: int, view: StepView) -> None:
+        nonlocal replayed
+        so = view.so
+        for p in (so.kind == KIND_RESUMED).nonzero()[0].tolist():
+            req = so.reqs[p]
+            prefill_len[req.req_id] = req.prompt_len + req.num_output  # no result lands yet
+            replayed += req.num_output > 0
+        rows = view.results[-1].tables["batch_rows"]
+        for rid, prompt, nc, pref in zip(
+            rows["req_id"],
+            rows["num_prompt"].tolist(),
+            rows["num_computed"].tolist(),
+            np.asarray(rows["is_prefilling"], bool).tolist(),
+            strict=True,
+        ):
+            want = prefill_len.get(rid, prompt)
+            assert (prompt, pref) == (want, nc < want), (step, rid)
+
+    run_engine(cfg, observe)
+    assert replayed >= 1

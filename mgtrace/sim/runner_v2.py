@@ -129,7 +129,10 @@ class RunnerV2:
             self.source[slot] = list(so.ids_at(p))
             self.acc[slot] = 1
             self.nc[slot] = computed
-            self.prompt[slot] = so.reqs[p].prompt_len
+            # V2 (re)adds a request with all its tokens as the prefill (prefill_len =
+            # len(all_token_ids)): a resumed one replays its output as prompt too
+            req = so.reqs[p]
+            self.prompt[slot] = req.prompt_len + req.num_output
             self.state_idx[slot] = (computed - 1) // B
             self.version[slot] += 1
             dirty_source.add(slot)
