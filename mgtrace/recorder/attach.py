@@ -47,30 +47,34 @@ class Target:
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 SIGINT_GRACE_S = 10.0  # for a child that got the terminal's Ctrl-C itself
+_stopping = False  # set while _stop_all runs: a signal then waits until every agent stopped
 
 
 @contextlib.contextmanager
 def signals_as_interrupt() -> Iterator[list[int]]:
     """SIGTERM and SIGHUP end a recording the way Ctrl-C does (every agent is stopped, the
     trace finished) rather than killing mgtrace with the engine left recording. Yields the
-    signals received; only the first raises ``KeyboardInterrupt``, so that a repeated one
-    does not cut the stop short."""
+    signals received, SIGINT included; only the first raises ``KeyboardInterrupt``, and not
+    while the agents are being stopped, so that a repeated one (a second Ctrl-C) does not
+    cut the stop short and leave an engine recording with nobody to stop it."""
     received: list[int] = []
 
     def handler(signum: int, _frame: object) -> None:
         received.append(signum)
-        if len(received) == 1:
+        if len(received) == 1 and not _stopping:
             raise KeyboardInterrupt
 
-    with _handlers(handler):
+    with _handlers(handler, (*STOP_SIGNALS, signal.SIGINT)):
         yield received
 
 
 @contextlib.contextmanager
-def _handlers(handler: Callable[[int, object], None]) -> Iterator[bool]:
-    """``handler`` on STOP_SIGNALS meanwhile; nothing where this is not the main thread."""
+def _handlers(
+    handler: Callable[[int, object], None], signals: tuple[int, ...] = STOP_SIGNALS
+) -> Iterator[bool]:
+    """``handler`` on ``signals`` meanwhile; nothing where this is not the main thread."""
     try:
-        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+        old = {s: signal.signal(s, handler) for s in signals}
     except ValueError:  # not the main thread: signals stay as they are
         yield False
         return
@@ -239,16 +243,40 @@ def record_pid(
     return recorders
 
 
+def stop_pid(pid: int) -> list[Target]:
+    """Stop every agent in ``pid``'s tree that is recording (or armed, or closing): for a
+    recording whose ``mgtrace record`` was killed before it could stop it. Injects nothing:
+    a process without an agent records nothing."""
+    targets = []
+    for p in engine_tree(pid):
+        path = control.engine_socket_path(p.pid)
+        if not path.exists():
+            continue
+        try:
+            status = control.send(path, "status", timeout_s=10.0)
+        except control.ControlError:
+            continue
+        if status.get("state") in BUSY:
+            targets.append(Target(p, path, "plugin", status))
+    _stop_all(targets)
+    return targets
+
+
 def _busy(pid: int, out: object) -> str:
     return f"process {pid} is already recording into {out}; stop that recording first"
 
 
 def _stop_all(targets: list[Target]) -> None:
-    for t in targets:
-        try:
-            t.status = control.send(t.socket, "stop", timeout_s=60.0)
-        except control.ControlError as exc:
-            t.status = {**t.status, "state": "gone", "error": exc.message}
+    global _stopping
+    was, _stopping = _stopping, True
+    try:
+        for t in targets:
+            try:
+                t.status = control.send(t.socket, "stop", timeout_s=60.0)
+            except control.ControlError as exc:
+                t.status = {**t.status, "state": "gone", "error": exc.message}
+    finally:
+        _stopping = was
 
 
 def launch(

@@ -124,6 +124,29 @@ def _check_writable(out: Path, replace: bool) -> None:
     require_writable_parent(out, f"the trace to {out}")
 
 
+def _stop_command(engine_pid: int) -> int:
+    """``--stop``: end the recording of every agent under ``engine_pid``."""
+    from mgtrace.recorder import attach
+
+    if engine_pid <= 0 or engine_pid == os.getpid():
+        raise UsageError(f"{engine_pid} is not a vLLM engine process id")
+    with attach.signals_as_interrupt() as received:
+        stopped = attach.stop_pid(engine_pid)
+    if not stopped:
+        click.echo(f"no process under {engine_pid} is recording")
+    for t in stopped:
+        s = t.status
+        state = (
+            "gone"
+            if s.get("state") == "gone"
+            else ("complete" if s.get("complete", True) else "incomplete")
+        )
+        click.echo(
+            f"pid {t.proc.pid}: stopped after {s.get('steps', 0)} steps -> {s.get('out')} ({state})"
+        )
+    return 128 + received[0] if received else 0
+
+
 def record_command(
     engine_pid: int | None,
     output: Path | None,
@@ -131,16 +154,25 @@ def record_command(
     max_steps: int | None,
     force: bool,
     command: tuple[str, ...],
+    stop: bool = False,
 ) -> int:
     """Record a running vLLM engine (--engine-pid PID), or start one with recording armed
-    (-- vllm serve ...).
+    (-- vllm serve ...). With --stop, end the recording of every process of the engine
+    that records (one whose mgtrace was killed before it could stop it).
 
-    Exit codes: 0 recorded, 2 refused (bad option, no engine, nothing recorded), 130 Ctrl-C,
-    143/129 SIGTERM/SIGHUP; with an engine command, the engine's own exit status."""
+    Exit codes: 0 recorded (or stopped), 2 refused (bad option, no engine, nothing
+    recorded), 130 Ctrl-C, 143/129 SIGTERM/SIGHUP; with an engine command, the engine's own
+    exit status."""
     from rich.live import Live
 
     from mgtrace.recorder import attach
 
+    if stop:
+        if engine_pid is None or command:
+            raise UsageError("--stop takes --engine-pid PID and no engine command")
+        if output is not None or duration is not None or max_steps is not None or force:
+            raise UsageError("--stop takes no -o, --duration, --max-steps or --force")
+        return _stop_command(engine_pid)
     if (engine_pid is None) == (not command):
         raise UsageError("give either --engine-pid PID or the engine command after --")
     if duration is not None and not (0 < duration < math.inf):  # also refuses nan
@@ -179,7 +211,7 @@ def record_command(
                     raise
                 click.echo(f"mgtrace: stopped by {_signal_name(received[0])}", err=True)
                 return 128 + received[0]
-        if not received:
+        if not received or received[0] == signal.SIGINT:
             return _summary(targets)
         # stopped by SIGTERM/SIGHUP: what was recorded is reported, the exit says why
         click.echo(f"mgtrace: stopped by {_signal_name(received[0])}", err=True)
@@ -279,7 +311,18 @@ record = click.command(
                 click.option("--max-steps", type=int, help="Stop after this many steps.")(
                     click.option(
                         "-f", "--force", is_flag=True, help="Overwrite an existing trace."
-                    )(click.argument("command", nargs=-1, type=click.UNPROCESSED)(record_command))
+                    )(
+                        click.option(
+                            "--stop",
+                            is_flag=True,
+                            help="Only stop: end the recording of every process of "
+                            "--engine-pid that records (one whose mgtrace was killed).",
+                        )(
+                            click.argument("command", nargs=-1, type=click.UNPROCESSED)(
+                                record_command
+                            )
+                        )
+                    )
                 )
             )
         )
