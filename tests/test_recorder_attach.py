@@ -680,3 +680,50 @@ def test_the_engines_own_runtime_directory_is_where_its_agent_is_looked_for(
     assert f"process {engine.pid}: agent via plugin" in proc.stdout
     assert TraceReader(out).rows("steps") == 3
     assert not (other / "mgtrace" / f"{engine.pid}.sock").exists()
+
+
+def test_the_assembler_processes_of_a_recording_are_not_part_of_the_engine() -> None:
+    """A recording's assembler process (a worker's child, with "vllm" in its command line)
+    was taken for an API server and got gdb's injection. Control: the worker stays."""
+    from mgtrace.recorder.proctree import Proc, engine_processes
+
+    def proc(pid: int, ppid: int, name: str, cmd: str) -> Proc:
+        return Proc(pid=pid, ppid=ppid, uid=0, name=name, cmdline=cmd)
+
+    tree = [
+        proc(3, 1, "VLLM::Worker_TP0", "python3 -c from multiprocessing.spawn import x"),
+        proc(4, 3, "python3", "python3 -m mgtrace.recorder.outproc /x/vllm-run/rank-000 7"),
+        proc(5, 4, "python3", "python3 -c from multiprocessing.resource_tracker import y"),
+    ]
+    assert tree[1].role == "mgtrace-assembler"
+    assert [p.pid for p in engine_processes(tree, lambda p: False)] == [3]
+
+
+def test_a_recording_engine_is_refused_before_anything_is_injected(
+    engine: subprocess.Popen[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that records already: its plugin says so before a process without an
+    agent (listed first, as an API server is) gets code injected."""
+    sock = control.socket_path(engine.pid)
+    first = tmp_path / "first"
+    control.send(sock, "start", {"out": str(first)})
+    try:
+        _wait(lambda: control.send(sock, "status")["state"] == "recording", what="recording")
+        server = proctree.Proc(
+            pid=2**22 + 1, ppid=1, uid=os.geteuid(), name="python3", cmdline="python3 -m vllm"
+        )
+        me = proctree.read_proc(engine.pid)
+        assert me is not None
+        monkeypatch.setattr(attach, "engine_tree", lambda pid: [server, me])
+        injected: list[int] = []
+
+        def inject(pid: int) -> tuple[str, Path | None]:
+            injected.append(pid)
+            raise attach.AttachError("not here")
+
+        monkeypatch.setattr(attach, "_inject", inject)
+        with pytest.raises(attach.AttachError, match="already recording"):
+            attach.record_pid(engine.pid, tmp_path / "second", duration_s=1.0, max_steps=None)
+        assert injected == []
+    finally:
+        control.send(sock, "stop", timeout_s=60.0)

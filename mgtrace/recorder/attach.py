@@ -180,16 +180,24 @@ def record_pid(
         raise UsageError(f"process {pid} is not a vLLM engine (no vLLM process in its tree)")
     targets: list[Target] = []
     errors: list[str] = []
-    for p in procs:
+    # processes whose plugin answers first: one that records already refuses the run before
+    # any other process gets code injected
+    has_socket = {p.pid for p in procs if control.engine_socket_path(p.pid).exists()}
+    for p in sorted(procs, key=lambda p: p.pid not in has_socket):
         if not p.is_python:
             continue
         try:
-            targets.append(connect(p, allow_inject=allow_inject))
+            target = connect(p, allow_inject=allow_inject)
         except AttachError as exc:
             errors.append(exc.message)
             continue
+        if target.how == "plugin":
+            target.status = control.send(target.socket, "status", timeout_s=10.0)
+            if target.status.get("state") in BUSY:
+                raise AttachError(_busy(p.pid, target.status.get("out")))
+        targets.append(target)
         if on_connect is not None:
-            on_connect(targets[-1])
+            on_connect(target)
     if not targets:
         raise AttachError(errors[0] if errors else f"no Python process under {pid}")
     for t in targets:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
+# a recording's own assembler processes (children of the workers): never a target
+ASSEMBLER_MODULE = "mgtrace.recorder.outproc"
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,8 @@ class Proc:
     @property
     def role(self) -> str:
         text = f"{self.name} {self.cmdline}"
+        if ASSEMBLER_MODULE in self.cmdline:
+            return "mgtrace-assembler"
         if "EngineCore" in text:
             return "engine-core"
         if "Worker" in text:
@@ -82,9 +86,13 @@ def tree(root: int) -> list[Proc]:
 def engine_processes(procs: list[Proc], has_agent: Callable[[Proc], bool]) -> list[Proc]:
     """Of ``procs`` (parents before children), the engine's: vLLM's own processes (by name
     or command line), those with an agent, and everything under one of them. A shell or
-    supervisor above the engine, and its other children, are left alone."""
+    supervisor above the engine, and its other children, are left alone, and so are
+    mgtrace's own assembler processes (and anything under them)."""
     inside: set[int] = set()
+    mine: set[int] = set()
     for p in procs:
-        if p.role != "other" or p.ppid in inside or has_agent(p):
+        if p.role == "mgtrace-assembler" or p.ppid in mine:
+            mine.add(p.pid)
+        elif p.role != "other" or p.ppid in inside or has_agent(p):
             inside.add(p.pid)
     return [p for p in procs if p.pid in inside]
