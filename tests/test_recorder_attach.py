@@ -727,3 +727,36 @@ def test_a_recording_engine_is_refused_before_anything_is_injected(
         assert injected == []
     finally:
         control.send(sock, "stop", timeout_s=60.0)
+
+
+def test_an_engine_that_ends_normally_while_recording_leaves_a_complete_trace(
+    tmp_path: Path,
+) -> None:
+    """An engine that finishes its work closes its trace at exit: that is reported with the
+    trace's own step count and exit 0 (was: "went away after N-1 steps ... incomplete",
+    exit 2, from the last poll)."""
+    engine = _spawn([*STANDIN, "--steps", "40", "--sleep", "0.05"])
+    out = tmp_path / "ended"
+    rec = None
+    try:
+        assert engine.stdout is not None and engine.stdout.readline().startswith("READY")
+        sock = control.socket_path(engine.pid)
+        _wait(sock.exists, what="the agent socket")
+        rec = _record_bg("--engine-pid", str(engine.pid), "-o", str(out))
+        _wait(lambda: control.send(sock, "status").get("out") == str(out), what="recording")
+        assert engine.wait(300) == 0
+        stdout, stderr = rec.communicate(timeout=120)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+        if rec is not None and rec.poll() is None:
+            rec.kill()
+            rec.wait()
+    reader = TraceReader(out)
+    assert reader.complete
+    assert rec.returncode == 0, stdout + stderr
+    assert (
+        f"pid {engine.pid}: exited; its trace holds {reader.rows('steps')} steps -> {out} "
+        "(complete)"
+    ) in stdout

@@ -86,8 +86,16 @@ def _summary(targets: list) -> int:
     for t in written:
         s = t.status
         if s.get("state") == "gone":
+            # the last poll is stale: an engine that ended normally closed its trace after it
+            complete, steps = _trace_state(s["out"], s["steps"])
+            if complete:
+                click.echo(
+                    f"pid {t.proc.pid}: exited; its trace holds {steps} steps -> {s['out']} "
+                    "(complete)"
+                )
+                continue
             problems.append(
-                f"process {t.proc.pid} went away after {s['steps']} steps; the trace in "
+                f"process {t.proc.pid} went away after {steps} steps; the trace in "
                 f"{s['out']} is incomplete"
             )
         elif s.get("writer_failed"):
@@ -111,6 +119,18 @@ def _summary(targets: list) -> int:
     if not written:
         raise MgtraceError("no step was recorded (was the engine serving requests?)")
     return 0
+
+
+def _trace_state(out: str, polled_steps: int) -> tuple[bool, int]:
+    """(complete, steps) of the trace in ``out`` by its manifest; (False, the last polled
+    count) where it cannot be read."""
+    from mgtrace.schemas.reader import TraceReader
+
+    try:
+        reader = TraceReader(out)
+        return reader.complete, reader.rows("steps")
+    except (MgtraceError, OSError, ValueError):
+        return False, polled_steps
 
 
 def _check_writable(out: Path, replace: bool) -> None:
