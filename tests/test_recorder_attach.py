@@ -229,6 +229,29 @@ def test_sigterm_to_record_stops_the_engine_recording(
         control.send(sock, "stop", timeout_s=60.0)
 
 
+def test_ctrl_c_to_record_reports_the_trace_and_exits_130(
+    engine: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    """One Ctrl-C stops the recording, reports it, and exits 130 as --help says (was 0)."""
+    sock = control.socket_path(engine.pid)
+    out = tmp_path / "int"
+    rec = _record_bg("--engine-pid", str(engine.pid), "-o", str(out))
+    try:
+        _wait(lambda: control.send(sock, "status").get("out") == str(out), what="recording")
+        _wait(lambda: control.send(sock, "status").get("steps"), what="a recorded step")
+        rec.send_signal(signal.SIGINT)
+        stdout, stderr = rec.communicate(timeout=120)
+        assert rec.returncode == 130, stdout + stderr
+        assert "stopped by SIGINT" in stderr and "Traceback" not in stderr
+        assert TraceReader(out).complete and f"-> {out}" in stdout
+        assert control.send(sock, "status")["state"] == "idle"
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+        control.send(sock, "stop", timeout_s=60.0)
+
+
 @pytest.fixture
 def bare_python(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """A running Python process without the plugin."""

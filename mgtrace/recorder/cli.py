@@ -231,9 +231,10 @@ def record_command(
                     raise
                 click.echo(f"mgtrace: stopped by {_signal_name(received[0])}", err=True)
                 return 128 + received[0]
-        if not received or received[0] == signal.SIGINT:
+        if not received:
             return _summary(targets)
-        # stopped by SIGTERM/SIGHUP: what was recorded is reported, the exit says why
+        # stopped by Ctrl-C, SIGTERM or SIGHUP: what was recorded is reported, the exit
+        # says why
         click.echo(f"mgtrace: stopped by {_signal_name(received[0])}", err=True)
         try:
             _summary(targets)
