@@ -405,6 +405,9 @@ def main() -> int:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--no-plugin", action="store_true")
     ap.add_argument("--name", default="", help="only shows in the command line (process lists)")
+    ap.add_argument(
+        "--no-spec", action="store_true", help="serve without speculative decoding (refused)"
+    )
     a = ap.parse_args()
     v = vllm_modules()
     # the stand-in's step functions go in before the plugin loads: an agent armed from the
@@ -413,6 +416,8 @@ def main() -> int:
     if not a.no_plugin:
         load_plugin_like_vllm()
     eng = StandinEngine(v)
+    if a.no_spec:
+        eng.runner.speculative_config = None
     print(f"READY {os.getpid()}", flush=True)
     done = 0
     while a.steps == 0 or done < a.steps:

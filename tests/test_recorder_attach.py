@@ -783,3 +783,40 @@ def test_an_engine_that_ends_normally_while_recording_leaves_a_complete_trace(
         f"pid {engine.pid}: exited; its trace holds {reader.rows('steps')} steps -> {out} "
         "(complete)"
     ) in stdout
+
+
+def test_a_process_that_refuses_is_named_and_the_exit_says_so(tmp_path: Path) -> None:
+    """Of two engine processes under one parent, one refuses (a runner without speculative
+    decoding): the summary named only the one that recorded, and the exit was 0."""
+    code = (
+        "import subprocess, sys\n"
+        "kids = [subprocess.Popen([sys.executable, '-m', 'tests.recorder_standin', "
+        "'--sleep', '0.05', *extra]) for extra in ([], ['--no-spec'])]\n"
+        "sys.exit(max(k.wait() for k in kids))\n"
+    )
+    parent = _spawn([PY, "-c", code])
+    pids: list[int] = []
+    try:
+        assert parent.stdout is not None
+        for _ in range(2):
+            line = parent.stdout.readline()
+            assert line.startswith("READY"), line
+            pids.append(int(line.split()[1]))
+        for pid in pids:
+            _wait(lambda pid=pid: control.socket_path(pid).exists(), what="the agent socket")
+        good, bad = (p for p in proctree.tree(parent.pid)[1:] if p.pid in pids)
+        if "--no-spec" in good.cmdline:
+            good, bad = bad, good
+        out = tmp_path / "mixed"
+        proc = _record_cli("--engine-pid", str(parent.pid), "-o", str(out), "--max-steps", "3")
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait(30)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"pid {good.pid}: 3 steps" in proc.stdout
+    assert f"process {bad.pid} did not record: this V1 runner serves without" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert TraceReader(out).rows("steps") == 3

@@ -80,7 +80,6 @@ def _named(proc: Proc) -> str:
 
 
 def _summary(targets: list) -> int:
-    refusals = [t.status["refusal"] for t in targets if t.status.get("refusal")]
     written = [t for t in targets if t.status.get("out") and t.status.get("steps")]
     problems = []
     for t in written:
@@ -109,11 +108,15 @@ def _summary(targets: list) -> int:
                 f"{s.get('drops', 0)} dropped, {s.get('hook_errors', 0)} hook errors -> "
                 f"{s['out']}" + ("" if s.get("complete", True) else " (incomplete)")
             )
+    # a process that refused leaves the trace without its part: named, and not a success
+    problems += [
+        f"process {t.proc.pid} did not record: {t.status['refusal']}"
+        for t in targets
+        if t.status.get("refusal")
+    ]
     gone = [t.proc.pid for t in targets if t.status.get("state") == "gone"]
     if problems:
         raise MgtraceError("; ".join(problems))
-    if not written and refusals:
-        raise MgtraceError(refusals[0])
     if not written and gone:
         raise MgtraceError(f"process {gone[0]} went away before a step was recorded")
     if not written:
