@@ -820,3 +820,20 @@ def test_a_process_that_refuses_is_named_and_the_exit_says_so(tmp_path: Path) ->
     assert f"process {bad.pid} did not record: this V1 runner serves without" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert TraceReader(out).rows("steps") == 3
+
+
+def test_record_into_a_pipe_prints_plain_counters_and_ends_the_table(
+    engine: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    """With stdout not a terminal (``| tee log``) the live table shows only at the end: a
+    plain counters line shows progress, and the summary starts on a line of its own (it
+    ran on after the table's last line)."""
+    out = tmp_path / "piped"
+    proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "3")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(
+        line.startswith(f"mgtrace: pid {engine.pid} ") and " steps, " in line for line in lines
+    ), proc.stdout
+    summary = f"pid {engine.pid}: 3 steps, "
+    assert any(line.startswith(summary) for line in lines), proc.stdout

@@ -6,8 +6,9 @@ import math
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -72,6 +73,31 @@ def _status_table(targets: list) -> object:
             str(s.get("hook_errors", 0)),
         )
     return table
+
+
+PLAIN_EVERY_S = 5.0
+
+
+class _PlainCounters:
+    """Where the output is not a terminal (``| tee log``) the live table shows only at the
+    end: a plain line of counters every PLAIN_EVERY_S seconds shows the progress."""
+
+    def __init__(self, console: Any) -> None:
+        self.console = console
+        self.last = -math.inf
+
+    def __call__(self, targets: list) -> None:
+        now = time.monotonic()
+        if self.console.is_terminal or now - self.last < PLAIN_EVERY_S:
+            return
+        self.last = now
+        line = "; ".join(
+            f"pid {t.proc.pid} {t.status.get('state', '?')}: {t.status.get('steps', 0)} "
+            f"steps, {t.status.get('rows', 0)} rows, {(t.status.get('bytes') or 0) / 1e6:.1f} "
+            f"MB, {t.status.get('drops', 0)} dropped, {t.status.get('hook_errors', 0)} errors"
+            for t in targets
+        )
+        self.console.print(f"mgtrace: {line}", highlight=False, markup=False)
 
 
 def _named(proc: Proc) -> str:
@@ -216,12 +242,18 @@ def record_command(
         with attach.signals_as_interrupt() as received:
             try:
                 with Live(refresh_per_second=2, transient=False) as live:
+                    plain = _PlainCounters(live.console)
+
+                    def on_status(ts: list) -> None:
+                        live.update(_status_table(ts))
+                        plain(ts)
+
                     targets = attach.record_pid(
                         engine_pid,
                         output,
                         duration_s=duration,
                         max_steps=max_steps,
-                        on_status=lambda ts: live.update(_status_table(ts)),
+                        on_status=on_status,
                         # the old trace goes only once every check passed
                         before_start=(lambda: _replace(output)) if replace else None,
                         on_connect=lambda t: live.console.print(
@@ -229,6 +261,8 @@ def record_command(
                         ),
                     )
                     live.update(_status_table(targets))
+                if not live.console.is_terminal:  # the table ends without one
+                    live.console.line()
             except KeyboardInterrupt:
                 if not received:
                     raise
