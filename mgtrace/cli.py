@@ -342,10 +342,10 @@ def main(
 ) -> int:
     """Console entry point: run the CLI (or one of its commands on its own), turn every
     MgtraceError into one sentence."""
-    from mgtrace.pandas_probe import skip_pandas_probe
-
-    skip_pandas_probe()
     try:
+        from mgtrace.pandas_probe import skip_pandas_probe
+
+        skip_pandas_probe()  # inside: a Ctrl-C this early is an interruption like any other
         rv = (command or cli).main(args=argv, prog_name=prog_name, standalone_mode=False)
     except MgtraceError as exc:
         click.echo(f"mgtrace: error: {exc.message}", err=True)

@@ -104,3 +104,22 @@ def test_the_probe_sees_torch_when_it_is_imported(buggy_trace: Path) -> None:
     # control: the same probe, the same command, torch imported on purpose
     seen = _heavy_modules_after([["info", str(buggy_trace)]], control=True)
     assert "torch" in seen and "pandas" in seen
+
+
+def test_ctrl_c_while_the_command_line_starts_is_an_interruption(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C in the first moments of any command (while the pandas probe is set up) gave a
+    traceback instead of exit 130."""
+    from mgtrace import cli, pandas_probe
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pandas_probe, "skip_pandas_probe", interrupted)
+    try:
+        code = cli.main(["--help"])
+    except KeyboardInterrupt:
+        pytest.fail("the interruption escaped main as a traceback")
+    assert code == 130
+    assert capsys.readouterr().err == "mgtrace: interrupted\n"
