@@ -211,7 +211,7 @@ def record_command(
 
     Exit codes: 0 recorded (or stopped), 2 refused (bad option, no engine, nothing
     recorded), 130 Ctrl-C, 143/129 SIGTERM/SIGHUP; with an engine command, the engine's own
-    exit status."""
+    exit status (2 when it recorded nothing)."""
     from rich.live import Live
 
     from mgtrace.recorder import attach
