@@ -758,7 +758,7 @@ def test_an_engine_that_ends_normally_while_recording_leaves_a_complete_trace(
     """An engine that finishes its work closes its trace at exit: that is reported with the
     trace's own step count and exit 0 (was: "went away after N-1 steps ... incomplete",
     exit 2, from the last poll)."""
-    engine = _spawn([*STANDIN, "--steps", "40", "--sleep", "0.05"])
+    engine = _spawn([*STANDIN, "--steps", "60", "--sleep", "0.05"])
     out = tmp_path / "ended"
     rec = None
     try:

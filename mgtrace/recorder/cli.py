@@ -106,14 +106,18 @@ def _named(proc: Proc) -> str:
 
 
 def _summary(targets: list) -> int:
+    for t in targets:
+        if t.status.get("state") == "gone" and t.status.get("out"):
+            # the last poll is stale: an engine that ended normally closed its trace after it
+            complete, steps = _trace_state(t.status["out"], t.status.get("steps") or 0)
+            t.status = {**t.status, "steps": steps, "closed_complete": complete}
     written = [t for t in targets if t.status.get("out") and t.status.get("steps")]
     problems = []
     for t in written:
         s = t.status
         if s.get("state") == "gone":
-            # the last poll is stale: an engine that ended normally closed its trace after it
-            complete, steps = _trace_state(s["out"], s["steps"])
-            if complete:
+            steps = s["steps"]
+            if s["closed_complete"]:
                 click.echo(
                     f"pid {t.proc.pid}: exited; its trace holds {steps} steps -> {s['out']} "
                     "(complete)"
