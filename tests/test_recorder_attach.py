@@ -50,6 +50,19 @@ def _wait(predicate: Any, timeout: float = 90.0, what: str = "condition") -> Any
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _ready_agents(parent: subprocess.Popen[str], count: int, pids: list[int]) -> None:
+    """Add to ``pids`` (as they come: a caller's clean-up kills those) the pids of ``count``
+    stand-in engines ``parent`` announces (READY lines); return once each one's agent socket
+    is up."""
+    assert parent.stdout is not None
+    for _ in range(count):
+        line = parent.stdout.readline()
+        assert line.startswith("READY"), line
+        pids.append(int(line.split()[1]))
+    for pid in pids:
+        _wait(lambda pid=pid: control.socket_path(pid).exists(), what="the agent socket")
+
+
 def _spawn(argv: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -797,13 +810,7 @@ def test_a_process_that_refuses_is_named_and_the_exit_says_so(tmp_path: Path) ->
     parent = _spawn([PY, "-c", code])
     pids: list[int] = []
     try:
-        assert parent.stdout is not None
-        for _ in range(2):
-            line = parent.stdout.readline()
-            assert line.startswith("READY"), line
-            pids.append(int(line.split()[1]))
-        for pid in pids:
-            _wait(lambda pid=pid: control.socket_path(pid).exists(), what="the agent socket")
+        _ready_agents(parent, 2, pids)
         good, bad = (p for p in proctree.tree(parent.pid)[1:] if p.pid in pids)
         if "--no-spec" in good.cmdline:
             good, bad = bad, good

@@ -17,7 +17,7 @@ import pytest
 from mgtrace.recorder import control
 from mgtrace.schemas.reader import TraceReader
 from tests.conftest import REPO
-from tests.test_recorder_attach import PY, _record_bg, _record_cli, _wait
+from tests.test_recorder_attach import PY, _ready_agents, _record_bg, _record_cli, _wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
 pytest.importorskip("vllm")
@@ -39,13 +39,7 @@ def ranks() -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
     )
     workers: list[int] = []
     try:
-        assert parent.stdout is not None
-        for _ in range(2):
-            line = parent.stdout.readline()
-            assert line.startswith("READY"), line
-            workers.append(int(line.split()[1]))
-        for w in workers:
-            _wait(lambda w=w: control.socket_path(w).exists(), what="the agent socket")
+        _ready_agents(parent, 2, workers)
         yield parent, workers
     finally:
         for pid in workers:
