@@ -103,8 +103,7 @@ def connect(proc: proctree.Proc, *, allow_inject: bool = True) -> Target:
     path = control.engine_socket_path(proc.pid)
     if path.exists():
         try:
-            control.send(path, "status", timeout_s=5.0)
-            return Target(proc, path, "plugin")
+            return Target(proc, path, "plugin", control.send(path, "status", timeout_s=5.0))
         except control.ControlError:
             pass
     if not allow_inject or not proc.is_python:
@@ -191,10 +190,8 @@ def record_pid(
         except AttachError as exc:
             errors.append(exc.message)
             continue
-        if target.how == "plugin":
-            target.status = control.send(target.socket, "status", timeout_s=10.0)
-            if target.status.get("state") in BUSY:
-                raise AttachError(_busy(p.pid, target.status.get("out")))
+        if target.status.get("state") in BUSY:  # a plugin's status, asked by connect
+            raise AttachError(_busy(p.pid, target.status.get("out")))
         targets.append(target)
         if on_connect is not None:
             on_connect(target)
