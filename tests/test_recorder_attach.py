@@ -50,17 +50,30 @@ def _wait(predicate: Any, timeout: float = 90.0, what: str = "condition") -> Any
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _ready_agents(parent: subprocess.Popen[str], count: int, pids: list[int]) -> None:
-    """Add to ``pids`` (as they come: a caller's clean-up kills those) the pids of ``count``
-    stand-in engines ``parent`` announces (READY lines); return once each one's agent socket
-    is up."""
-    assert parent.stdout is not None
-    for _ in range(count):
-        line = parent.stdout.readline()
-        assert line.startswith("READY"), line
-        pids.append(int(line.split()[1]))
-    for pid in pids:
-        _wait(lambda pid=pid: control.socket_path(pid).exists(), what="the agent socket")
+@contextlib.contextmanager
+def _stand_in_engines(
+    argv: list[str], count: int
+) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
+    """``argv`` started as the parent of ``count`` stand-in engines that each announce
+    themselves with a READY line; yields it and their pids once every agent socket is up,
+    and kills them all afterwards (those announced so far, if the start fails)."""
+    parent = _spawn(argv)
+    pids: list[int] = []
+    try:
+        assert parent.stdout is not None
+        for _ in range(count):
+            line = parent.stdout.readline()
+            assert line.startswith("READY"), line
+            pids.append(int(line.split()[1]))
+        for pid in pids:
+            _wait(lambda pid=pid: control.socket_path(pid).exists(), what="the agent socket")
+        yield parent, pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait(30)
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen[str]:
@@ -807,21 +820,12 @@ def test_a_process_that_refuses_is_named_and_the_exit_says_so(tmp_path: Path) ->
         "'--sleep', '0.05', *extra]) for extra in ([], ['--no-spec'])]\n"
         "sys.exit(max(k.wait() for k in kids))\n"
     )
-    parent = _spawn([PY, "-c", code])
-    pids: list[int] = []
-    try:
-        _ready_agents(parent, 2, pids)
+    with _stand_in_engines([PY, "-c", code], 2) as (parent, pids):
         good, bad = (p for p in proctree.tree(parent.pid)[1:] if p.pid in pids)
         if "--no-spec" in good.cmdline:
             good, bad = bad, good
         out = tmp_path / "mixed"
         proc = _record_cli("--engine-pid", str(parent.pid), "-o", str(out), "--max-steps", "3")
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        parent.kill()
-        parent.wait(30)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"pid {good.pid}: 3 steps" in proc.stdout
     assert f"process {bad.pid} did not record: this V1 runner serves without" in proc.stderr

@@ -3,8 +3,6 @@ EngineCore holds them): signals during the stop, and ``--stop``."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -16,8 +14,7 @@ import pytest
 
 from mgtrace.recorder import control
 from mgtrace.schemas.reader import TraceReader
-from tests.conftest import REPO
-from tests.test_recorder_attach import PY, _ready_agents, _record_bg, _record_cli, _wait
+from tests.test_recorder_attach import PY, _record_bg, _record_cli, _stand_in_engines, _wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
 pytest.importorskip("vllm")
@@ -34,19 +31,8 @@ def ranks() -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
     """The parent and its two workers' pids; a step takes 2 s, so that stopping each
     worker (at its next step boundary) takes a while."""
     argv = [PY, "-m", "tests.recorder_standin_ranks", str(_free_port()), "--sleep", "2.0"]
-    parent = subprocess.Popen(
-        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    workers: list[int] = []
-    try:
-        _ready_agents(parent, 2, workers)
+    with _stand_in_engines(argv, 2) as (parent, workers):
         yield parent, workers
-    finally:
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        parent.kill()
-        parent.wait(30)
 
 
 def _states(workers: list[int]) -> list[str]:
