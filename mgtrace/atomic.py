@@ -1,15 +1,29 @@
-"""Whole files or nothing: write under a temporary name in the same directory, then rename."""
+"""Whole files or nothing: write under a temporary name in the same directory, then rename.
+
+A directory (a trace) that replaces another is built under a hidden sibling name and swapped
+in only once it is complete, so that a failed or interrupted write leaves the old one as it
+was."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
+import itertools
 import os
+import re
+import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
 from mgtrace.errors import OutputError
+
+_RENAME_EXCHANGE = 2  # renameat2 flag: swap two existing paths in one step
+_AT_FDCWD = -100
+_sibling_seq = itertools.count()
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -30,3 +44,117 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         if isinstance(exc, OSError):  # named by the file asked for, not the temporary one
             raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
         raise
+
+
+def hidden_sibling(path: Path, role: str) -> Path:
+    """``.NAME.PID-N.ROLE`` beside ``path``: unique to this process, so that what a killed
+    run left under such a name never stands in the way of the next run."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}-{next(_sibling_seq)}.{role}")
+
+
+def clear_stale_siblings(path: Path) -> None:
+    """Tidy what a killed run left beside ``path``: an old directory it had moved aside
+    (``.old``) goes back to ``path`` when nothing is there, so the user keeps it; other
+    leftovers (a partial new one, an old one already replaced) are removed. Siblings of a
+    process that still runs are left alone."""
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)-\d+\.(new|old)")
+    try:
+        entries = sorted(path.parent.iterdir(), key=lambda p: not p.name.endswith(".old"))
+    except OSError:
+        return  # the command says so when it writes there
+    for entry in entries:
+        found = pattern.fullmatch(entry.name)
+        if found is None or _is_running(int(found.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            if found.group(2) == "old" and not (path.exists() or path.is_symlink()):
+                os.rename(entry, path)
+            else:
+                remove_tree(entry)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory, or the link that stands for one (not what it points to)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def replacing_directory(new: Path, dest: Path) -> Iterator[None]:
+    """Put the complete directory ``new`` at ``dest``, run the body, then remove what was at
+    ``dest`` before. When the body (or the swap) raises, the old directory is back at
+    ``dest`` as it was and the new one at ``new``, for the caller to remove.
+
+    Where the kernel can swap two paths in one step (Linux renameat2), ``dest`` always
+    names one of them; elsewhere the old one is renamed aside first, and a run killed
+    between the two renames leaves it under a ``.old`` name that ``clear_stale_siblings``
+    puts back."""
+    new, dest = Path(new), Path(dest)
+    old: Path | None = None  # where the old directory is while the body runs
+    if dest.exists() or dest.is_symlink():
+        if _exchange(new, dest):
+            old = new
+        else:
+            old = hidden_sibling(dest, "old")
+            os.rename(dest, old)
+            try:
+                os.rename(new, dest)
+            except BaseException:
+                os.rename(old, dest)
+                raise
+    else:
+        os.rename(new, dest)
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if old is None:
+                os.rename(dest, new)
+            elif old == new:
+                _exchange(new, dest)
+            else:
+                os.rename(dest, new)
+                os.rename(old, dest)
+        raise
+    if old is not None:
+        remove_tree(old)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step; False where the system or file system cannot."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # not Linux, or a C library older than glibc 2.28
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _is_running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: running
+        return True
+    return True

@@ -645,3 +645,87 @@ def test_drop_ranges_counted_out_of_order_are_saved_sorted_and_joined(tmp_path: 
     saved = load_manifest(tmp_path).drops.step_ranges
     assert saved == [[0, 3, 7], [0, 9, 9], [1, 2, 2]]  # rank 1's stays apart; 8 was kept
     assert m.drops.step_ranges[0] == [0, 9, 9]  # saving leaves the counting object alone
+
+
+def _listing(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` (hidden ones included) with a file's bytes."""
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _step(step: int) -> dict:
+    return sample_step(step, 4, np.random.default_rng(step))
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename-aside"])
+def test_overwrite_keeps_the_old_trace_until_the_new_one_is_whole(
+    fresh_trace: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    """--force once removed the old trace as the writer opened: a write that then failed
+    left neither trace. Now the old one stays, byte for byte, while the new one is written
+    and when it ends incomplete, is discarded or meets a full disk; a whole one replaces it
+    and nothing hidden stays beside it. Also where the two cannot be swapped in one step."""
+    from mgtrace import atomic
+    from mgtrace.schemas import writer as writer_module
+
+    if not exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    root = fresh_trace.parent
+    before = _listing(root)
+
+    w = TraceWriter(fresh_trace, overwrite=True)
+    w.write_step(0, 0, _step(0))
+    assert TraceReader(fresh_trace).rows("steps") == 60  # the old one, while the new is open
+    w.close(complete=False)  # interrupted: the old one stays
+    assert _listing(root) == before
+
+    w = TraceWriter(fresh_trace, overwrite=True)
+    w.write_step(0, 0, _step(0))
+    w.discard()
+    assert _listing(root) == before
+
+    def full_disk(self: TraceWriter, rel: str, table: pa.Table) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(writer_module.TraceWriter, "_write_part", full_disk)
+        w = TraceWriter(fresh_trace, overwrite=True)
+        w.write_step(0, 0, _step(0))
+        assert not w.close().complete
+    assert _listing(root) == before and TraceReader(fresh_trace).complete
+
+    with pytest.raises(RuntimeError), TraceWriter(fresh_trace, overwrite=True) as w:
+        w.write_step(0, 0, _step(0))
+        raise RuntimeError("the producer failed part-way")
+    assert _listing(root) == before
+
+    w = TraceWriter(fresh_trace, overwrite=True)  # control: a whole trace replaces it
+    w.write_step(0, 7, _step(7))
+    w.close()
+    assert TraceReader(fresh_trace).table("steps").column("step").to_pylist() == [7]
+    assert [p.name for p in root.iterdir()] == [fresh_trace.name]
+
+
+def test_what_a_killed_overwrite_left_does_not_break_the_next_run(fresh_trace: Path) -> None:
+    """A run killed while it wrote leaves its hidden new trace; one killed between moving
+    the old trace aside and renaming the new one in leaves the old one aside, and nothing at
+    the path. The next writer puts the old trace back (so it refuses to overwrite it
+    without --force) and removes the rest; one with --force then replaces it."""
+    from mgtrace.errors import OutputError
+
+    dead = 2**31 - 2  # no process has this id
+    root = fresh_trace.parent
+    steps_before = TraceReader(fresh_trace).rows("steps")
+    fresh_trace.rename(root / f".{fresh_trace.name}.{dead}-1.old")
+    partial = root / f".{fresh_trace.name}.{dead}-0.new"
+    partial.mkdir()
+    (partial / "manifest.json").write_text("{")
+    with pytest.raises(OutputError, match="already exists"):
+        TraceWriter(fresh_trace)
+    assert TraceReader(fresh_trace).rows("steps") == steps_before
+    assert [p.name for p in root.iterdir()] == [fresh_trace.name]
+    TraceWriter(fresh_trace, overwrite=True).close()
+    assert TraceReader(fresh_trace).rows("steps") == 0
+    assert [p.name for p in root.iterdir()] == [fresh_trace.name]

@@ -35,7 +35,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mgtrace import __version__
-from mgtrace.atomic import atomic_write
+from mgtrace.atomic import (
+    atomic_write,
+    clear_stale_siblings,
+    hidden_sibling,
+    remove_tree,
+    replacing_directory,
+)
 from mgtrace.errors import OutputError
 from mgtrace.schemas import ranks
 from mgtrace.schemas.manifest import (
@@ -592,6 +598,12 @@ class TraceWriter:
 
     ``write_step(rank, step, {"batch_rows": {"batch_row": arr, "req_id": [...], ...}, ...})``
     never blocks and never raises: it returns False when the step was dropped.
+
+    With ``overwrite``, an old trace at ``path`` stays until the new one is whole: the new
+    one is written beside it under a hidden name and swapped in by ``close`` (by
+    ``install`` after ``close(install=False)``); an incomplete or failed new trace is removed
+    and the old one kept. ``path`` is where the trace is being written, ``destination``
+    where it ends up.
     """
 
     def __init__(
@@ -605,7 +617,9 @@ class TraceWriter:
         flush_seconds: float = 2.0,
         overwrite: bool = False,
     ) -> None:
-        self.path = Path(path)
+        self.destination = Path(path)
+        self.path = self.destination
+        self._replacing = False  # True while self.path is a hidden sibling of destination
         self._prepare_directory(overwrite)
         self.manifest = Manifest(
             run=run or RunMetadata(),
@@ -709,9 +723,13 @@ class TraceWriter:
             failed=self._failed,
         )
 
-    def close(self, *, complete: bool = True) -> Manifest:
+    def close(self, *, complete: bool = True, install: bool = True) -> Manifest:
         """Flush everything queued, mark the trace complete (unless the caller knows it is
-        not: an interrupted run, a recording whose engine died) and stop the thread."""
+        not: an interrupted run, a recording whose engine died) and stop the thread.
+
+        A trace that replaces an old one is then swapped in when it is complete, and removed
+        (the old one kept) when it is not; ``install=False`` leaves that to ``install`` or
+        ``discard``, for a caller that judges the closed trace first."""
         if self._closed:
             return self.manifest
         self._closed = True
@@ -726,22 +744,57 @@ class TraceWriter:
                 if self._failed is not None:
                     self.manifest.errors.setdefault("writer", {"count": 1, "first": self._failed})
                 save_manifest(self.path, self.manifest)
-        finally:  # the manifest is final: others may add parts now
+        except BaseException:
             self._release_writing_lock()
+            if self._replacing and install:
+                self.discard()
+            raise
+        self._release_writing_lock()  # the manifest is final: others may add parts now
+        if self._replacing and install:
+            if self.manifest.complete:
+                self.install()
+            else:  # an interrupted or failed trace never replaces a whole one
+                self.discard()
         return self.manifest
+
+    def install(self) -> None:
+        """Swap a closed trace written beside the old one it replaces into its place; on
+        failure the old one stays as it was and the new one is removed."""
+        if not self._replacing:
+            return
+        try:
+            with replacing_directory(self.path, self.destination):
+                pass
+        except BaseException as exc:
+            self.discard()
+            if isinstance(exc, OSError):
+                raise OutputError(
+                    f"cannot replace {self.destination}: {exc.strerror or exc}; "
+                    "the old trace was kept"
+                ) from None
+            raise
+        self._replacing = False
+        self.path = self.destination
 
     def discard(self) -> None:
         """Stop and remove the trace directory: for a writer whose trace cannot be whole
-        (the disk refused it), where part of one is worse than none."""
+        (the disk refused it), where part of one is worse than none. A trace that was to
+        replace an old one goes, and the old one stays."""
         with contextlib.suppress(Exception):
-            self.close()
-        shutil.rmtree(self.path, ignore_errors=True)
+            self.close(complete=False, install=False)
+        remove_tree(self.path)
+        self._replacing = False
 
     def __enter__(self) -> TraceWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(complete=exc_type is None)  # an exception means the trace is not whole
+
+    @property
+    def kept_old(self) -> bool:
+        """Whether an old trace stays at ``destination`` instead of this one (so far)."""
+        return self.path != self.destination
 
     def _hold_writing_lock(self) -> int | None:
         """Lock WRITING_LOCK while this writer is open, so that ``append_table`` refuses the
@@ -765,9 +818,11 @@ class TraceWriter:
 
     # ---------------------------------------------------------------- writer thread
     def _prepare_directory(self, overwrite: bool) -> None:
+        clear_stale_siblings(self.destination)  # may put back an old trace a killed run moved
+        if refuse_unless_replaceable(self.destination, overwrite):
+            self.path = hidden_sibling(self.destination, "new")
+            self._replacing = True
         p = self.path
-        if refuse_unless_replaceable(p, overwrite):
-            shutil.rmtree(p)
         self._made_directory = not p.exists()
         try:
             p.mkdir(parents=True, exist_ok=True)
