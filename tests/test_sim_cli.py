@@ -214,3 +214,110 @@ def test_demo_prints_a_path_with_brackets_as_it_is(
     res = CliRunner().invoke(demo, ["-o", "d[bold]x", "--steps", "100"], standalone_mode=False)
     assert res.exception is None, res.output
     assert "wrote d[bold]x: 100 steps" in res.output
+
+
+def _listing(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` (hidden ones included) with a file's bytes."""
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_force_keeps_the_old_trace_when_the_new_run_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-f once removed the old trace before the first step: a run that was then interrupted,
+    or met a full disk, left the user neither trace. Now the old one stays as it was and
+    nothing else is left. Control: a run that ends replaces it."""
+    from mgtrace.errors import OutputError
+    from mgtrace.schemas import writer as writer_module
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.sim import SimConfig
+    from mgtrace.sim.engine import simulate as run_simulation
+
+    out = tmp_path / "t"
+    assert _invoke("--steps", "40", "--scenario", "steady", "-o", str(out)).exception is None
+    before = _listing(tmp_path)
+
+    def stop(step: int, view: object) -> None:
+        if step == 30:
+            raise KeyboardInterrupt
+
+    cfg = SimConfig(scenario="steady", steps=100, seed=1, output=out, overwrite=True)
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(cfg, observe=stop)
+    assert _listing(tmp_path) == before
+
+    def full_disk(self: object, rel: str, table: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(writer_module.TraceWriter, "_write_part", full_disk)
+        res = _invoke("--steps", "100", "--seed", "1", "-o", str(out), "-f")
+    assert isinstance(res.exception, OutputError), res.output
+    assert f"the old trace at {out} was kept" in res.exception.message
+    assert _listing(tmp_path) == before
+    assert TraceReader(out).rows("steps") == 40 and TraceReader(out).complete
+
+    assert _invoke("--steps", "50", "-o", str(out), "-f").exception is None  # control
+    assert TraceReader(out).rows("steps") == 50
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]
+
+
+def test_a_killed_forced_run_leaves_the_old_trace_and_the_next_run_works(
+    tmp_path: Path,
+) -> None:
+    """A process killed part-way through -f left a partial new trace where the old one had
+    been. Now the old one is there, whole; the next -f run is not disturbed by what the
+    killed one left, and tidies it."""
+    import subprocess
+    import sys
+
+    from mgtrace.schemas.reader import TraceReader
+    from tests.conftest import REPO
+
+    out = tmp_path / "t"
+    assert _invoke("--steps", "40", "--scenario", "steady", "-o", str(out)).exception is None
+    script = (
+        "import os, sys\n"
+        "from mgtrace.sim import SimConfig\n"
+        "from mgtrace.sim.engine import simulate\n"
+        "def die(step, view):\n"
+        "    if step == 200:\n"
+        "        os._exit(9)\n"
+        "simulate(SimConfig(steps=400, output=sys.argv[1], overwrite=True), observe=die,"
+        " steps_per_write=0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], cwd=REPO, timeout=300)
+    assert proc.returncode == 9
+    reader = TraceReader(out)
+    assert reader.rows("steps") == 40 and reader.complete
+    assert any(p.name.startswith(".t.") for p in tmp_path.iterdir())  # what it left
+    assert _invoke("--steps", "50", "-o", str(out), "-f").exception is None
+    assert TraceReader(out).rows("steps") == 50
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]
+
+
+def test_demo_force_keeps_the_old_trace_when_the_simulation_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """demo -f writes its trace as simulate -f does: a simulation that fails part-way
+    leaves the old trace as it was."""
+    from mgtrace.demo import demo
+    from mgtrace.sim import engine as engine_module
+
+    out = tmp_path / "d"
+    assert _invoke("--steps", "40", "--scenario", "steady", "-o", str(out)).exception is None
+    before = _listing(tmp_path)
+    real_step = engine_module.Engine.step
+
+    def failing(self: object, step: int) -> object:
+        if step == 50:
+            raise RuntimeError("a simulator bug")
+        return real_step(self, step)
+
+    monkeypatch.setattr(engine_module.Engine, "step", failing)
+    res = CliRunner().invoke(demo, ["-o", str(out), "--steps", "100", "-f"], standalone_mode=False)
+    assert isinstance(res.exception, RuntimeError)
+    assert _listing(tmp_path) == before

@@ -103,7 +103,8 @@ def _simulate(
     stale-condense-row. The manifest's ground_truth says which step each one first corrupts.
 
     Exit codes: 0 written, 2 usage error (bad option, output exists or cannot be written),
-    130 interrupted (the steps written so far are kept, in a trace marked incomplete).
+    130 interrupted (the steps written so far are kept, in a trace marked incomplete; with
+    --force over an old trace, the old trace is kept instead).
     """
     if output is None:
         raise UsageError("missing the output trace path; pass -o TRACE")

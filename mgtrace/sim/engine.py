@@ -253,13 +253,16 @@ def simulate(
 
 def _discard(writer: TraceWriter, cfg: SimConfig, why: Exception | str) -> NoReturn:
     """The disk said no: a simulated trace is made again at will, and part of one is of no
-    use, so none is left behind."""
+    use, so none is left behind (an old trace it was to replace stays)."""
     writer.discard()
+    old = f"the old trace at {cfg.output} was kept" if writer.kept_old else None
     if isinstance(why, OutputError):
-        raise OutputError(f"{why.message}; nothing of {cfg.output} was kept") from None
+        if why.message.endswith(" was kept"):  # the writer said so itself
+            raise OutputError(why.message) from None
+        raise OutputError(f"{why.message}; {old or f'nothing of {cfg.output} was kept'}") from None
     if isinstance(why, Exception):
         why = reason(why)
-    raise OutputError(f"cannot write {cfg.output}: {why}; nothing was kept") from None
+    raise OutputError(f"cannot write {cfg.output}: {why}; {old or 'nothing was kept'}") from None
 
 
 def run_engine(cfg: SimConfig, observe: Callable[[int, StepView], None]) -> Engine:
