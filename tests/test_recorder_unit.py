@@ -837,3 +837,44 @@ def test_record_refuses_an_output_no_file_can_be_created_in(tmp_path: Path) -> N
         err = assert_one_sentence_error(proc, 2)
         assert err == f"mgtrace: error: cannot write the trace to {out}: {words}", err
     assert not marker.exists()
+
+
+def test_import_probe_force_keeps_the_old_trace_when_the_import_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-f once removed the old trace before the import wrote a row: a row the writer then
+    refused, or an interrupt, left the user neither trace. Now the old one stays as it was
+    and nothing else is left. Control: an import that succeeds replaces it."""
+    from mgtrace.errors import OutputError
+    from mgtrace.recorder import probe_import
+
+    (tmp_path / "logs").mkdir()
+    pp, bp, _ = _probe_logs(tmp_path / "logs")
+    out = tmp_path / "out" / "t"
+    out.parent.mkdir()
+    import_probe(pp, None, out)
+    before = {
+        str(p.relative_to(out.parent)): p.read_bytes() if p.is_file() else None
+        for p in sorted(out.parent.rglob("*"))
+    }
+    with monkeypatch.context() as m:
+        m.setattr(probe_import, "corruption", lambda row: (True, "salad\udc80"))
+        with pytest.raises(OutputError, match=f"the old trace at {out} was kept"):
+            import_probe(pp, bp, out, force=True)
+    with monkeypatch.context() as m:
+        m.setattr(probe_import.ProbeImporter, "write_steps", _interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            import_probe(pp, bp, out, force=True)
+    after = {
+        str(p.relative_to(out.parent)): p.read_bytes() if p.is_file() else None
+        for p in sorted(out.parent.rglob("*"))
+    }
+    assert after == before and TraceReader(out).complete
+    assert import_probe(pp, bp, out, force=True).requests == 41  # control
+    assert TraceReader(out).rows("requests") == 41
+    assert [p.name for p in out.parent.iterdir()] == ["t"]
+
+
+def _interrupt(self: Any, writer: Any) -> None:
+    writer.write_step(0, 0, {})
+    raise KeyboardInterrupt

@@ -337,7 +337,8 @@ def import_probe_command(probe: Path, burst: Path | None, output: Path, force: b
 
     Malformed lines are counted and reported, not fatal. Exit codes: 0 written, 2 usage
     error (unreadable log, nothing to import, output exists, or a row the trace writer
-    refused: no trace is left then, so the counts printed are always the trace's)."""
+    refused: no new trace is left then, an old one it was to replace stays, and the counts
+    printed are always the trace's)."""
     from mgtrace.recorder.probe_import import import_probe
 
     report = import_probe(probe, burst, output, force=force)

@@ -452,14 +452,16 @@ def import_probe(
             for _ in range(count):
                 writer.count_error(f"import:{kind}", first)
         writer.update_source(malformed=dict(imp.report.malformed))
-        manifest = writer.close()
+        manifest = writer.close(install=False)  # judged before it replaces an old trace
         failed = writer.stats().failed or _refused(manifest.errors, manifest.drops)
     except BaseException:
         writer.discard()
         raise
     if failed is not None:  # never leave a trace that holds less than was imported
         writer.discard()
-        raise OutputError(f"cannot write {out}: {failed}; no trace was left")
+        left = f"the old trace at {out} was kept" if writer.kept_old else "no trace was left"
+        raise OutputError(f"cannot write {out}: {failed}; {left}")
+    writer.install()
     return imp.report
 
 
