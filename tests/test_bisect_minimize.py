@@ -17,7 +17,13 @@ from mgtrace.errors import OutputError, TraceError
 from mgtrace.replayer.bisect import bisect, recheck_log, save_log
 from mgtrace.replayer.diff import diff_rules, diff_traces
 from mgtrace.replayer.loop import replay_trace
-from mgtrace.replayer.minimize import MemoryTrace, load_memory, minimize, write_trace
+from mgtrace.replayer.minimize import (
+    MemoryTrace,
+    load_memory,
+    minimize,
+    write_minimized,
+    write_trace,
+)
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.schemas.reader import TraceReader
 from tests.conftest import REPO, assert_one_sentence_error, run_cli
@@ -457,6 +463,63 @@ def test_minimize_writes_all_or_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(os, "replace", real_replace)
     write("second:two")
     assert "second:two" in (tmp_path / "test_repro.py").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repro", "test_repro.py"]
+
+
+_KILLED_WHILE_SWAPPING = """
+import os, sys
+from pathlib import Path
+from mgtrace import atomic
+from mgtrace.replayer import minimize as mod
+from mgtrace.replayer.rules import RuleSet
+from mgtrace.schemas.reader import TraceReader
+
+trace, out = Path(sys.argv[1]), Path(sys.argv[2])
+if sys.argv[3] == "rename-aside":
+    atomic._exchange = lambda a, b: False  # a file system that cannot swap two paths
+real_rename = os.rename
+
+
+def rename(src, dst, *args, **kwargs):
+    if Path(dst) == out and Path(src).name.startswith(f".{out.name}."):
+        os._exit(9)  # killed as the new repro is renamed in
+    return real_rename(src, dst, *args, **kwargs)
+
+
+os.rename = rename
+mem = mod.load_memory(TraceReader(trace))
+mod.write_minimized(mem, out, mem.manifest, trace, "second:two", 1, RuleSet(), force=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["exchange", "rename-aside"])
+def test_minimize_killed_while_replacing_leaves_a_trace_at_the_output(
+    tmp_path: Path, how: str
+) -> None:
+    """--force moved the old repro aside and then renamed the new one in: a process killed
+    between the two left nothing at the output, and the old repro under a hidden name that
+    no later run looked at. Now the two are swapped in one step where the system can; where
+    it cannot, the next run puts the old repro back (and so refuses to overwrite it without
+    --force) before anything else."""
+    trace = toggle_trace("reorder-threshold-mismatch", 0)
+    mem = load_memory(TraceReader(trace))
+    out = tmp_path / "repro"
+    write_minimized(mem, out, mem.manifest, trace, "first:one", 1, RuleSet(), force=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_WHILE_SWAPPING, str(trace), str(out), how],
+        cwd=REPO,
+        timeout=300,
+    )
+    if how == "exchange":  # nothing to kill it between: the new repro is in place
+        assert proc.returncode == 0
+        assert TraceReader(out).manifest.source["signature"] == "second:two"
+    else:
+        assert proc.returncode == 9
+        with pytest.raises(OutputError, match="already exists"):
+            write_minimized(mem, out, mem.manifest, trace, "third:3", 1, RuleSet(), force=False)
+        assert TraceReader(out).manifest.source["signature"] == "first:one"
+    write_minimized(mem, out, mem.manifest, trace, "third:3", 1, RuleSet(), force=True)
+    assert TraceReader(out).manifest.source["signature"] == "third:3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repro", "test_repro.py"]
 
 

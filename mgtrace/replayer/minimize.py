@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mgtrace.atomic import atomic_write
+from mgtrace.atomic import atomic_write, clear_stale_siblings, hidden_sibling, replacing_directory
 from mgtrace.errors import InconclusiveError, OutputError, UsageError
 from mgtrace.kernels.reference import run_reference
 from mgtrace.outputs import refuse_overwriting_inputs, require_writable_parent
@@ -396,6 +396,7 @@ def _refuse_existing_output(output: Path, force: bool) -> Path:
     it), that is or holds the current directory, or whose directory cannot be written."""
     output = Path(output)
     test_file = output.parent / f"test_{_module_name(output.name)}.py"
+    clear_stale_siblings(output)  # a killed run's leftovers; an old trace it moved goes back
     here = Path.cwd().resolve()
     out = output.resolve()
     if out == here or out in here.parents:
@@ -613,9 +614,8 @@ def write_trace(trace: MemoryTrace, output: Path, manifest: Manifest) -> None:
 
 
 def _build_trace(trace: MemoryTrace, output: Path, manifest: Manifest) -> Path:
-    """The trace written in a temporary directory beside ``output``; removed on failure."""
-    tmp = output.parent / f".{output.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    """The trace written in a hidden directory beside ``output``; removed on failure."""
+    tmp = hidden_sibling(output, "new")
     try:
         tmp.mkdir(parents=True)
         m = replace(manifest, parts=[])
@@ -649,27 +649,14 @@ def _build_trace(trace: MemoryTrace, output: Path, manifest: Manifest) -> Path:
 def _swap_in(
     tmp: Path, output: Path, test_tmp: Path | None = None, test_file: Path | None = None
 ) -> None:
-    """Rename the built trace ``tmp`` (and the test file ``test_tmp``) into place. The old
-    output is renamed aside first and put back if anything fails, so either the new files
-    are in place or the old ones are, untouched; ``tmp`` and ``test_tmp`` never remain."""
-    old = output.parent / f".{output.name}.old"
-    moved = placed = False
+    """Swap the built trace ``tmp`` (and the test file ``test_tmp``) into place. Either the
+    new files are in place or the old ones are, untouched; ``tmp`` and ``test_tmp`` never
+    remain."""
     try:
-        if output.exists() or output.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-            output.rename(old)
-            moved = True
-        tmp.rename(output)
-        placed = True
-        if test_tmp is not None and test_file is not None:
-            os.replace(test_tmp, test_file)
+        with replacing_directory(tmp, output):
+            if test_tmp is not None and test_file is not None:
+                os.replace(test_tmp, test_file)
     except BaseException as exc:
-        if placed:  # the new trace went in, its test file did not: take it out again
-            with contextlib.suppress(OSError):
-                output.rename(tmp)
-        if moved:
-            with contextlib.suppress(OSError):
-                old.rename(output)
         shutil.rmtree(tmp, ignore_errors=True)
         if test_tmp is not None:
             with contextlib.suppress(OSError):
@@ -677,8 +664,6 @@ def _swap_in(
         if isinstance(exc, OSError):
             raise OutputError(f"cannot write {output}: {exc.strerror or exc}") from None
         raise
-    if moved:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _module_name(name: str) -> str:
