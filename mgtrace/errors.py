@@ -14,6 +14,7 @@ EXIT_CORRUPTION = 1
 EXIT_USAGE = 2
 EXIT_UNREADABLE = 3
 EXIT_INCONCLUSIVE = 125
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 
 
 class MgtraceError(Exception):

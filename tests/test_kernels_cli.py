@@ -78,3 +78,39 @@ def test_report_points_at_the_first_bad_byte() -> None:
     check_mod._compare(case.pool, case.pool.numpy(), got, "x", lambda *a: seen.append(a))
     assert seen and "block 2, state 0 byte 0" in seen[0][2]
     assert np.array_equal(case.pool.numpy(), case.pool.clone().numpy())
+
+
+def test_ctrl_c_before_the_last_case_exits_130(monkeypatch) -> None:
+    """An interrupted check said 125 (inconclusive); Ctrl-C is 130 everywhere else. A
+    mismatch found before the interruption still exits 1."""
+    real = check_mod.run_reference
+    calls = {"n": 0}
+
+    def interrupt_on_the_third(launch, pool, tables, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(launch, pool, tables, **kw)
+
+    monkeypatch.setattr(check_mod, "run_reference", interrupt_on_the_third)
+    result = _invoke(["--cases", "6", "--seed", "11"])
+    assert result.return_value == 130
+    assert "interrupted before the last case" in result.output
+
+
+def test_ctrl_c_after_a_mismatch_still_exits_one(monkeypatch) -> None:
+    real = check_mod.run_reference
+    calls = {"n": 0}
+
+    def wrong_then_interrupted(launch, pool, tables, **kw):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        result = real(launch, pool, tables, **kw)
+        if result.validation.copies.rows.size:
+            pool.numpy()[int(result.validation.copies.dst[0, 0]) * pool.page_bytes] ^= 1
+        return result
+
+    monkeypatch.setattr(check_mod, "run_reference", wrong_then_interrupted)
+    result = _invoke(["--cases", "6", "--seed", "11"])
+    assert "MISMATCH" in result.output and result.return_value == 1

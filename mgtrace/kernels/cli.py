@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, EXIT_INCONCLUSIVE
+from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, EXIT_INTERRUPTED
 from mgtrace.render import stdout_console
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ def _check_kernels(against: str | None, cases: int, seed: int, device: str, as_j
     backend and (with --against vllm) vLLM's kernels on identical random inputs.
 
     Exit 0 when every backend produced the same bytes, 1 on any mismatch (each with the
-    command that reproduces it), 125 when interrupted before the end.
+    command that reproduces it), 130 when interrupted (Ctrl-C) before the end with no
+    mismatch found so far.
     """
     err = Console(stderr=True)
     with Progress(
@@ -75,7 +76,7 @@ def _check_kernels(against: str | None, cases: int, seed: int, device: str, as_j
     if report.mismatches:
         return EXIT_CORRUPTION
     if report.interrupted:
-        return EXIT_INCONCLUSIVE
+        return EXIT_INTERRUPTED
     return EXIT_CLEAN
 
 
