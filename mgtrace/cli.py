@@ -148,7 +148,8 @@ def cli() -> None:
     """Record vLLM hybrid-model align bookkeeping, replay it offline, find the first corrupt step.
 
     Exit codes: 0 clean, 1 corruption found, 2 usage error, 3 unreadable trace,
-    125 inconclusive, 70 internal error (a bug in mgtrace).
+    125 inconclusive, 70 internal error (a bug in mgtrace), 130 interrupted (Ctrl-C),
+    143/129 stopped by SIGTERM/SIGHUP.
     """
 
 

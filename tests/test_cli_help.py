@@ -53,3 +53,15 @@ def test_the_interrupted_row_says_what_is_kept() -> None:
     assert "nothing half-written is left" not in row, row
     said = _help("simulate").split("Exit codes:", 1)[1]
     assert "130 interrupted" in said and "incomplete" in said, said
+
+
+def test_the_top_level_help_names_every_exit_code() -> None:
+    """mgtrace --help listed 0-3, 125 and 70 only; Ctrl-C (130) and SIGTERM/SIGHUP
+    (143/129) were missing although every long command exits with them."""
+    result = CliRunner().invoke(cli, ["--help"], terminal_width=200)
+    said = " ".join(result.output.split()).split("Exit codes:", 1)[1].split("Options:", 1)[0]
+    assert {int(c) for c in re.findall(CODE, said)} == _readme_codes(), said
+
+
+def test_simulate_help_says_the_output_is_required() -> None:
+    assert "Trace directory to write (required)." in _help("simulate")

@@ -90,6 +90,14 @@ def test_json_is_strict_and_keeps_every_column(sample_trace: Path, capsys) -> No
     ]
 
 
+def test_a_parquet_file_keeps_repeated_names_readable(sample_trace: Path, tmp_path: Path) -> None:
+    """Parquet kept both columns named a, and pyarrow could not read the file back (Multiple
+    matches for FieldRef). Now a, a_1 as in JSON. Control: distinct names are unchanged."""
+    out = tmp_path / "dup.parquet"
+    assert main(["sql", str(sample_trace), "SELECT 1 AS a, 2 AS a, 3 AS b", "-o", str(out)]) == 0
+    assert pq.read_table(out).to_pylist() == [{"a": 1, "a_1": 2, "b": 3}]
+
+
 def test_parquet_needs_output(sample_trace: Path, capsys) -> None:
     assert main(["sql", str(sample_trace), QUERY, "--format", "parquet"]) == 2
     assert "needs -o" in capsys.readouterr().err
@@ -250,6 +258,9 @@ def test_sql_refuses_statements_that_could_change_the_trace(
     assert main(["sql", str(fresh_trace), text]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mgtrace: error: ") and len(err.splitlines()) == 1, err
+    if query != WRITES[-2]:  # a second statement is named by its count
+        # the word the user typed, not DuckDB's statement type (INSTALL was named LOAD)
+        assert err.endswith(f"not {query.split()[0]}"), err
     with pytest.raises(UsageError):
         Trace(fresh_trace).sql(text)
     assert {p: p.read_bytes() for p in fresh_trace.rglob("*") if p.is_file()} == before

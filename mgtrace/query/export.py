@@ -107,7 +107,10 @@ def _write_json(table: pa.Table, fh: IO[bytes]) -> None:
 
 
 def _write_parquet(table: pa.Table, fh: IO[bytes]) -> None:
-    pq.write_table(intervals_as_text(table), fh, compression="zstd")
+    # Parquet keeps repeated names, but readers cannot select such a column by name
+    table = intervals_as_text(table)
+    table = table.rename_columns(unique_names(table.column_names))
+    pq.write_table(table, fh, compression="zstd")
 
 
 _WRITERS: dict[str, Callable[[pa.Table, IO[bytes]], None]] = {

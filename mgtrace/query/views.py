@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import duckdb
@@ -43,6 +44,8 @@ def _one_error_line(exc: duckdb.Error) -> str:
 
 
 _QUERY_FORMS = "SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW or SUMMARIZE"
+# past whitespace, -- line comments and /* block comments */
+_FIRST_WORD = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*([A-Za-z]+)", re.DOTALL)
 
 
 def check_read_only(query: str) -> None:
@@ -62,8 +65,16 @@ def check_read_only(query: str) -> None:
     kind = statements[0].type
     if kind != duckdb.StatementType.SELECT:
         raise UsageError(
-            f"only a read-only query runs over a trace ({_QUERY_FORMS}), not {kind.name}"
+            f"only a read-only query runs over a trace ({_QUERY_FORMS}), "
+            f"not {_first_keyword(statements[0].query) or kind.name}"
         )
+
+
+def _first_keyword(sql: str) -> str:
+    """The statement's first word as the user typed it (DuckDB's statement type names
+    INSTALL as LOAD), past leading comments."""
+    found = _FIRST_WORD.match(sql)
+    return found.group(1).upper() if found else ""
 
 
 def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRelation:

@@ -75,7 +75,7 @@ from mgtrace.sim.engine import simulate as run_simulation
     "--output",
     type=click.Path(path_type=Path),
     default=None,
-    help="Trace directory to write.",
+    help="Trace directory to write (required).",
 )
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing trace.")
 def _simulate(
