@@ -656,6 +656,57 @@ def test_sigterm_in_launch_mode_goes_to_the_engine_and_is_waited_for(tmp_path: P
             rec.wait()
 
 
+def _launched_engine(rec: subprocess.Popen[str]) -> int:
+    """The pid of the stand-in engine that ``mgtrace record -- ...`` started, once it steps
+    with its agent recording."""
+
+    def engine_pid() -> int | None:
+        kids = [p for p in proctree.tree(rec.pid)[1:] if "recorder_standin" in p.cmdline]
+        return kids[0].pid if kids else None
+
+    child = _wait(engine_pid, what="the engine process")
+    _wait(lambda: control.socket_path(child).exists(), what="the engine's agent")
+    _wait(lambda: control.send(control.socket_path(child), "status").get("steps"))
+    return child
+
+
+def test_a_second_ctrl_c_in_launch_mode_does_not_cut_the_stop_short(tmp_path: Path) -> None:
+    """Ctrl-C, and another one while mgtrace stops the engine's recording (which waits for
+    the step boundary, 2 s away): the second one ended mgtrace in the middle of the stop,
+    leaving the engine running and recording with nobody to stop it. Now the stop goes on
+    to the end (the engine stopped, then ended), and the exit is the first Ctrl-C's."""
+    out = tmp_path / "launched"
+    rec = _record_bg("-o", str(out), "--", *STANDIN, "--sleep", "2.0")
+    child = None
+    try:
+        child = _launched_engine(rec)
+        sock = control.socket_path(child)
+        # just after a step boundary, so that the stop waits about 2 s for the next one
+        steps = control.send(sock, "status")["steps"]
+        _wait(lambda: control.send(sock, "status")["steps"] > steps, what="the next step")
+        rec.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        rec.send_signal(signal.SIGINT)
+        rec.wait(timeout=120)
+        left_running = proctree.read_proc(child) is not None
+        if left_running:  # it holds mgtrace's output pipes open
+            os.kill(child, signal.SIGKILL)
+        stdout, stderr = rec.communicate(timeout=60)
+        assert not left_running, stdout + stderr
+        assert rec.returncode == 130, stdout + stderr
+        assert stderr.count("stopping, please wait") == 1, stderr
+        # (the stand-in engine's own traceback of its KeyboardInterrupt shares stderr)
+        assert "/mgtrace/" not in stderr and "interrupted" not in stderr, stderr
+        assert "engine was killed by SIGINT; recorded steps 0.." in stdout, stdout + stderr
+        assert TraceReader(out).complete
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+        if child is not None and proctree.read_proc(child) is not None:
+            os.kill(child, signal.SIGKILL)
+
+
 def test_launch_mode_says_when_the_engine_recorded_nothing(tmp_path: Path) -> None:
     """A command that runs no vLLM engine step leaves no trace: one sentence and exit 2, not
     a claim that traces are there."""

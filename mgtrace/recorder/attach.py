@@ -311,13 +311,27 @@ def launch(
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
 
-    with _handlers(forward):
+    interrupts = 0
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        # only the first Ctrl-C stops: a repeated one would cut short the stop and the wait
+        # for the engine's exit, leaving it recording with nobody to stop it
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            raise KeyboardInterrupt
+        if interrupts == 2:  # os.write: print could re-enter a write the signal interrupted
+            os.write(2, b"mgtrace: stopping, please wait\n")
+
+    with _handlers(forward), _handlers(interrupt, (signal.SIGINT,)):
         try:
             while child.poll() is None:
                 if on_poll is not None:
                     on_poll(_live_targets(child.pid))
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
+            # bounded without the engine: a gone agent fails its stop at once, a dead
+            # engine ends the wait
             targets = _live_targets(child.pid)
             _stop_all([t for t in targets if t.status.get("state") == "recording"])
             _interrupt(child)
