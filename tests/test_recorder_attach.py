@@ -884,6 +884,50 @@ def test_a_process_that_refuses_is_named_and_the_exit_says_so(tmp_path: Path) ->
     assert TraceReader(out).rows("steps") == 3
 
 
+def test_a_process_that_cannot_be_reached_is_named_and_in_the_manifest(tmp_path: Path) -> None:
+    """Of two engine processes under one parent, one has no agent and none can be injected
+    (no gdb): it was named only when nothing at all was recorded, so the other's trace
+    looked whole. Now it is named on stderr and in the manifest of what was recorded."""
+    code = (
+        "import subprocess, sys\n"
+        "rec = subprocess.Popen([sys.executable, '-m', 'tests.recorder_standin', '--sleep',"
+        " '0.05'])\n"
+        # a vLLM process without an agent (named so that this parent is not one); it ends
+        # with its parent (its stdin closes)
+        "bare = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()',"
+        " 'v' + 'llm-helper'], stdin=subprocess.PIPE)\n"
+        "sys.exit(rec.wait())\n"
+    )
+    with _stand_in_engines([PY, "-c", code], 1) as (parent, (good,)):
+        bare = _wait(
+            lambda: next((p for p in proctree.tree(parent.pid) if "vllm-helper" in p.cmdline), 0),
+            what="the process without an agent",
+        )
+        out = tmp_path / "partial"
+        argv = [PY, "-c", RECORD, "--engine-pid", str(parent.pid), "-o", str(out)]
+        env = dict(os.environ, PATH=str(tmp_path))  # no gdb: nothing can be injected
+        proc = subprocess.run(
+            [*argv, "--max-steps", "3"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"pid {good}: 3 steps" in proc.stdout
+    sentence = (
+        f"pid {bare.pid} (api-server) was not recorded: process {bare.pid} has no mgtrace "
+        "agent; gdb cannot attach (gdb is not installed)"
+    )
+    lines = [line for line in proc.stderr.splitlines() if "was not recorded" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"mgtrace: {sentence}; "), proc.stderr
+    manifest = TraceReader(out).manifest
+    assert manifest.source["not_recorded"] == [sentence]
+    assert manifest.errors["process_not_recorded"] == {"count": 1, "first": sentence}
+    assert TraceReader(out).rows("steps") == 3
+
+
 def test_record_into_a_pipe_prints_plain_counters_and_ends_the_table(
     engine: subprocess.Popen[str], tmp_path: Path
 ) -> None:

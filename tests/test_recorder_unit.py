@@ -114,6 +114,10 @@ def test_hook_never_raises_into_the_caller_and_calls_the_original_once() -> None
         ({"cmd": "start", "args": {"out": "/t", "max_steps": True}}, "positive integer"),
         ({"cmd": "start", "args": {"out": "/t", "duration_s": float("nan")}}, "seconds"),
         ({"cmd": "start", "args": {"out": "/t", "code": "import os"}}, "takes no argument"),
+        ({"cmd": "start", "args": {"out": "/t", "not_recorded": ["pid 5 was not"]}}, None),
+        ({"cmd": "start", "args": {"out": "/t", "not_recorded": "pid 5"}}, "list of at most"),
+        ({"cmd": "start", "args": {"out": "/t", "not_recorded": [5]}}, "list of at most"),
+        ({"cmd": "start", "args": {"out": "/t", "not_recorded": ["x" * 201]}}, "list of at"),
         ({"cmd": "stop", "args": {"out": "/t"}}, "takes no argument"),
         ({"cmd": "status", "extra": 1}, "unknown request field"),
         (["status"], "JSON object"),
@@ -682,6 +686,45 @@ def test_record_stops_every_agent_it_started(
     with pytest.raises(control.ControlError):
         attach.record_pid(1, tmp_path / "t", duration_s=None, max_steps=None)
     assert agents.stopped() == {FAKE_PID, FAKE_PID + 1}
+
+
+def test_unreached_processes_fit_the_start_request_and_an_older_agent_starts_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many unreachable processes with long reasons still make a start request the agent
+    accepts; an agent of an older mgtrace, which refuses the argument, is started without
+    it (control: another refusal is not retried)."""
+    import json
+
+    from mgtrace.recorder import attach, proctree
+
+    procs = [proctree.Proc(FAKE_PID + i, 1, 0, "python3", "python3 vllm") for i in range(40)]
+    reason = f"process X has no mgtrace agent; gdb cannot attach ({'é' * 300}); "
+    sentences = attach._for_manifest([(p, reason + attach.ENABLE_HINT) for p in procs])
+    request = {"cmd": "start", "args": {"out": "/" + "d" * 4000, "not_recorded": sentences}}
+    assert len(json.dumps(request)) + 1 <= control.MAX_REQUEST_BYTES
+    assert control.validate(request)[1]["not_recorded"] == sentences
+    assert sentences[0].startswith(f"pid {FAKE_PID} (api-server) was not recorded: process X")
+    assert sentences[-1] == "25 more processes were not recorded"
+
+    sent: list[dict[str, Any]] = []
+
+    def older(path: Path, cmd: str, args: Any = None, timeout_s: float = 0) -> dict:
+        sent.append(dict(args))
+        try:
+            control.validate({"cmd": cmd, "args": {k: v for k, v in args.items() if k != "x"}})
+            if "not_recorded" in args:
+                raise ValueError("start takes no argument 'not_recorded'")
+        except ValueError as exc:
+            raise control.ControlError(f"the agent at {path} refused: {exc}") from None
+        return {"state": "armed"}
+
+    monkeypatch.setattr(control, "send", older)
+    target = attach.Target(procs[0], Path("/x/1.sock"), "plugin")
+    assert attach._start(target, {"out": "/t", "not_recorded": ["pid 1"]}) == {"state": "armed"}
+    assert sent == [{"out": "/t", "not_recorded": ["pid 1"]}, {"out": "/t"}]
+    with pytest.raises(control.ControlError, match="absolute path"):
+        attach._start(target, {"out": "t", "not_recorded": ["pid 1"]})
 
 
 def test_import_probe_command_reports_counts(tmp_path: Path, capsys: Any) -> None:

@@ -63,8 +63,14 @@ class Agent:
 
     # ------------------------------------------------------------ commands
     def start(
-        self, out: str, max_steps: int | None = None, duration_s: float | None = None
+        self,
+        out: str,
+        max_steps: int | None = None,
+        duration_s: float | None = None,
+        not_recorded: list[str] | None = None,
     ) -> dict[str, Any]:
+        """Arm a recording into ``out``. ``not_recorded``: the processes of the engine the
+        recorder could not reach, named in the trace's manifest (its part is missing)."""
         self._await_close()
         with self._lock:
             # "stopping": the close of the previous recording still runs; arming now would
@@ -72,7 +78,12 @@ class Agent:
             # joins a running one: each must stop what it started
             if self.state in BUSY:
                 raise AgentBusy(f"already recording into {self._config.get('out')}")
-            self._config = {"out": out, "max_steps": max_steps, "duration_s": duration_s}
+            self._config = {
+                "out": out,
+                "max_steps": max_steps,
+                "duration_s": duration_s,
+                "not_recorded": list(not_recorded or []),
+            }
             self.refusal = None
             self.last_result = None
             if not self._arm_now():
@@ -258,21 +269,27 @@ class Agent:
         out = Path(cfg["out"])
         if world > 1:
             out = out / f"rank-{rank:03d}"
+        not_recorded = cfg.get("not_recorded") or []
+        source = {
+            "kind": "vllm",
+            "recorder": "mgtrace agent",
+            "pid": os.getpid(),
+            "hooks": [t.label for t in owners],
+        }
+        if not_recorded:
+            source["not_recorded"] = not_recorded
         sess = Session(
             out,
             rank=rank,
             kind=kind,
             run=run,
-            source={
-                "kind": "vllm",
-                "recorder": "mgtrace agent",
-                "pid": os.getpid(),
-                "hooks": [t.label for t in owners],
-            },
+            source=source,
             max_steps=cfg["max_steps"],
             duration_s=cfg["duration_s"],
             mamba_block_size=run.mamba_block_size,
         )
+        for sentence in not_recorded:  # counted where `info` shows them: a partial recording
+            sess.count_error("process_not_recorded", sentence)
         patches = (
             v1_patches(sess, owners, groups) if kind == "v1" else v2_patches(sess, owners, groups)
         )

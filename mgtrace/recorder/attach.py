@@ -167,11 +167,14 @@ def record_pid(
     allow_inject: bool = True,
     before_start: Callable[[], None] | None = None,
     on_connect: Callable[[Target], None] | None = None,
+    on_missing: Callable[[str], None] | None = None,
 ) -> list[Target]:
     """Activate every process of the tree, poll until the limits or Ctrl-C, stop all.
     ``before_start`` runs once every process answers and none records already (the CLI
     replaces an old trace there, not before the checks); ``on_connect`` hears of each
-    process as its agent answers (an injection can take seconds)."""
+    process as its agent answers (an injection can take seconds); ``on_missing`` gets a
+    sentence for each process that could not be reached, whose part the trace then lacks
+    (the recording goes on with the others, and their manifests name it too)."""
     procs = proctree.engine_processes(
         engine_tree(pid), lambda p: control.engine_socket_path(p.pid).exists()
     )
@@ -179,6 +182,7 @@ def record_pid(
         raise UsageError(f"process {pid} is not a vLLM engine (no vLLM process in its tree)")
     targets: list[Target] = []
     errors: list[str] = []
+    missing: list[tuple[proctree.Proc, str]] = []
     # processes whose plugin answers first: one that records already refuses the run before
     # any other process gets code injected
     has_socket = {p.pid for p in procs if control.engine_socket_path(p.pid).exists()}
@@ -187,8 +191,9 @@ def record_pid(
             continue
         try:
             target = connect(p, allow_inject=allow_inject)
-        except AttachError as exc:
+        except (AttachError, inject.InjectError) as exc:
             errors.append(exc.message)
+            missing.append((p, exc.message))
             continue
         if target.status.get("state") in BUSY:  # a plugin's status, asked by connect
             raise AttachError(_busy(p.pid, target.status.get("out")))
@@ -201,12 +206,21 @@ def record_pid(
         t.status = control.send(t.socket, "status", timeout_s=10.0)
         if t.status.get("state") in BUSY:
             raise AttachError(_busy(t.proc.pid, t.status.get("out")))
+    if on_missing is not None:
+        for p, reason in missing:
+            on_missing(not_recorded(p, reason))
     if before_start is not None:
         before_start()
-    args = {"out": str(out.resolve()), "max_steps": max_steps, "duration_s": duration_s}
+    args: dict[str, Any] = {
+        "out": str(out.resolve()),
+        "max_steps": max_steps,
+        "duration_s": duration_s,
+    }
+    if missing:
+        args["not_recorded"] = _for_manifest(missing)
     for i, t in enumerate(targets):
         try:
-            t.status = control.send(t.socket, "start", args)
+            t.status = _start(t, args)
         except BaseException as exc:
             _stop_all(targets[:i])  # none is left armed with nobody to stop it
             if isinstance(exc, control.ControlError) and "already recording" in exc.message:
@@ -246,6 +260,37 @@ def record_pid(
     # later, with nobody left to stop it
     _stop_all(targets)
     return recorders
+
+
+def not_recorded(proc: proctree.Proc, reason: str) -> str:
+    """The sentence that names a process the recording lacks."""
+    role = f" ({proc.role})" if proc.role != "other" else ""
+    return f"pid {proc.pid}{role} was not recorded: {reason}"
+
+
+def _for_manifest(missing: list[tuple[proctree.Proc, str]]) -> list[str]:
+    """``not_recorded`` sentences within the control request's bounds: short (the hint
+    on enabling recording is for the terminal), ASCII (JSON escapes the rest 6-fold)."""
+    sentences = [
+        not_recorded(p, reason.replace(f"; {ENABLE_HINT}", "")).encode("ascii", "replace").decode()
+        for p, reason in missing
+    ]
+    limit = control.MAX_NOT_RECORDED
+    if len(sentences) > limit:
+        sentences[limit - 1 :] = [f"{len(sentences) - limit + 1} more processes were not recorded"]
+    cut = control.MAX_SENTENCE_CHARS
+    return [s if len(s) <= cut else s[: cut - 3] + "..." for s in sentences]
+
+
+def _start(t: Target, args: dict[str, Any]) -> dict[str, Any]:
+    """``start`` with ``args``; an agent of an older mgtrace, which knows no
+    ``not_recorded``, records without it (the terminal still names those processes)."""
+    try:
+        return control.send(t.socket, "start", args)
+    except control.ControlError as exc:
+        if "not_recorded" not in args or "takes no argument 'not_recorded'" not in exc.message:
+            raise
+    return control.send(t.socket, "start", {k: v for k, v in args.items() if k != "not_recorded"})
 
 
 def stop_pid(pid: int) -> list[Target]:

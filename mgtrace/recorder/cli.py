@@ -105,7 +105,11 @@ def _named(proc: Proc) -> str:
     return f"process {proc.pid}" + (f" ({proc.role})" if proc.role != "other" else "")
 
 
-def _summary(targets: list) -> int:
+def _summary(targets: list, not_recorded: list[str]) -> int:
+    """What each process recorded, on stdout; on stderr, each process of the engine that
+    could not be reached (the trace lacks its part, as its manifest says too)."""
+    for sentence in not_recorded:
+        click.echo(f"mgtrace: {sentence}", err=True)
     for t in targets:
         if t.status.get("state") == "gone" and t.status.get("out"):
             # the last poll is stale: an engine that ended normally closed its trace after it
@@ -243,6 +247,7 @@ def record_command(
     replace = _check_output(output, force)
     _check_writable(output, replace)
     if engine_pid is not None:
+        not_recorded: list[str] = []
         with attach.signals_as_interrupt() as received:
             try:
                 with Live(refresh_per_second=2, transient=False) as live:
@@ -263,6 +268,7 @@ def record_command(
                         on_connect=lambda t: live.console.print(
                             f"{_named(t.proc)}: agent via {t.how}", highlight=False
                         ),
+                        on_missing=not_recorded.append,
                     )
                     live.update(_status_table(targets))
                 if not live.console.is_terminal:  # the table ends without one
@@ -273,12 +279,12 @@ def record_command(
                 click.echo(f"mgtrace: stopped by {_signal_name(received[0])}", err=True)
                 return 128 + received[0]
         if not received:
-            return _summary(targets)
+            return _summary(targets, not_recorded)
         # stopped by Ctrl-C, SIGTERM or SIGHUP: what was recorded is reported, the exit
         # says why
         click.echo(f"mgtrace: stopped by {_signal_name(received[0])}", err=True)
         try:
-            _summary(targets)
+            _summary(targets, not_recorded)
         except MgtraceError as exc:
             click.echo(f"mgtrace: error: {exc.message}", err=True)
         return 128 + received[0]

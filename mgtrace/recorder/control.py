@@ -28,9 +28,13 @@ log = logging.getLogger("mgtrace.recorder")
 
 MAX_REQUEST_BYTES = 8192
 MAX_PATH_CHARS = 4096
+MAX_NOT_RECORDED = 16
+MAX_SENTENCE_CHARS = 200  # 16 of them and the longest path fit in MAX_REQUEST_BYTES
 COMMANDS = ("start", "stop", "status")
 _ARGS: dict[str, dict[str, type]] = {
-    "start": {"out": str, "max_steps": int, "duration_s": float},
+    # not_recorded: the processes of the engine that the recorder could not reach, one
+    # sentence each, for the trace's manifest
+    "start": {"out": str, "max_steps": int, "duration_s": float, "not_recorded": list},
     "stop": {},
     "status": {},
 }
@@ -117,6 +121,12 @@ def validate(request: Any) -> tuple[str, dict[str, Any]]:
             if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds")
             value = float(value)
+        if want is list and (
+            type(value) is not list
+            or len(value) > MAX_NOT_RECORDED
+            or any(type(v) is not str or len(v) > MAX_SENTENCE_CHARS for v in value)
+        ):
+            raise ValueError(f"{name} must be a list of at most {MAX_NOT_RECORDED} sentences")
         if want is str and (
             type(value) is not str
             or not value.startswith("/")
