@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from mgtrace.errors import ManifestError
 from mgtrace.recorder import attach, control, proctree
 from mgtrace.recorder.agent import Agent
 from mgtrace.schemas.reader import TraceReader
@@ -881,7 +882,44 @@ def test_a_process_that_refuses_is_named_and_the_exit_says_so(tmp_path: Path) ->
     assert f"pid {good.pid}: 3 steps" in proc.stdout
     assert f"process {bad.pid} did not record: this V1 runner serves without" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert TraceReader(out).rows("steps") == 3
+    # two engines under one parent: each has a folder of its own
+    assert TraceReader(out / f"engine-{good.pid}").rows("steps") == 3
+
+
+def test_two_engines_under_one_parent_record_into_traces_of_their_own(tmp_path: Path) -> None:
+    """Two single-rank engines under one parent (two ``vllm serve`` started by one shell)
+    both wrote rank 0 into one folder, and one of them failed. Each now records into
+    DIR/engine-PID, said at the start; each is a whole trace, DIR itself names them, and
+    --force replaces such a folder."""
+    code = (
+        "import subprocess, sys\n"
+        "kids = [subprocess.Popen([sys.executable, '-m', 'tests.recorder_standin', "
+        "'--sleep', '0.05']) for _ in range(2)]\n"
+        "sys.exit(max(k.wait() for k in kids))\n"
+    )
+    out = tmp_path / "two"
+    with _stand_in_engines([PY, "-c", code], 2) as (parent, pids):
+        pids = sorted(pids)
+        proc = _record_cli("--engine-pid", str(parent.pid), "-o", str(out), "--max-steps", "3")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        folders = [out / f"engine-{pid}" for pid in pids]
+        assert (
+            f"process {parent.pid} runs 2 engines; each records into a trace of its own: "
+            f"{folders[0]}, {folders[1]}"
+        ) in proc.stdout
+        assert sorted(out.iterdir()) == folders
+        for pid, folder in zip(pids, folders, strict=True):
+            assert f"pid {pid}: 3 steps, " in proc.stdout and f"-> {folder}" in proc.stdout
+            reader = TraceReader(folder)
+            assert reader.complete and reader.rows("steps") == 3
+            assert reader.manifest.source["pid"] == pid
+        with pytest.raises(ManifestError, match=r"holds one trace per engine \(engine-"):
+            TraceReader(out)
+        again = _record_cli(
+            "--engine-pid", str(parent.pid), "-o", str(out), "--max-steps", "2", "--force"
+        )
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert [TraceReader(f).rows("steps") for f in folders] == [2, 2]
 
 
 def test_a_process_that_cannot_be_reached_is_named_and_in_the_manifest(tmp_path: Path) -> None:

@@ -727,6 +727,36 @@ def test_unreached_processes_fit_the_start_request_and_an_older_agent_starts_wit
         attach._start(target, {"out": "t", "not_recorded": ["pid 1"]})
 
 
+def test_engines_get_folders_of_their_own_only_where_their_traces_would_collide() -> None:
+    """Two single-rank engines under a shell would write one folder: each gets its own.
+    Controls: the ranks of one world under a parent that is not vLLM's, and an EngineCore
+    (runner module, no world) above its single-rank worker, keep the folder as it was."""
+    from mgtrace.recorder import attach, proctree
+
+    def target(pid: int, ppid: int, dist: list[int] | None, runner: bool = True) -> Any:
+        proc = proctree.Proc(pid, ppid, 0, "python3", "python3 -m vllm")
+        status = {"runner_modules": ["gpu_model_runner"] if runner else [], "dist": dist}
+        return attach.Target(proc, Path(f"/x/{pid}.sock"), "plugin", status)
+
+    out = Path("/t/out")
+
+    def folders(*targets: Any) -> dict[int, Path]:
+        return attach._folders([t.proc for t in targets], list(targets), out)
+
+    # two engines (api server 10 and 20, each with its single-rank EngineCore) under pid 1
+    shell = [target(10, 1, None, False), target(11, 10, [0, 1]), target(20, 1, None, False)]
+    split = folders(*shell, target(21, 20, None))
+    assert split == {pid: out / f"engine-{pid // 10 * 10}" for pid in (10, 11, 20, 21)}
+    # two ranks of one world under a parent that is no engine process
+    assert set(folders(target(31, 1, [0, 2]), target(32, 1, [1, 2])).values()) == {out}
+    # an EngineCore whose single worker holds the world
+    assert set(folders(target(40, 1, None), target(41, 40, [0, 1])).values()) == {out}
+    # two engines of two ranks each: rank 0 and rank 1 would be written twice
+    two = [target(50, 1, None), target(51, 50, [0, 2]), target(52, 50, [1, 2])]
+    two += [target(60, 1, None), target(61, 60, [0, 2]), target(62, 60, [1, 2])]
+    assert set(folders(*two).values()) == {out / "engine-50", out / "engine-60"}
+
+
 def test_import_probe_command_reports_counts(tmp_path: Path, capsys: Any) -> None:
     from mgtrace.recorder.cli import import_probe as command
 

@@ -157,6 +157,8 @@ class Agent:
             "runner": self.kind,
             "rank": self.rank,
             "runner_modules": [m for m in features.RUNNER_MODULES if m in sys.modules],
+            # before a recording: which folder its trace would go to (rank-NNN or none)
+            "dist": _dist_rank_world(),
         }
         if self.refusal:
             out["refusal"] = self.refusal
@@ -339,6 +341,18 @@ class Agent:
             self.last_result = result
             if self.state == "stopping" and self.session is None:
                 self.state = "idle"
+
+
+def _dist_rank_world() -> list[int] | None:
+    """[rank, world size] of torch.distributed where this process has initialised it (as
+    vLLM's workers have); never imports it."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return [int(dist.get_rank()), int(dist.get_world_size())]
+    except Exception:
+        pass
+    return None
 
 
 @contextlib.contextmanager

@@ -168,13 +168,16 @@ def record_pid(
     before_start: Callable[[], None] | None = None,
     on_connect: Callable[[Target], None] | None = None,
     on_missing: Callable[[str], None] | None = None,
+    on_engines: Callable[[list[Path]], None] | None = None,
 ) -> list[Target]:
     """Activate every process of the tree, poll until the limits or Ctrl-C, stop all.
     ``before_start`` runs once every process answers and none records already (the CLI
     replaces an old trace there, not before the checks); ``on_connect`` hears of each
     process as its agent answers (an injection can take seconds); ``on_missing`` gets a
     sentence for each process that could not be reached, whose part the trace then lacks
-    (the recording goes on with the others, and their manifests name it too)."""
+    (the recording goes on with the others, and their manifests name it too);
+    ``on_engines`` gets the folders, when the tree holds engines whose traces would share
+    one and each gets its own (``_folders``)."""
     procs = proctree.engine_processes(
         engine_tree(pid), lambda p: control.engine_socket_path(p.pid).exists()
     )
@@ -218,9 +221,12 @@ def record_pid(
     }
     if missing:
         args["not_recorded"] = _for_manifest(missing)
+    folders = _folders(procs, targets, out.resolve())
+    if on_engines is not None and len(set(folders.values())) > 1:
+        on_engines(sorted(set(folders.values())))
     for i, t in enumerate(targets):
         try:
-            t.status = _start(t, args)
+            t.status = _start(t, {**args, "out": str(folders[t.proc.pid])})
         except BaseException as exc:
             _stop_all(targets[:i])  # none is left armed with nobody to stop it
             if isinstance(exc, control.ControlError) and "already recording" in exc.message:
@@ -260,6 +266,33 @@ def record_pid(
     # later, with nobody left to stop it
     _stop_all(targets)
     return recorders
+
+
+def _folders(procs: list[proctree.Proc], targets: list[Target], out: Path) -> dict[int, Path]:
+    """The folder each target records into. A process writes ``out`` itself, or
+    ``out/rank-NNN`` in a torch.distributed world of several ranks: where processes of
+    different engines would write one of those (two single-rank engines under one shell,
+    both rank 0), every engine gets its own, ``out/engine-PID`` (PID: its topmost process
+    in the tree), instead of one losing its trace to the other. Otherwise the layout is
+    the single engine's. A process with a runner module but no world yet (an EngineCore
+    whose workers hold the ranks) counts as a single-rank writer."""
+    parent = {p.pid: p.ppid for p in procs}
+
+    def engine(pid: int) -> int:
+        while parent[pid] in parent:
+            pid = parent[pid]
+        return pid
+
+    writers: dict[str, set[int]] = {}
+    for t in targets:
+        if not t.status.get("runner_modules"):
+            continue  # holds no runner: writes nothing
+        dist = t.status.get("dist")
+        ranked = isinstance(dist, list) and len(dist) == 2 and dist[1] > 1
+        writers.setdefault(f"rank-{dist[0]:03d}" if ranked else "", set()).add(engine(t.proc.pid))
+    if all(len(engines) == 1 for engines in writers.values()):
+        return {t.proc.pid: out for t in targets}
+    return {t.proc.pid: out / f"engine-{engine(t.proc.pid)}" for t in targets}
 
 
 def not_recorded(proc: proctree.Proc, reason: str) -> str:

@@ -15,6 +15,7 @@ import click
 from mgtrace.errors import MgtraceError, OutputError, UsageError
 from mgtrace.outputs import require_writable_parent
 from mgtrace.schemas.manifest import is_trace_directory
+from mgtrace.schemas.ranks import ENGINE_DIR
 from mgtrace.shell import shell_path
 
 if TYPE_CHECKING:
@@ -48,7 +49,13 @@ def _prepare_output(out: Path, force: bool) -> None:
 
 
 def _holds_only_traces(out: Path) -> bool:
-    return is_trace_directory(out) or all(is_trace_directory(p) for p in out.iterdir())
+    """A trace, or a folder of traces: one per rank (rank-NNN), or one per engine
+    (engine-PID, which may hold rank-NNN traces in turn)."""
+    return is_trace_directory(out) or all(
+        is_trace_directory(p)
+        or (ENGINE_DIR.fullmatch(p.name) is not None and p.is_dir() and _holds_only_traces(p))
+        for p in out.iterdir()
+    )
 
 
 def _status_table(targets: list) -> object:
@@ -269,6 +276,13 @@ def record_command(
                             f"{_named(t.proc)}: agent via {t.how}", highlight=False
                         ),
                         on_missing=not_recorded.append,
+                        on_engines=lambda folders: live.console.print(
+                            f"process {engine_pid} runs {len(folders)} engines; each records "
+                            f"into a trace of its own: {', '.join(map(str, folders))}",
+                            highlight=False,
+                            markup=False,
+                            soft_wrap=True,  # paths stay whole in a log
+                        ),
                     )
                     live.update(_status_table(targets))
                 if not live.console.is_terminal:  # the table ends without one
@@ -373,7 +387,8 @@ record = click.command(
             "-o",
             "--output",
             type=click.Path(path_type=Path),
-            help="Trace directory (per rank: DIR/rank-NNN when there are several); "
+            help="Trace directory (per rank: DIR/rank-NNN when there are several; per "
+            "engine: DIR/engine-PID when --engine-pid is above several engines); "
             "default with --engine-pid: mgtrace-PID in the current directory.",
         )(
             click.option("--duration", type=float, help="Stop after this many seconds.")(

@@ -367,6 +367,12 @@ def load_manifest(trace_dir: Path) -> Manifest:
     found = ranks.rank_directories(trace_dir)
     if found:
         return ranks.merge_ranks(trace_dir, found, _read_rank)
+    engines = ranks.engine_directories(trace_dir)
+    if engines:
+        raise ManifestError(
+            f"{trace_dir} holds one trace per engine ({', '.join(e.name for e in engines)}); "
+            f"name one of them, e.g. {engines[0]}"
+        )
     raise ManifestError(f"{trace_dir} has no {MANIFEST_NAME}; it is not an mgtrace trace")
 
 

@@ -25,6 +25,8 @@ from mgtrace.schemas.manifest import (
 )
 
 RANK_DIR = re.compile(r"rank-(\d{3,})")
+# one engine's trace among several recorded side by side (two engines under one shell)
+ENGINE_DIR = re.compile(r"engine-(\d+)")
 MERGED_KIND = "merged-ranks"
 # Run fields every rank of one engine shares; a mismatch means directories of different runs.
 SHARED_RUN_FIELDS = (
@@ -48,6 +50,13 @@ def rank_directories(trace_dir: Path) -> dict[int, Path]:
         if m and (child / MANIFEST_NAME).is_file():
             found[int(m.group(1))] = child
     return found
+
+
+def engine_directories(trace_dir: Path) -> list[Path]:
+    """``engine-PID`` subdirectories: the traces of engines recorded side by side."""
+    if not trace_dir.is_dir():
+        return []
+    return sorted(c for c in trace_dir.iterdir() if ENGINE_DIR.fullmatch(c.name) and c.is_dir())
 
 
 def is_merged(manifest: Manifest) -> bool:
