@@ -746,7 +746,9 @@ def test_armed_plugin_arms_when_the_runner_module_is_imported(tmp_path: Path) ->
 
 def test_only_the_engines_processes_are_attached() -> None:
     """Given a shell above the engine (or pid 1), every Python process under it was a target,
-    gdb injection included. Control: the whole tree under an engine process stays."""
+    gdb injection included. Python's and torch's helper processes under the engine were
+    named as not recorded on every run. Control: the rest of the tree under an engine
+    process stays, and a helper with an agent is a target."""
     from mgtrace.recorder.proctree import Proc, engine_processes
 
     def proc(pid: int, ppid: int, name: str, cmd: str) -> Proc:
@@ -759,10 +761,14 @@ def test_only_the_engines_processes_are_attached() -> None:
         proc(4, 3, "VLLM::EngineCore", "python3 -c from multiprocessing.spawn import x"),
         proc(5, 4, "python3", "python3 -c from multiprocessing.resource_tracker import y"),
         proc(6, 1, "python3", "python3 agent_loaded.py"),
+        proc(7, 4, "python3", "python3 -c from multiprocessing.spawn import z"),  # a worker
+        proc(8, 4, "python3", "python3 /x/torch/_inductor/compile_worker/__main__.py"),
+        proc(9, 8, "python3", "python3 -c from multiprocessing.spawn import w"),  # its pool
     ]
     kept = engine_processes(tree, lambda p: p.pid == 6)
-    assert [p.pid for p in kept] == [3, 4, 5, 6]
-    assert [p.pid for p in engine_processes(tree[2:5], lambda p: False)] == [3, 4, 5]
+    assert [p.pid for p in kept] == [3, 4, 6, 7]
+    assert [p.pid for p in engine_processes(tree[2:5], lambda p: False)] == [3, 4]
+    assert [p.pid for p in engine_processes(tree[2:5], lambda p: p.pid == 5)] == [3, 4, 5]
 
 
 def test_the_engines_own_runtime_directory_is_where_its_agent_is_looked_for(

@@ -10,6 +10,13 @@ from pathlib import Path
 PROC = Path("/proc")
 # a recording's own assembler processes (children of the workers): never a target
 ASSEMBLER_MODULE = "mgtrace.recorder.outproc"
+# Python's and torch's helper processes, spawned under an engine but never running a model:
+# reaching for them would only name them as not recorded on every run
+HELPER_MARKERS = (
+    "multiprocessing.resource_tracker",
+    "_inductor/compile_worker",
+    "_inductor.compile_worker",
+)
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,8 @@ class Proc:
         text = f"{self.name} {self.cmdline}"
         if ASSEMBLER_MODULE in self.cmdline:
             return "mgtrace-assembler"
+        if any(marker in self.cmdline for marker in HELPER_MARKERS):
+            return "helper"
         if "EngineCore" in text:
             return "engine-core"
         if "Worker" in text:
@@ -87,12 +96,14 @@ def engine_processes(procs: list[Proc], has_agent: Callable[[Proc], bool]) -> li
     """Of ``procs`` (parents before children), the engine's: vLLM's own processes (by name
     or command line), those with an agent, and everything under one of them. A shell or
     supervisor above the engine, and its other children, are left alone, and so are
-    mgtrace's own assembler processes (and anything under them)."""
+    mgtrace's own assembler processes and Python's and torch's helper processes without an
+    agent (and anything under them)."""
     inside: set[int] = set()
-    mine: set[int] = set()
+    skipped: set[int] = set()
     for p in procs:
-        if p.role == "mgtrace-assembler" or p.ppid in mine:
-            mine.add(p.pid)
+        helper = p.role == "helper" and not has_agent(p)
+        if p.role == "mgtrace-assembler" or helper or p.ppid in skipped:
+            skipped.add(p.pid)
         elif p.role != "other" or p.ppid in inside or has_agent(p):
             inside.add(p.pid)
     return [p for p in procs if p.pid in inside]
