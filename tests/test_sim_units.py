@@ -29,8 +29,8 @@ from mgtrace.sim.reorder import (
     v2_sort,
 )
 from mgtrace.sim.runner_common import capture_size, copy_boundary
-from mgtrace.sim.scheduler import KIND_RESUMED
-from mgtrace.sim.workload import Client
+from mgtrace.sim.scheduler import KIND_RESUMED, Scheduler
+from mgtrace.sim.workload import Arrival, Client
 
 pytestmark = pytest.mark.unit
 
@@ -314,13 +314,14 @@ def test_v2_frees_request_slots_sorted_by_request_id() -> None:
         steps=400,
         runner="v2",
         k=3,
-        seed=5,
+        seed=11,  # a run with a step that preempts two requests
         max_num_seqs=24,
         mamba_block_size=16,
         length_scale=0.2,
         num_blocks=40,
     )
     unsorted = 0
+    holding: set[str] = set()  # requests with a slot (one finished while preempted has none)
 
     def observe(step: int, view: StepView) -> None:
         nonlocal unsorted
@@ -328,8 +329,14 @@ def test_v2_frees_request_slots_sorted_by_request_id() -> None:
         listed = [r.req_id for r in so.finished] + [r.req_id for r in so.preempted]
         unsorted += listed != sorted(listed)
         moves = view.results[-1].tables.get("row_moves", {"op": [], "req_id": []})
+        freed = sorted(set(listed) & holding)
         removed = [r for op, r in zip(moves["op"], moves["req_id"], strict=True) if op == "remove"]
-        assert removed[: len(set(listed))] == sorted(set(listed)), step
+        assert removed[: len(freed)] == freed, step
+        for op, r in zip(moves["op"], moves["req_id"], strict=True):
+            if op == "add":
+                holding.add(r)
+            elif op == "remove":
+                holding.discard(r)
 
     run_engine(cfg, observe)
     assert unsorted >= 1
@@ -374,3 +381,88 @@ def test_v2_resumed_request_prefills_all_its_tokens() -> None:
 
     run_engine(cfg, observe)
     assert replayed >= 1
+
+
+@pytest.mark.parametrize(("runner", "pp"), [("v1", 1), ("v2", 1), ("v2", 2)])
+def test_preempted_request_keeps_the_tokens_its_in_flight_step_sampled(
+    runner: str, pp: int
+) -> None:
+    """vLLM's _preempt_request marks a request's in-flight output stale rather than dropping
+    it: update_from_output still appends the tokens it sampled, and the request resumes only
+    once they are in, so its replayed prefill is the prompt plus every token ever sampled for
+    it. Control: some preemptions hit a request with a sampling step in flight."""
+    cfg = SimConfig(
+        scenario="steady",
+        steps=600,
+        runner=runner,
+        pp=pp,
+        k=3,
+        seed=2,
+        max_num_seqs=24,
+        mamba_block_size=16,
+        length_scale=0.2,
+        num_blocks=40,
+    )
+    lag = cfg.steps_in_flight
+    sampled: dict[str, int] = {}  # tokens sampled for each request so far
+    last_sample: dict[str, int] = {}  # the last step that sampled for each request
+    replay: dict[str, list[int]] = {}  # resumed request -> [tokens it must replay, left]
+    hit = 0
+
+    def observe(step: int, view: StepView) -> None:
+        nonlocal hit
+        so = view.so
+        for req in so.preempted:
+            hit += last_sample.get(req.req_id, -1) > step - 1 - lag
+        for p, req in enumerate(so.reqs):
+            rid = req.req_id
+            if so.kind[p] == KIND_RESUMED:
+                assert so.num_computed[p] == 0, (step, rid)
+                replay[rid] = [req.prompt_len + sampled.get(rid, 0), 0]
+            if rid in replay:
+                replay[rid][1] += int(so.num_scheduled[p])
+                if so.samples[p]:
+                    want, got = replay.pop(rid)
+                    assert got == want, (step, rid)
+            if so.samples[p]:
+                sampled[rid] = sampled.get(rid, 0) + int(view.accepted[p])
+                last_sample[rid] = step
+
+    run_engine(cfg, observe)
+    assert hit >= 1
+
+
+def test_stale_output_is_delivered_after_preemption_and_can_finish_the_request() -> None:
+    """Under async scheduling a step's result lands after the next step is scheduled. ``c``
+    is preempted at step 2 with its step-1 token in flight: the token is still delivered, so
+    it resumes at step 4 replaying 15 + 2 tokens. ``d`` is preempted at step 5 with the step
+    that samples its last token in flight: that result finishes it while it waits, and the
+    next step reports it finished."""
+    cfg = SimConfig(
+        k=0, mamba_block_size=16, num_blocks=5, max_num_seqs=4, max_num_batched_tokens=64
+    )
+    sched = Scheduler(cfg.validate())
+
+    def arrival(prompt: int, output: int) -> Arrival:
+        return Arrival("c", 0.0, prompt, output, output, -1, 0, False, 0)
+
+    for rid, prompt, output in (("a", 15, 40), ("b", 15, 40), ("c", 15, 40), ("d", 14, 3)):
+        sched.new_request(rid, arrival(prompt, output))
+    steps = []
+    for step in range(7):
+        steps.append(sched.schedule(step))
+        if step:  # the previous step's result arrives once this one is scheduled
+            done = steps[step - 1]
+            sched.apply_results(done, np.ones(len(done), np.int64))
+    pre = {step: [r.req_id for r in so.preempted] for step, so in enumerate(steps)}
+    assert pre[2] == ["d", "c"] and pre[5] == ["d"]
+    resumed = {
+        rid: int(n)
+        for rid, k, n in zip(steps[4].req_ids, steps[4].kind, steps[4].num_scheduled, strict=True)
+        if k == KIND_RESUMED
+    }
+    assert resumed == {"c": 17, "d": 16}
+    d = next(r for r in steps[0].reqs if r.req_id == "d")
+    assert [r.req_id for r in steps[6].finished] == ["d"]
+    assert (d.status, d.num_output) == ("finished", 3)
+    assert d not in sched.waiting and "d" not in steps[6].req_ids

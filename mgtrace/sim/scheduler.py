@@ -5,6 +5,9 @@ bookkeeping: ``num_tokens`` = prompt + output, a request is in its prefill while
 ``num_computed < num_tokens - 1`` and decodes (1 + drafts) once only the last sampled token is
 left. Under async scheduling the counts are optimistic: a step's drafts are assumed accepted
 when the next step is scheduled, and the rejected ones are taken back when the result arrives.
+A request preempted while a step of it is in flight keeps what that step samples: the tokens
+are delivered when its result arrives, without touching the reset counters, and the request
+resumes only after that, replaying them in its prefill.
 
 The hot counters live in arrays indexed by request number (``ReqStore``), so that the common
 step (every running request decodes without a new block) is scheduled with a few numpy ops;
@@ -45,6 +48,10 @@ _INT_FIELDS = {
     # ``next_decode_eligible_step``): pp steps after its last sampling step
     "next_decode": 0,
     "inflight_tok": 0,
+    # tokens of the steps scheduled before the request's preemption whose results are still
+    # pending (vLLM's num_stale_output_tokens): their sampled tokens are still delivered,
+    # and the request resumes only once they are
+    "stale_tok": 0,
     "epoch": 0,
     # the epoch while the request is RUNNING, else -1: a step's result for a row is current
     # exactly when the row's epoch equals it
@@ -382,6 +389,7 @@ class Scheduler:
         build = _Builder(list(self.running))
         budget = self._schedule_running(step, build)
         st = self.store
+        skipped: list[Request] = []  # back at the front after the walk, in their order
         while (
             self.waiting
             and budget > 0
@@ -389,6 +397,11 @@ class Scheduler:
             and not self.preempted_now
         ):
             req = self.waiting[0]
+            if st.stale_tok[req.idx]:
+                # a step from before its preemption is still in flight: resuming now could
+                # resample a position that step's result delivers later
+                skipped.append(self.waiting.popleft())
+                continue
             if st.nc[req.idx] == 0 and not req.resumed:
                 self._maybe_hit(req)
             n, d = self._want(req, budget)
@@ -420,6 +433,7 @@ class Scheduler:
                 _Builder.WAITING_KEY + len(build.rows),
             )
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         build.build(out, st)
         # every scheduled token was taken from the budget
         out.total_tokens = self.cfg.max_num_batched_tokens - budget
@@ -711,6 +725,7 @@ class Scheduler:
         st.ntok[i] = req.prompt_len + st.nout[i]
         st.n_dec[i] = 1
         st.inflight[i] = 0
+        st.stale_tok[i] = st.inflight_tok[i]
         st.inflight_tok[i] = 0
         st.next_decode[i] = 0
         st.epoch[i] += 1
@@ -760,7 +775,9 @@ class Scheduler:
         st = self.store
         idx = so.idx
         valid = so.epoch == st.live_epoch[idx]  # same epoch, still RUNNING
+        stale: list[tuple[int, Request]] = []  # (position, request) finished by stale output
         if np.count_nonzero(valid) < len(valid):
+            stale = self._deliver_stale(so, accepted, (~valid).nonzero()[0].tolist())
             keep = valid.nonzero()[0]
             idx = idx[keep]
             n, d, samples = so.num_scheduled[keep], so.num_draft[keep], so.samples[keep]
@@ -798,14 +815,42 @@ class Scheduler:
                 if row is not None and col < len(row):
                     self.cache.insert(req.family, boundary, row[col])
         done = (nout >= st.output_len[idx]).nonzero()[0]
+        ended = [(q, reqs[q]) for q in (done.tolist() if pos is None else [pos[p] for p in done])]
+        if stale:
+            ended = sorted(ended + stale, key=lambda e: e[0])  # in the step's row order
         finished = []
-        for p in done.tolist():
-            req = reqs[p if pos is None else pos[p]]
+        for _p, req in ended:
             req.finish_reason = "length" if req.output_len >= req.arrival.max_tokens else "stop"
             self._set_status(req.idx, FINISHING)
             self.to_finish.append(req)
             finished.append(req)
         return finished
+
+    def _deliver_stale(
+        self, so: SchedOut, accepted: np.ndarray, positions: list[int]
+    ) -> list[tuple[int, Request]]:
+        """Fold in the rows of ``positions`` whose request was preempted after the step was
+        scheduled (the others have finished): vLLM's update_from_output delivers the tokens
+        they sampled but leaves the counters the preemption reset (its ``output_is_stale``),
+        so the request resumes with them in its prefill. Returns the (position, request)
+        pairs whose output is then complete; they leave the waiting queue."""
+        st = self.store
+        ended = []
+        for p in positions:
+            i = int(so.idx[p])
+            if st.status[i] != WAITING or not st.stale_tok[i]:
+                continue
+            st.stale_tok[i] -= so.num_scheduled[p]
+            if not so.samples[p]:
+                continue
+            got = int(accepted[p])
+            st.nout[i] += got
+            st.ntok[i] += got
+            if st.nout[i] >= st.output_len[i]:
+                req = so.reqs[p]
+                self.waiting.remove(req)
+                ended.append((p, req))
+        return ended
 
     def _drop_running(self, pos: int) -> None:
         del self.running[pos]
