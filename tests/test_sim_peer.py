@@ -8,6 +8,7 @@ computed counts, accepted-count buffers, block-table rows and the exact swap seq
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from types import SimpleNamespace
@@ -214,3 +215,192 @@ def test_gdn_positional_split_matches_its_builders_call(vllm_mods, seed: int) ->
     ours = builder_split("gdn", qlen, computed, prompt, np.zeros(n, np.int64), 0)
     assert ours.num_decodes == num_decodes and ours.threshold == 1
     assert ours.decode.tolist() == [i < num_decodes for i in range(n)]
+
+
+# ---------------------------------------------------------------- preemption under async
+
+
+@pytest.fixture(scope="module")
+def vllm_async_scheduler(vllm_mods, tmp_path_factory):
+    """A factory of vLLM's real AsyncScheduler over one full-attention group of ``blocks``
+    blocks (null block included), with a tiny local model config (nothing is downloaded)."""
+    try:
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+        from vllm.v1.structured_output import StructuredOutputManager
+    except Exception as exc:
+        pytest.skip(f"vLLM's scheduler is not importable ({exc.__class__.__name__}: {exc})")
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 1,
+                "vocab_size": 1000,
+                "max_position_embeddings": 2048,
+                "torch_dtype": "float32",
+            }
+        )
+    )
+    model = ModelConfig(
+        model=str(model_dir), skip_tokenizer_init=True, max_model_len=1024, dtype="float32"
+    )
+
+    def make(blocks: int, block_size: int = 16):
+        cfg = VllmConfig(
+            model_config=model,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=256,
+                max_model_len=1024,
+                is_encoder_decoder=False,
+            ),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+        )
+        cfg.cache_config.num_gpu_blocks = blocks
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=4, head_size=16, dtype=vllm_mods.torch.float32
+        )
+        kv = KVCacheConfig(
+            num_blocks=blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+        )
+        sched = AsyncScheduler(
+            vllm_config=cfg,
+            kv_cache_config=kv,
+            structured_output_manager=StructuredOutputManager(cfg),
+            block_size=block_size,
+        )
+        return sched
+
+    return SimpleNamespace(
+        make=make, Request=Request, SamplingParams=SamplingParams, Output=ModelRunnerOutput
+    )
+
+
+# (prompt, output) per request: the pool is short, so the last ones are preempted while a
+# step of theirs is in flight; the last request's output ends in such a step
+_PREEMPT_LOAD = ((15, 40), (15, 40), (15, 40), (14, 2))
+
+
+class _Steps:
+    """One engine driven with ``lag`` steps in flight; every scheduled row samples one token
+    (the budget takes a whole prefill), delivered when the step's result arrives."""
+
+    def __init__(self, lag: int) -> None:
+        self.lag = lag
+        self.sampled: dict[str, int] = {}  # tokens sampled for a request so far
+        self.flight: dict[str, int] = {}  # the last step a request was scheduled in
+        self.stale_preemptions = 0
+        self.finished_waiting = 0
+        self.waiting: set[str] = set()  # preempted, not resumed
+        self.resumes = 0
+        self.prompt: dict[str, int] = {}
+        self.output: dict[str, int] = {}
+
+    def check(self, step: int, rows: list[tuple[str, bool, int]], pre: set, fin: set) -> None:
+        """The rules on one scheduled step: ``rows`` (request, resumed, tokens), the
+        requests it preempted and those it reports finished."""
+        for rid, resumed, n in rows:
+            if resumed:
+                # every step before the preemption has delivered its token
+                assert self.flight[rid] <= step - 1 - self.lag, (step, rid)
+                assert n == self.prompt[rid] + self.sampled[rid], (step, rid)
+                self.waiting.discard(rid)
+                self.resumes += 1
+            self.sampled[rid] = self.sampled.get(rid, 0) + 1
+            self.flight[rid] = step
+        for rid in fin & self.waiting:
+            self.finished_waiting += 1
+            assert self.sampled[rid] == self.output[rid], rid
+        for rid in pre:
+            self.stale_preemptions += self.flight[rid] > step - 1 - self.lag
+            self.waiting.add(rid)
+
+
+def _drive_vllm(factory, lag: int, steps: int) -> _Steps:
+    sched = factory.make(blocks=6)
+    t = _Steps(lag)
+    for i, (prompt, output) in enumerate(_PREEMPT_LOAD):
+        rid = "abcd"[i]
+        t.prompt[rid], t.output[rid] = prompt, output
+        params = factory.SamplingParams(max_tokens=output, ignore_eos=True)
+        sched.add_request(factory.Request(rid, [1] * prompt, params, None))
+    pending = []
+    for step in range(steps):
+        so = sched.schedule()
+        # the V2 runner's output lists resumed requests among the new ones
+        resumed = set(so.scheduled_cached_reqs.resumed_req_ids)
+        resumed |= {r.req_id for r in so.scheduled_new_reqs if r.req_id in t.flight}
+        rows = [(r, r in resumed, n) for r, n in so.num_scheduled_tokens.items()]
+        t.check(step, rows, set(so.preempted_req_ids or ()), set(so.finished_req_ids))
+        pending.append(so)
+        if len(pending) > lag:
+            done = pending.pop(0)
+            ids = list(done.num_scheduled_tokens)
+            out = factory.Output(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[7] for _ in ids],
+            )
+            sched.update_from_output(done, out)
+    return t
+
+
+def _drive_sim(lag: int, steps: int) -> _Steps:
+    from mgtrace.sim import SimConfig
+    from mgtrace.sim.scheduler import KIND_RESUMED, Scheduler
+    from mgtrace.sim.workload import Arrival
+
+    cfg = SimConfig(
+        k=0, mamba_block_size=16, num_blocks=5, max_num_seqs=8, max_num_batched_tokens=256
+    )
+    sched = Scheduler(cfg.validate())
+    t = _Steps(lag)
+    for i, (prompt, output) in enumerate(_PREEMPT_LOAD):
+        rid = "abcd"[i]
+        t.prompt[rid], t.output[rid] = prompt, output
+        sched.new_request(rid, Arrival("c", 0.0, prompt, output, output, -1, 0, False, 0))
+    pending = []
+    for step in range(steps):
+        so = sched.schedule(step)
+        rows = [
+            (r, k == KIND_RESUMED, int(n))
+            for r, k, n in zip(so.req_ids, so.kind, so.num_scheduled, strict=True)
+        ]
+        pre = {r.req_id for r in so.preempted}
+        t.check(step, rows, pre, {r.req_id for r in so.finished})
+        pending.append(so)
+        if len(pending) > lag:
+            done = pending.pop(0)
+            sched.apply_results(done, np.ones(len(done), np.int64))
+    return t
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_preemption_keeps_in_flight_output_like_the_async_scheduler(
+    vllm_async_scheduler, lag: int
+) -> None:
+    """vLLM's _preempt_request marks a request's in-flight output stale: update_from_output
+    still appends its tokens (leaving the reset counters alone), the scheduler resumes the
+    request only once that output is in, and the resumed prefill replays it; output that
+    completes the request finishes it while it waits. The same rules hold in vLLM's
+    AsyncScheduler and in the simulator's scheduler, one or two steps in flight. Control:
+    both preempt requests with a step in flight, resume some and finish one while
+    preempted."""
+    for t in (_drive_vllm(vllm_async_scheduler, lag, 120), _drive_sim(lag, 120)):
+        assert t.stale_preemptions >= 2 and t.resumes >= 1 and t.finished_waiting >= 1
