@@ -711,7 +711,7 @@ def test_a_deferred_boundary_copy_into_a_block_its_request_just_freed_is_its_own
 
     out = tmp_path / "t"
     cfg = SimConfig(
-        runner="v2", scenario="mixed", k=3, seed=9, steps=1000, mamba_block_size=64, pp=3,
+        runner="v2", scenario="mixed", k=3, seed=1, steps=1000, mamba_block_size=64, pp=3,
         async_scheduling=False, max_num_seqs=16, num_blocks=40, output=out,
     )  # fmt: skip
     simulate(cfg.validate())
@@ -725,7 +725,7 @@ def test_a_deferred_boundary_copy_into_a_block_its_request_just_freed_is_its_own
     monkeypatch.setattr(Oracle, "check_writes", after_scheduling)
     found = replay_trace(TraceReader(out), RuleSet()).findings
     assert found and {(f.kind, f.step, f.mechanism) for f in found} == {
-        ("foreign_block_write", 942, "postprocess-copy")
+        ("foreign_block_write", 111, "postprocess-copy")
     }
 
 
