@@ -404,3 +404,58 @@ def test_preemption_keeps_in_flight_output_like_the_async_scheduler(
     preempted."""
     for t in (_drive_vllm(vllm_async_scheduler, lag, 120), _drive_sim(lag, 120)):
         assert t.stale_preemptions >= 2 and t.resumes >= 1 and t.finished_waiting >= 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("async_", [False, True])
+def test_align_rows_match_mamba_manager(vllm_mods, seed: int, async_: bool) -> None:
+    """One request's align-mode block row, step by step (prefill chunks, then decodes with
+    drafts and random acceptance), against the real MambaManager and BlockPool: block ids
+    show the pool's reuse order of freed blocks."""
+    from vllm.v1.core.block_pool import BlockPool as RealPool
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from mgtrace.sim.block_pool import AlignAllocator, BlockPool
+
+    B, S = 16, 2
+    rng = random.Random(seed)
+    spec = MambaSpec(
+        block_size=B,
+        shapes=((4,),),
+        dtypes=(vllm_mods.torch.float32,),
+        mamba_cache_mode="align",
+        num_speculative_blocks=S,
+    )
+    real_pool = RealPool(200, enable_caching=False, hash_block_size=B)
+    real = MambaManager(
+        spec, real_pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=B
+    )
+    sim = AlignAllocator(BlockPool(200), B, S)
+    prompt = rng.randint(5, 100)
+    nc = in_flight = pending = 0  # async: the step in flight, its rejection applied later
+    for step in range(40):
+        rem = prompt - nc
+        if rem > 0:
+            d, n = 0, min(rem, rng.choice([16, 32, 48, 100]))
+            if n < rem:
+                n = ((nc + n) // B) * B - nc or rem
+        else:
+            d = S
+            n = 1 + d
+        processed = max(0, nc - in_flight)
+        real.remove_skipped_blocks("r", processed)
+        real.get_num_blocks_to_allocate("r", nc + n, [], nc, nc, nc + n)
+        real.allocate_new_blocks("r", nc + n, nc + n)
+        sim.retire("r", processed)
+        sim.allocate("r", nc + n)
+        assert sim.rows["r"] == [b.block_id for b in real.req_to_blocks["r"]], step
+        rejected = 1 + d - rng.randint(1, 1 + d) if d else 0
+        if async_:
+            nc += n - pending
+            in_flight, pending = n, rejected
+        else:
+            nc += n - rejected
+    real.free("r")
+    sim.free("r")
+    assert [b.block_id for b in real_pool.get_new_blocks(6)] == sim.pool.take(6)

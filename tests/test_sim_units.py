@@ -123,6 +123,21 @@ def test_a_cached_checkpoint_block_outlives_its_request_s_retire() -> None:
     assert cache.lookup(0) == (8, block)
 
 
+def test_freed_uncached_blocks_are_reused_next_tail_first_and_cached_ones_last() -> None:
+    """vLLM's free_blocks puts a freed block without a cached prefix state at the head of
+    the free queue and a cached one at the tail; MambaManager.free frees a row tail first in
+    one call, so the next allocation takes the row's last block first."""
+    pool = BlockPool(16)
+    cache = PrefixCache(pool)
+    alloc = AlignAllocator(pool, block_size=4, spec_blocks=2)
+    row = alloc.allocate("r", 5)  # [null, running, spec, spec]
+    cache.insert(family=1, tokens=4, block=row[1])
+    alloc.free("r")
+    assert pool.take(2) == [row[3], row[2]]
+    cache.evict_one()
+    assert list(pool.free)[-1] == row[1]
+
+
 def test_pool_exhaustion_is_reported_before_any_change() -> None:
     pool = BlockPool(4)
     alloc = AlignAllocator(pool, block_size=4, spec_blocks=2)

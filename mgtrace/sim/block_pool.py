@@ -1,8 +1,9 @@
 """The Mamba state block pool and the align-mode allocation of vLLM's MambaManager.
 
 Block 0 is the null block: it fills skipped columns and is never handed out. Free blocks
-are taken from the head of the free queue and returned to its tail, as vLLM's free-block
-queue does, so a freed block is reused only after every older free block.
+are taken from the head of the free queue. As in vLLM's BlockPool.free_blocks, the blocks one
+call frees go back to its head (reused next) when they hold no cached prefix state, in the
+order given, and to its tail (evicted last) when they do.
 
 Align mode keeps per request one scheduler-side block row of ``cdiv(num_tokens, B) + S``
 columns (S = speculative blocks): column ``cdiv(num_tokens, B) - 1`` is the running state,
@@ -54,11 +55,22 @@ class BlockPool:
         self.shared.add(block)
 
     def release(self, block: int) -> None:
-        if block == NULL_BLOCK:
-            return
-        self.ref[block] -= 1
-        if self.ref[block] == 0:
-            self.free.append(block)
+        self.release_all([block])
+
+    def release_all(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; those left unreferenced go back to the free
+        queue as one vLLM ``free_blocks`` call puts them: uncached ones at the head in the
+        given order, cached ones at the tail."""
+        first: list[int] = []
+        last: list[int] = []
+        for block in blocks:
+            if block == NULL_BLOCK:
+                continue
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                (last if block in self.shared else first).append(block)
+        self.free.extendleft(reversed(first))
+        self.free.extend(last)
 
 
 class PrefixCache:
@@ -204,9 +216,10 @@ class AlignAllocator:
             n += 1
             if col < len(row) and row[col] != NULL_BLOCK:
                 freed.append(row[col])
-                self.pool.release(row[col])
                 row[col] = NULL_BLOCK
         del cols[:n]
+        # MambaManager frees the retired range from its last column down, in one call
+        self.pool.release_all(freed[::-1])
         return freed
 
     def first_held_col(self, req: str) -> int | None:
@@ -219,11 +232,8 @@ class AlignAllocator:
         row = self.rows.pop(req, [])
         self.allocated.discard(req)
         self.behind.pop(req, None)
-        seen = set()
-        for b in reversed(row):
-            if b != NULL_BLOCK and b not in seen:
-                seen.add(b)
-                self.pool.release(b)
+        # one call, tail first, as MambaManager.free does
+        self.pool.release_all(list(dict.fromkeys(b for b in reversed(row) if b != NULL_BLOCK)))
         return [b for b in row if b != NULL_BLOCK]
 
     def running_col(self, num_tokens: int) -> int:
