@@ -157,11 +157,20 @@ def test_prefix_hits_on_checkpoint_blocks_replay_clean(runner: str, monkeypatch)
     assert stored and hits
     result = replay_trace(reader, RuleSet())
     assert result.clean, [f.detail for f in result.findings[:3]]
-    # control: without the checkpoint writes, the hits read state nobody wrote
+    # control: without the checkpoint writes, the hits read a state their checkpoint should
+    # have replaced: nobody's, or (a freed block is reused next) an older running state
+    hit_reqs = {
+        r
+        for (r,) in con.execute(
+            "SELECT req_id FROM requests WHERE prefix_hit_tokens > 0"
+        ).fetchall()
+    }
     monkeypatch.setattr(RankReplay, "_prefill_checkpoints", lambda *args: None)
     blind = replay_trace(reader, RuleSet())
     assert blind.findings
-    assert all(f.mechanism.endswith(":unwritten") for f in blind.findings)
+    assert all(
+        f.mechanism.startswith("prefill-read:") and f.req_id in hit_reqs for f in blind.findings
+    ), [(f.mechanism, f.req_id) for f in blind.findings[:3]]
 
 
 def test_a_checkpoint_written_into_the_running_column_is_found(tmp_path: Path) -> None:
