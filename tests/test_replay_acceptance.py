@@ -3,6 +3,8 @@ and no finding at all on runs without a toggle."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mgtrace.replayer.findings import WRONG_TOKENS
@@ -150,9 +152,11 @@ def test_control_without_the_boundary_check_the_loss_shows_only_later(monkeypatc
     assert replay_trace(reader, RuleSet()).first_step > truth["first_step"]
 
 
-# A V1 run (three toggles, none fires) in which padded rows write onto blocks whose owners
-# have moved two and three columns past them: align mode freed those blocks without a
-# scheduler delta. The replay retires them by the same rule, so it reports nothing.
+# V1 runs in which padded rows gather, through vacated block-table rows, blocks whose owners
+# have moved past them: align mode freed those blocks without a scheduler delta. The replay
+# retires them by the same rule, so a write onto one that nobody was given again is no
+# finding. Freed blocks are reused next, so such a write is rare: the first run that has one
+# is searched for.
 RETIRED = {
     "runner": "v1",
     "scenario": "pairs",
@@ -163,27 +167,37 @@ RETIRED = {
     "prefix_hit_prob": 0.0,
     "length_scale": 1.0,
 }
-RETIRED_BUGS = ("async-accepted-race", "reorder-threshold-mismatch", "stale-condense-row")
+RETIRED_BUGS = ("stale-condense-row",)
 
 
-def test_writes_onto_retired_blocks_are_no_finding(tmp_path, monkeypatch) -> None:
+def test_writes_onto_retired_blocks_are_no_finding(tmp_path) -> None:
     from mgtrace.replayer.ownership import BlockOwnership
     from mgtrace.sim.config import SimConfig
     from mgtrace.sim.engine import simulate
 
-    out = tmp_path / "retired"
-    simulate(SimConfig(steps=400, seed=60531, bugs=RETIRED_BUGS, output=out, **RETIRED))
-    truth = TraceReader(out).manifest.ground_truth["bugs"]
-    assert all(truth[b]["first_step"] is None for b in RETIRED_BUGS)  # no toggle fired
-    assert replay_trace(TraceReader(out)).findings == []
-    # the failing control: ownership that never retires names the blocks' former owners,
-    # and says where the blocks sit in their rows
-    monkeypatch.setattr(BlockOwnership, "retire", lambda self, uids, freed_below: [])
+    for seed in range(32):
+        out = tmp_path / f"retired-{seed}"
+        simulate(SimConfig(steps=400, seed=seed, bugs=RETIRED_BUGS, output=out, **RETIRED))
+        events = TraceReader(out).manifest.ground_truth["bugs"]["stale-condense-row"]["events"]
+        # the sim's padded-row writes onto blocks a live request holds
+        live = {(e["step"], e["block_id"]) for e in events}
+        # ownership that never retires names the blocks' former owners, and says where the
+        # blocks sit in their rows
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(BlockOwnership, "retire", lambda self, uids, freed_below: [])
+            blind = replay_trace(TraceReader(out)).findings
+        retired = [
+            f for f in blind if f.kind == "foreign_block_write" and (f.step, f.block_id) not in live
+        ]
+        if retired:
+            break
+    assert retired, "no run with a padded-row write onto a retired block"
+    assert all(
+        re.search(r"\(its column \d+; it now runs at column \d+\)", f.detail) for f in retired
+    )
+    # the replay: every block write it reports is one onto a live request's block
     found = replay_trace(TraceReader(out)).findings
-    assert [f.step for f in found] == [351, 378]
-    assert all(f.kind == "foreign_block_write" for f in found)
-    assert "(its column 1; it now runs at column 4)" in found[0].detail
-    monkeypatch.undo()
+    assert {(f.step, f.block_id) for f in found if f.kind == "foreign_block_write"} <= live
     # the control: a padded row's write onto the block a live request runs at has no note
     stale = replay_trace(TraceReader(toggle_trace("stale-condense-row", 0)))
     first = [f for f in stale.findings if f.step == stale.first_step]
