@@ -56,6 +56,32 @@ def test_toggle_on_shows_its_symptom_and_toggle_off_none(tmp_path: Path, bug: st
     assert all(not h for h in hits_off.values()), {k: v[:3] for k, v in hits_off.items()}
 
 
+def test_a_block_a_live_row_has_retired_is_no_stale_row_hit(tmp_path: Path) -> None:
+    """Align mode frees a request's passed columns without a scheduler delta, so the runner's
+    row keeps listing those blocks, and the pool hands the one freed last to the next
+    request. A padded row that writes it harms only its new holder: the detector must not
+    name the request whose row merely still lists it."""
+    from mgtrace.sim.symptoms import _cols, _Tables
+
+    _, hits = _run(tmp_path, "on", (BUG_STALE_ROW,), **CASES[BUG_STALE_ROW])
+    reader = TraceReader(tmp_path / "on")
+    events = reader.manifest.ground_truth["bugs"][BUG_STALE_ROW]["events"]
+    holder = {(e["step"], e["block_id"]): e["req_id"] for e in events}
+    named = {(e["step"], e["req_id"]) for e in events}
+    br = _cols(reader, "batch_rows")
+    order = sorted(range(len(br["step"])), key=lambda i: br["step"][i])
+    tables = _Tables(reader, 0)
+    listed_only = set()  # (step, request) whose row lists a block another request holds
+    for i in order:
+        s, rid = int(br["step"][i]), str(br["req_id"][i])
+        tables.advance(s)
+        for b in tables.get("v1", int(br["batch_row"][i])):
+            if holder.get((s, b), rid) != rid and (s, rid) not in named:
+                listed_only.add((s, rid))
+    assert listed_only, "the run must have a padded-row write onto a block a row still lists"
+    assert not listed_only & set(hits[BUG_STALE_ROW]), sorted(listed_only)[:3]
+
+
 def test_all_v1_toggles_together_each_fire(tmp_path: Path) -> None:
     bugs = (BUG_REORDER, BUG_ASYNC_RACE, BUG_STALE_ROW)
     manifest, hits = _run(tmp_path, "all", bugs, scenario="pairs", runner="v1")

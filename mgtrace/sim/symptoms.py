@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from mgtrace.replayer.ownership import freed_below, processed_tokens, steps_in_flight
 from mgtrace.schemas.reader import TraceReader
+from mgtrace.schemas.tables import SCHED_KINDS
 from mgtrace.sim.config import BUG_ASYNC_RACE, BUG_BATCH_ROW, BUG_REORDER, BUG_STALE_ROW
 
 Hits = list[tuple[int, str]]
@@ -107,6 +109,30 @@ class _Tables:
         return self.content.get((table, row), [])
 
 
+def _held_from(reader: TraceReader) -> dict[tuple[int, str], int]:
+    """Per (step, scheduled request), the first block-table column the request still holds:
+    align mode frees the columns below ``cdiv(processed, B) - 1`` (processed: the computed
+    count less the tokens of steps still in flight) without a scheduler delta, so the
+    runner's row keeps listing those blocks after they have gone back to the pool."""
+    sc = _cols(reader, "sched")
+    if not len(sc["step"]):
+        return {}
+    req_ids = sc["req_id"].tolist()
+    uid = {r: i for i, r in enumerate(dict.fromkeys(req_ids))}
+    processed = processed_tokens(
+        np.array([uid[r] for r in req_ids], dtype=np.int64),
+        _int(sc["step"]),
+        np.array([SCHED_KINDS.index(k) for k in sc["kind"].tolist()], dtype=np.int64),
+        _int(sc["num_scheduled"]),
+        _int(sc["num_computed"]),
+        steps_in_flight(reader.run),
+    )
+    below = freed_below(processed, reader.run.mamba_block_size)
+    return {
+        (s, r): max(int(b), 0) for s, r, b in zip(sc["step"].tolist(), req_ids, below, strict=True)
+    }
+
+
 def stale_row_writes(reader: TraceReader) -> Hits:
     """Padded rows whose gathered state indices name a block a live row of the step holds."""
     la = _cols(reader, "launches")
@@ -124,6 +150,7 @@ def stale_row_writes(reader: TraceReader) -> Hits:
         br["step"].tolist(), br["batch_row"].tolist(), br["req_id"].tolist(), strict=True
     ):
         live[s].append((row, rid))
+    held_from = _held_from(reader)
     tables = _Tables(reader, 0)
     hits: Hits = []
     for i in sorted(pad, key=lambda j: la["step"][j]):
@@ -132,7 +159,7 @@ def stale_row_writes(reader: TraceReader) -> Hits:
         cols = [b for b in tables.get("v1", row)[: 1 + k] if b]
         for b in cols:
             for lrow, rid in live[s]:
-                if b in tables.get("v1", lrow):
+                if b in tables.get("v1", lrow)[held_from.get((s, rid), 0) :]:
                     hits.append((s, rid))
     return hits
 
