@@ -738,6 +738,53 @@ def test_a_deferred_boundary_copy_into_a_block_its_request_just_freed_is_its_own
         assert min(given[(f.writer_req_id, f.block_id)]) < f.step, f.detail
 
 
+@pytest.mark.unit
+def test_a_deferred_post_process_of_a_request_finished_at_its_step_writes_its_own_block(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deferred post-process of step T still runs for a request whose T result finished
+    it (vLLM's worker frees its slot only after it), while the scheduler has already freed
+    the request's blocks and may hand one to a running request of T+pp as a fresh block,
+    which that request writes before it reads. The replay took the finished request's
+    release after the sched row that took the block, so it called the write a foreign one.
+    Control: without the blocks a finished request let go, each finding is such a write."""
+    from mgtrace.replayer.loop import replay_trace
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    out = tmp_path / "t"
+    cfg = SimConfig(
+        runner="v2", scenario="pairs", k=2, seed=4, steps=400, mamba_block_size=16, pp=2,
+        length_scale=0.2, async_scheduling=False, output=out,
+    )  # fmt: skip
+    simulate(cfg.validate())
+    assert replay_trace(TraceReader(out), RuleSet()).findings == []
+
+    apply = BlockOwnership.apply
+
+    def let_go_of_nothing(self, *args) -> list:
+        apply(self, *args)
+        return []
+
+    monkeypatch.setattr(BlockOwnership, "apply", let_go_of_nothing)
+    found = replay_trace(TraceReader(out), RuleSet()).findings
+    assert found and {(f.kind, f.mechanism) for f in found} == {
+        ("foreign_block_write", "postprocess-copy")
+    }
+    given: dict[tuple[str, int], set[int]] = {}
+    finished: set[tuple[str, int]] = set()
+    for row in TraceReader(out).table("sched").to_pylist():
+        if row["kind"] == "finished":
+            finished.add((row["req_id"], row["step"]))
+        for block in (row["new_block_ids"] or [[]])[0]:
+            given.setdefault((row["req_id"], block), set()).add(row["step"])
+    for f in found:
+        assert (f.writer_req_id, f.step) in finished, f.detail
+        assert min(given[(f.writer_req_id, f.block_id)]) < f.step, f.detail
+        assert f.step in given[(f.req_id, f.block_id)], f.detail
+
+
 @pytest.mark.parametrize(
     "runner, mixer", [("v1", "mamba2"), ("v2", "mamba2"), ("v1", "gdn"), ("v2", "gdn")]
 )

@@ -156,8 +156,9 @@ class RankReplay:
             num_uids=len(self.trace.ids.names) + 1,
         )
         # (group, block) -> uid: the blocks this step's scheduler freed as their request
-        # moved past them (see ``_run_copy`` for a deferred post-process)
-        self._retired_now: dict[tuple[int, int], int] = {}
+        # moved past them, finished or was preempted (see ``_run_copy`` for a deferred
+        # post-process)
+        self._freed_now: dict[tuple[int, int], int] = {}
         width0 = self.pool.groups[0].width if self.pool.groups else 0
         conv_keep = width0 - self.k if width0 > self.k else width0
         self._conv_lead = width0 - 1 - conv_keep  # a conv window's last row, past its state
@@ -324,10 +325,12 @@ class RankReplay:
     def _own(self, step: int) -> None:
         # align mode frees the blocks a request moved past as it schedules, before it allocates
         freed = self.ownership.retire(*self.trace.running(step))
-        self._retired_now = {(group, block): uid for uid, group, _, block in freed}
+        self._freed_now = {(group, block): uid for uid, group, _, block in freed}
         sched = self.trace.sched(step)
         if sched["uid"]:
-            self.ownership.apply(step, sched["uid"], sched["kind"], sched["new_block_ids"])
+            # a request that finishes or is preempted lets go of its whole row
+            let_go = self.ownership.apply(step, sched["uid"], sched["kind"], sched["new_block_ids"])
+            self._freed_now.update(((group, block), uid) for uid, group, block in let_go)
 
     def _step(self, step: int) -> None:
         trace = self.trace
@@ -436,7 +439,7 @@ class RankReplay:
             # the start of this one, before the forward: a boundary copy into a block its own
             # request's scheduling freed at this step lands before any new owner uses it.
             deferred = launch.batch_step is not None and launch.batch_step < step
-            own_until_now = self._retired_now if deferred else None
+            own_until_now = self._freed_now if deferred else None
             for g in range(len(self.pool.groups)):
                 self.oracle.check_writes(
                     step, f"{launch.kernel}-copy", g, copies.dst[g], uid, rows, own_until_now

@@ -104,8 +104,10 @@ class BlockOwnership:
         self.since = np.full((num_groups, num_blocks), -1, dtype=np.int64)  # step assigned
         self._held: dict[int, list[list[int]]] = {}  # uid -> per group block ids
 
-    def _release(self, uid: int) -> None:
+    def _release(self, uid: int) -> list[tuple[int, int, int]]:
+        """Free every block ``uid`` owns; returns (uid, group, block) of each."""
         num_blocks = self.num_blocks
+        freed: list[tuple[int, int, int]] = []
         for group, blocks in enumerate(self._held.pop(uid, [])):
             owner, since = self.owner[group], self.since[group]
             if len(blocks) <= SHORT_LIST:
@@ -113,12 +115,15 @@ class BlockOwnership:
                     if NULL_BLOCK < b < num_blocks and owner[b] == uid:
                         owner[b] = NO_REQUEST
                         since[b] = -1
+                        freed.append((uid, group, b))
                 continue
             ids = np.asarray(blocks, dtype=np.int64)
             ids = ids[(ids > NULL_BLOCK) & (ids < num_blocks)]
             mine = ids[owner[ids] == uid]
             owner[mine] = NO_REQUEST
             since[mine] = -1
+            freed.extend((uid, group, b) for b in mine.tolist())
+        return freed
 
     def _acquire(self, uid: int, step: int, per_group: Sequence[Sequence[int] | None]) -> None:
         held = self._held.setdefault(uid, [[] for _ in range(self.owner.shape[0])])
@@ -151,18 +156,24 @@ class BlockOwnership:
         uids: Sequence[int],
         kinds: Sequence[str],
         new_block_ids: Sequence[Sequence[Sequence[int]] | None],
-    ) -> None:
-        """One step's ``sched`` rows, in the order the scheduler emitted them."""
-        for uid, kind, blocks in zip(uids, kinds, new_block_ids, strict=True):
+    ) -> list[tuple[int, int, int]]:
+        """One step's ``sched`` rows. The blocks of finished and preempted requests are free
+        before the others are handed out (the scheduler frees them first, and may give them
+        to a request of the same step). Returns (uid, group, block) of each block a
+        finished, preempted or re-added request let go."""
+        freed: list[tuple[int, int, int]] = []
+        for uid, kind in zip(uids, kinds, strict=True):
             if kind in ("finished", "preempted"):
-                self._release(uid)
-            elif kind in ("new", "resumed"):
-                self._release(uid)
+                freed += self._release(uid)
+        for uid, kind, blocks in zip(uids, kinds, new_block_ids, strict=True):
+            if kind in ("new", "resumed"):
+                freed += self._release(uid)
                 self._acquire(uid, step, blocks or [])
                 self._grow(uid)
                 self._retired[uid] = 0  # a new row: nothing of it freed yet
             elif blocks and any(blocks):
                 self._acquire(uid, step, blocks)
+        return freed
 
     def retire(self, uids: np.ndarray, freed_below: np.ndarray) -> list[tuple[int, int, int, int]]:
         """Free, for each scheduled running request, the blocks at the columns its processed
