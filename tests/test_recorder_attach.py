@@ -621,6 +621,37 @@ def test_force_keeps_the_old_trace_when_the_pid_is_refused(tmp_path: Path) -> No
     assert (out / "manifest.json").is_file()
 
 
+def _old_trace(out: Path) -> dict[str, bytes]:
+    """A small simulated trace at ``out``; returns its files' bytes."""
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    simulate(SimConfig(steps=12, output=out).validate())
+    return {str(f.relative_to(out)): f.read_bytes() for f in out.rglob("*") if f.is_file()}
+
+
+def test_force_keeps_the_old_trace_when_nothing_is_recorded(tmp_path: Path) -> None:
+    """--force deleted the old trace as soon as recording started, so a recording of nothing
+    (an engine that ran no step) cost the user both. Control: a recording that holds steps
+    replaces it, and nothing is left beside it under a hidden name."""
+    out = tmp_path / "t"
+    before = _old_trace(out)
+    proc = _record_cli("-o", str(out), "--force", "--", PY, "-c", "pass")
+    assert proc.returncode == 2, proc.stderr
+    assert f"the old trace at {out} was kept" in proc.stderr, proc.stderr
+    assert {str(f.relative_to(out)): f.read_bytes() for f in out.rglob("*") if f.is_file()} == (
+        before
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]
+    # control: a recording with steps takes the old trace's place
+    proc = _record_cli(
+        "-o", str(out), "--force", "--max-steps", "3", "--", *STANDIN, "--steps", "5"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert TraceReader(out).rows("steps") == 3 and "was kept" not in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]
+
+
 def test_launch_mode_records_from_the_first_step(tmp_path: Path) -> None:
     out = tmp_path / "launch"
     proc = _record_cli("-o", str(out), "--max-steps", "3", "--", *STANDIN, "--steps", "5")

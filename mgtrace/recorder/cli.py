@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from mgtrace.atomic import hidden_sibling, remove_tree
 from mgtrace.errors import MgtraceError, OutputError, UsageError
 from mgtrace.outputs import require_writable_parent
 from mgtrace.schemas.manifest import is_trace_directory
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def _check_output(out: Path, force: bool) -> bool:
     """Whether ``out`` holds a trace to replace. An empty or new ``out`` is used as it is.
     With --force, a trace, or a folder that holds only traces (one per recorded process), is
-    replaced (by ``_replace``, once recording is sure to start); anything else is left
+    replaced (by ``_OldTrace``, once recording is sure to start); anything else is left
     alone."""
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return False
@@ -38,14 +38,39 @@ def _check_output(out: Path, force: bool) -> bool:
     return True
 
 
-def _replace(out: Path) -> None:
-    shutil.rmtree(out)
+class _OldTrace:
+    """The trace that --force replaces: moved aside (under a hidden name beside it) once
+    recording is sure to start, deleted once the new recording holds a step, and put back
+    when it holds none, so that a recording of nothing never costs the old trace."""
 
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.aside: Path | None = None
 
-def _prepare_output(out: Path, force: bool) -> None:
-    """Check ``out`` and replace an old trace at once (where nothing is left to check)."""
-    if _check_output(out, force):
-        _replace(out)
+    def move_aside(self) -> None:
+        aside = hidden_sibling(self.out, "old")
+        os.rename(self.out, aside)
+        self.aside = aside
+
+    def settle(self) -> None:
+        aside, self.aside = self.aside, None
+        if aside is None:
+            return
+        if any(self.out.glob("**/steps/*.parquet")):
+            remove_tree(aside)
+            return
+        try:
+            if self.out.exists():
+                remove_tree(self.out)  # what is there holds no step
+            os.rename(aside, self.out)
+        except OSError as exc:
+            click.echo(
+                f"mgtrace: nothing was recorded, and the old trace could not be put back at "
+                f"{self.out} ({exc.strerror or exc}); it is at {aside}",
+                err=True,
+            )
+            return
+        click.echo(f"mgtrace: nothing was recorded; the old trace at {self.out} was kept", err=True)
 
 
 def _holds_only_traces(out: Path) -> bool:
@@ -227,8 +252,6 @@ def record_command(
     Exit codes: 0 recorded (or stopped), 2 refused (bad option, no engine, nothing
     recorded), 130 Ctrl-C, 143/129 SIGTERM/SIGHUP; with an engine command, the engine's own
     exit status (2 when it recorded nothing)."""
-    from rich.live import Live
-
     from mgtrace.recorder import attach
 
     if stop:
@@ -253,6 +276,27 @@ def record_command(
         attach.engine_tree(engine_pid)  # a missing or foreign process: refused up front
     replace = _check_output(output, force)
     _check_writable(output, replace)
+    old = _OldTrace(output) if replace else None
+    try:
+        return _record(engine_pid, output, duration, max_steps, command, old)
+    finally:
+        if old is not None:
+            old.settle()
+
+
+def _record(
+    engine_pid: int | None,
+    output: Path,
+    duration: float | None,
+    max_steps: int | None,
+    command: tuple[str, ...],
+    old: _OldTrace | None,
+) -> int:
+    """``record_command`` once its arguments and output are checked."""
+    from rich.live import Live
+
+    from mgtrace.recorder import attach
+
     if engine_pid is not None:
         not_recorded: list[str] = []
         with attach.signals_as_interrupt() as received:
@@ -271,7 +315,7 @@ def record_command(
                         max_steps=max_steps,
                         on_status=on_status,
                         # the old trace goes only once every check passed
-                        before_start=(lambda: _replace(output)) if replace else None,
+                        before_start=old.move_aside if old is not None else None,
                         on_connect=lambda t: live.console.print(
                             f"{_named(t.proc)}: agent via {t.how}", highlight=False
                         ),
@@ -302,8 +346,8 @@ def record_command(
         except MgtraceError as exc:
             click.echo(f"mgtrace: error: {exc.message}", err=True)
         return 128 + received[0]
-    if replace:
-        _replace(output)
+    if old is not None:
+        old.move_aside()
     rc = attach.launch(list(command), output, duration_s=duration, max_steps=max_steps)
     click.echo(_launch_outcome(output, rc))
     # a signal's death is reported as a shell does: 128 + its number
