@@ -650,6 +650,15 @@ def test_force_keeps_the_old_trace_when_nothing_is_recorded(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr
     assert TraceReader(out).rows("steps") == 3 and "was kept" not in proc.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["t"]
+    # what a killed mgtrace left aside (its pid is gone) is cleared before the next one
+    # moves the trace aside, and so never stands in the engine's way
+    _old_trace(tmp_path / ".t.999999999-0.old")
+    proc = _record_cli(
+        "-o", str(out), "--force", "--max-steps", "2", "--", *STANDIN, "--steps", "5"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert TraceReader(out).rows("steps") == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]
 
 
 def test_launch_mode_records_from_the_first_step(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from mgtrace.atomic import hidden_sibling, remove_tree
+from mgtrace.atomic import clear_stale_siblings, hidden_sibling, remove_tree
 from mgtrace.errors import MgtraceError, OutputError, UsageError
 from mgtrace.outputs import require_writable_parent
 from mgtrace.schemas.manifest import is_trace_directory
@@ -27,6 +27,8 @@ def _check_output(out: Path, force: bool) -> bool:
     With --force, a trace, or a folder that holds only traces (one per recorded process), is
     replaced (by ``_OldTrace``, once recording is sure to start); anything else is left
     alone."""
+    # a killed mgtrace's old trace, moved aside: back in place, or gone where a recording is
+    clear_stale_siblings(out)
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return False
     if not force:
