@@ -432,8 +432,8 @@ def test_preempted_request_keeps_the_tokens_its_in_flight_step_sampled(
         for p, req in enumerate(so.reqs):
             rid = req.req_id
             if so.kind[p] == KIND_RESUMED:
-                assert so.num_computed[p] == 0, (step, rid)
-                replay[rid] = [req.prompt_len + sampled.get(rid, 0), 0]
+                # a prefix hit on resume spares the replay its cached tokens
+                replay[rid] = [req.prompt_len + sampled.get(rid, 0) - so.num_computed[p], 0]
             if rid in replay:
                 replay[rid][1] += int(so.num_scheduled[p])
                 if so.samples[p]:
@@ -445,6 +445,56 @@ def test_preempted_request_keeps_the_tokens_its_in_flight_step_sampled(
 
     run_engine(cfg, observe)
     assert hit >= 1
+
+
+@pytest.mark.parametrize(("runner", "pp"), [("v1", 1), ("v2", 2)])
+def test_resumed_request_starts_from_its_familys_cached_state(runner: str, pp: int) -> None:
+    """vLLM resets a preempted request's num_computed_tokens to 0, and the scheduler's
+    waiting loop looks the prefix cache up for every request at 0 (get_computed_blocks, at
+    most num_tokens - 1 tokens): a resumed request of a family whose boundary state is
+    cached starts from it, like a new one. Its resumed row then carries the hit as
+    num_computed and its block row as nulls up to the cached block; the request's
+    prefix_hit_tokens stays that of its first admission (vLLM's prefill stats)."""
+    cfg = SimConfig(
+        scenario="steady",
+        steps=600,
+        runner=runner,
+        pp=pp,
+        k=3,
+        seed=2,
+        max_num_seqs=24,
+        mamba_block_size=16,
+        length_scale=0.2,
+        num_blocks=40,
+    )
+    B = cfg.mamba_block_size
+    # every entry the cache held as a schedule found it, per family (a hit whose allocation
+    # must wait keeps its row, so the entry may be evicted before the row is scheduled)
+    cached: dict[int, set[tuple[int, int]]] = {}
+    first_hit: dict[str, int] = {}  # prefix_hit_tokens once first scheduled
+    hits = 0
+
+    def observe(step: int, view: StepView) -> None:
+        nonlocal hits
+        so = view.so
+        for p, req in enumerate(so.reqs):
+            first_hit.setdefault(req.req_id, req.prefix_hit_tokens)
+            nc = int(so.num_computed[p])
+            if so.kind[p] != KIND_RESUMED or nc == 0:
+                continue
+            hits += 1
+            col = nc // B - 1
+            ids = so.ids_at(p)
+            assert req.wants_hit and nc % B == 0, (step, req.req_id)
+            assert ids[:col] == [NULL_BLOCK] * col, (step, req.req_id)
+            assert (nc, ids[col]) in cached.get(req.family, ()), (step, req.req_id)
+            assert nc < req.prompt_len + req.num_output, (step, req.req_id)
+            assert req.prefix_hit_tokens == first_hit[req.req_id], (step, req.req_id)
+        for family, entry in view.scheduler.cache.entries.items():
+            cached.setdefault(family, set()).add(entry)
+
+    run_engine(cfg, observe)
+    assert hits >= 1
 
 
 def test_stale_output_is_delivered_after_preemption_and_can_finish_the_request() -> None:

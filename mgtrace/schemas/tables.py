@@ -319,7 +319,12 @@ REQUESTS = _table(
         col("last_step", I64, "Last step the request was scheduled in."),
         col("prompt_len", I32, "Prompt tokens."),
         col("output_len", I32, "Output tokens."),
-        col("prefix_hit_tokens", I32, "Prompt tokens served from the prefix cache."),
+        col(
+            "prefix_hit_tokens",
+            I32,
+            "Prompt tokens served from the prefix cache at the first admission (a resumed "
+            "request's hit shows as its resumed sched row's num_computed).",
+        ),
         col("finish_reason", STR, "stop | length | abort | running."),
         col("corrupt", BOOL, "Client-side corruption label; null when unknown."),
         col("corruption_marker", STR, "What the client saw (e.g. foreign marker, oov rate)."),

@@ -402,7 +402,9 @@ class Scheduler:
                 # resample a position that step's result delivers later
                 skipped.append(self.waiting.popleft())
                 continue
-            if st.nc[req.idx] == 0 and not req.resumed:
+            if st.nc[req.idx] == 0:
+                # a resumed request looks the cache up like a new one (vLLM resets its
+                # num_computed_tokens to 0 on preemption)
                 self._maybe_hit(req)
             n, d = self._want(req, budget)
             if n == 0:
@@ -643,6 +645,9 @@ class Scheduler:
         return col >= 0 and self.alloc.wants_checkpoint_block(req.req_id, col)
 
     def _maybe_hit(self, req: Request) -> None:
+        """Start a request with no computed tokens (new or resumed) from its family's cached
+        boundary state, as vLLM's get_computed_blocks: a block-aligned hit of at most
+        ``num_tokens - 1`` tokens, so the last token is always computed."""
         if req.family < 0 or not req.wants_hit:
             return
         entry = self.cache.lookup(req.family)
@@ -654,7 +659,9 @@ class Scheduler:
         self.alloc.start_with_hit(req.req_id, tokens, block)
         self._set_row_len(req, len(self.alloc.rows[req.req_id]))
         self.store.nc[req.idx] = tokens
-        req.prefix_hit_tokens = tokens
+        if not req.num_preemptions:
+            # vLLM's prefill stats count the first admission only, not a resume's hit
+            req.prefix_hit_tokens = tokens
 
     def _make_room(self, need: int) -> None:
         while need > self.pool.num_free and self.cache.evict_one():
