@@ -785,6 +785,43 @@ def test_a_deferred_post_process_of_a_request_finished_at_its_step_writes_its_ow
         assert f.step in given[(f.req_id, f.block_id)], f.detail
 
 
+@pytest.mark.parametrize(("runner", "pp"), [("v1", 1), ("v2", 2)])
+def test_a_resumed_request_may_start_from_another_requests_cached_state(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, runner: str, pp: int
+) -> None:
+    """A preempted request lets go of every block, and on resume vLLM looks the prefix cache
+    up for it like a new one: it may start from a boundary state another request of its
+    family wrote. The replay took a prefix share as legal only before a request's first
+    write, so it called that read a foreign one. Control: without the start-over on a
+    resumed row, each finding is such a read."""
+    from mgtrace.replayer.loop import replay_trace
+    from mgtrace.replayer.oracle import Oracle
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    out = tmp_path / "t"
+    cfg = SimConfig(
+        scenario="steady", runner=runner, pp=pp, k=3, seed=2, steps=600, max_num_seqs=24,
+        mamba_block_size=16, length_scale=0.2, num_blocks=40, output=out,
+    )  # fmt: skip
+    simulate(cfg.validate())
+    assert replay_trace(TraceReader(out), RuleSet()).findings == []
+
+    monkeypatch.setattr(Oracle, "start_over", lambda self, uids: None)
+    found = replay_trace(TraceReader(out), RuleSet()).findings
+    hits = {
+        (r["req_id"], r["step"])
+        for r in TraceReader(out).table("sched").to_pylist()
+        if r["kind"] == "resumed" and r["num_computed"]
+    }
+    assert found and {(f.kind, f.mechanism.split(":")[0]) for f in found} == {
+        ("foreign_state", "prefill-read")
+    }
+    for f in found:
+        assert (f.req_id, f.step) in hits and f.writer_req_id != f.req_id, f.detail
+
+
 @pytest.mark.parametrize(
     "runner, mixer", [("v1", "mamba2"), ("v2", "mamba2"), ("v1", "gdn"), ("v2", "gdn")]
 )

@@ -331,6 +331,10 @@ class RankReplay:
             # a request that finishes or is preempted lets go of its whole row
             let_go = self.ownership.apply(step, sched["uid"], sched["kind"], sched["new_block_ids"])
             self._freed_now.update(((group, block), uid) for uid, group, block in let_go)
+            kinds = sched["kind"]
+            resumed = [u for u, k in zip(sched["uid"], kinds, strict=True) if k == "resumed"]
+            if resumed:
+                self.oracle.start_over(np.array(resumed, np.int64))
 
     def _step(self, step: int) -> None:
         trace = self.trace

@@ -4,7 +4,8 @@ Expectations come from the request's own counts. A request whose running state c
 verified tokens must find, in its temporal state, its own uid and ``E`` tokens folded in,
 and in the conv rows it reads the positions ``E-K+1 .. E-1`` (K-1 = the conv window without
 the speculative slots). A state written by another request is legitimate only as a prefix
-hit: before the request has written any state of its own, with exactly ``E`` tokens folded.
+hit: before the request has written any state of its own since it was added (or re-added
+after a preemption), with exactly ``E`` tokens folded.
 
 Each finding names a mechanism without ids or numbers, so that its signature
 (``kind:mechanism``) stays the same across runs and can pin a minimization.
@@ -127,6 +128,12 @@ class Oracle:
             grown[: len(self.wrote)] = self.wrote
             self.wrote = grown
         self.wrote[uids] = True
+
+    def start_over(self, uids: np.ndarray) -> None:
+        """These requests were re-added after a preemption: they let go of every block, so
+        like new ones they have no state of their own and may start from a prefix hit."""
+        inside = uids[(uids >= 0) & (uids < len(self.wrote))]
+        self.wrote[inside] = False
 
     def has_written(self, uids: np.ndarray) -> np.ndarray:
         inside = (uids >= 0) & (uids < len(self.wrote))
