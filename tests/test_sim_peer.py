@@ -459,3 +459,63 @@ def test_align_rows_match_mamba_manager(vllm_mods, seed: int, async_: bool) -> N
     real.free("r")
     sim.free("r")
     assert [b.block_id for b in real_pool.get_new_blocks(6)] == sim.pool.take(6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_cache_eviction_matches_block_pool(vllm_mods, seed: int) -> None:
+    """Random allocations, caching of held blocks, prefix hits and frees against the real
+    BlockPool with caching on: after each, the free queue's order and which cached states
+    still hit agree. vLLM evicts a cached block only when get_new_blocks hands it out, so a
+    held one stays cached and a freed one stays a hit at the queue's tail until then."""
+    from vllm.v1.core.block_pool import BlockPool as RealPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    from mgtrace.sim.block_pool import BlockPool, PrefixCache
+
+    n_blocks, families = 24, 6
+    rng = random.Random(seed)
+    real = RealPool(n_blocks, enable_caching=True, hash_block_size=16)
+    pool = BlockPool(n_blocks)
+    cache = PrefixCache(pool)
+    key = [
+        make_block_hash_with_group_id(BlockHash(bytes([f + 1]) * 32), 0) for f in range(families)
+    ]
+
+    def real_hit(f: int) -> int | None:
+        blocks = real.get_cached_block(BlockHash(bytes([f + 1]) * 32), [0])
+        return None if blocks is None else blocks[0].block_id
+
+    held: list[list[int]] = []  # per live request, its blocks in allocation order
+    evicted_while_cached = 0  # controls: the queue handed out a cached block,
+    hit_in_queue = 0  # and a hit took one back out of the queue
+    for op in range(300):
+        kind = rng.choice(["take", "take", "cache", "hit", "free", "free"])
+        if kind == "take" and pool.num_free:
+            n = rng.randint(1, min(3, pool.num_free))
+            evicted_while_cached += any(b in pool.shared for b in list(pool.free)[:n])
+            got = pool.take(n)
+            assert [b.block_id for b in real.get_new_blocks(n)] == got, op
+            held.append(got)
+        elif kind == "cache" and held:
+            f = rng.randrange(families)
+            block = rng.choice(rng.choice(held))
+            if cache.lookup(f) is None and block not in pool.shared:
+                cache.insert(f, 16, block)
+                real._insert_block_hash(key[f], real.blocks[block], num_tokens=16)
+        elif kind == "hit":
+            f = rng.randrange(families)
+            entry = cache.lookup(f)
+            if entry is not None:
+                hit_in_queue += entry[1] in pool.free
+                pool.touch(entry[1])
+                real.touch([real.blocks[entry[1]]])
+                held.append([entry[1]])
+        elif kind == "free" and held:
+            blocks = held.pop(rng.randrange(len(held)))[::-1]  # tail first, as a row is
+            pool.release_all(blocks)
+            real.free_blocks([real.blocks[b] for b in blocks])
+        real_free = [b.block_id for b in real.free_block_queue.get_all_free_blocks()]
+        assert list(pool.free) == real_free, (op, kind)
+        sim_hits = [None if (e := cache.lookup(f)) is None else e[1] for f in range(families)]
+        assert sim_hits == [real_hit(f) for f in range(families)], (op, kind)
+    assert evicted_while_cached >= 1 and hit_in_queue >= 1

@@ -36,20 +36,24 @@ def names(column: object, categories: tuple[str, ...]) -> list[str]:
 def check_ownership(
     rows: dict[str, list[int]], ref: list[int], free: list[int], pinned: set[int], shared: set[int]
 ) -> list[str]:
-    """No block held by two live requests unless it is a shared prefix-cache state."""
+    """No block held by two live requests unless it is a shared prefix-cache state; the
+    cache holds no reference: a cached block (``pinned``) is live or waits in the free queue
+    (vLLM evicts it only when the queue hands it out)."""
     bad = []
     count: Counter[int] = Counter()
     for row in rows.values():
         count.update(b for b in row if b != NULL_BLOCK)
     free_set = set(free)
     for b, c in count.items():
-        expected = c + (1 if b in pinned else 0)
-        if ref[b] != expected:
-            bad.append(f"block {b}: in {c} live rows (pinned={b in pinned}) but ref {ref[b]}")
+        if ref[b] != c:
+            bad.append(f"block {b}: in {c} live rows but ref {ref[b]}")
         if c > 1 and b not in shared:
             bad.append(f"block {b} is owned by {c} live requests")
         if b in free_set:
             bad.append(f"block {b} is live and free")
+    for b in pinned:
+        if b not in shared or (b not in count and b not in free_set):
+            bad.append(f"cached block {b} is neither live nor free, or not marked shared")
     return bad
 
 

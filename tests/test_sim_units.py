@@ -119,7 +119,8 @@ def test_a_cached_checkpoint_block_outlives_its_request_s_retire() -> None:
     block = alloc.rows["r"][1]
     cache.insert(0, 8, block)
     alloc.retire("r", 13)
-    assert alloc.rows["r"][1] == NULL_BLOCK and block not in pool.free
+    # freed to the free queue's tail, still cached until the queue hands it out
+    assert alloc.rows["r"][1] == NULL_BLOCK and pool.free[-1] == block
     assert cache.lookup(0) == (8, block)
 
 
@@ -134,8 +135,7 @@ def test_freed_uncached_blocks_are_reused_next_tail_first_and_cached_ones_last()
     cache.insert(family=1, tokens=4, block=row[1])
     alloc.free("r")
     assert pool.take(2) == [row[3], row[2]]
-    cache.evict_one()
-    assert list(pool.free)[-1] == row[1]
+    assert list(pool.free)[-1] == row[1] and cache.lookup(1) == (4, row[1])
 
 
 def test_pool_exhaustion_is_reported_before_any_change() -> None:
@@ -329,7 +329,7 @@ def test_v2_frees_request_slots_sorted_by_request_id() -> None:
         steps=400,
         runner="v2",
         k=3,
-        seed=11,  # a run with a step that preempts two requests
+        seed=14,  # a run with steps that preempt two requests
         max_num_seqs=24,
         mamba_block_size=16,
         length_scale=0.2,
@@ -469,7 +469,7 @@ def test_resumed_request_starts_from_its_familys_cached_state(runner: str, pp: i
     )
     B = cfg.mamba_block_size
     # every entry the cache held as a schedule found it, per family (a hit whose allocation
-    # must wait keeps its row, so the entry may be evicted before the row is scheduled)
+    # must wait keeps its row, and is scheduled at a later step)
     cached: dict[int, set[tuple[int, int]]] = {}
     first_hit: dict[str, int] = {}  # prefix_hit_tokens once first scheduled
     hits = 0
@@ -531,3 +531,53 @@ def test_stale_output_is_delivered_after_preemption_and_can_finish_the_request()
     assert [r.req_id for r in steps[6].finished] == ["d"]
     assert (d.status, d.num_output) == ("finished", 3)
     assert d not in sched.waiting and "d" not in steps[6].req_ids
+
+
+def test_a_cached_block_is_evicted_only_when_the_free_queue_hands_it_out() -> None:
+    """vLLM evicts lazily: a freed cached block waits at the free queue's tail, still a hit,
+    and loses its cached state only when get_new_blocks hands it out; a block a request
+    holds is not in the queue, so no allocation evicts it."""
+    pool = BlockPool(6)
+    cache = PrefixCache(pool)
+    alloc = AlignAllocator(pool, block_size=4, spec_blocks=0)
+    alloc.allocate("r", 8)  # [null, running]
+    block = alloc.rows["r"][1]
+    cache.insert(family=7, tokens=8, block=block)
+    others = pool.take(pool.num_free)  # a short pool: the held cached block stays
+    assert cache.lookup(7) == (8, block) and block not in others
+    pool.release_all(others)
+    alloc.free("r")
+    assert pool.free[-1] == block and cache.lookup(7) == (8, block)
+    assert block not in pool.take(pool.num_free - 1) and cache.lookup(7) == (8, block)
+    assert pool.take(1) == [block] and cache.lookup(7) is None and block not in pool.shared
+
+
+def test_a_preempted_request_resumes_from_the_state_it_cached() -> None:
+    """``a`` stores its family's boundary state in its first chunk and is preempted for the
+    next one (the pool is short). Its boundary block is still cached (vLLM evicts a cached
+    block only when the free queue hands it out), so the resumed request starts from it."""
+    cfg = SimConfig(
+        k=0, mamba_block_size=16, num_blocks=5, max_num_seqs=4, max_num_batched_tokens=64
+    )
+    sched = Scheduler(cfg.validate())
+    for rid in "bcd":  # one block each, decoding on for three tokens
+        sched.new_request(rid, Arrival("c", 0.0, 8, 3, 3, -1, 0, False, 0))
+    sched.new_request("a", Arrival("c", 0.0, 40, 4, 4, 0, 32, True, 1))
+    steps = []
+    for step in range(4):
+        steps.append(sched.schedule(step))
+        sched.apply_results(steps[-1], np.ones(len(steps[-1]), np.int64))
+    a0 = steps[0].req_ids.index("a")
+    block = steps[0].ids_at(a0)[1]  # [null, the boundary state's block]
+    assert [r.req_id for r in steps[1].preempted] == ["a"]
+    assert sched.cache.lookup(0) == (32, block)
+    resumed = [
+        (step, p)
+        for step, so in enumerate(steps)
+        for p, rid in enumerate(so.req_ids)
+        if rid == "a" and so.kind[p] == KIND_RESUMED
+    ]
+    assert resumed, "a never resumed"
+    step, p = resumed[0]
+    assert int(steps[step].num_computed[p]) == 32
+    assert steps[step].ids_at(p)[:2] == [NULL_BLOCK, block]

@@ -3,7 +3,9 @@
 Block 0 is the null block: it fills skipped columns and is never handed out. Free blocks
 are taken from the head of the free queue. As in vLLM's BlockPool.free_blocks, the blocks one
 call frees go back to its head (reused next) when they hold no cached prefix state, in the
-order given, and to its tail (evicted last) when they do.
+order given, and to its tail (evicted last) when they do. As in vLLM, a cached block is
+evicted lazily: it stays cached in the free queue, and loses its cached state only when the
+queue hands it out again (``get_new_blocks``); a prefix hit takes it back out (``touch``).
 
 Align mode keeps per request one scheduler-side block row of ``cdiv(num_tokens, B) + S``
 columns (S = speculative blocks): column ``cdiv(num_tokens, B) - 1`` is the running state,
@@ -15,6 +17,7 @@ boundary blocks.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 NULL_BLOCK = 0
 
@@ -28,14 +31,17 @@ class PoolExhausted(Exception):
 
 
 class BlockPool:
-    """Free queue plus reference counts; a cached block is held by the prefix cache too."""
+    """Free queue plus reference counts; the prefix cache holds no reference of its own."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.free: deque[int] = deque(range(1, num_blocks))
         self.ref = [0] * num_blocks
-        # blocks holding a cached prefix state: shared read-only until handed out afresh
+        # blocks holding a cached prefix state (vLLM: a block hash): shared read-only, live
+        # or free, until the free queue hands them out afresh
         self.shared: set[int] = set()
+        # told of each cached block handed out afresh (vLLM's _maybe_evict_cached_block)
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -47,15 +53,18 @@ class BlockPool:
         out = [self.free.popleft() for _ in range(n)]
         for b in out:
             self.ref[b] = 1
-        self.shared.difference_update(out)
+            if b in self.shared:
+                self.shared.remove(b)
+                if self.on_evict is not None:
+                    self.on_evict(b)
         return out
 
-    def hold(self, block: int) -> None:
+    def touch(self, block: int) -> None:
+        """One more reference to a cached block (a prefix hit); an unreferenced one leaves
+        the free queue, as vLLM's BlockPool.touch."""
+        if self.ref[block] == 0:
+            self.free.remove(block)
         self.ref[block] += 1
-        self.shared.add(block)
-
-    def release(self, block: int) -> None:
-        self.release_all([block])
 
     def release_all(self, blocks: list[int]) -> None:
         """Drop one reference to each block; those left unreferenced go back to the free
@@ -74,29 +83,28 @@ class BlockPool:
 
 
 class PrefixCache:
-    """One cached boundary state per prompt family: (tokens covered, block id)."""
+    """One cached boundary state per prompt family: (tokens covered, block id). An entry
+    lasts until the pool hands its block out afresh, never while a request holds it."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.entries: dict[int, tuple[int, int]] = {}
+        self._family_of: dict[int, int] = {}  # block -> family
+        pool.on_evict = self._evicted
 
     def lookup(self, family: int) -> tuple[int, int] | None:
         return self.entries.get(family)
 
     def insert(self, family: int, tokens: int, block: int) -> None:
-        if family in self.entries or block == NULL_BLOCK:
+        """Cache ``block``, held by the request that wrote it, for ``family``."""
+        if family in self.entries or block == NULL_BLOCK or block in self.pool.shared:
             return
-        self.pool.hold(block)
+        self.pool.shared.add(block)
         self.entries[family] = (tokens, block)
+        self._family_of[block] = family
 
-    def evict_one(self) -> bool:
-        """Drop the oldest entry (pool pressure); False when there is none."""
-        if not self.entries:
-            return False
-        family = next(iter(self.entries))
-        _, block = self.entries.pop(family)
-        self.pool.release(block)
-        return True
+    def _evicted(self, block: int) -> None:
+        del self.entries[self._family_of.pop(block)]
 
     def pinned(self) -> set[int]:
         return {b for _, b in self.entries.values()}
@@ -121,7 +129,7 @@ class AlignAllocator:
     def start_with_hit(self, req: str, hit_tokens: int, block: int) -> list[int]:
         """A prefix hit: null columns, then the cached boundary block (shared, read-only)."""
         col = hit_tokens // self.B - 1
-        self.pool.hold(block)
+        self.pool.touch(block)
         row = [NULL_BLOCK] * col + [block]
         self.rows[req] = row
         return list(row)

@@ -90,7 +90,7 @@ class SimConfig:
             return self.num_blocks
         # Each running request holds its running block, k spec blocks, the previous state
         # block until it is retired (and its prefill checkpoint block, where there are
-        # any), and a few prefix-cache boundary blocks stay pinned.
+        # any); the 64 spare blocks keep cached boundary states in the free queue a while.
         per_request = self.k + 3 + int(self.prefill_checkpoints)
         return 1 + self.max_num_seqs * per_request + 64
 

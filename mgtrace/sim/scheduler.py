@@ -413,7 +413,6 @@ class Scheduler:
             checkpoint = self._reserves_checkpoint(req, end)
             try:
                 need = self.alloc.blocks_needed(req.req_id, end, checkpoint)
-                self._make_room(need)
                 self._allocate(req, end, need, checkpoint)
             except PoolExhausted:
                 break
@@ -479,7 +478,7 @@ class Scheduler:
         stays = nc - st.inflight_tok[idx] <= st.keep_until[idx]
         if self.pool.num_free >= len(run) - np.count_nonzero(simple):
             # a running row takes at most one block, and only a non-simple one does, so no
-            # allocation of this pass meets a short pool (no eviction, no preemption): a
+            # allocation of this pass meets a short pool (no preemption): a
             # simple row that retires is committed in one go too
             retiring = (simple & ~stays).nonzero()[0].tolist()
         else:
@@ -663,16 +662,13 @@ class Scheduler:
             # vLLM's prefill stats count the first admission only, not a resume's hit
             req.prefix_hit_tokens = tokens
 
-    def _make_room(self, need: int) -> None:
-        while need > self.pool.num_free and self.cache.evict_one():
-            pass
-        if need > self.pool.num_free:
-            raise PoolExhausted(need)
-
     def _allocate(
         self, req: Request, num_tokens: int, need: int, checkpoint: bool = False
     ) -> list[int]:
-        """Allocate after ``_make_room(need)``: eviction changes no row, so ``need`` holds."""
+        """Allocate ``need`` fresh blocks (PoolExhausted, with nothing changed, when the free
+        queue holds fewer; cached free blocks count, and handing one out evicts it)."""
+        if need > self.pool.num_free:
+            raise PoolExhausted(need)  # before ``allocate`` notes the columns it keeps
         ids = self.alloc.allocate(req.req_id, num_tokens, need, checkpoint)
         self._set_row_len(req, len(self.alloc.rows[req.req_id]))
         self._note_last(req)
@@ -706,7 +702,6 @@ class Scheduler:
         while True:
             try:
                 need = self.alloc.blocks_needed(rid, end, checkpoint)
-                self._make_room(need)
                 return self._allocate(req, end, need, checkpoint)
             except PoolExhausted:
                 victim = self._pick_victim()
