@@ -80,37 +80,35 @@ def test_report_points_at_the_first_bad_byte() -> None:
     assert np.array_equal(case.pool.numpy(), case.pool.clone().numpy())
 
 
-def test_ctrl_c_before_the_last_case_exits_130(monkeypatch) -> None:
-    """An interrupted check said 125 (inconclusive); Ctrl-C is 130 everywhere else. A
-    mismatch found before the interruption still exits 1."""
+def _interrupted_at(monkeypatch, call: int, *, corrupt: bool = False) -> None:
+    """The reference raises KeyboardInterrupt at its ``call``-th case (as Ctrl-C would),
+    and with ``corrupt`` flips one byte of each earlier case's pool."""
     real = check_mod.run_reference
     calls = {"n": 0}
 
-    def interrupt_on_the_third(launch, pool, tables, **kw):
+    def run(launch, pool, tables, **kw):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == call:
             raise KeyboardInterrupt
-        return real(launch, pool, tables, **kw)
+        result = real(launch, pool, tables, **kw)
+        if corrupt and result.validation.copies.rows.size:
+            pool.numpy()[int(result.validation.copies.dst[0, 0]) * pool.page_bytes] ^= 1
+        return result
 
-    monkeypatch.setattr(check_mod, "run_reference", interrupt_on_the_third)
+    monkeypatch.setattr(check_mod, "run_reference", run)
+
+
+def test_ctrl_c_before_the_last_case_exits_130(monkeypatch) -> None:
+    """An interrupted check said 125 (inconclusive); Ctrl-C is 130 everywhere else. A
+    mismatch found before the interruption still exits 1."""
+    _interrupted_at(monkeypatch, 3)
     result = _invoke(["--cases", "6", "--seed", "11"])
     assert result.return_value == 130
     assert "interrupted before the last case" in result.output
 
 
 def test_ctrl_c_after_a_mismatch_still_exits_one(monkeypatch) -> None:
-    real = check_mod.run_reference
-    calls = {"n": 0}
-
-    def wrong_then_interrupted(launch, pool, tables, **kw):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise KeyboardInterrupt
-        result = real(launch, pool, tables, **kw)
-        if result.validation.copies.rows.size:
-            pool.numpy()[int(result.validation.copies.dst[0, 0]) * pool.page_bytes] ^= 1
-        return result
-
-    monkeypatch.setattr(check_mod, "run_reference", wrong_then_interrupted)
+    _interrupted_at(monkeypatch, 6, corrupt=True)
     result = _invoke(["--cases", "6", "--seed", "11"])
     assert "MISMATCH" in result.output and result.return_value == 1
+    assert "interrupted before the last case" in result.output

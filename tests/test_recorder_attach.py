@@ -678,14 +678,7 @@ def test_sigterm_in_launch_mode_goes_to_the_engine_and_is_waited_for(tmp_path: P
     out = tmp_path / "launched"
     rec = _record_bg("-o", str(out), "--", *STANDIN, "--sleep", "0.02")
     try:
-
-        def engine_pid() -> int | None:
-            kids = [p for p in proctree.tree(rec.pid)[1:] if "recorder_standin" in p.cmdline]
-            return kids[0].pid if kids else None
-
-        child = _wait(engine_pid, what="the engine process")
-        _wait(lambda: control.socket_path(child).exists(), what="the engine's agent")
-        _wait(lambda: control.send(control.socket_path(child), "status").get("steps"))
+        child = _launched_engine(rec)
         rec.send_signal(signal.SIGTERM)
         stdout, stderr = rec.communicate(timeout=120)
         assert rec.returncode == 128 + signal.SIGTERM, stdout + stderr

@@ -398,15 +398,9 @@ def test_v2_resumed_request_prefills_all_its_tokens() -> None:
     assert replayed >= 1
 
 
-@pytest.mark.parametrize(("runner", "pp"), [("v1", 1), ("v2", 1), ("v2", 2)])
-def test_preempted_request_keeps_the_tokens_its_in_flight_step_sampled(
-    runner: str, pp: int
-) -> None:
-    """vLLM's _preempt_request marks a request's in-flight output stale rather than dropping
-    it: update_from_output still appends the tokens it sampled, and the request resumes only
-    once they are in, so its replayed prefill is the prompt plus every token ever sampled for
-    it. Control: some preemptions hit a request with a sampling step in flight."""
-    cfg = SimConfig(
+def _preempting(runner: str, pp: int) -> SimConfig:
+    """A small pool that preempts often, with short outputs so that requests also finish."""
+    return SimConfig(
         scenario="steady",
         steps=600,
         runner=runner,
@@ -418,6 +412,17 @@ def test_preempted_request_keeps_the_tokens_its_in_flight_step_sampled(
         length_scale=0.2,
         num_blocks=40,
     )
+
+
+@pytest.mark.parametrize(("runner", "pp"), [("v1", 1), ("v2", 1), ("v2", 2)])
+def test_preempted_request_keeps_the_tokens_its_in_flight_step_sampled(
+    runner: str, pp: int
+) -> None:
+    """vLLM's _preempt_request marks a request's in-flight output stale rather than dropping
+    it: update_from_output still appends the tokens it sampled, and the request resumes only
+    once they are in, so its replayed prefill is the prompt plus every token ever sampled for
+    it. Control: some preemptions hit a request with a sampling step in flight."""
+    cfg = _preempting(runner, pp)
     lag = cfg.steps_in_flight
     sampled: dict[str, int] = {}  # tokens sampled for each request so far
     last_sample: dict[str, int] = {}  # the last step that sampled for each request
@@ -455,18 +460,7 @@ def test_resumed_request_starts_from_its_familys_cached_state(runner: str, pp: i
     cached starts from it, like a new one. Its resumed row then carries the hit as
     num_computed and its block row as nulls up to the cached block; the request's
     prefix_hit_tokens stays that of its first admission (vLLM's prefill stats)."""
-    cfg = SimConfig(
-        scenario="steady",
-        steps=600,
-        runner=runner,
-        pp=pp,
-        k=3,
-        seed=2,
-        max_num_seqs=24,
-        mamba_block_size=16,
-        length_scale=0.2,
-        num_blocks=40,
-    )
+    cfg = _preempting(runner, pp)
     B = cfg.mamba_block_size
     # every entry the cache held as a schedule found it, per family (a hit whose allocation
     # must wait keeps its row, and is scheduled at a later step)
