@@ -71,6 +71,7 @@ def test_a_second_signal_during_the_stop_leaves_no_rank_recording(
         assert _states(workers) == ["idle", "idle"], stdout + stderr
         assert rec.returncode == 128 + signal.SIGTERM, stderr
         assert "Traceback" not in stderr
+        assert stderr.count("stopping, please wait") == 1, stderr  # the wait is said once
         for rank in (0, 1):
             assert TraceReader(out / f"rank-{rank:03d}").complete
     finally:

@@ -58,11 +58,16 @@ def signals_as_interrupt() -> Iterator[list[int]]:
     while the agents are being stopped, so that a repeated one (a second Ctrl-C) does not
     cut the stop short and leave an engine recording with nobody to stop it."""
     received: list[int] = []
+    waited = False  # the user was told once that the stop goes on
 
     def handler(signum: int, _frame: object) -> None:
+        nonlocal waited
         received.append(signum)
         if len(received) == 1 and not _stopping:
             raise KeyboardInterrupt
+        if not waited:  # os.write: print could re-enter a write the signal interrupted
+            waited = True
+            os.write(2, b"mgtrace: stopping, please wait\n")
 
     with _handlers(handler, (*STOP_SIGNALS, signal.SIGINT)):
         yield received
