@@ -588,8 +588,9 @@ def test_record_rejects_bad_arguments_in_one_sentence(args: list[str], message: 
 
 def test_record_force_replaces_only_traces(tmp_path: Path) -> None:
     """--force replaces a trace or a folder of traces, and only after the engine process
-    checks out. Control: a folder of traces alone is replaced."""
-    from mgtrace.recorder.cli import _prepare_output, record
+    checks out. Control: a folder of traces alone is replaced: moved aside, and put back
+    when the recording holds no step."""
+    from mgtrace.recorder.cli import _check_output, _OldTrace, record
 
     project = tmp_path / "project"
     (project / "old-trace").mkdir(parents=True)
@@ -599,11 +600,16 @@ def test_record_force_replaces_only_traces(tmp_path: Path) -> None:
     assert code == 2 and "there is no process" in text
     assert (project / "NOTES.md").read_text() == "mine"  # a bad pid touches nothing
     with pytest.raises(Exception, match="neither an mgtrace trace nor a folder of traces"):
-        _prepare_output(project, force=True)
+        _check_output(project, force=True)
     assert (project / "NOTES.md").is_file() and (project / "old-trace").is_dir()
     (project / "NOTES.md").unlink()
-    _prepare_output(project, force=True)
+    assert _check_output(project, force=True)
+    old = _OldTrace(project)
+    old.move_aside()
     assert not project.exists()
+    old.settle()
+    assert (project / "old-trace" / "manifest.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["project"]
 
 
 def test_record_refuses_another_users_engine_even_as_root(
