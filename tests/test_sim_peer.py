@@ -519,3 +519,115 @@ def test_prefix_cache_eviction_matches_block_pool(vllm_mods, seed: int) -> None:
         sim_hits = [None if (e := cache.lookup(f)) is None else e[1] for f in range(families)]
         assert sim_hits == [real_hit(f) for f in range(families)], (op, kind)
     assert evicted_while_cached >= 1 and hit_in_queue >= 1
+
+
+# ---------------------------------------------------------------- a prefix hit that must wait
+
+
+@pytest.fixture(scope="module")
+def vllm_kv_manager(vllm_mods):
+    """A factory of vLLM's real KVCacheManager over one align-mode Mamba group with prefix
+    caching, and of requests hashed for it."""
+    try:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+        from vllm.v1.request import Request
+    except Exception as exc:
+        pytest.skip(f"vLLM's KVCacheManager is not importable ({exc.__class__.__name__}: {exc})")
+    init_none_hash(sha256)
+
+    def make(blocks: int, block_size: int):
+        spec = MambaSpec(
+            block_size=block_size,
+            shapes=((4,),),
+            dtypes=(vllm_mods.torch.float32,),
+            mamba_cache_mode="align",
+            num_speculative_blocks=0,
+        )
+        kv = KVCacheConfig(
+            num_blocks=blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+        )
+        return KVCacheManager(
+            kv, max_model_len=1024, scheduler_block_size=block_size, hash_block_size=block_size
+        )
+
+    def request(rid: str, tokens: list[int], max_tokens: int, block_size: int):
+        params = vllm_mods.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        hasher = get_request_block_hasher(block_size, sha256)
+        return Request(rid, tokens, params, None, block_hasher=hasher)
+
+    return SimpleNamespace(make=make, request=request)
+
+
+def test_waiting_prefix_hit_matches_kv_cache_manager(vllm_kv_manager) -> None:
+    """A request whose prefix hit's allocation must wait, in the simulator's scheduler and
+    in vLLM's KVCacheManager fed the simulator's schedule: vLLM's allocate_slots returns
+    None before it touches the hit block, so the block stays in the free queue, another
+    request's allocation evicts it, and the next try looks the cache up again and misses.
+    After every step the free queue and every block row agree, and the request waits in
+    the simulator exactly while vLLM refuses it. Control: the hit was refused at least
+    once, then evicted, and the request ran without it."""
+    from mgtrace.sim import SimConfig
+    from mgtrace.sim.scheduler import KIND_NEW, Scheduler
+    from mgtrace.sim.workload import Arrival
+
+    B, blocks = 16, 5
+    cfg = SimConfig(k=0, mamba_block_size=B, num_blocks=blocks, max_num_batched_tokens=256)
+    sim = Scheduler(cfg.validate())
+    real = vllm_kv_manager.make(blocks, B)
+    # (arrival step, family, prompt, output, tokens): ``a`` caches family 0's 32-token
+    # boundary state and finishes; three others take every block but that one, which ``b``
+    # then hits but cannot allocate past; ``f1`` crossing into its second block evicts it
+    load = {
+        "a": (0, 0, 40, 1, [1] * 32 + [2] * 8),
+        "f1": (2, -1, 15, 20, [10] * 15),
+        "f2": (2, -1, 2, 4, [11] * 2),
+        "f3": (2, -1, 2, 4, [12] * 2),
+        "b": (2, 0, 40, 4, [1] * 32 + [3] * 8),
+    }
+    reqs = {}  # vLLM's requests
+    ours = {}  # the simulator's
+    refused_hits = 0
+    for step in range(12):
+        real.new_step_starts()
+        for rid, (at, family, prompt, output, tokens) in load.items():
+            if at == step:
+                arrival = Arrival("c", 0.0, prompt, output, output, family, 32, True, 0)
+                ours[rid] = sim.new_request(rid, arrival)
+                reqs[rid] = vllm_kv_manager.request(rid, tokens, output, B)
+        so = sim.schedule(step)
+        assert not so.preempted, step
+        for req in so.finished:
+            real.free(reqs[req.req_id])
+        for rid, kind, n, nc in zip(
+            so.req_ids, so.kind, so.num_scheduled, so.num_computed, strict=True
+        ):
+            r = reqs[rid]
+            hit_blocks, hit = None, 0
+            if kind == KIND_NEW:
+                hit_blocks, hit = real.get_computed_blocks(r)[:2]
+                assert hit == nc, (step, rid)
+            got = real.allocate_slots(r, int(n), hit, hit_blocks)
+            assert got is not None, (step, rid)
+            r.num_computed_tokens = int(nc + n)
+        sim.apply_results(so, np.ones(len(so), np.int64))
+        for rid, samples in zip(so.req_ids, so.samples, strict=True):
+            if samples:
+                reqs[rid].append_output_token_ids(7)
+        if sim.waiting and sim.waiting[0].req_id == "b":
+            # the simulator left ``b`` waiting: vLLM refuses it at this point of the step too
+            hit_blocks, hit = real.get_computed_blocks(reqs["b"])[:2]
+            refused_hits += hit > 0
+            want = 40 - hit if hit else 32  # a miss stops the chunk at the family boundary
+            assert real.allocate_slots(reqs["b"], want, hit, hit_blocks) is None, step
+        real_free = [b.block_id for b in real.block_pool.free_block_queue.get_all_free_blocks()]
+        assert list(sim.pool.free) == real_free, step
+        rows = real.coordinator.single_type_managers[0].req_to_blocks
+        for rid in reqs:
+            assert sim.alloc.rows.get(rid, []) == [b.block_id for b in rows[rid]], (step, rid)
+    b = ours["b"]
+    assert refused_hits >= 1 and b.first_step >= 0 and b.prefix_hit_tokens == 0

@@ -463,7 +463,7 @@ def test_resumed_request_starts_from_its_familys_cached_state(runner: str, pp: i
     cfg = _preempting(runner, pp)
     B = cfg.mamba_block_size
     # every entry the cache held as a schedule found it, per family (a hit whose allocation
-    # must wait keeps its row, and is scheduled at a later step)
+    # must wait touches nothing, and is looked up again at the next try)
     cached: dict[int, set[tuple[int, int]]] = {}
     first_hit: dict[str, int] = {}  # prefix_hit_tokens once first scheduled
     hits = 0
@@ -544,6 +544,33 @@ def test_a_cached_block_is_evicted_only_when_the_free_queue_hands_it_out() -> No
     assert pool.free[-1] == block and cache.lookup(7) == (8, block)
     assert block not in pool.take(pool.num_free - 1) and cache.lookup(7) == (8, block)
     assert pool.take(1) == [block] and cache.lookup(7) is None and block not in pool.shared
+
+
+def test_a_prefix_hit_that_must_wait_touches_nothing_and_is_looked_up_again() -> None:
+    """vLLM's allocate_slots refuses a request before it touches its hit block: ``a``'s
+    cached boundary block stays in the free queue while ``b`` waits for room, ``f1``'s next
+    block evicts it, and ``b`` is then scheduled from scratch (no hit), nobody preempted."""
+    cfg = SimConfig(k=0, mamba_block_size=16, num_blocks=5, max_num_batched_tokens=256)
+    sched = Scheduler(cfg.validate())
+    sched.new_request("a", Arrival("c", 0.0, 40, 1, 1, 0, 32, True, 0))
+    steps = []
+    for step in range(7):
+        if step == 2:  # three requests take every free block but a's cached one
+            for rid, prompt in (("f1", 15), ("f2", 2), ("f3", 2)):
+                sched.new_request(rid, Arrival("c", 0.0, prompt, 4, 4, -1, 0, False, 0))
+            b = sched.new_request("b", Arrival("c", 0.0, 40, 4, 4, 0, 32, True, 0))
+        steps.append(sched.schedule(step))
+        sched.apply_results(steps[-1], np.ones(len(steps[-1]), np.int64))
+        if step == 2:
+            block = steps[0].ids_at(0)[1]
+            assert sched.cache.lookup(0) == (32, block)
+            assert list(sched.pool.free) == [block] and sched.pool.ref[block] == 0
+            assert b.status == "waiting" and b.num_computed == 0 and "b" not in sched.alloc.rows
+    assert not any(so.preempted for so in steps)
+    assert steps[4].ids_at(steps[4].req_ids.index("f1")) == [block]  # handed out: evicted
+    p = steps[5].req_ids.index("b")
+    assert (steps[5].num_computed[p], steps[5].num_scheduled[p]) == (0, 32)
+    assert b.prefix_hit_tokens == 0
 
 
 def test_a_preempted_request_resumes_from_the_state_it_cached() -> None:

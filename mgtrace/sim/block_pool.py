@@ -126,38 +126,58 @@ class AlignAllocator:
     def row(self, req: str) -> list[int]:
         return self.rows.setdefault(req, [])
 
-    def start_with_hit(self, req: str, hit_tokens: int, block: int) -> list[int]:
-        """A prefix hit: null columns, then the cached boundary block (shared, read-only)."""
-        col = hit_tokens // self.B - 1
-        self.pool.touch(block)
-        row = [NULL_BLOCK] * col + [block]
-        self.rows[req] = row
-        return list(row)
+    def hit_row(self, hit_tokens: int, block: int) -> list[int]:
+        """A prefix hit's row: null columns, then the cached boundary block."""
+        return [NULL_BLOCK] * (hit_tokens // self.B - 1) + [block]
 
-    def blocks_needed(self, req: str, num_tokens: int, checkpoint: bool = False) -> int:
-        """Fresh blocks ``allocate`` would take (a dry run of its column arithmetic)."""
-        row = self.rows.get(req, [])
+    def blocks_needed(
+        self,
+        req: str,
+        num_tokens: int,
+        checkpoint: bool = False,
+        hit: tuple[int, int] | None = None,
+    ) -> int:
+        """Free-queue blocks ``allocate`` would take (a dry run of its column arithmetic).
+        ``hit``: the (tokens, block) a new request starts from; its block counts when it
+        waits in the free queue, since touching it takes it out (vLLM's evictable
+        computed blocks)."""
+        row = self.hit_row(*hit) if hit is not None else self.rows.get(req, [])
+        evictable = int(hit is not None and self.pool.ref[hit[1]] == 0)
         prev_len = len(row)
         required = cdiv(num_tokens, self.B) + self.S
         if required <= prev_len and not checkpoint:
-            return 0
+            return evictable
         # the column behind the running one keeps a block for a prefill checkpoint
         skipped = required - self.S - 1 - int(checkpoint)
         length = max(prev_len, skipped)
         if req in self.allocated:
             # the spec columns prev_len - S .. prev_len - 1 below ``skipped`` (relocated)
             length += max(min(prev_len, skipped) - (prev_len - self.S), 0)
-        return max(required - length, 0)
+        return max(required - length, 0) + evictable
 
     def allocate(
-        self, req: str, num_tokens: int, need: int | None = None, checkpoint: bool = False
+        self,
+        req: str,
+        num_tokens: int,
+        need: int | None = None,
+        checkpoint: bool = False,
+        hit: tuple[int, int] | None = None,
     ) -> list[int]:
         """Grow the row to cover ``num_tokens``; return the appended tail (the new block ids
         a SchedulerOutput carries, nulls and relocated spec blocks included). ``need`` is
-        ``blocks_needed(req, num_tokens, checkpoint)`` where the caller has it already.
+        ``blocks_needed(req, num_tokens, checkpoint, hit)`` where the caller has it already.
         ``checkpoint``: the prefill exports a checkpoint into the column behind the running
         one, so that column gets a block instead of a null (a spec block already there
-        stays), as MambaManager reserves it."""
+        stays), as MambaManager reserves it. ``hit``: a new request's prefix hit (tokens,
+        block); its block is touched only once the allocation is sure to succeed, as
+        vLLM's allocate_slots returns None before it touches anything."""
+        if need is None:
+            need = self.blocks_needed(req, num_tokens, checkpoint, hit)
+        if need > self.pool.num_free:
+            raise PoolExhausted(need)
+        if hit is not None:
+            self.pool.touch(hit[1])
+            self.rows[req] = self.hit_row(*hit)
         row = self.rows.setdefault(req, [])
         required = cdiv(num_tokens, self.B) + self.S
         if required <= len(row) and not checkpoint:
@@ -170,10 +190,6 @@ class AlignAllocator:
         elif prev_len > 0:
             self._hold_behind(req, prev_len - 1)  # the prefix-hit boundary block
         skipped = required - self.S - 1 - int(checkpoint)
-        if need is None:
-            need = self.blocks_needed(req, num_tokens, checkpoint)
-        if need > self.pool.num_free:
-            raise PoolExhausted(need)
         if prev_len < skipped:
             row.extend([NULL_BLOCK] * (skipped - prev_len))
         if not first:

@@ -402,20 +402,26 @@ class Scheduler:
                 # resample a position that step's result delivers later
                 skipped.append(self.waiting.popleft())
                 continue
-            if st.nc[req.idx] == 0:
-                # a resumed request looks the cache up like a new one (vLLM resets its
-                # num_computed_tokens to 0 on preemption)
-                self._maybe_hit(req)
-            n, d = self._want(req, budget)
+            # looked up at every try, touching nothing: a request that must wait may find
+            # its hit evicted, or a longer one, at the next (vLLM's get_computed_blocks; a
+            # resumed request looks it up like a new one, its num_computed_tokens reset)
+            hit = self._lookup_hit(req) if st.nc[req.idx] == 0 else None
+            nc = int(st.nc[req.idx]) if hit is None else hit[0]
+            n, d = self._want(req, budget, nc)
             if n == 0:
                 break
-            end = int(st.nc[req.idx]) + n
-            checkpoint = self._reserves_checkpoint(req, end)
+            end = nc + n
+            checkpoint = self._reserves_checkpoint(req, end, nc)
             try:
-                need = self.alloc.blocks_needed(req.req_id, end, checkpoint)
-                self._allocate(req, end, need, checkpoint)
+                need = self.alloc.blocks_needed(req.req_id, end, checkpoint, hit)
+                self._allocate(req, end, need, checkpoint, hit)
             except PoolExhausted:
                 break
+            if hit is not None:
+                st.nc[req.idx] = nc
+                if not req.num_preemptions:
+                    # vLLM's prefill stats count the first admission only, not a resume's hit
+                    req.prefix_hit_tokens = nc
             self.waiting.popleft()
             kind = KIND_RESUMED if req.resumed else KIND_NEW
             self._set_status(req.idx, RUNNING)
@@ -590,10 +596,12 @@ class Scheduler:
         self._commit(req, kind, n, d, new_ids, step, build, key)
         return n
 
-    def _want(self, req: Request, budget: int) -> tuple[int, int]:
-        """Tokens (drafts included) and drafts the request would take with ``budget`` left."""
+    def _want(self, req: Request, budget: int, nc: int | None = None) -> tuple[int, int]:
+        """Tokens (drafts included) and drafts the request would take with ``budget`` left,
+        from ``nc`` computed tokens (default: its count; a waiting request's prefix hit)."""
         st = self.store
-        nc = int(st.nc[req.idx])
+        if nc is None:
+            nc = int(st.nc[req.idx])
         remaining = int(st.ntok[req.idx]) - nc
         if remaining <= 1:
             if remaining < 1:
@@ -631,45 +639,47 @@ class Scheduler:
         output, all but the last token."""
         return max(int(self.store.prompt[req.idx]), int(self.store.ntok[req.idx]) - 1)
 
-    def _reserves_checkpoint(self, req: Request, end: int) -> bool:
-        """Whether the chunk up to ``end`` has a prefill checkpoint whose column needs a
-        block: MambaManager reserves one for every chunk under dense retention (the
-        default; only sparse retention keeps just the prompt's last one)."""
+    def _reserves_checkpoint(self, req: Request, end: int, nc: int | None = None) -> bool:
+        """Whether the chunk from ``nc`` (default: the computed count) up to ``end`` has a
+        prefill checkpoint whose column needs a block: MambaManager reserves one for every
+        chunk under dense retention (the default; only sparse retention keeps just the
+        prompt's last one)."""
         if not self.cfg.prefill_checkpoints:
             return False
-        nc = int(self.store.nc[req.idx])
+        if nc is None:
+            nc = int(self.store.nc[req.idx])
         if nc >= end:
             return False
         _tokens, col = checkpoint_of(nc, end - nc, self.B)
         return col >= 0 and self.alloc.wants_checkpoint_block(req.req_id, col)
 
-    def _maybe_hit(self, req: Request) -> None:
-        """Start a request with no computed tokens (new or resumed) from its family's cached
-        boundary state, as vLLM's get_computed_blocks: a block-aligned hit of at most
-        ``num_tokens - 1`` tokens, so the last token is always computed."""
+    def _lookup_hit(self, req: Request) -> tuple[int, int] | None:
+        """The (tokens, block) a request with no computed tokens (new or resumed) would start
+        from: its family's cached boundary state, as vLLM's get_computed_blocks finds it (a
+        block-aligned hit of at most ``num_tokens - 1`` tokens, so the last token is always
+        computed). Changes nothing: the block is touched only by a successful allocation."""
         if req.family < 0 or not req.wants_hit:
-            return
+            return None
         entry = self.cache.lookup(req.family)
         if entry is None:
-            return
-        tokens, block = entry
+            return None
+        tokens, _block = entry
         if tokens >= self.store.ntok[req.idx] or tokens < self.B:
-            return
-        self.alloc.start_with_hit(req.req_id, tokens, block)
-        self._set_row_len(req, len(self.alloc.rows[req.req_id]))
-        self.store.nc[req.idx] = tokens
-        if not req.num_preemptions:
-            # vLLM's prefill stats count the first admission only, not a resume's hit
-            req.prefix_hit_tokens = tokens
+            return None
+        return entry
 
     def _allocate(
-        self, req: Request, num_tokens: int, need: int, checkpoint: bool = False
+        self,
+        req: Request,
+        num_tokens: int,
+        need: int,
+        checkpoint: bool = False,
+        hit: tuple[int, int] | None = None,
     ) -> list[int]:
-        """Allocate ``need`` fresh blocks (PoolExhausted, with nothing changed, when the free
-        queue holds fewer; cached free blocks count, and handing one out evicts it)."""
-        if need > self.pool.num_free:
-            raise PoolExhausted(need)  # before ``allocate`` notes the columns it keeps
-        ids = self.alloc.allocate(req.req_id, num_tokens, need, checkpoint)
+        """Take ``need`` blocks off the free queue (PoolExhausted, with nothing changed, when
+        it holds fewer; cached free blocks count, and handing one out evicts it), starting
+        a new request from ``hit``."""
+        ids = self.alloc.allocate(req.req_id, num_tokens, need, checkpoint, hit)
         self._set_row_len(req, len(self.alloc.rows[req.req_id]))
         self._note_last(req)
         return ids
