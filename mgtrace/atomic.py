@@ -56,12 +56,16 @@ def hidden_sibling(path: Path, role: str) -> Path:
 def clear_stale_siblings(path: Path) -> None:
     """Tidy what a killed run left beside ``path``: an old directory it had moved aside
     (``.old``) goes back to ``path`` when nothing is there, so the user keeps it; other
-    leftovers (a partial new one, an old one already replaced) are removed. Siblings of a
-    process that still runs are left alone."""
+    leftovers (a partial new one, an old one already replaced) are removed. A ``.lift``
+    (``path`` itself, moved aside while a trace inside it moves up to ``path``) goes back
+    too, and is removed only when empty (the move was done). Siblings of a process that
+    still runs are left alone."""
     path = Path(path)
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)-\d+\.(new|old)")
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)-\d+\.(new|old|lift)")
     try:
-        entries = sorted(path.parent.iterdir(), key=lambda p: not p.name.endswith(".old"))
+        # a new recording cut short in its lift (it holds steps) goes back before an old one
+        order = {"lift": 0, "old": 1}
+        entries = sorted(path.parent.iterdir(), key=lambda p: order.get(p.suffix[1:], 2))
     except OSError:
         return  # the command says so when it writes there
     for entry in entries:
@@ -69,8 +73,10 @@ def clear_stale_siblings(path: Path) -> None:
         if found is None or _is_running(int(found.group(1))):
             continue
         with contextlib.suppress(OSError):
-            if found.group(2) == "old" and not (path.exists() or path.is_symlink()):
+            if found.group(2) != "new" and not (path.exists() or path.is_symlink()):
                 os.rename(entry, path)
+            elif found.group(2) == "lift":
+                entry.rmdir()  # only an empty one: what it holds may be the only trace
             else:
                 remove_tree(entry)
 

@@ -672,6 +672,54 @@ def test_launch_mode_records_from_the_first_step(tmp_path: Path) -> None:
     assert f"recorded steps 0..2 on 1 rank(s) into {out} (complete" in proc.stdout
 
 
+def test_engines_a_launched_command_starts_record_into_traces_of_their_own(
+    tmp_path: Path,
+) -> None:
+    """``record -- sh -c "vllm serve A & vllm serve B"``: both engines took their folder
+    from the environment and wrote one trace. Each now records into DIR/engine-PID (PID:
+    its first process with the plugin), and the end names every trace."""
+    code = (
+        "import subprocess, sys\n"
+        "kids = [subprocess.Popen([sys.executable, '-m', 'tests.recorder_standin', "
+        "'--steps', '5']) for _ in range(2)]\n"
+        "sys.exit(max(k.wait() for k in kids))\n"
+    )
+    out = tmp_path / "two"
+    proc = _record_cli("-o", str(out), "--max-steps", "3", "--", PY, "-c", code)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pids = sorted(int(line.split()[1]) for line in proc.stdout.splitlines() if "READY" in line)
+    folders = [out / f"engine-{pid}" for pid in pids]
+    assert len(folders) == 2 and sorted(out.iterdir()) == folders
+    assert "the command exited with status 0; it ran 2 engines, each with a trace" in proc.stdout
+    for pid, folder in zip(pids, folders, strict=True):
+        reader = TraceReader(folder)
+        assert reader.complete and reader.rows("steps") == 3
+        assert reader.manifest.source["pid"] == pid
+        assert f"recorded steps 0..2 on 1 rank(s) into {folder} (complete" in proc.stdout
+
+
+def test_a_killed_launcher_leaves_the_engines_trace_readable(tmp_path: Path) -> None:
+    """mgtrace killed while its engine records: the engine goes on, and its trace is a whole
+    one at DIR/engine-PID, which DIR names (its move up to DIR is mgtrace's, at the end)."""
+    out = tmp_path / "killed"
+    rec = _record_bg("-o", str(out), "--", *STANDIN, "--steps", "40", "--sleep", "0.02")
+    try:
+        child = _launched_engine(rec)
+        rec.kill()
+        rec.wait()
+        assert rec.stdout is not None  # the engine's too: it prints DONE as it ends
+        _wait(lambda: "DONE" in rec.stdout.readline(), what="the engine's end")
+        folder = out / f"engine-{child}"
+        _wait(lambda: TraceReader(folder).complete, what="the trace's close")
+        assert TraceReader(folder).rows("steps") == 40
+        with pytest.raises(ManifestError, match=rf"holds one trace per engine \(engine-{child}\)"):
+            TraceReader(out)
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+
+
 def test_sigterm_in_launch_mode_goes_to_the_engine_and_is_waited_for(tmp_path: Path) -> None:
     """mgtrace passes SIGTERM on to the engine it started and waits for it (it is not left
     running on its own); the engine's death by the signal is exit 128+15, named."""

@@ -957,3 +957,53 @@ def test_import_probe_force_keeps_the_old_trace_when_the_import_fails(
 def _interrupt(self: Any, writer: Any) -> None:
     writer.write_step(0, 0, {})
     raise KeyboardInterrupt
+
+
+# ----------------------------------------------------------------- launch-mode folders
+def test_every_process_of_a_launched_engine_records_into_that_engines_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``record -- CMD`` armed every process with the same folder, so two engines the
+    command started wrote one trace. Each engine now gets ``DIR/engine-PID`` from its first
+    process with the plugin, and the processes it starts (EngineCore, workers) inherit it.
+    Control: without the launcher's switch the folder is ``DIR`` as before."""
+    import subprocess
+    import sys
+
+    from mgtrace.recorder import plugin
+
+    monkeypatch.setenv(plugin.ENV_DIR, str(tmp_path / "t"))
+    monkeypatch.setenv(plugin.ENV_PER_ENGINE, "1")
+    monkeypatch.delenv(plugin.ENV_ENGINE, raising=False)
+    armed = plugin._armed_from_env()
+    assert armed is not None and armed["out"] == str(tmp_path / "t" / f"engine-{os.getpid()}")
+    worker = subprocess.run(
+        [sys.executable, "-c", "from mgtrace.recorder import plugin as p; "
+         "print(p._armed_from_env()['out'])"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert worker.stdout.strip() == armed["out"]
+    monkeypatch.delenv(plugin.ENV_PER_ENGINE)
+    assert plugin._armed_from_env() == {**armed, "out": str(tmp_path / "t")}
+
+
+def test_a_lift_cut_short_is_put_back(tmp_path: Path) -> None:
+    """A killed mgtrace may leave its launch's folder moved aside while one engine's trace
+    moves up to it: the folder goes back, and an empty leftover (the move was done) goes;
+    one that holds something next to a folder in place is left alone."""
+    from mgtrace.atomic import clear_stale_siblings
+
+    dead = 2**31 - 2  # no process has this id
+    out = tmp_path / "t"
+    aside = tmp_path / f".t.{dead}-0.lift"
+    (aside / "engine-7").mkdir(parents=True)
+    (aside / "engine-7" / "manifest.json").write_text("{}")
+    clear_stale_siblings(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]
+    assert (out / "engine-7" / "manifest.json").is_file()
+    aside.mkdir()  # done: the trace is at out, the leftover empty
+    clear_stale_siblings(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]
+    (aside / "x").mkdir(parents=True)
+    clear_stale_siblings(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name, "t"]

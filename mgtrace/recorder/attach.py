@@ -21,7 +21,13 @@ from typing import Any
 from mgtrace.errors import MgtraceError, UsageError
 from mgtrace.recorder import control, inject, proctree
 from mgtrace.recorder.agent import BUSY
-from mgtrace.recorder.plugin import ENV_DIR, ENV_DURATION, ENV_MAX_STEPS
+from mgtrace.recorder.plugin import (
+    ENV_DIR,
+    ENV_DURATION,
+    ENV_ENGINE,
+    ENV_MAX_STEPS,
+    ENV_PER_ENGINE,
+)
 
 SOCKET_WAIT_S = 30.0  # the main thread runs the queued call at its next bytecode
 POLL_S = 0.5
@@ -380,6 +386,9 @@ def launch(
         raise UsageError("give the engine command after --, e.g. -- vllm serve MODEL")
     env = dict(os.environ)
     env[ENV_DIR] = str(out.resolve())
+    # each engine the command starts records into out/engine-PID (``lift_single_engine``)
+    env[ENV_PER_ENGINE] = "1"
+    env.pop(ENV_ENGINE, None)  # an engine id of our own environment is none of its engines
     if max_steps is not None:
         env[ENV_MAX_STEPS] = str(max_steps)
     if duration_s is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -15,7 +16,7 @@ from mgtrace.atomic import clear_stale_siblings, hidden_sibling, remove_tree
 from mgtrace.errors import MgtraceError, OutputError, UsageError
 from mgtrace.outputs import require_writable_parent
 from mgtrace.schemas.manifest import is_trace_directory
-from mgtrace.schemas.ranks import ENGINE_DIR
+from mgtrace.schemas.ranks import ENGINE_DIR, engine_directories
 from mgtrace.shell import shell_path
 
 if TYPE_CHECKING:
@@ -368,10 +369,41 @@ def _ended(rc: int) -> str:
     return f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with status {rc}"
 
 
-def _launch_outcome(output: Path, rc: int) -> str:
-    """What a launched engine left in ``output``, in words; refuses when it left nothing."""
-    from mgtrace.schemas.reader import TraceReader
+def _lift_single_engine(out: Path) -> list[Path]:
+    """The traces a launched command left in ``out``. Each engine recorded into
+    ``out/engine-PID`` (two engines of one command must not share a folder); the trace of a
+    lone engine that nothing writes any more moves up to ``out`` itself, the layout of one
+    engine. Until then, and for good when mgtrace is killed first, it is a whole trace at
+    ``out/engine-PID``, which ``mgtrace info out`` names. The move goes through a hidden
+    sibling of ``out`` that ``clear_stale_siblings`` puts back should it be cut short."""
+    from mgtrace.schemas.writer import writer_is_open
 
+    engines = engine_directories(out)
+    if not engines:
+        return [out]  # an engine whose mgtrace predates per-engine folders wrote out itself
+    if len(engines) > 1 or len(list(out.iterdir())) > 1:
+        return engines
+    engine = engines[0]
+    if any(writer_is_open(d) for d in (engine, *engine.iterdir()) if d.is_dir()):
+        return engines  # a process of the engine still writes it: it stays where it is
+    aside = hidden_sibling(out, "lift")
+    try:
+        os.rename(out, aside)
+    except OSError:
+        return engines
+    try:
+        os.rename(aside / engine.name, out)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.rename(aside, out)
+        return engines
+    with contextlib.suppress(OSError):
+        aside.rmdir()
+    return [out]
+
+
+def _launch_outcome(output: Path, rc: int) -> str:
+    """What a launched command left in ``output``, in words; refuses when it left nothing."""
     if not output.exists() or not any(output.iterdir()):
         raise MgtraceError(
             f"the engine {_ended(rc)} and recorded nothing into {output}: no "
@@ -380,10 +412,27 @@ def _launch_outcome(output: Path, rc: int) -> str:
             # a signal's death keeps its status: it says more than a usage error's 2
             exit_code=128 - rc if rc < 0 else None,
         )
+    traces = _lift_single_engine(output)
+    if len(traces) > 1:
+        return f"the command {_ended(rc)}; it ran {len(traces)} engines, each with a trace of " + (
+            "its own:\n" + "\n".join(f"  {_recorded(t)}" for t in traces)
+        )
+    if traces[0] != output:
+        return (
+            f"engine {_ended(rc)}; {_recorded(traces[0])}; it stays in {traces[0].name} "
+            "because a process of the engine still writes it"
+        )
+    return f"engine {_ended(rc)}; {_recorded(output)}"
+
+
+def _recorded(output: Path) -> str:
+    """What the trace at ``output`` holds, in words."""
+    from mgtrace.schemas.reader import TraceReader
+
     try:
         reader = TraceReader(output)
     except MgtraceError as exc:
-        return f"engine {_ended(rc)}; the trace under {output} is unreadable: {exc}"
+        return f"the trace under {output} is unreadable: {exc}"
     parts = [p for p in reader.parts if p.table == "steps" and p.min_step is not None]
     span = (
         f"steps {min(p.min_step for p in parts)}..{max(p.max_step for p in parts)}"
@@ -393,7 +442,7 @@ def _launch_outcome(output: Path, rc: int) -> str:
     ranks = len({p.rank for p in parts})
     state = "complete" if reader.complete else "incomplete"
     return (
-        f"engine {_ended(rc)}; recorded {span} on {ranks} rank(s) into {output} "
+        f"recorded {span} on {ranks} rank(s) into {output} "
         f"({state}; mgtrace info {shell_path(output)} says more)"
     )
 
@@ -434,7 +483,8 @@ record = click.command(
             "--output",
             type=click.Path(path_type=Path),
             help="Trace directory (per rank: DIR/rank-NNN when there are several; per "
-            "engine: DIR/engine-PID when --engine-pid is above several engines); "
+            "engine: DIR/engine-PID when --engine-pid is above several engines, or the "
+            "command starts several); "
             "default with --engine-pid: mgtrace-PID in the current directory.",
         )(
             click.option("--duration", type=float, help="Stop after this many seconds.")(

@@ -4,6 +4,11 @@
 recording from the start (``mgtrace record -o DIR -- vllm serve ...`` sets it):
 ``MGTRACE_RECORD_DIR`` (absolute trace directory), optional ``MGTRACE_MAX_STEPS`` and
 ``MGTRACE_DURATION_S``. ``MGTRACE_AGENT=0`` keeps the plugin from doing anything at all.
+
+With ``MGTRACE_RECORD_PER_ENGINE=1`` (what ``mgtrace record -- ...`` sets) each engine records
+into ``DIR/engine-PID`` instead: a command may start several engines, which must never share
+a folder. PID is the engine's first process that loaded the plugin (the API server); it puts
+it in ``MGTRACE_ENGINE`` for the processes it starts (EngineCore, workers) to inherit.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ ENV_DIR = "MGTRACE_RECORD_DIR"
 ENV_MAX_STEPS = "MGTRACE_MAX_STEPS"
 ENV_DURATION = "MGTRACE_DURATION_S"
 ENV_DISABLE = "MGTRACE_AGENT"
+ENV_PER_ENGINE = "MGTRACE_RECORD_PER_ENGINE"
+ENV_ENGINE = "MGTRACE_ENGINE"
 
 log = logging.getLogger("mgtrace.recorder")
 _SERVER: Any = None
@@ -53,17 +60,29 @@ def _armed_from_env() -> dict[str, Any] | None:
     out = os.environ.get(ENV_DIR)
     if not out:
         return None
+    out = os.path.abspath(out)
+    if os.environ.get(ENV_PER_ENGINE) == "1":
+        out = os.path.join(out, f"engine-{_engine_id()}")
     try:
         steps = os.environ.get(ENV_MAX_STEPS)
         duration = os.environ.get(ENV_DURATION)
         return {
-            "out": os.path.abspath(out),
+            "out": out,
             "max_steps": int(steps) if steps else None,
             "duration_s": float(duration) if duration else None,
         }
     except ValueError:
         log.warning("mgtrace: ignoring malformed %s / %s", ENV_MAX_STEPS, ENV_DURATION)
         return None
+
+
+def _engine_id() -> str:
+    """The engine this process belongs to: inherited from the process that started it, or,
+    in the engine's first process, this one's pid, set for the processes it starts."""
+    engine = os.environ.get(ENV_ENGINE, "")
+    if not engine.isdigit():
+        engine = os.environ[ENV_ENGINE] = str(os.getpid())
+    return engine
 
 
 def _after_fork_in_child() -> None:
