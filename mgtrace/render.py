@@ -127,6 +127,8 @@ def render_info(info: dict[str, Any], console: Console) -> None:
             t.add_row(label, "unknown (not in the source)")
         elif run.get(key) is not None:
             t.add_row(label, _text(run[key]))
+    if (run.get("dp_size") or 1) > 1:
+        t.add_row("DP", f"rank {run['dp_rank']} of {run['dp_size']} (an engine of its own)")
     if run.get("builder_reorder_thresholds"):
         t.add_row("builder thresholds", _text(run["builder_reorder_thresholds"]))
     if run.get("states"):

@@ -1007,3 +1007,29 @@ def test_a_lift_cut_short_is_put_back(tmp_path: Path) -> None:
     (aside / "x").mkdir(parents=True)
     clear_stale_siblings(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name, "t"]
+
+
+def test_each_data_parallel_rank_records_as_an_engine_of_its_own() -> None:
+    """With DP, vLLM's torch.distributed rank is dp_rank * TP * PP + the rank in the engine,
+    and its world spans every DP rank: DP=2 TP=1 wrote rank-000 and rank-001 as if one
+    engine's. Each DP rank now records into dp-NNN, ranked within its engine, and the run
+    says which DP rank it is. Control: without DP the layout is rank-NNN as before."""
+    from mgtrace.recorder.runinfo import engine_folder, run_metadata
+
+    def run(tp: int, dp: int, dp_rank: Any = 0) -> RunMetadata:
+        parallel = SimpleNamespace(
+            tensor_parallel_size=tp, data_parallel_size=dp, data_parallel_rank=dp_rank
+        )
+        return run_metadata(SimpleNamespace(vllm_config=SimpleNamespace(
+            parallel_config=parallel)), "v1", [0], None)  # fmt: skip
+
+    out = Path("/t")
+    dp2 = run(1, 2)
+    assert engine_folder(out, 1, 2, dp2) == (out / "dp-001", 0)
+    assert (dp2.dp_size, dp2.dp_rank) == (2, 1)
+    assert engine_folder(out, 3, 4, run(2, 2)) == (out / "dp-001" / "rank-001", 1)
+    # a world of the engine's own (no offset): the configured DP rank names the folder
+    assert engine_folder(out, 1, 2, run(2, 2, 1)) == (out / "dp-001" / "rank-001", 1)
+    assert run(1, 2, 5).dp_rank == 0  # a value no engine has: the manifest stays readable
+    assert engine_folder(out, 1, 2, run(2, 1)) == (out / "rank-001", 1)
+    assert engine_folder(out, 0, 1, run(1, 1)) == (out, 0)

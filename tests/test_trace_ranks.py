@@ -156,3 +156,32 @@ def test_info_counts_engine_steps_not_step_rows_of_every_rank(whole: Path) -> No
     info = trace_info(TraceReader(whole))
     assert info["ranks"] == 2 and (info["first_step"], info["last_step"]) == (0, 159)
     assert info["steps"] == 160 and info["rows"]["steps"] == 320  # one row per rank and step
+
+
+def test_data_parallel_ranks_are_engines_of_their_own(whole: Path, tmp_path: Path) -> None:
+    """vLLM offsets torch.distributed's rank by the DP rank, so a DP=2 recording wrote
+    rank-000 and rank-001 and every verb read them as two ranks of one engine, though each
+    has a scheduler, steps and requests of its own. The recorder now writes dp-NNN, which
+    DIR names as one engine each, and two ranks of different DP ranks are refused as ranks
+    of one run. Control: each DP rank's trace reads on its own and says which it is."""
+    from dataclasses import replace
+
+    run = TraceReader(whole).run
+    rec = tmp_path / "dp"
+    for dp_rank in (0, 1):
+        TraceWriter(rec / f"dp-{dp_rank:03d}", run=replace(run, dp_size=2, dp_rank=dp_rank)).close()
+    with pytest.raises(ManifestError, match=r"holds one trace per engine \(dp-000, dp-001\)"):
+        TraceReader(rec)
+    err = assert_one_sentence_error(run_cli("replay", str(rec)), 3)
+    assert f"{rec / 'dp-000'}" in err
+    assert TraceReader(rec / "dp-001").run.dp_rank == 1
+    info = run_cli("info", str(rec / "dp-001"))
+    assert info.returncode == 0 and "rank 1 of 2 (an engine of its own)" in info.stdout
+    # ranks of two DP ranks in one folder (as recorded before): refused, not merged
+    dirs = split_by_rank(whole, tmp_path / "mixed")
+    for rank, path in dirs.items():
+        manifest = json.loads((path / MANIFEST_NAME).read_text())
+        manifest["run"].update(dp_size=2, dp_rank=rank)
+        (path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="disagree on dp_rank"):
+        TraceReader(tmp_path / "mixed")

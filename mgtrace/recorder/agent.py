@@ -268,9 +268,7 @@ class Agent:
             features.owner_of(owners, "MambaPrefillCheckpointBuilder", "build") is not None
         )
         cfg = self._config
-        out = Path(cfg["out"])
-        if world > 1:
-            out = out / f"rank-{rank:03d}"
+        out, rank = runinfo.engine_folder(Path(cfg["out"]), rank, world, run)
         not_recorded = cfg.get("not_recorded") or []
         source = {
             "kind": "vllm",

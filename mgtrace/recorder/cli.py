@@ -384,7 +384,7 @@ def _lift_single_engine(out: Path) -> list[Path]:
     if len(engines) > 1 or len(list(out.iterdir())) > 1:
         return engines
     engine = engines[0]
-    if any(writer_is_open(d) for d in (engine, *engine.iterdir()) if d.is_dir()):
+    if any(writer_is_open(m.parent) for m in engine.glob("**/manifest.json")):
         return engines  # a process of the engine still writes it: it stays where it is
     aside = hidden_sibling(out, "lift")
     try:
@@ -413,16 +413,23 @@ def _launch_outcome(output: Path, rc: int) -> str:
             exit_code=128 - rc if rc < 0 else None,
         )
     traces = _lift_single_engine(output)
+    still_written = len(traces) == 1 and traces != [output]
+    traces = _each_trace(traces)  # an engine of several DP ranks: a trace per rank
     if len(traces) > 1:
         return f"the command {_ended(rc)}; it ran {len(traces)} engines, each with a trace of " + (
             "its own:\n" + "\n".join(f"  {_recorded(t)}" for t in traces)
         )
-    if traces[0] != output:
+    if still_written:
         return (
             f"engine {_ended(rc)}; {_recorded(traces[0])}; it stays in {traces[0].name} "
             "because a process of the engine still writes it"
         )
-    return f"engine {_ended(rc)}; {_recorded(output)}"
+    return f"engine {_ended(rc)}; {_recorded(traces[0])}"
+
+
+def _each_trace(folders: list[Path]) -> list[Path]:
+    """The traces in ``folders``: each, or the engines' traces it holds."""
+    return [t for f in folders for t in (_each_trace(engine_directories(f)) or [f])]
 
 
 def _recorded(output: Path) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from pathlib import Path
 from typing import Any
 
 from mgtrace.schemas.manifest import RunMetadata, StateLayout
@@ -128,6 +129,20 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def engine_folder(out: Path, rank: int, world: int, run: RunMetadata) -> tuple[Path, int]:
+    """The folder a worker of global ``rank`` in a ``world`` records into, and its rank
+    within its engine. With data parallelism vLLM offsets torch.distributed's rank by
+    dp_rank * TP * PP and counts every DP rank's workers in its world
+    (``init_distributed_environment``), yet each DP rank is an engine with a scheduler of
+    its own: its workers record into ``out/dp-NNN``, ranked within it. Sets ``run.dp_rank``."""
+    per_engine = run.tp_size * run.pp_size
+    if run.dp_size > 1:
+        if world == run.dp_size * per_engine:  # the offset world; else the engine's own
+            run.dp_rank, rank, world = rank // per_engine, rank % per_engine, per_engine
+        out = out / f"dp-{run.dp_rank:03d}"
+    return (out / f"rank-{rank:03d}" if world > 1 else out), rank
+
+
 def run_metadata(runner: Any, kind: str, groups: list[int], row_rule: str | None) -> RunMetadata:
     try:
         import vllm
@@ -136,6 +151,8 @@ def run_metadata(runner: Any, kind: str, groups: list[int], row_rule: str | None
     except Exception:
         version = None
     spec_k = _get(runner, "speculative_config.num_speculative_tokens", 0) or 0
+    dp_size = _count(_get(runner, "vllm_config.parallel_config.data_parallel_size")) or 1
+    dp_rank = _whole(_get(runner, "vllm_config.parallel_config.data_parallel_rank"))
     async_sched = getattr(runner, "use_async_scheduling", None)
     if async_sched is None:
         async_sched = bool(_get(runner, "vllm_config.scheduler_config.async_scheduling", False))
@@ -149,6 +166,8 @@ def run_metadata(runner: Any, kind: str, groups: list[int], row_rule: str | None
         async_scheduling=bool(async_sched),
         tp_size=int(_get(runner, "vllm_config.parallel_config.tensor_parallel_size", 1) or 1),
         pp_size=int(_get(runner, "vllm_config.parallel_config.pipeline_parallel_size", 1) or 1),
+        dp_size=dp_size,
+        dp_rank=dp_rank if dp_rank is not None and 0 <= dp_rank < dp_size else 0,
         max_num_seqs=_count(_get(runner, "vllm_config.scheduler_config.max_num_seqs")),
         max_num_batched_tokens=_count(
             _get(runner, "vllm_config.scheduler_config.max_num_batched_tokens")

@@ -29,6 +29,7 @@ RUN_LIMITS = {
     "num_speculative_tokens": 2**10,
     "tp_size": 2**16,
     "pp_size": 2**10,
+    "dp_size": 2**16,
     "num_mamba_groups": 2**10,
     "num_blocks": 2**31,  # blocks of the state pool
     "max_num_seqs": 2**20,
@@ -81,6 +82,9 @@ class RunMetadata:
     async_scheduling: bool = False
     tp_size: int = 1
     pp_size: int = 1
+    # data parallelism: dp_size engines, each with a scheduler of its own; this is dp_rank's
+    dp_size: int = 1
+    dp_rank: int = 0
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_blocks: int | None = None  # size of the state pool, null block 0 included
@@ -118,6 +122,7 @@ class RunMetadata:
             "num_speculative_tokens": (self.num_speculative_tokens, 0),
             "tp_size": (self.tp_size, 1),
             "pp_size": (self.pp_size, 1),
+            "dp_size": (self.dp_size, 1),
             "num_mamba_groups": (self.num_mamba_groups, 1),
             "num_blocks": (self.num_blocks, 1),
             "max_num_seqs": (self.max_num_seqs, 1),
@@ -137,6 +142,8 @@ class RunMetadata:
             if value is not None and value > high:
                 shown = value if value < 10**15 else f"{value:.3g}"
                 return f"run.{name} must be at most {high} (more than any engine has), not {shown}"
+        if not 0 <= self.dp_rank < self.dp_size:
+            return f"run.dp_rank must be at least 0 and below dp_size, not {self.dp_rank}"
         for i, state in enumerate(self.states):
             problem = state.problem()
             if problem:

@@ -25,8 +25,9 @@ from mgtrace.schemas.manifest import (
 )
 
 RANK_DIR = re.compile(r"rank-(\d{3,})")
-# one engine's trace among several recorded side by side (two engines under one shell)
-ENGINE_DIR = re.compile(r"engine-(\d+)")
+# one engine's trace among several recorded side by side: two engines under one shell
+# (engine-PID), or the data-parallel ranks of one, each an engine of its own (dp-NNN)
+ENGINE_DIR = re.compile(r"engine-\d+|dp-\d{3,}")
 MERGED_KIND = "merged-ranks"
 # Run fields every rank of one engine shares; a mismatch means directories of different runs.
 SHARED_RUN_FIELDS = (
@@ -37,6 +38,9 @@ SHARED_RUN_FIELDS = (
     "async_scheduling",
     "tp_size",
     "pp_size",
+    # ranks of two DP ranks are two engines' ranks: separate schedulers, steps and requests
+    "dp_size",
+    "dp_rank",
 )
 
 
