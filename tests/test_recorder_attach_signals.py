@@ -108,3 +108,18 @@ def test_stop_ends_a_recording_whose_mgtrace_was_killed(
         assert again.returncode == 0 and "is recording" in again.stdout
     finally:
         _stop_everything(workers)
+
+
+def test_a_launched_engines_ranks_record_into_one_trace(tmp_path: Path) -> None:
+    """Launch mode gives each engine a folder of its own, named by its first process with
+    the plugin. Two workers of one world that nothing above loaded the plugin into (as
+    torchrun starts them) each named an engine after itself; they share their parent's
+    folder, rank-NNN each, and one engine's trace ends up at DIR as before."""
+    out = tmp_path / "ranks"
+    argv = [PY, "-m", "tests.recorder_standin_ranks", str(_free_port()), "--steps", "5"]
+    proc = _record_cli("-o", str(out), "--max-steps", "3", "--", *argv)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["rank-000", "rank-001"]
+    reader = TraceReader(out)
+    assert reader.complete and reader.rows("steps") == 6
+    assert f"recorded steps 0..2 on 2 rank(s) into {out} (complete" in proc.stdout

@@ -256,6 +256,7 @@ class Agent:
         from mgtrace.recorder.hooks_common import binding
         from mgtrace.recorder.hooks_v1 import v1_patches
         from mgtrace.recorder.hooks_v2 import v2_patches
+        from mgtrace.recorder.plugin import shared_engine_folder
         from mgtrace.recorder.session import Session
 
         kind, owners = features.check_runner(runner)
@@ -268,7 +269,10 @@ class Agent:
             features.owner_of(owners, "MambaPrefillCheckpointBuilder", "build") is not None
         )
         cfg = self._config
-        out, rank = runinfo.engine_folder(Path(cfg["out"]), rank, world, run)
+        out = Path(cfg["out"])
+        if world > 1:
+            out = shared_engine_folder(out)
+        out, rank = runinfo.engine_folder(out, rank, world, run)
         not_recorded = cfg.get("not_recorded") or []
         source = {
             "kind": "vllm",

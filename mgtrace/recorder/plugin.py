@@ -8,7 +8,8 @@ recording from the start (``mgtrace record -o DIR -- vllm serve ...`` sets it):
 With ``MGTRACE_RECORD_PER_ENGINE=1`` (what ``mgtrace record -- ...`` sets) each engine records
 into ``DIR/engine-PID`` instead: a command may start several engines, which must never share
 a folder. PID is the engine's first process that loaded the plugin (the API server); it puts
-it in ``MGTRACE_ENGINE`` for the processes it starts (EngineCore, workers) to inherit.
+it in ``MGTRACE_ENGINE`` for the processes it starts (EngineCore, workers) to inherit. Workers
+of a torch.distributed world that no such process started (torchrun's) share their parent's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 ENV_DIR = "MGTRACE_RECORD_DIR"
@@ -83,6 +85,17 @@ def _engine_id() -> str:
     if not engine.isdigit():
         engine = os.environ[ENV_ENGINE] = str(os.getpid())
     return engine
+
+
+def shared_engine_folder(out: Path) -> Path:
+    """The folder of a worker in a torch.distributed world of several ranks, given the one
+    armed from the environment. A worker that found no engine id to inherit (nothing above
+    it loaded the plugin, as under torchrun) named the engine after itself: its world's
+    workers share one parent, which names it instead."""
+    me = str(os.getpid())
+    if out.name == f"engine-{me}" and os.environ.get(ENV_ENGINE) == me:
+        return out.with_name(f"engine-{os.getppid()}")
+    return out
 
 
 def _after_fork_in_child() -> None:
