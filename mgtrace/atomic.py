@@ -11,9 +11,11 @@ import ctypes
 import errno
 import functools
 import itertools
+import logging
 import os
 import re
 import shutil
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from mgtrace.errors import OutputError
 _RENAME_EXCHANGE = 2  # renameat2 flag: swap two existing paths in one step
 _AT_FDCWD = -100
 _sibling_seq = itertools.count()
+log = logging.getLogger("mgtrace")
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -47,38 +50,63 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 
 def hidden_sibling(path: Path, role: str) -> Path:
-    """``.NAME.PID-N.ROLE`` beside ``path``: unique to this process, so that what a killed
-    run left under such a name never stands in the way of the next run."""
+    """``.NAME.PID-N@HOST.ROLE`` beside ``path``: unique to this process, so that what a
+    killed run left under such a name never stands in the way of the next run. The host
+    says where PID means something: a folder on a shared file system is seen from several."""
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}-{next(_sibling_seq)}.{role}")
+    return path.with_name(f".{path.name}.{os.getpid()}-{next(_sibling_seq)}@{_host()}.{role}")
 
 
-def clear_stale_siblings(path: Path) -> None:
+@functools.cache
+def _host() -> str:
+    """This machine's name as a file name part: no dots (the role follows one)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "unknown-host"
+
+
+def clear_stale_siblings(path: Path) -> list[Path]:
     """Tidy what a killed run left beside ``path``: an old directory it had moved aside
     (``.old``) goes back to ``path`` when nothing is there, so the user keeps it; other
     leftovers (a partial new one, an old one already replaced) are removed. A ``.lift``
     (``path`` itself, moved aside while a trace inside it moves up to ``path``) goes back
     too, and is removed only when empty (the move was done). Siblings of a process that
-    still runs are left alone."""
+    still runs are left alone, and so are those of another host, whose pid cannot be
+    checked from here: they are named in one sentence, and returned. A name without a host
+    (an older mgtrace's) is judged by its pid."""
     path = Path(path)
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)-\d+\.(new|old|lift)")
+    pattern = re.compile(
+        rf"\.{re.escape(path.name)}\.(\d+)-\d+(?:@([A-Za-z0-9_-]+))?\.(new|old|lift)"
+    )
+    foreign: list[Path] = []
     try:
         # a new recording cut short in its lift (it holds steps) goes back before an old one
         order = {"lift": 0, "old": 1}
         entries = sorted(path.parent.iterdir(), key=lambda p: order.get(p.suffix[1:], 2))
     except OSError:
-        return  # the command says so when it writes there
+        return foreign  # the command says so when it writes there
     for entry in entries:
         found = pattern.fullmatch(entry.name)
-        if found is None or _is_running(int(found.group(1))):
+        if found is None:
+            continue
+        if found.group(2) not in (None, _host()):
+            foreign.append(entry)
+            continue
+        if _is_running(int(found.group(1))):
             continue
         with contextlib.suppress(OSError):
-            if found.group(2) != "new" and not (path.exists() or path.is_symlink()):
+            if found.group(3) != "new" and not (path.exists() or path.is_symlink()):
                 os.rename(entry, path)
-            elif found.group(2) == "lift":
+            elif found.group(3) == "lift":
                 entry.rmdir()  # only an empty one: what it holds may be the only trace
             else:
                 remove_tree(entry)
+    if foreign:
+        log.warning(
+            "mgtrace: left alone beside %s what a run on another host left (its process cannot "
+            "be checked from here; remove it once that run is over): %s",
+            path,
+            ", ".join(e.name for e in foreign),
+        )
+    return foreign
 
 
 def remove_tree(path: Path) -> None:

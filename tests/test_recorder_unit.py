@@ -1033,3 +1033,35 @@ def test_each_data_parallel_rank_records_as_an_engine_of_its_own() -> None:
     assert run(1, 2, 5).dp_rank == 0  # a value no engine has: the manifest stays readable
     assert engine_folder(out, 1, 2, run(2, 1)) == (out / "rank-001", 1)
     assert engine_folder(out, 0, 1, run(1, 1)) == (out, 0)
+
+
+def test_leftovers_of_another_host_are_named_and_left_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trace folder on a shared file system is seen from several hosts, and a leftover's
+    pid was checked here whatever host it came from: another host's running overwrite was
+    taken for a killed one (its old trace moved back, its new one removed). Leftovers now
+    carry their host; another host's are left alone and named in one sentence. Control:
+    this host's, and those named the old way (no host), are judged by pid as before."""
+    import socket
+
+    from mgtrace.atomic import clear_stale_siblings, hidden_sibling
+
+    dead = 2**31 - 2  # no process here has this id
+    out = tmp_path / "t"
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())
+    assert hidden_sibling(out, "new").name.endswith(f"@{host}.new")
+    other = "other-host" if host != "other-host" else "another-host"
+    theirs = [tmp_path / f".t.{dead}-0@{other}.old", tmp_path / f".t.{dead}-1@{other}.new"]
+    mine = [tmp_path / f".t.{dead}-2@{host}.new", tmp_path / f".t.{dead}-3.new"]
+    for p in theirs + mine:
+        p.mkdir()
+    with caplog.at_level("WARNING", logger="mgtrace"):
+        assert sorted(clear_stale_siblings(out)) == theirs
+    assert sorted(tmp_path.iterdir()) == theirs  # no trace moved back to t, none removed
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"mgtrace: left alone beside {out} what a run on another host left")
+    assert line.endswith(f": {theirs[0].name}, {theirs[1].name}")
+    (tmp_path / f".t.{dead}-4.old").mkdir()  # an older mgtrace's: put back, as before
+    clear_stale_siblings(out)
+    assert sorted(tmp_path.iterdir()) == sorted([*theirs, out])
