@@ -591,7 +591,11 @@ def test_an_engine_that_dies_while_recording_is_named_with_its_steps(tmp_path: P
         _wait(sock.exists, what="the agent socket")
         out = tmp_path / "killed"
         rec = _record_bg("--engine-pid", str(engine.pid), "-o", str(out))
-        _wait(lambda: control.send(sock, "status").get("steps", 0) >= 3, what="recording")
+        # steps on disk: those a killed process had not flushed die with it
+        _wait(
+            lambda: (s := control.send(sock, "status")).get("steps", 0) >= 3 and s["bytes"] > 0,
+            what="recording",
+        )
         engine.kill()
         engine.wait()
         _, stderr = rec.communicate(timeout=120)

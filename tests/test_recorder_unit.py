@@ -1065,3 +1065,31 @@ def test_leftovers_of_another_host_are_named_and_left_alone(
     (tmp_path / f".t.{dead}-4.old").mkdir()  # an older mgtrace's: put back, as before
     clear_stale_siblings(out)
     assert sorted(tmp_path.iterdir()) == sorted([*theirs, out])
+
+
+def test_a_killed_engine_whose_steps_never_reached_the_trace_is_named_with_them(
+    tmp_path: Path,
+) -> None:
+    """An engine killed before its writer flushed a part: the steps its agent reported are
+    named as lost with it (was: "went away before a step was recorded")."""
+    from mgtrace.errors import MgtraceError
+    from mgtrace.recorder.cli import _summary
+    from mgtrace.schemas.writer import TraceWriter
+
+    out = tmp_path / "trace"
+    TraceWriter(out, run=RunMetadata()).close(complete=False)
+    assert TraceReader(out).rows("steps") == 0
+
+    def gone(polled: int) -> SimpleNamespace:
+        status = {"state": "gone", "out": str(out), "steps": polled}
+        return SimpleNamespace(proc=SimpleNamespace(pid=4321, role="other"), status=status)
+
+    with pytest.raises(MgtraceError) as lost:
+        _summary([gone(7)], [])
+    assert str(lost.value) == (
+        f"process 4321 went away after recording 7 steps, before any of them reached the "
+        f"trace in {out}"
+    )
+    with pytest.raises(MgtraceError) as none:  # the control: no step was ever recorded
+        _summary([gone(0)], [])
+    assert str(none.value) == "process 4321 went away before a step was recorded"

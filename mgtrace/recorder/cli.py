@@ -148,8 +148,9 @@ def _summary(targets: list, not_recorded: list[str]) -> int:
     for t in targets:
         if t.status.get("state") == "gone" and t.status.get("out"):
             # the last poll is stale: an engine that ended normally closed its trace after it
-            complete, steps = _trace_state(t.status["out"], t.status.get("steps") or 0)
-            t.status = {**t.status, "steps": steps, "closed_complete": complete}
+            polled = t.status.get("steps") or 0
+            complete, steps = _trace_state(t.status["out"], polled)
+            t.status = {**t.status, "steps": steps, "polled": polled, "closed_complete": complete}
     written = [t for t in targets if t.status.get("out") and t.status.get("steps")]
     problems = []
     for t in written:
@@ -183,11 +184,18 @@ def _summary(targets: list, not_recorded: list[str]) -> int:
         for t in targets
         if t.status.get("refusal")
     ]
-    gone = [t.proc.pid for t in targets if t.status.get("state") == "gone"]
+    gone = [t for t in targets if t.status.get("state") == "gone"]
     if problems:
         raise MgtraceError("; ".join(problems))
     if not written and gone:
-        raise MgtraceError(f"process {gone[0]} went away before a step was recorded")
+        t = max(gone, key=lambda t: t.status.get("polled") or 0)
+        if t.status.get("polled"):
+            # a killed process takes the steps its writer had not flushed yet with it
+            raise MgtraceError(
+                f"process {t.proc.pid} went away after recording {t.status['polled']} steps, "
+                f"before any of them reached the trace in {t.status['out']}"
+            )
+        raise MgtraceError(f"process {t.proc.pid} went away before a step was recorded")
     if not written:
         raise MgtraceError("no step was recorded (was the engine serving requests?)")
     return 0
