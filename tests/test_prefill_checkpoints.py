@@ -62,23 +62,26 @@ def test_the_rule_marks_only_a_boundary_inside_the_query() -> None:
 
 
 @pytest.mark.peer
-def test_the_rule_equals_vllms() -> None:
+@pytest.mark.parametrize("drop", [False, True], ids=["k0", "mtp-block-drop"])
+def test_the_rule_equals_vllms(drop: bool) -> None:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     checkpoint = pytest.importorskip("vllm.model_executor.layers.mamba.checkpoint")
     start, scheduled = _random_queries(3000, 2)
     end = start + scheduled
     offsets, cols = checkpoint.compute_mamba_prefill_checkpoints(
-        end.tolist(), scheduled.tolist(), B, B, 1, False, B
+        end.tolist(), scheduled.tolist(), B, B, 1, drop, B
     )
     theirs_tokens = np.where(np.array(offsets) > 0, start + np.array(offsets), -1)
-    tokens, ours_cols = checkpoints_of(start, scheduled, B)
+    tokens, ours_cols = checkpoints_of(start, scheduled, B, drop)
     assert (np.array(offsets) > 0).any()
     assert np.array_equal(tokens, theirs_tokens)
     assert np.array_equal(ours_cols, np.array(cols))
     # control: the running column instead of the one behind it differs from vLLM's
     wrong = np.where(ours_cols >= 0, ours_cols + 1, -1)
     assert not np.array_equal(wrong, np.array(cols))
+    # control: the block drop moves checkpoints
+    assert np.array_equal(tokens, checkpoints_of(start, scheduled, B)[0]) is not drop
 
 
 # ----------------------------------------------------------------------------- recording

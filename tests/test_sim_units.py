@@ -602,3 +602,21 @@ def test_a_preempted_request_resumes_from_the_state_it_cached() -> None:
     step, p = resumed[0]
     assert int(steps[step].num_computed[p]) == 32
     assert steps[step].ids_at(p)[:2] == [NULL_BLOCK, block]
+
+
+@pytest.mark.parametrize("k, hit", [(0, 32), (3, 16)])
+def test_a_family_hit_leaves_out_the_block_mtp_drops(k: int, hit: int) -> None:
+    """Under MTP vLLM drops the last block of a full-attention prefix hit (EAGLE's block
+    drop), so a sibling sharing a 40-token prefix resumes one block below its last full
+    block, and the first member caches its state there."""
+    cfg = SimConfig(k=k, mamba_block_size=16, max_num_batched_tokens=256)
+    sched = Scheduler(cfg.validate())
+    sched.new_request("a", Arrival("c", 0.0, 60, 4, 4, 0, 40, True, 0))
+    for step in range(3):
+        if step == 2:
+            sched.new_request("b", Arrival("c", 0.0, 60, 4, 4, 0, 40, True, 1))
+        so = sched.schedule(step)
+        sched.apply_results(so, np.ones(len(so), np.int64))
+    assert sched.cache.lookup(0)[0] == hit
+    b = next(r for r in sched.store.reqs[: sched.store.n] if r.req_id == "b")
+    assert b.prefix_hit_tokens == hit

@@ -10,10 +10,11 @@ place; the block is freed like any column the request has moved past, unless the
 cache holds it. (Under sparse retention only the prompt's last chunk gets one.)
 
 Modelled here with the hash block equal to the Mamba block, a checkpoint alignment of one
-token, no EAGLE block drop and no hash lookahead tokens (Mamba2's settings):
-``get_mamba_prefill_checkpoint_position`` and ``is_mamba_prefill_checkpoint_valid`` in
-vllm/v1/kv_cache_interface.py, ``compute_mamba_prefill_checkpoints`` in
-vllm/model_executor/layers/mamba/checkpoint.py.
+token and no hash lookahead tokens (Mamba2's settings); under MTP (k > 0) the builder and
+MambaManager apply EAGLE's block drop (``drop``): the position backs off one more block, as
+full attention drops the last block of a prefix hit. ``get_mamba_prefill_checkpoint_position``
+and ``is_mamba_prefill_checkpoint_valid`` in vllm/v1/kv_cache_interface.py,
+``compute_mamba_prefill_checkpoints`` in vllm/model_executor/layers/mamba/checkpoint.py.
 """
 
 from __future__ import annotations
@@ -23,23 +24,33 @@ import numpy as np
 NONE = -1
 
 
-def checkpoint_of(computed: int, scheduled: int, block_size: int) -> tuple[int, int]:
+def cache_position(num_tokens: int, block_size: int, drop: bool) -> int:
+    """The last position of ``num_tokens`` whose state can be cached: the last boundary
+    that leaves a token to recompute the logits from, or under the block drop one block
+    below the last boundary (``get_mamba_prefill_checkpoint_position``)."""
+    b = block_size
+    return max(num_tokens // b * b - b if drop else (num_tokens - 1) // b * b, 0)
+
+
+def checkpoint_of(
+    computed: int, scheduled: int, block_size: int, drop: bool = False
+) -> tuple[int, int]:
     """(tokens the checkpoint covers, its block-table column) of one prefill row, or
     (-1, -1) when the builder gives it none."""
-    tokens, cols = checkpoints_of(np.array([computed]), np.array([scheduled]), block_size)
+    tokens, cols = checkpoints_of(np.array([computed]), np.array([scheduled]), block_size, drop)
     return int(tokens[0]), int(cols[0])
 
 
 def checkpoints_of(
-    computed: np.ndarray, scheduled: np.ndarray, block_size: int
+    computed: np.ndarray, scheduled: np.ndarray, block_size: int, drop: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per prefill row (query ``computed`` .. ``computed + scheduled``): the tokens its
     checkpoint covers and the column it goes to, -1 where it has none."""
     b = block_size
     start = computed.astype(np.int64)
     end = start + scheduled.astype(np.int64)
-    # the last boundary that leaves at least one token to recompute the logits from
-    position = np.maximum((end - 1) // b * b, 0)
+    # cache_position of each row's end
+    position = np.maximum(end // b * b - b if drop else (end - 1) // b * b, 0)
     col = -(-end // b) - 2  # the column behind the running one: cdiv(end, B) - 2
     valid = (
         (start % b == 0)

@@ -92,12 +92,16 @@ def where_valid(values: np.ndarray, valid: np.ndarray) -> np.ndarray | Nullable:
 
 
 def checkpoint_columns(
-    computed: np.ndarray, scheduled: np.ndarray, prefill: np.ndarray, block_size: int
+    computed: np.ndarray,
+    scheduled: np.ndarray,
+    prefill: np.ndarray,
+    block_size: int,
+    drop: bool = False,
 ) -> dict[str, np.ndarray | Nullable]:
     """batch_rows' prefill checkpoint columns: the builder gives one to each prefill-split
     row whose query crosses a reusable boundary (mgtrace.sim.checkpoints); nothing when no
-    row of the step has one."""
-    tokens, cols = checkpoints_of(computed, scheduled, block_size)
+    row of the step has one; ``drop``: EAGLE's block drop, under MTP)."""
+    tokens, cols = checkpoints_of(computed, scheduled, block_size, drop)
     has = prefill & (cols >= 0)
     if not np.count_nonzero(has):
         return {}

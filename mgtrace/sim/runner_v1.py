@@ -381,7 +381,11 @@ class RunnerV1:
         if self.cfg.prefill_checkpoints:
             batch_rows.update(
                 checkpoint_columns(
-                    cols.nc, cols.sched_n, split_col.view(bool), self.cfg.mamba_block_size
+                    cols.nc,
+                    cols.sched_n,
+                    split_col.view(bool),
+                    self.cfg.mamba_block_size,
+                    self.cfg.k > 0,
                 )
             )
         tables: dict[str, Any] = {

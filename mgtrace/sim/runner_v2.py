@@ -415,7 +415,7 @@ class RunnerV2:
         }
         if self.cfg.prefill_checkpoints:
             tables["batch_rows"].update(
-                checkpoint_columns(nc, sched_n, ~is_dec, self.cfg.mamba_block_size)
+                checkpoint_columns(nc, sched_n, ~is_dec, self.cfg.mamba_block_size, self.cfg.k > 0)
             )
         if moves:
             tables["row_moves"] = row_moves_table(moves)

@@ -99,7 +99,7 @@ class ReqStore:
         self.status = grown(self.status)
         self.cap = cap
 
-    def new(self, req: Request, a: Arrival, block_size: int) -> int:
+    def new(self, req: Request, a: Arrival, block_size: int, drop: bool) -> int:
         if self.n == self.cap:
             self._grow(self.cap * 2)
         i = self.n
@@ -109,7 +109,10 @@ class ReqStore:
         self.ntok[i] = a.prompt_len
         self.prompt[i] = a.prompt_len
         self.output_len[i] = a.output_len
-        self.boundary[i] = (a.prefix_len // block_size) * block_size if a.family >= 0 else -1
+        # where a family member resumes: the prefix's last full block, less the block that
+        # full attention drops from a hit under EAGLE's block drop
+        boundary = (a.prefix_len // block_size - drop) * block_size
+        self.boundary[i] = boundary if a.family >= 0 and boundary > 0 else -1
         self.first_step[i] = -1
         self.last_step[i] = -1
         return i
@@ -135,7 +138,9 @@ class Request:
         "wants_hit",
     )
 
-    def __init__(self, req_id: str, a: Arrival, store: ReqStore, block_size: int) -> None:
+    def __init__(
+        self, req_id: str, a: Arrival, store: ReqStore, block_size: int, drop: bool
+    ) -> None:
         self.req_id = req_id
         self.arrival = a
         self.prompt_len = a.prompt_len
@@ -149,7 +154,7 @@ class Request:
         self.resumed = False
         self.num_preemptions = 0
         self.store = store
-        self.idx = store.new(self, a, block_size)
+        self.idx = store.new(self, a, block_size, drop)
 
     @property
     def num_computed(self) -> int:
@@ -346,6 +351,9 @@ class Scheduler:
         self.cfg = cfg
         self.B = cfg.mamba_block_size
         self.k = cfg.k
+        # MTP drafts: vLLM drops the last block of a prefix hit (EAGLE's block drop), and its
+        # cacheable positions and prefill checkpoints back off one block to match
+        self.drop = cfg.k > 0
         self.S = cfg.spec_blocks
         self.pool = BlockPool(cfg.pool_blocks)
         self.alloc = AlignAllocator(self.pool, self.B, cfg.spec_blocks)
@@ -364,7 +372,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def new_request(self, req_id: str, a: Arrival) -> Request:
-        req = Request(req_id, a, self.store, self.B)
+        req = Request(req_id, a, self.store, self.B, self.drop)
         self.waiting.append(req)
         return req
 
@@ -631,7 +639,7 @@ class Scheduler:
         return (
             self.cfg.prefill_checkpoints
             and self._prefill_end(req) <= nc + n
-            and checkpoint_of(nc, n, self.B)[0] == boundary
+            and checkpoint_of(nc, n, self.B, self.drop)[0] == boundary
         )
 
     def _prefill_end(self, req: Request) -> int:
@@ -650,7 +658,7 @@ class Scheduler:
             nc = int(self.store.nc[req.idx])
         if nc >= end:
             return False
-        _tokens, col = checkpoint_of(nc, end - nc, self.B)
+        _tokens, col = checkpoint_of(nc, end - nc, self.B, self.drop)
         return col >= 0 and self.alloc.wants_checkpoint_block(req.req_id, col)
 
     def _lookup_hit(self, req: Request) -> tuple[int, int] | None:
@@ -813,16 +821,21 @@ class Scheduler:
         st.ntok[idx] -= rejected
         nout = st.nout[idx] + sampled
         st.nout[idx] = nout
-        seeds = (st.boundary[idx] == nc_before + n).nonzero()[0]
+        boundaries = st.boundary[idx]
+        ends_at = boundaries == nc_before + n
+        cols = boundaries // self.B - 1  # the running column of a chunk ending there
         if self.cfg.prefill_checkpoints:
-            # a last prefill chunk whose checkpoint stored the family's boundary state
-            stored, _cols = checkpoints_of(nc_before, n, self.B)
-            seeds = np.union1d(seeds, ((stored == st.boundary[idx]) & (stored > 0)).nonzero()[0])
-        for p in seeds.tolist():
+            # a last prefill chunk whose checkpoint stored the family's boundary state, in the
+            # checkpoint's column (under the block drop not always the one behind it)
+            stored, ckpt_cols = checkpoints_of(nc_before, n, self.B, self.drop)
+            by_ckpt = (stored == boundaries) & (stored > 0) & ~ends_at
+            cols = np.where(by_ckpt, ckpt_cols, cols)
+            ends_at |= by_ckpt
+        for p in ends_at.nonzero()[0].tolist():
             req = reqs[p if pos is None else pos[p]]
             boundary = int(st.boundary[req.idx])
             if boundary > 0 and self.cache.lookup(req.family) is None:
-                col = boundary // self.B - 1
+                col = int(cols[p])
                 row = self.alloc.rows.get(req.req_id)
                 if row is not None and col < len(row):
                     self.cache.insert(req.family, boundary, row[col])
