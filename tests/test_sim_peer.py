@@ -298,11 +298,14 @@ _PREEMPT_LOAD = ((15, 40), (15, 40), (15, 40), (14, 2))
 
 
 class _Steps:
-    """One engine driven with ``lag`` steps in flight; every scheduled row samples one token
-    (the budget takes a whole prefill), delivered when the step's result arrives."""
+    """One engine driven with ``lag`` steps in flight; a scheduled row that ends its prefill
+    or decodes samples one token, delivered when the step's result arrives. The budget takes
+    a whole prefill, but an align-mode Mamba scheduler (the simulator's) ends a resumed
+    prefill's first chunk at its last cacheable block boundary (``block``)."""
 
-    def __init__(self, lag: int) -> None:
+    def __init__(self, lag: int, block: int | None = None) -> None:
         self.lag = lag
+        self.block = block
         self.sampled: dict[str, int] = {}  # tokens sampled for a request so far
         self.flight: dict[str, int] = {}  # the last step a request was scheduled in
         self.stale_preemptions = 0
@@ -312,17 +315,20 @@ class _Steps:
         self.prompt: dict[str, int] = {}
         self.output: dict[str, int] = {}
 
-    def check(self, step: int, rows: list[tuple[str, bool, int]], pre: set, fin: set) -> None:
-        """The rules on one scheduled step: ``rows`` (request, resumed, tokens), the
+    def check(self, step: int, rows: list[tuple[str, bool, int, bool]], pre: set, fin: set) -> None:
+        """The rules on one scheduled step: ``rows`` (request, resumed, tokens, samples), the
         requests it preempted and those it reports finished."""
-        for rid, resumed, n in rows:
+        for rid, resumed, n, samples in rows:
             if resumed:
                 # every step before the preemption has delivered its token
                 assert self.flight[rid] <= step - 1 - self.lag, (step, rid)
-                assert n == self.prompt[rid] + self.sampled[rid], (step, rid)
+                tokens = self.prompt[rid] + self.sampled[rid]
+                if self.block and tokens - 1 >= self.block:  # k = 0: no block drop
+                    tokens = (tokens - 1) // self.block * self.block
+                assert n == tokens, (step, rid)
                 self.waiting.discard(rid)
                 self.resumes += 1
-            self.sampled[rid] = self.sampled.get(rid, 0) + 1
+            self.sampled[rid] = self.sampled.get(rid, 0) + samples
             self.flight[rid] = step
         for rid in fin & self.waiting:
             self.finished_waiting += 1
@@ -346,7 +352,7 @@ def _drive_vllm(factory, lag: int, steps: int) -> _Steps:
         # the V2 runner's output lists resumed requests among the new ones
         resumed = set(so.scheduled_cached_reqs.resumed_req_ids)
         resumed |= {r.req_id for r in so.scheduled_new_reqs if r.req_id in t.flight}
-        rows = [(r, r in resumed, n) for r, n in so.num_scheduled_tokens.items()]
+        rows = [(r, r in resumed, n, True) for r, n in so.num_scheduled_tokens.items()]
         t.check(step, rows, set(so.preempted_req_ids or ()), set(so.finished_req_ids))
         pending.append(so)
         if len(pending) > lag:
@@ -370,7 +376,7 @@ def _drive_sim(lag: int, steps: int) -> _Steps:
         k=0, mamba_block_size=16, num_blocks=5, max_num_seqs=8, max_num_batched_tokens=256
     )
     sched = Scheduler(cfg.validate())
-    t = _Steps(lag)
+    t = _Steps(lag, cfg.mamba_block_size)
     for i, (prompt, output) in enumerate(_PREEMPT_LOAD):
         rid = "abcd"[i]
         t.prompt[rid], t.output[rid] = prompt, output
@@ -379,8 +385,8 @@ def _drive_sim(lag: int, steps: int) -> _Steps:
     for step in range(steps):
         so = sched.schedule(step)
         rows = [
-            (r, k == KIND_RESUMED, int(n))
-            for r, k, n in zip(so.req_ids, so.kind, so.num_scheduled, strict=True)
+            (r, k == KIND_RESUMED, int(n), bool(s))
+            for r, k, n, s in zip(so.req_ids, so.kind, so.num_scheduled, so.samples, strict=True)
         ]
         pre = {r.req_id for r in so.preempted}
         t.check(step, rows, pre, {r.req_id for r in so.finished})
@@ -631,3 +637,72 @@ def test_waiting_prefix_hit_matches_kv_cache_manager(vllm_kv_manager) -> None:
             assert sim.alloc.rows.get(rid, []) == [b.block_id for b in rows[rid]], (step, rid)
     b = ours["b"]
     assert refused_hits >= 1 and b.first_step >= 0 and b.prefix_hit_tokens == 0
+
+
+def _vllm_split(start: int, n: int, prompt: int, num_tokens: int, B: int, **cfg) -> int:
+    """vLLM's ``Scheduler._mamba_block_aligned_split`` on stand-ins: align mode, the Mamba
+    block as hash block, no partial hits, no shared-prefix junction, no hash lookahead."""
+    from vllm.v1.core.sched.scheduler import Scheduler as RealScheduler
+
+    sched = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=B),
+        block_size=B,
+        hash_block_size=B,
+        mamba_partial_cache_hit=False,
+        mamba_shared_prefix_checkpoint=False,
+        use_eagle_block_drop=cfg["drop"],
+        num_hash_lookahead_tokens=0,
+        mamba_has_prefill_checkpoint_blocks=cfg["checkpoints"],
+        mamba_prefill_checkpoint_alignment=1,
+        max_num_scheduled_tokens=cfg["budget"],
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+    )
+    request = SimpleNamespace(
+        num_computed_tokens=start,
+        num_prompt_tokens=prompt,
+        num_tokens=num_tokens,
+        shared_prefix_boundary=0,
+    )
+    return RealScheduler._mamba_block_aligned_split(sched, request, n)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_chunks_end_where_mamba_block_aligned_split_ends_them(vllm_mods, seed: int) -> None:
+    """The simulator's chunk of a prefilling request (new, after a prefix hit, or resumed
+    replaying its output) over random computed counts, budgets, prompts, k and prefill
+    checkpoints on or off, against vLLM's split (k > 0: MTP's block drop). Control: some
+    chunks stop at the last cacheable boundary before the budget or a block boundary would
+    end them."""
+    from mgtrace.sim import SimConfig
+    from mgtrace.sim.scheduler import Scheduler
+    from mgtrace.sim.workload import Arrival
+
+    rng = random.Random(seed)
+    cut_short = 0
+    for case in range(1500):
+        B = rng.choice([8, 16])
+        k = rng.choice([0, 1, 3])
+        checkpoints = rng.random() < 0.5
+        budget = rng.randint(B, 12 * B)
+        cfg = SimConfig(
+            k=k,
+            mamba_block_size=B,
+            max_num_batched_tokens=budget,
+            prefill_checkpoints=checkpoints,
+        )
+        sim = Scheduler(cfg.validate())
+        prompt = rng.randint(2, 30 * B)
+        replayed = rng.choice([0, 0, rng.randint(1, 3 * B)])  # a resumed request's output
+        num_tokens = prompt + replayed
+        start = rng.randint(0, (num_tokens - 2) // B) * B  # hits and chunks end on a block
+        req = sim.new_request(f"r{case}", Arrival("c", 0.0, prompt, 4, 4, -1, 0, False, 0))
+        sim.store.nc[req.idx] = start
+        sim.store.ntok[req.idx] = num_tokens
+        n = min(num_tokens - start, budget)
+        ours, drafts = sim._want(req, budget)
+        theirs = _vllm_split(
+            start, n, prompt, num_tokens, B, drop=k > 0, checkpoints=checkpoints, budget=budget
+        )
+        assert (ours, drafts) == (theirs, 0), (B, k, checkpoints, budget, prompt, num_tokens, start)
+        cut_short += (start + theirs) % B == 0 and theirs < n // B * B
+    assert cut_short > 50

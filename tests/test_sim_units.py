@@ -366,7 +366,7 @@ def test_v2_resumed_request_prefills_all_its_tokens() -> None:
         steps=800,
         runner="v2",
         k=3,
-        seed=1,
+        seed=2,
         max_num_seqs=32,
         mamba_block_size=16,
         num_blocks=40,
@@ -494,7 +494,8 @@ def test_resumed_request_starts_from_its_familys_cached_state(runner: str, pp: i
 def test_stale_output_is_delivered_after_preemption_and_can_finish_the_request() -> None:
     """Under async scheduling a step's result lands after the next step is scheduled. ``c``
     is preempted at step 2 with its step-1 token in flight: the token is still delivered, so
-    it resumes at step 4 replaying 15 + 2 tokens. ``d`` is preempted at step 5 with the step
+    it resumes at step 4 replaying 15 + 2 tokens (a first chunk up to the last cacheable
+    block boundary, 16, then the last token). ``d`` is preempted at step 5 with the step
     that samples its last token in flight: that result finishes it while it waits, and the
     next step reports it finished."""
     cfg = SimConfig(
@@ -520,7 +521,9 @@ def test_stale_output_is_delivered_after_preemption_and_can_finish_the_request()
         for rid, k, n in zip(steps[4].req_ids, steps[4].kind, steps[4].num_scheduled, strict=True)
         if k == KIND_RESUMED
     }
-    assert resumed == {"c": 17, "d": 16}
+    assert resumed == {"c": 16, "d": 16}
+    c5 = steps[5].req_ids.index("c")
+    assert (int(steps[5].num_computed[c5]), int(steps[5].num_scheduled[c5])) == (16, 1)
     d = next(r for r in steps[0].reqs if r.req_id == "d")
     assert [r.req_id for r in steps[6].finished] == ["d"]
     assert (d.status, d.num_output) == ("finished", 3)

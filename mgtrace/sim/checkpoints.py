@@ -15,6 +15,8 @@ MambaManager apply EAGLE's block drop (``drop``): the position backs off one mor
 full attention drops the last block of a prefix hit. ``get_mamba_prefill_checkpoint_position``
 and ``is_mamba_prefill_checkpoint_valid`` in vllm/v1/kv_cache_interface.py,
 ``compute_mamba_prefill_checkpoints`` in vllm/model_executor/layers/mamba/checkpoint.py.
+
+``chunk_tokens`` is the scheduler's ``_mamba_block_aligned_split`` for the same settings.
 """
 
 from __future__ import annotations
@@ -60,3 +62,50 @@ def checkpoints_of(
         & (position < end)
     )
     return np.where(valid, position, NONE), np.where(valid, col, NONE)
+
+
+def _valid(start: int, end: int, position: int, block_size: int) -> bool:
+    """``is_mamba_prefill_checkpoint_valid`` for one query (alignment 1, hash block = B)."""
+    b = block_size
+    return (
+        start % b == 0
+        and -(-end // b) - 2 > (start - 1) // b
+        and start + b <= position
+        and start < position < end
+    )
+
+
+def chunk_tokens(
+    start: int,
+    n: int,
+    prompt: int,
+    num_tokens: int,
+    block_size: int,
+    drop: bool,
+    checkpoints: bool,
+) -> int:
+    """How many of ``n`` tokens a prefill chunk from ``start`` takes (vLLM's
+    ``_mamba_block_aligned_split`` with the Mamba block as hash block, no partial hits, no
+    shared-prefix junction and a budget of at least a block): a non-final chunk ends on a
+    block boundary, and no chunk runs past the last cacheable boundary of the request's
+    ``num_tokens`` (so that its state can be cached) unless the final chunk's prefill
+    checkpoint stores the prefill's. Prompt families' boundaries are the scheduler's."""
+    b = block_size
+    # a resumed request replays its output as prefill, all but the last token
+    prefill_end = max(prompt, num_tokens - 1)
+    if start >= prefill_end:
+        return n
+    end = start + n
+    internal = (
+        checkpoints
+        and end >= prefill_end
+        and _valid(start, end, cache_position(prefill_end, b, drop), b)
+    )
+    if end < prefill_end:
+        end = end // b * b
+    stops = (
+        (start // b + 1) * b if start % b and not internal else 0,
+        0 if internal else cache_position(num_tokens, b, drop),
+    )
+    end = min((s for s in stops if start < s < end), default=end)
+    return max(end - start, 0)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mgtrace.sim.block_pool import AlignAllocator, BlockPool, PoolExhausted, PrefixCache
-from mgtrace.sim.checkpoints import checkpoint_of, checkpoints_of
+from mgtrace.sim.checkpoints import checkpoint_of, checkpoints_of, chunk_tokens
 from mgtrace.sim.config import SimConfig
 from mgtrace.sim.workload import Arrival
 
@@ -616,12 +616,17 @@ class Scheduler:
                 return 0, 0
             d = min(int(st.n_dec[req.idx]) - 1, budget - 1)
             return 1 + d, d
-        n = min(remaining, budget)
-        if n < remaining:
-            # align mode ends non-final prefill chunks on a block boundary
-            n = ((nc + n) // self.B) * self.B - nc
-            if n <= 0:
-                return 0, 0
+        n = chunk_tokens(
+            nc,
+            min(remaining, budget),
+            int(st.prompt[req.idx]),
+            int(st.ntok[req.idx]),
+            self.B,
+            self.drop,
+            self.cfg.prefill_checkpoints,
+        )
+        if n <= 0:
+            return 0, 0
         boundary = int(st.boundary[req.idx])
         if (
             boundary > 0
