@@ -79,7 +79,7 @@ def test_a_clean_engine_recorded_mid_run_replays_clean(tmp_path: Path, engine: d
 
 @pytest.mark.parametrize(
     ("bug", "first", "req_id"),
-    [(BUG_STALE_ROW, 164, "req-000059"), (BUG_ASYNC_RACE, 119, "req-000020")],
+    [(BUG_STALE_ROW, 165, "req-000028"), (BUG_ASYNC_RACE, 116, "req-000020")],
 )
 def test_a_bug_after_the_attach_is_found_at_its_step(
     tmp_path: Path, bug: str, first: int, req_id: str

@@ -171,15 +171,15 @@ def test_toggle_off_runs_never_show_a_symptom(
 FIXED_RUNS = {
     # id: (toggle, extra shape, first corrupted step, first request) for
     # `--scenario pairs --steps 2000 --seed 0` (docs/simulator.md quotes these)
-    "reorder": (BUG_REORDER, {}, 10, "req-000002"),
-    "async-race": (BUG_ASYNC_RACE, {}, 119, "req-000020"),
-    "stale-row": (BUG_STALE_ROW, {}, 164, "req-000059"),
-    "batch-row-async-pp2": (BUG_BATCH_ROW, {"runner": "v2", "pp": 2}, 37, "req-000007"),
+    "reorder": (BUG_REORDER, {}, 15, "req-000002"),
+    "async-race": (BUG_ASYNC_RACE, {}, 116, "req-000020"),
+    "stale-row": (BUG_STALE_ROW, {}, 165, "req-000028"),
+    "batch-row-async-pp2": (BUG_BATCH_ROW, {"runner": "v2", "pp": 2}, 25, "req-000001"),
     "batch-row-sync-pp2": (
         BUG_BATCH_ROW,
         {"runner": "v2", "pp": 2, "async_scheduling": False},
-        37,
-        "req-000007",
+        25,
+        "req-000001",
     ),
 }
 
