@@ -47,10 +47,10 @@ def toggle_trace(bug: str, seed: int, steps: int = 1500) -> Path:
 
 
 # A V2 + PP2 run (small blocks, k=4) whose first misdirected post-process only loses the
-# block-boundary state of its first requests, at step 14; with that check off, the loss
-# shows only at step 56. The seed and length go with the engine.
+# block-boundary state of its first requests, at step 13; with that check off, the loss
+# shows only at step 49. The seed and length go with the engine.
 BOUNDARY_ONLY_BUG = "batch-row-block-table"
-BOUNDARY_ONLY_SEED, BOUNDARY_ONLY_STEPS = 1041, 60
+BOUNDARY_ONLY_SEED, BOUNDARY_ONLY_STEPS = 1029, 60
 BOUNDARY_ONLY = {
     "runner": "v2",
     "pp": 2,

@@ -53,4 +53,4 @@ def test_control_a_check_turned_off_is_caught_as_a_late_first_step(
     assert check(case, tmp_path / "on") == []
     monkeypatch.setattr(RankReplay, "_check_cached_state", lambda *args: None)
     problems = check(case, tmp_path / "off")
-    assert problems and "injected at 14" in problems[0]
+    assert problems and "injected at 13" in problems[0]
