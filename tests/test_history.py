@@ -18,7 +18,7 @@ from tests.replay_helpers import set_root, toggle_trace
 def race(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
     """An async-race trace, replayed (findings saved): its path, first step and request."""
     set_root(tmp_path_factory.mktemp("sim"))
-    src = toggle_trace("async-accepted-race", 1, 300)
+    src = toggle_trace("async-accepted-race", 12, 300)
     path = tmp_path_factory.mktemp("history") / "race"
     shutil.copytree(src, path)
     truth = TraceReader(path).manifest.ground_truth["bugs"]["async-accepted-race"]

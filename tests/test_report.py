@@ -49,7 +49,7 @@ def test_report_is_self_contained(report: Path) -> None:
     # the first bad request's history, with the report's own findings (nothing was saved)
     history = text.split("<h2>History of the first requests</h2>")[1]
     assert "<code>req-000002</code>" in history and "wrong_tokens:" in history
-    assert "<td>10</td>" in history  # the injected first step is one of its lines
+    assert "<td>15</td>" in history  # the injected first step is one of its lines
 
 
 def _chromium() -> str | None:
