@@ -83,7 +83,7 @@ def test_a_window_reports_the_first_finding_of_each_request_inside_it(tmp_path: 
     trace = tmp_path / "t"  # the cache goes into the trace: a copy of the shared one
     shutil.copytree(toggle_trace(BUG_STALE_ROW, seed=0, steps=1200), trace)
     full = replay_trace(TraceReader(trace), RuleSet(), checkpoint_every=100)
-    a, b = 166, 206
+    a, b = 168, 206
     assert full.first_step < a and not [f for f in full.findings if a <= f.step <= b]
     window = replay_trace(TraceReader(trace), RuleSet(), from_step=a, to_step=b)
     assert window.findings and window.first_step >= a and window.steps == b - a + 1
