@@ -57,7 +57,8 @@ def rank_directories(trace_dir: Path) -> dict[int, Path]:
 
 
 def engine_directories(trace_dir: Path) -> list[Path]:
-    """``engine-PID`` subdirectories: the traces of engines recorded side by side."""
+    """``engine-PID`` and ``dp-NNN`` subdirectories: the traces of engines recorded side by
+    side."""
     if not trace_dir.is_dir():
         return []
     return sorted(c for c in trace_dir.iterdir() if ENGINE_DIR.fullmatch(c.name) and c.is_dir())

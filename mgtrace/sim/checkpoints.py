@@ -24,14 +24,33 @@ from __future__ import annotations
 import numpy as np
 
 NONE = -1
+Ints = int | np.ndarray  # one query or one per row
 
 
 def cache_position(num_tokens: int, block_size: int, drop: bool) -> int:
     """The last position of ``num_tokens`` whose state can be cached: the last boundary
     that leaves a token to recompute the logits from, or under the block drop one block
     below the last boundary (``get_mamba_prefill_checkpoint_position``)."""
+    return max(_position(num_tokens, block_size, drop), 0)
+
+
+def _position(num_tokens: Ints, block_size: int, drop: bool) -> Ints:
+    """``cache_position`` before its floor at 0, for ints and arrays alike."""
     b = block_size
-    return max(num_tokens // b * b - b if drop else (num_tokens - 1) // b * b, 0)
+    return num_tokens // b * b - b if drop else (num_tokens - 1) // b * b
+
+
+def _valid(start: Ints, end: Ints, position: Ints, block_size: int) -> bool | np.ndarray:
+    """``is_mamba_prefill_checkpoint_valid`` (alignment 1, hash block = B) of queries
+    ``start .. end`` with the checkpoint at ``position``, for ints and arrays alike."""
+    b = block_size
+    return (
+        (start % b == 0)
+        & (-(-end // b) - 2 > (start - 1) // b)  # past the column the prefill starts from
+        & (start + b <= position)
+        & (start < position)
+        & (position < end)
+    )
 
 
 def checkpoint_of(
@@ -51,28 +70,10 @@ def checkpoints_of(
     b = block_size
     start = computed.astype(np.int64)
     end = start + scheduled.astype(np.int64)
-    # cache_position of each row's end
-    position = np.maximum(end // b * b - b if drop else (end - 1) // b * b, 0)
+    position = np.maximum(_position(end, b, drop), 0)  # cache_position of each row's end
     col = -(-end // b) - 2  # the column behind the running one: cdiv(end, B) - 2
-    valid = (
-        (start % b == 0)
-        & (col > (start - 1) // b)  # past the column the prefill starts from
-        & (start + b <= position)
-        & (start < position)
-        & (position < end)
-    )
+    valid = _valid(start, end, position, b)
     return np.where(valid, position, NONE), np.where(valid, col, NONE)
-
-
-def _valid(start: int, end: int, position: int, block_size: int) -> bool:
-    """``is_mamba_prefill_checkpoint_valid`` for one query (alignment 1, hash block = B)."""
-    b = block_size
-    return (
-        start % b == 0
-        and -(-end // b) - 2 > (start - 1) // b
-        and start + b <= position
-        and start < position < end
-    )
 
 
 def chunk_tokens(
