@@ -4,10 +4,13 @@ The bookkeeping vLLM does per step runs on real objects: ``InputBatch`` (add, re
 condense, swap), the runner's ``_may_reorder_batch`` and the module-level reorder function,
 ``mamba_utils.preprocess_mamba`` and ``stage_postprocess_inputs_to_gpu``, the runner's
 ``_update_states_after_model_execute`` and ``MambaSpecDecodeGPUContext``'s launchers with
-vLLM's Triton kernels under ``TRITON_INTERPRET=1``. Only the parts that need a model and a
-scheduler are replaced: ``execute_model``, ``_update_states`` and ``sample_tokens`` are
-small functions here that call the real pieces in vLLM's order, installed on the real runner
-class so that the recorder wraps them exactly as it would wrap vLLM's own.
+vLLM's Triton kernels under ``TRITON_INTERPRET=1``. Built with ``k=0`` it serves without a
+speculative config, as vLLM then does: no align context, and ``preprocess_mamba`` copies the
+states itself (``collect_mamba_copy_meta``, then ``batch_memcpy``). Only the parts that need
+a model and a scheduler are replaced: ``execute_model``, ``_update_states`` and
+``sample_tokens`` are small functions here that call the real pieces in vLLM's order,
+installed on the real runner class so that the recorder wraps them exactly as it would wrap
+vLLM's own.
 
 Run as a program it is a stand-in engine process: it loads the mgtrace plugin through a
 ``vllm.general_plugins`` entry point object, like vLLM does, then steps forever (or
@@ -61,16 +64,16 @@ def vllm_modules() -> SimpleNamespace:
     )
 
 
-def kv_cache_config() -> Any:
+def kv_cache_config(k: int = K) -> Any:
     """One Mamba group with one layer holding a conv and a temporal state, in align mode."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     spec = MambaSpec(
         block_size=B,
-        shapes=((2 + K, 8), (2, 4)),
+        shapes=((2 + k, 8), (2, 4)),
         dtypes=(torch.float32, torch.float32),
         mamba_cache_mode="align",
-        num_speculative_blocks=K,
+        num_speculative_blocks=k,
     )
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
@@ -92,9 +95,10 @@ class Req:
 class Scheduler:
     """Deterministic arrivals, chunked prefill, k drafts per decode, a fixed accept pattern."""
 
-    def __init__(self, v: SimpleNamespace, chunk: int = 5) -> None:
+    def __init__(self, v: SimpleNamespace, chunk: int = 5, k: int = K) -> None:
         self.v = v
         self.chunk = chunk
+        self.k = k
         self.reqs: dict[str, Req] = {}
         self.next_block = 1
         self.n = 0
@@ -103,7 +107,7 @@ class Scheduler:
         self.drafts: dict[str, int] = {}
 
     def _alloc(self, r: Req, tokens: int) -> list[int]:
-        need = -(-tokens // B) + K
+        need = -(-tokens // B) + self.k
         new = list(range(self.next_block, self.next_block + max(0, need - len(r.blocks))))
         self.next_block += len(new)
         if self.next_block >= NUM_BLOCKS - 8:
@@ -121,8 +125,9 @@ class Scheduler:
             self.reqs.pop(rid, None)
         for r in list(self.reqs.values()):
             if r.computed >= r.prompt:
-                n = 1 + K
-                spec[r.req_id] = [0] * K
+                n = 1 + self.k
+                if self.k:
+                    spec[r.req_id] = [0] * self.k
             else:
                 n = min(self.chunk, r.prompt - r.computed)
             num_sched[r.req_id] = n
@@ -174,14 +179,14 @@ class Scheduler:
 
     def accepted(self, req_ids: list[str], so: Any) -> tuple[torch.Tensor, set[str]]:
         """Output token ids [n, 1+k] (-1 rejected) and the requests that finish."""
-        out = torch.full((len(req_ids), 1 + K), -1, dtype=torch.int64)
+        out = torch.full((len(req_ids), 1 + self.k), -1, dtype=torch.int64)
         finished = set()
         for i, rid in enumerate(req_ids):
             r = self.reqs[rid]
             n = so.num_scheduled_tokens[rid]
             drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
             if drafts:
-                acc = 1 + (self.n % (K + 1))
+                acc = 1 + (self.n % (self.k + 1))
                 self.n += 1
                 r.computed += n - drafts + (acc - 1)
                 r.output += acc
@@ -198,7 +203,7 @@ class Scheduler:
 class StandinEngine:
     """Owns one real V1 runner instance (no __init__; the attributes the steps use)."""
 
-    def __init__(self, v: SimpleNamespace | None = None) -> None:
+    def __init__(self, v: SimpleNamespace | None = None, k: int = K) -> None:
         self.v = v = v or vllm_modules()
         gmr = v.gmr
         ib = v.gib.InputBatch(
@@ -209,41 +214,67 @@ class StandinEngine:
             vocab_size=32,
             block_sizes=[B],
             max_num_blocks_per_req=[MAX_BLOCKS],
-            num_spec_tokens=K,
+            num_spec_tokens=k,
         )
         runner = object.__new__(gmr.GPUModelRunner)
         runner.input_batch = ib
         runner.requests = {}
         runner.mamba_state_idx = {}
         runner.reorder_batch_threshold = 1  # what a threshold-1 drafter backend pulls it to
-        runner.kv_cache_config = kv_cache_config()
-        runner.speculative_config = SimpleNamespace(num_speculative_tokens=K)
+        runner.kv_cache_config = kv_cache_config(k)
+        runner.speculative_config = SimpleNamespace(num_speculative_tokens=k) if k else None
         runner.model_config = SimpleNamespace(is_hybrid=True, model="standin")
         runner.cache_config = SimpleNamespace(
             mamba_cache_mode="align", enable_prefix_caching=True, mamba_block_size=B
         )
-        runner.compilation_config = SimpleNamespace(static_forward_context={})
+
         runner.num_accepted_tokens = v.CpuGpuBuffer(
             MAX_REQS, dtype=torch.int32, device=CPU, pin_memory=False
         )
-        runner.num_accepted_tokens_event = SimpleNamespace(record=lambda: None, query=lambda: True)
-        runner.use_async_scheduling = False
-        self.conv = torch.zeros(NUM_BLOCKS, 2 + K, 8, dtype=torch.float32)
-        self.temporal = torch.zeros(NUM_BLOCKS, 2, 4, dtype=torch.float32)
-        self.ctx = self._context(ib.block_table[0].block_table.gpu)
-        bufs = SimpleNamespace(
-            postprocess_align=self.ctx,
-            preprocess=SimpleNamespace(
-                mamba_group_ids=[0],
-                mamba_spec=SimpleNamespace(num_speculative_blocks=K, block_size=B),
-                offset=0,
-            ),
+        # vLLM makes the event only with drafts (no accepted counts come back without them)
+        runner.num_accepted_tokens_event = (
+            SimpleNamespace(record=lambda: None, query=lambda: True) if k else None
         )
+        runner.use_async_scheduling = False
+        self.conv = torch.zeros(NUM_BLOCKS, 2 + k, 8, dtype=torch.float32)
+        self.temporal = torch.zeros(NUM_BLOCKS, 2, 4, dtype=torch.float32)
+        # the layer's states, where vLLM's scalar copy path looks them up
+        layer = SimpleNamespace(kv_cache=[self.conv, self.temporal])
+        runner.compilation_config = SimpleNamespace(static_forward_context={"mamba.0": layer})
+        if k:
+            self.ctx = self._context(ib.block_table[0].block_table.gpu)
+            bufs = SimpleNamespace(
+                postprocess_align=self.ctx,
+                preprocess=SimpleNamespace(
+                    mamba_group_ids=[0],
+                    mamba_spec=SimpleNamespace(num_speculative_blocks=k, block_size=B),
+                    offset=0,
+                ),
+            )
+            copy_funcs: dict[Any, Any] = {}
+        else:
+            from vllm.model_executor.layers.mamba.mamba_utils import (
+                MambaStateCopyFuncCalculator,
+            )
+            from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+            mamba2 = MambaStateCopyFuncCalculator.mamba2_state_copy_func()
+            copy_funcs = {MambaAttentionBackendEnum.MAMBA2: mamba2}
+
+            def make_buffer(n: int, dtype: torch.dtype) -> Any:
+                return v.CpuGpuBuffer(n, dtype=dtype, device=CPU, pin_memory=False)
+
+            bufs = SimpleNamespace(
+                postprocess_align=None,
+                preprocess=v.mu.MambaCopyBuffers.create(
+                    MAX_REQS, runner.kv_cache_config, copy_funcs, make_buffer
+                ),
+            )
         runner._get_mamba_bufs = lambda: bufs
-        runner._get_mamba_state_copy_funcs = lambda: {}
+        runner._get_mamba_state_copy_funcs = lambda: copy_funcs
         self.bufs = bufs
         self.runner = runner
-        self.sched = Scheduler(v)
+        self.sched = Scheduler(v, k=k)
         self.finished: set[str] = set()
 
     def _context(self, table: torch.Tensor) -> Any:
@@ -351,16 +382,17 @@ def standin_execute_model(self: Any, so: Any, intermediate_tensors: Any = None) 
         self.mamba_state_idx,
         ib,
         self.requests,
-        {},
-        {},
+        self.compilation_config.static_forward_context,
+        self._get_mamba_state_copy_funcs(),
         bufs.preprocess,
         align_ctx=bufs.postprocess_align,
     )
     self.num_accepted_tokens.np[:n] = ib.num_accepted_tokens_cpu[:n]
     self.num_accepted_tokens.copy_to_gpu(n)
-    gmr.mamba_utils.stage_postprocess_inputs_to_gpu(
-        bufs.postprocess_align, so, ib.req_ids, n, self.requests, self.mamba_state_idx
-    )
+    if bufs.postprocess_align is not None:  # vLLM stages only for the fused post-process
+        gmr.mamba_utils.stage_postprocess_inputs_to_gpu(
+            bufs.postprocess_align, so, ib.req_ids, n, self.requests, self.mamba_state_idx
+        )
 
 
 def standin_sample_tokens(self: Any, grammar_output: Any) -> None:
@@ -406,7 +438,12 @@ def main() -> int:
     ap.add_argument("--no-plugin", action="store_true")
     ap.add_argument("--name", default="", help="only shows in the command line (process lists)")
     ap.add_argument(
-        "--no-spec", action="store_true", help="serve without speculative decoding (refused)"
+        "--no-spec", action="store_true", help="serve without speculative decoding (k = 0)"
+    )
+    ap.add_argument(
+        "--missing-launcher",
+        action="store_true",
+        help="a vLLM without the align post-process launcher (refused)",
     )
     a = ap.parse_args()
     v = vllm_modules()
@@ -415,9 +452,9 @@ def main() -> int:
     StandinRunnerMethods(v.gmr).__enter__()
     if not a.no_plugin:
         load_plugin_like_vllm()
-    eng = StandinEngine(v)
-    if a.no_spec:
-        eng.runner.speculative_config = None
+    if a.missing_launcher:
+        del v.mu.MambaSpecDecodeGPUContext.run_fused_postprocess_align
+    eng = StandinEngine(v, k=0 if a.no_spec else K)
     print(f"READY {os.getpid()}", flush=True)
     done = 0
     while a.steps == 0 or done < a.steps:

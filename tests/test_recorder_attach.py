@@ -955,26 +955,26 @@ def test_an_engine_that_ends_normally_while_recording_leaves_a_complete_trace(
 
 
 def test_a_process_that_refuses_is_named_and_the_exit_says_so(tmp_path: Path) -> None:
-    """Of two engine processes under one parent, one refuses (a runner without speculative
-    decoding): the summary named only the one that recorded, and the exit was 0."""
+    """Of two engine processes under one parent, one refuses (a vLLM without a launcher the
+    hooks need): the summary named only the one that recorded, and the exit was 0."""
     code = (
         "import subprocess, sys\n"
         "kids = [subprocess.Popen([sys.executable, '-m', 'tests.recorder_standin', "
-        "'--sleep', '0.05', *extra]) for extra in ([], ['--no-spec'])]\n"
+        "'--sleep', '0.05', *extra]) for extra in ([], ['--missing-launcher'])]\n"
         "sys.exit(max(k.wait() for k in kids))\n"
     )
     with _stand_in_engines([PY, "-c", code], 2) as (parent, pids):
         good, bad = (p for p in proctree.tree(parent.pid)[1:] if p.pid in pids)
-        if "--no-spec" in good.cmdline:
+        if "--missing-launcher" in good.cmdline:
             good, bad = bad, good
         out = tmp_path / "mixed"
         proc = _record_cli("--engine-pid", str(parent.pid), "-o", str(out), "--max-steps", "3")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"pid {good.pid}: 3 steps" in proc.stdout
-    assert f"process {bad.pid} did not record: this V1 runner serves without" in proc.stderr
+    assert f"process {bad.pid} did not record: this vLLM's V1 runner lacks" in proc.stderr
     assert "Traceback" not in proc.stderr
     # two engines under one parent: each has a folder of its own
-    assert TraceReader(out / f"engine-{good.pid}").rows("steps") == 3
+    assert TraceReader(out / f"engine-{good.pid}").rows("steps") == 3, proc.stdout + proc.stderr
 
 
 def test_two_engines_under_one_parent_record_into_traces_of_their_own(tmp_path: Path) -> None:

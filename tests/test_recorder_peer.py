@@ -457,26 +457,126 @@ def test_feature_detection_refuses_naming_what_is_missing(
         assert vars(v.gmr.GPUModelRunner)["execute_model"] is standin.standin_execute_model
 
 
-@pytest.mark.parametrize("what", ["no speculative config", "not hybrid"])
-def test_v1_without_fused_align_copies_is_refused(v: Any, tmp_path: Path, what: str) -> None:
-    """Without a speculative config (or for a model that is not hybrid) vLLM's V1 runner
-    builds no align context and ``preprocess_mamba`` copies states with ``batch_memcpy``,
-    which no hook sees: a trace would hold no launch yet say it is complete."""
+def _scalar_copies_implied(trace: Path, eng: standin.StandinEngine) -> dict[int, list[tuple]]:
+    """Per step, the (source, destination, bytes) copies the trace's precopy rows name, as
+    vLLM's copy functions would address them in the engine's two state tensors."""
+    conv, temporal = eng.conv, eng.temporal
+    tables = sorted(_read(trace, "block_tables"), key=lambda r: r["step"])
+    launches = _read(trace, "launches")
+    latest: dict[int, list[int]] = {}
+    out: dict[int, list[tuple]] = {}
+    for step in sorted({r["step"] for r in launches}):
+        for r in tables:
+            if r["step"] == step:
+                latest[r["row"]] = r["block_ids"]
+        copies = []
+        for r in launches:
+            if r["step"] != step or r["kernel"] != "precopy" or r["src_col"] < 0:
+                continue
+            blocks, bias = latest[r["batch_row"]], r["token_bias"]
+            dst = blocks[r["state_idx"]]
+            conv_src = conv[blocks[r["src_col"]], bias:]
+            copies.append((conv_src.data_ptr(), conv[dst].data_ptr(), conv_src.numel() * 4))
+            t_src = temporal[blocks[r["src_col"] + bias]]
+            copies.append((t_src.data_ptr(), temporal[dst].data_ptr(), t_src.numel() * 4))
+        out[step] = sorted(copies)
+    return out
+
+
+def _rewrite_part(trace: Path, table: str, edit: Any) -> None:
+    """Replace one table's single part by ``edit(part)``, keeping the manifest true."""
+    import hashlib
+    import json
+
+    (path,) = (trace / table).glob("*.parquet")
+    pq.write_table(edit(pq.read_table(path)), path)
+    manifest = json.loads((trace / "manifest.json").read_text())
+    for part in manifest["parts"]:
+        if part["path"] == f"{table}/{path.name}":
+            data = path.read_bytes()
+            part["bytes"], part["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (trace / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_v1_without_speculative_config_records_the_scalar_copies(
+    v: Any, agent: Any, tmp_path: Path
+) -> None:
+    """Without a speculative config vLLM's V1 runner builds no align context, and
+    ``preprocess_mamba`` hands each state copy to ``collect_mamba_copy_meta`` and runs them
+    with one ``batch_memcpy``. The trace holds them as the step's precopy launch: every copy
+    the launch rows name is, byte for byte, a copy vLLM queued (pointers and sizes read from
+    its real copy buffers), and the replay finds the run clean."""
+    import pyarrow as pa
+
+    from mgtrace.replayer.loop import replay_trace
+    from mgtrace.replayer.rules import RuleSet
+    from mgtrace.schemas.reader import TraceReader
+
+    queued: dict[int, list[tuple]] = {}
+    real_do = v.mu.do_mamba_copy_block
+
+    def spy(bufs: Any) -> None:
+        n = bufs.offset
+        ptrs = zip(bufs.src_ptrs.np[:n], bufs.dst_ptrs.np[:n], bufs.sizes.np[:n], strict=True)
+        queued[eng.sched.step - 1] = sorted((int(a), int(b), int(c)) for a, b, c in ptrs)
+        real_do(bufs)
+
+    out = tmp_path / "k0"
+    steps = 14
     with standin.StandinRunnerMethods(v.gmr):
-        eng = standin.StandinEngine(v)
-        if what == "not hybrid":
-            eng.runner.model_config.is_hybrid = False
-        else:
-            eng.runner.speculative_config = None
-        with pytest.raises(features.RecorderRefusal, match="speculative decoding"):
+        eng = standin.StandinEngine(v, k=0)
+        assert features.check_runner(eng.runner)[0] == "v1"
+        v.mu.do_mamba_copy_block = spy
+        try:
+            agent.start(str(out))
+            state_cols = []
+            for _ in range(steps):
+                eng.step()
+                ib = eng.runner.input_batch
+                state_cols.append([eng.runner.mamba_state_idx[r] for r in ib.req_ids])
+            agent.stop()
+        finally:
+            v.mu.do_mamba_copy_block = real_do
+    reader = TraceReader(out)
+    assert reader.complete and reader.manifest.errors == {}
+    assert reader.manifest.run.num_speculative_tokens == 0
+    launches = _read(out, "launches")
+    assert {r["kernel"] for r in launches} == {"precopy"}  # no post-process at k = 0
+    implied = _scalar_copies_implied(out, eng)
+    assert sum(map(len, queued.values())) >= 8, "the run must cross block boundaries"
+    assert {s: c for s, c in implied.items() if c} == {s: c for s, c in queued.items() if c}
+    for step, want in enumerate(state_cols):
+        rows = sorted((r for r in launches if r["step"] == step), key=lambda r: r["batch_row"])
+        assert [r["state_idx"] for r in rows] == want
+    assert replay_trace(TraceReader(out), RuleSet()).findings == []
+
+    # failing controls: a copy vLLM queued that the trace lacks is seen by both checks
+    first = min(i for i, r in enumerate(launches) if r["src_col"] >= 0)
+
+    def drop_first_copy(part: pa.Table) -> pa.Table:
+        col = part.column("src_col").to_pylist()
+        assert col[first] >= 0  # the only part, in the order it was read
+        col[first] = -1
+        at = part.schema.get_field_index("src_col")
+        return part.set_column(at, part.schema.field(at), pa.array(col, part.schema.field(at).type))
+
+    _rewrite_part(out, "launches", drop_first_copy)
+    assert _scalar_copies_implied(out, eng) != {s: c for s, c in queued.items()}
+    assert replay_trace(TraceReader(out), RuleSet()).findings
+
+
+def test_v1_scalar_path_without_its_copy_function_is_refused(
+    v: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vLLM whose scalar path lacks ``collect_mamba_copy_meta`` copies states where no
+    hook sees them: a V1 runner without a speculative config is refused, naming it."""
+    with standin.StandinRunnerMethods(v.gmr):
+        eng = standin.StandinEngine(v, k=0)
+        monkeypatch.delattr(v.mu, "collect_mamba_copy_meta")
+        with pytest.raises(features.RecorderRefusal, match="collect_mamba_copy_meta"):
             features.check_runner(eng.runner)
-        a = agent_mod.Agent()
-        a.start(str(tmp_path / "trace"))
-        before = vars(v.gib.InputBatch)["swap_states"]
-        eng.step()
-        assert a.state == "refused" and "batch_memcpy" in a.status()["refusal"]
-        assert vars(v.gib.InputBatch)["swap_states"] is before
-        assert not (tmp_path / "trace" / "manifest.json").exists()
+        eng.runner.speculative_config = object()  # the fused path needs no such function
+        assert features.check_runner(eng.runner)[0] == "v1"
 
 
 def test_v2_state_hooks_record_what_the_slot_indexed_kernels_read(v: Any, tmp_path: Path) -> None:

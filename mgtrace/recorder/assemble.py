@@ -186,6 +186,27 @@ def masked_where_equal(cpu: np.ndarray | None, kernel: np.ndarray) -> list[int |
     return [int(c) if d else None for c, d in zip(cpu.tolist(), diff.tolist(), strict=True)]
 
 
+def scalar_precopy_columns(
+    req_ids: list[str], state_after: dict[str, int], copies: list[tuple[str, int, int, int]]
+) -> dict[str, np.ndarray]:
+    """The precopy launch a V1 step without an align context ran as single copies: each
+    ``collect_mamba_copy_meta`` call (request, source column, destination column, token
+    bias) is its row's copy, and the rows it was not called for keep their column, as the
+    fused precopy's rows with source -1 do. The destination is the column the copy wrote;
+    the other rows' state column is the runner's, after ``preprocess_mamba``."""
+    n = len(req_ids)
+    state_idx = np.fromiter(map(state_after.get, req_ids, repeat(-1)), I32, n)
+    src_col = np.full(n, -1, I32)
+    token_bias = np.zeros(n, I32)
+    row_of = {r: i for i, r in enumerate(req_ids)}
+    for req_id, src, dst, bias in copies:
+        i = row_of.get(req_id)
+        if i is None:
+            raise ValueError(f"a state copy for {req_id!r}, which is not in the batch")
+        src_col[i], state_idx[i], token_bias[i] = src, dst, bias
+    return {"state_idx": state_idx, "src_col": src_col, "token_bias": token_bias}
+
+
 def gather_slots(values: np.ndarray, slots: np.ndarray) -> np.ndarray:
     """values[slot] per batch row; -1 for padded/filtered rows (slot < 0)."""
     ok = (slots >= 0) & (slots < len(values))

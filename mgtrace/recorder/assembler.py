@@ -195,6 +195,26 @@ class Assembler:
                 )
         self._launches.setdefault(tag["step"], []).append(out)
 
+    def _write_scalar_precopy(self, rec: dict[str, Any]) -> None:
+        """V1 without an align context: the step's single state copies, as one precopy."""
+        req_ids = rec.get("req_ids") or []
+        if not req_ids:
+            return
+        cols = asm.scalar_precopy_columns(
+            req_ids, rec.get("sidx_after") or {}, rec["scalar_copies"]
+        )
+        tag = {
+            "step": rec["step"],
+            "kernel": "precopy",
+            "batch_step": rec["step"],
+            "bt_step": rec["step"],
+            "row_rule": "req_slot",
+            "bt_table": "v1",
+            "mode": None,
+        }
+        rows = np.arange(len(req_ids), dtype=I32)
+        self._write_launch(tag, cols, rows, rows)
+
     def _on_step(self, rec: dict[str, Any]) -> None:
         if len(self._dropped) > 4096:  # a capture comes at most a few steps after its drop
             self._dropped = {s for s in self._dropped if s >= rec["step"] - 64}
@@ -202,6 +222,8 @@ class Assembler:
         for stale in [s for s in self._by_step if s < rec["step"] - 64]:
             del self._by_step[stale]  # deferred (PP) captures that no step will claim
         tables = self._tables.build(rec, captured)
+        if "scalar_copies" in rec:
+            self._write_scalar_precopy(rec)
         for group, slot in self._tables.v2_bt.take_unseen():
             self.writer.count_error(
                 "block_table_unseen_columns",

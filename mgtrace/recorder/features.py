@@ -56,6 +56,8 @@ _GDN_SPLIT = Target(
     "build",
     required=False,
 )
+# V1 without a speculative config copies states through this, not the fused launchers.
+_SCALAR_COPY = Target(_MU, None, "collect_mamba_copy_meta", required=False)
 _CHECKPOINTS = Target(
     "vllm.model_executor.layers.mamba.checkpoint",
     "MambaPrefillCheckpointBuilder",
@@ -76,6 +78,7 @@ V1_TARGETS: tuple[Target, ...] = (
     Target(_MU, None, "preprocess_mamba"),
     Target(_MU, None, "stage_postprocess_inputs_to_gpu"),
     *_LAUNCHERS,
+    _SCALAR_COPY,
     _SPLIT,
     _GDN_SPLIT,
     _CHECKPOINTS,
@@ -168,13 +171,11 @@ def check_runner(runner: Any) -> tuple[str, dict[Target, Any]]:
             f"this vLLM's {kind.upper()} runner lacks what the recorder hooks need: "
             + ", ".join(missing)
         )
-    if kind == "v1" and not _v1_fused_align(runner):
+    if kind == "v1" and not _v1_fused_align(runner) and _SCALAR_COPY not in owners:
         raise RecorderRefusal(
             "this V1 runner serves without speculative decoding (no speculative_config, or "
-            "a model that is not hybrid), so vLLM copies its align-mode Mamba states with "
-            "batch_memcpy instead of the fused launchers mgtrace hooks and a recording would "
-            "capture none of those copies; record with MTP/speculative decoding, or on the V2 "
-            "runner"
+            "a model that is not hybrid), so vLLM copies its align-mode Mamba states through "
+            f"{_SCALAR_COPY.label}, which this vLLM lacks; mgtrace cannot see those copies"
         )
     return kind, owners
 
@@ -183,7 +184,7 @@ def _v1_fused_align(runner: Any) -> bool:
     """Whether V1 copies align states through the fused launchers: vLLM builds the align
     context (``MambaBuffers.create(with_postprocess_align=...)``) only for a hybrid model
     with a speculative config; otherwise ``preprocess_mamba`` takes its scalar
-    ``collect_mamba_copy_meta``/``batch_memcpy`` path, which no hook sees."""
+    ``collect_mamba_copy_meta``/``batch_memcpy`` path, which its own hook records."""
     if getattr(runner, "speculative_config", None) is None:
         return False
     return bool(getattr(getattr(runner, "model_config", None), "is_hybrid", True))

@@ -10,6 +10,10 @@ What each hook keeps (all host-side copies; the device is never read here):
 - ``preprocess_mamba``: accepted counts and computed counts as the precopy consumed them, the
   running columns before and after.
 - ``stage_postprocess_inputs_to_gpu``: the CPU-staged post-process inputs.
+- ``collect_mamba_copy_meta``: without a speculative config vLLM builds no align context and
+  ``preprocess_mamba`` hands each state copy to this function (then one ``batch_memcpy``); its
+  arguments are the copy's whole input, host values, and the assembler writes them as the
+  precopy launch the fused path would have run.
 """
 
 from __future__ import annotations
@@ -141,6 +145,8 @@ def _pre_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     rec["acc_prev"] = raw(ib.num_accepted_tokens_cpu[:n])
     rec["computed_pre"] = raw(ib.num_computed_tokens_cpu[:n])
     rec["sidx_before"] = dict(state_idx)
+    if arg(args, kwargs, 9, "align_ctx") is None:
+        rec["scalar_copies"] = []  # this step copies through collect_mamba_copy_meta
     return state_idx
 
 
@@ -149,6 +155,23 @@ def _pre_after(
 ) -> None:
     if sess.rec is not None and state_idx is not None:
         sess.rec["sidx_after"] = dict(state_idx)
+
+
+def _scalar_copy(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    rec = sess.rec
+    if rec is None:
+        return
+    copies = rec.get("scalar_copies")
+    if copies is None:  # called outside preprocess_mamba's scalar path: not a step's copy
+        return
+    copies.append(
+        (
+            arg(args, kwargs, 7, "req_state").req_id,
+            int(arg(args, kwargs, 4, "src_block_idx")),
+            int(arg(args, kwargs, 5, "dest_block_idx")),
+            int(arg(args, kwargs, 6, "accept_token_bias")),
+        )
+    )
 
 
 def _staged(sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -199,5 +222,10 @@ def v1_patches(sess: Session, owners: dict[Target, Any], mamba_groups: list[int]
         ),
         *launcher_patches(sess, owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy")),
     ]
+    scalar = owner_of(owners, None, "collect_mamba_copy_meta")
+    if scalar is not None:
+        patches.append(
+            Patch(scalar, "collect_mamba_copy_meta", hook(sess, "scalar_copy", before=_scalar_copy))
+        )
     patches += optional_patches(sess, owners)
     return patches

@@ -163,6 +163,11 @@ class SimConfig:
             raise UsageError(f"{BUG_ASYNC_RACE} needs --runner v1 with async scheduling")
         if BUG_STALE_ROW in self.bugs and self.runner != "v1":
             raise UsageError(f"{BUG_STALE_ROW} is a V1 InputBatch bug; use --runner v1")
+        if BUG_STALE_ROW in self.bugs and self.k < 1:
+            raise UsageError(
+                f"{BUG_STALE_ROW} reads stale rows through the align context's padded gather, "
+                "which vLLM builds only with speculative decoding (--k 1 or more)"
+            )
         if BUG_REORDER in self.bugs and (self.runner != "v1" or self.k < 1):
             raise UsageError(f"{BUG_REORDER} needs --runner v1 and --k 1 or more")
         if BUG_ASYNC_RACE in self.bugs and self.k < 1:

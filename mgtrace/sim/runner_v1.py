@@ -119,7 +119,8 @@ class RunnerV1:
         pr.pos[self._last_idx] = -1
         pr.pos[so.idx] = self._positions[:m]
         self._last_idx = so.idx
-        has_pending = self.pending is not None and cfg.async_scheduling
+        # without drafts vLLM copies no accepted counts back: nothing can be in flight
+        has_pending = self.pending is not None and cfg.async_scheduling and self.k > 0
         landed = bool(landed_early) if has_pending else True
         if race and has_pending and landed:
             ib.acc[:n_prev] = self.pending
@@ -280,6 +281,7 @@ class RunnerV1:
         pad_rows: list[int] = []
         if (
             cfg.cudagraph_padding
+            and self.k > 0  # the gather is the align context's, which k = 0 lacks
             and n
             and split.num_decodes == n
             and np.count_nonzero(sched_n == 1 + self.k) == n
@@ -368,7 +370,8 @@ class RunnerV1:
             "num_prompt": prompt.astype(np.int32),
             "num_draft": cols.draft,
             "accepted_prev": consumed,
-            "accepted": where_valid(cols.acc, samples),
+            # at k = 0 no post-process reports accepted counts (the recorder has none)
+            "accepted": where_valid(cols.acc, samples) if self.k else None,
             "prev_state_col": cols.prev_col,
             "state_col": cols.curr,
             "is_prefilling": prefilling,
@@ -395,7 +398,7 @@ class RunnerV1:
                 "reorder_threshold": self.reorder_threshold,
                 "mamba_threshold": split.threshold,
                 "num_mamba_decodes": split.num_decodes,
-                "postprocess_step": step if n else None,
+                "postprocess_step": step if n and self.k else None,
                 "accepted_landed": landed if has_pending else None,
             },
             "batch_rows": batch_rows,
@@ -452,6 +455,10 @@ class RunnerV1:
             num_computed=cols.nc,
             num_draft=cols.draft,
         )
+        if self.k == 0:
+            # vLLM builds no align context without drafts: preprocess_mamba copies each state
+            # itself (the recorder writes those copies as this precopy) and nothing runs after
+            return [pre]
         out = [pre, post]
         if pad_rows:
             pr = np.asarray(pad_rows, np.int32)
