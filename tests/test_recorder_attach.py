@@ -676,6 +676,24 @@ def test_launch_mode_records_from_the_first_step(tmp_path: Path) -> None:
     assert f"recorded steps 0..2 on 1 rank(s) into {out} (complete" in proc.stdout
 
 
+def test_launch_mode_records_an_engine_without_speculative_decoding(tmp_path: Path) -> None:
+    """A V1 engine without a speculative config (its states copied by preprocess_mamba
+    itself) records from the command line like any other, and its trace replays clean."""
+    out = tmp_path / "k0"
+    proc = _record_cli(
+        "-o", str(out), "--max-steps", "8", "--", *STANDIN, "--steps", "10", "--no-spec"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reader = TraceReader(out)
+    assert reader.complete and reader.rows("steps") == 8 and reader.manifest.errors == {}
+    kernels = reader.connect().execute("SELECT DISTINCT kernel::VARCHAR FROM launches").fetchall()
+    assert kernels == [("precopy",)]
+    replay = subprocess.run(
+        [PY, "-m", "mgtrace", "replay", str(out)], cwd=REPO, capture_output=True, text=True
+    )
+    assert replay.returncode == 0 and replay.stdout.startswith("clean: 8 steps"), replay.stdout
+
+
 def test_engines_a_launched_command_starts_record_into_traces_of_their_own(
     tmp_path: Path,
 ) -> None:
