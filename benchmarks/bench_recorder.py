@@ -320,11 +320,13 @@ def build_runner(
     owners = {}
     for t in features.V1_TARGETS:
         if t.owner is not None:
-            owners[t] = owner_of[(t.owner, None)]
+            owner = owner_of[(t.owner, None)]
         elif t.attr.startswith("reorder"):
-            owners[t] = runner_mod
+            owner = runner_mod
         else:
-            owners[t] = mu
+            owner = mu
+        if callable(getattr(owner, t.attr, None)):  # as features.resolve finds them
+            owners[t] = owner
     return Runner(), owners
 
 
