@@ -43,9 +43,15 @@ class Case:
     engine: dict = field(default_factory=dict)
 
 
-def random_case(rng: random.Random, mixer: str = "mamba2") -> Case:
+def random_case(
+    rng: random.Random, mixer: str = "mamba2", k: int | None = None, clean: str | None = None
+) -> Case:
     """``mixer``: the simulated model's layers; ``both``: GDN for one seed in two (taken from
-    the seed, like the checkpoints, so the Mamba2 cases of a sweep seed stay the same)."""
+    the seed, like the checkpoints, so the Mamba2 cases of a sweep seed stay the same).
+    ``k``: every case's draft count instead of a drawn one (drawn all the same, so the rest
+    of each case is the one the seed gives; a toggle that needs drafts is then refused).
+    ``clean``: a runner (v1 or v2) that every case runs without a bug, pipeline-parallel
+    size 1, for a sweep of false positives alone."""
     shape = rng.choice(["clean", "one", "one", "several"])
     bugs: tuple[str, ...] = ()
     engine: dict = {"runner": rng.choice(["v1", "v2"])}
@@ -67,6 +73,12 @@ def random_case(rng: random.Random, mixer: str = "mamba2") -> Case:
         prefix_hit_prob=rng.choice([0.0, 0.5, 1.0]),
         length_scale=rng.choice([0.05, 0.2, 1.0]),
     )
+    if k is not None:
+        engine["k"] = k
+    if clean is not None:
+        bugs = ()
+        engine = {key: v for key, v in engine.items() if key != "pp"}
+        engine["runner"] = clean
     seed = rng.randrange(10**6)
     # half the runs model vLLM 0.33's prefill checkpoints; taken from the seed, not drawn, so
     # that the cases of a sweep seed stay the ones earlier sweeps ran
@@ -168,10 +180,16 @@ def main() -> int:
         default="mamba2",
         help="The simulated model's layers (both: GDN for one seed in two).",
     )
+    ap.add_argument(
+        "--k", type=int, help="Draft tokens of every run (e.g. 0: engines without MTP)."
+    )
+    ap.add_argument(
+        "--clean", choices=("v1", "v2"), help="Every run without a bug, on this runner."
+    )
     args = ap.parse_args()
     rng = random.Random(args.seed)
     # drawn in order: jobs change nothing
-    cases = [random_case(rng, args.mixer) for _ in range(args.runs)]
+    cases = [random_case(rng, args.mixer, args.k, args.clean) for _ in range(args.runs)]
     keep = args.keep / f"seed-{args.seed}" if args.keep is not None else None
     records = []
     with tempfile.TemporaryDirectory(prefix="mgtrace-fuzz-") as tmp:
