@@ -227,7 +227,6 @@ class StandinEngine:
         runner.cache_config = SimpleNamespace(
             mamba_cache_mode="align", enable_prefix_caching=True, mamba_block_size=B
         )
-
         runner.num_accepted_tokens = v.CpuGpuBuffer(
             MAX_REQS, dtype=torch.int32, device=CPU, pin_memory=False
         )

@@ -291,11 +291,11 @@ class SyncCounter:
             setattr(owner, name, orig)
 
 
-def _count_syncs(v: Any, agent: Any | None, out: Path, steps: int = 4) -> int:
+def _count_syncs(v: Any, agent: Any | None, out: Path, steps: int = 4, k: int = standin.K) -> int:
     import torch
 
     with standin.StandinRunnerMethods(v.gmr):
-        eng = standin.StandinEngine(v)
+        eng = standin.StandinEngine(v, k=k)
         if agent is not None:
             agent.start(str(out))
         with SyncCounter(torch, threading.current_thread()) as counter:
@@ -326,6 +326,29 @@ def test_hooks_add_no_synchronizing_call(v: Any, agent: Any, tmp_path: Path) -> 
         bad = _count_syncs(v, agent_mod.Agent(), tmp_path / "c")
     finally:
         hooks_common._postprocess = real
+    assert bad > unhooked
+
+
+def test_scalar_copy_hooks_add_no_synchronizing_call(v: Any, agent: Any, tmp_path: Path) -> None:
+    """Without a speculative config (k = 0) the hooks read host values only."""
+    unhooked = _count_syncs(v, None, tmp_path / "a", steps=8, k=0)
+    assert _count_syncs(v, agent, tmp_path / "b", steps=8, k=0) == unhooked
+    # failing control: a copy hook that waits for the device is counted
+    import torch
+
+    from mgtrace.recorder import hooks_v1
+
+    real = hooks_v1._scalar_copy
+
+    def waits(sess: Any, args: Any, kwargs: Any) -> None:
+        torch.cuda.synchronize()  # counted, then fails on a CPU build: the guard catches it
+        real(sess, args, kwargs)
+
+    hooks_v1._scalar_copy = waits
+    try:
+        bad = _count_syncs(v, agent_mod.Agent(), tmp_path / "c", steps=8, k=0)
+    finally:
+        hooks_v1._scalar_copy = real
     assert bad > unhooked
 
 
