@@ -306,49 +306,37 @@ def _count_syncs(v: Any, agent: Any | None, out: Path, steps: int = 4, k: int = 
     return counter.count
 
 
-def test_hooks_add_no_synchronizing_call(v: Any, agent: Any, tmp_path: Path) -> None:
-    unhooked = _count_syncs(v, None, tmp_path / "a")
-    hooked = _count_syncs(v, agent, tmp_path / "b")
+@pytest.mark.parametrize(
+    ("k", "module", "hook_name"),
+    [
+        (standin.K, "hooks_common", "_postprocess"),
+        # without a speculative config the hooks read host values only
+        (0, "hooks_v1", "_scalar_copy"),
+    ],
+)
+def test_hooks_add_no_synchronizing_call(
+    v: Any, agent: Any, tmp_path: Path, k: int, module: str, hook_name: str
+) -> None:
+    unhooked = _count_syncs(v, None, tmp_path / "a", steps=8, k=k)
+    hooked = _count_syncs(v, agent, tmp_path / "b", steps=8, k=k)
     assert hooked == unhooked
     # failing control: a hook that waits for the device is counted
+    import importlib
+
     import torch
 
-    from mgtrace.recorder import hooks_common
-
-    real = hooks_common._postprocess
-
-    def reads_item(sess: Any, args: Any, kwargs: Any) -> None:
-        torch.cuda.synchronize()  # counted, then fails on a CPU build: the guard catches it
-        real(sess, args, kwargs)
-
-    hooks_common._postprocess = reads_item
-    try:
-        bad = _count_syncs(v, agent_mod.Agent(), tmp_path / "c")
-    finally:
-        hooks_common._postprocess = real
-    assert bad > unhooked
-
-
-def test_scalar_copy_hooks_add_no_synchronizing_call(v: Any, agent: Any, tmp_path: Path) -> None:
-    """Without a speculative config (k = 0) the hooks read host values only."""
-    unhooked = _count_syncs(v, None, tmp_path / "a", steps=8, k=0)
-    assert _count_syncs(v, agent, tmp_path / "b", steps=8, k=0) == unhooked
-    # failing control: a copy hook that waits for the device is counted
-    import torch
-
-    from mgtrace.recorder import hooks_v1
-
-    real = hooks_v1._scalar_copy
+    mod = importlib.import_module(f"mgtrace.recorder.{module}")
+    real = getattr(mod, hook_name)
 
     def waits(sess: Any, args: Any, kwargs: Any) -> None:
         torch.cuda.synchronize()  # counted, then fails on a CPU build: the guard catches it
         real(sess, args, kwargs)
 
-    hooks_v1._scalar_copy = waits
+    setattr(mod, hook_name, waits)
     try:
-        bad = _count_syncs(v, agent_mod.Agent(), tmp_path / "c", steps=8, k=0)
+        bad = _count_syncs(v, agent_mod.Agent(), tmp_path / "c", steps=8, k=k)
     finally:
-        hooks_v1._scalar_copy = real
+        setattr(mod, hook_name, real)
     assert bad > unhooked
 
 
