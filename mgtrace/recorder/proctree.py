@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,11 +45,30 @@ class Proc:
 
     @property
     def is_python(self) -> bool:
+        """Whether the process runs CPython: its executable is an interpreter, or it maps one
+        (an interpreter started through the dynamic loader, whose executable is the loader,
+        or a program that embeds libpython)."""
         try:
             exe = os.readlink(PROC / str(self.pid) / "exe")
         except OSError:
             return "python" in self.cmdline.split(" ", 1)[0]
-        return "python" in Path(exe).name
+        return "python" in Path(exe).name or maps_python(self.pid)
+
+
+_PYTHON_IMAGE = re.compile(r"(lib)?python\d")  # python3.12, libpython3.12.so.1.0
+
+
+def maps_python(pid: int) -> bool:
+    """Whether ``pid`` has a Python interpreter or libpython mapped."""
+    try:
+        with open(PROC / str(pid) / "maps", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                path = line.rstrip("\n").split(maxsplit=5)[5:]
+                if path and _PYTHON_IMAGE.match(path[0].rsplit("/", 1)[-1]):
+                    return True
+    except OSError:
+        pass
+    return False
 
 
 def read_proc(pid: int) -> Proc | None:
