@@ -50,6 +50,7 @@ CASES = [
         "scenarios",
     ),
     ("profile_replay.py", ["--steps", "60", "--top", "5"], None),
+    ("profile_sim.py", ["--steps", "60", "--repeat", "1"], "median"),
 ]
 
 
