@@ -1,6 +1,7 @@
-"""Attaching to interpreters that are not a plain ``python`` executable, with real processes:
-one started through the dynamic loader (its executable is the loader), and, where a Python
-3.14 is at hand, PEP 768's ``sys.remote_exec`` between two 3.14 processes.
+"""Attaching to targets off the common path, with real processes: a thread waiting in a
+system call made from code gdb cannot unwind (a JIT page, as a stripped driver library is);
+a Python started through the dynamic loader (its executable is the loader); and, where a
+Python 3.14 is at hand, PEP 768's ``sys.remote_exec`` between two 3.14 processes.
 
 A Python 3.14 is looked for in ``MGTRACE_PYTHON314`` (a command, which may be a wrapper
 script) and then as ``python3.14`` on the PATH; without one those tests are skipped.
@@ -8,8 +9,10 @@ script) and then as ``python3.14`` on the PATH; without one those tests are skip
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -80,15 +83,113 @@ def _ptrace_or_skip(pid: int) -> None:
         pytest.skip(why)
 
 
+# The main thread sleeps in nanosleep issued from an anonymous executable page: to gdb the
+# innermost frame is code without symbols or unwind information. 100 sleeps, then "done".
+JIT_SLEEPER = """
+import ctypes, mmap
+code = bytes.fromhex("48c7c023000000" "0f05" "c3")  # mov rax, 35 (nanosleep); syscall; ret
+page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+page.write(code)
+address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+raw_sleep = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p)(address)
+pause = (ctypes.c_long * 2)(0, 20_000_000)
+print("up", flush=True)
+for _ in range(100):
+    raw_sleep(ctypes.addressof(pause), None)
+print("done", flush=True)
+"""
+QUEUED = "print('queued code ran', flush=True)\n"
+FRAME_SELECTION = "    gdb.newest_frame().select()\n"
+
+
+def _jit_sleeper(tmp_path: Path) -> subprocess.Popen[str]:
+    script = tmp_path / "jit_sleeper.py"
+    script.write_text(JIT_SLEEPER)
+    target = subprocess.Popen(
+        [PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert target.stdout is not None and target.stdout.readline().strip() == "up"
+    ok, why = attach.inject.ptrace_permitted(target.pid)
+    if not ok:
+        target.kill()
+        target.wait()
+        pytest.skip(why)
+    return target
+
+
+needs_x86_gdb = pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which("gdb") is None,
+    reason="gdb injection is x86-64 only and needs gdb",
+)
+
+
+@needs_x86_gdb
+def test_gdb_queues_code_where_the_thread_waits_in_code_without_unwind_info(
+    tmp_path: Path,
+) -> None:
+    """An engine's main thread mostly waits inside the GPU driver, a stripped library. gdb
+    identifies its frames by the stack and code addresses it unwinds, and after a register
+    write it selects again the frame that matches the one selected before; in code it
+    cannot unwind that was an outer frame, so the registers written next went to slots on
+    the stack, and the target crashed. The code runs, and the target finishes its loop."""
+    target = _jit_sleeper(tmp_path)
+    attach.inject._queue(target.pid, QUEUED)
+    out, err = target.communicate(timeout=60)
+    assert target.returncode == 0, err[-1000:]
+    assert out.split() == ["queued", "code", "ran", "done"], out
+
+
+@needs_x86_gdb
+def test_gdb_without_selecting_the_innermost_frame_crashes_that_target(tmp_path: Path) -> None:
+    """Failing control for the test above: the gdb script with its register reads and
+    writes left to whatever frame gdb selects."""
+    text = attach.inject.GDB_SCRIPT.read_text()
+    assert text.count(FRAME_SELECTION) == 2
+    broken = tmp_path / "gdb_queue_any_frame.py"
+    broken.write_text(text.replace(FRAME_SELECTION, ""))
+    target = _jit_sleeper(tmp_path)
+    with contextlib.suppress(attach.inject.InjectError):
+        attach.inject._queue(target.pid, QUEUED, script=broken)
+    try:
+        out, _ = target.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        target.kill()
+        out, _ = target.communicate()
+    assert target.returncode != 0 and "done" not in out
+
+
+def _static_python() -> str | None:
+    """A system Python with libpython linked into its executable (Debian's and Ubuntu's
+    are): through the loader, gdb reads none of its symbols unless told where it lies."""
+    for name in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        path = Path(name)
+        if path.exists() and b"libpython" not in _needed(path):
+            return name
+    return None
+
+
+def _needed(path: Path) -> bytes:
+    """The shared libraries the ELF file at ``path`` names (``ldd``'s first column)."""
+    done = subprocess.run(["ldd", str(path)], capture_output=True, timeout=30)
+    return done.stdout
+
+
+STATIC_PYTHON = _static_python()
+INTERPRETERS = [PY] + ([STATIC_PYTHON] if STATIC_PYTHON else [])
+
+
 @pytest.mark.skipif(not LOADER.exists(), reason=f"no dynamic loader at {LOADER}")
+@pytest.mark.parametrize(
+    "python", INTERPRETERS, ids=["this-python", "static-libpython"][: len(INTERPRETERS)]
+)
 def test_a_python_started_through_the_loader_is_attached_with_gdb(
-    tmp_path: Path, started: list[subprocess.Popen[str]]
+    python: str, tmp_path: Path, started: list[subprocess.Popen[str]]
 ) -> None:
     """``ld-linux PYTHON script``: the process's executable is the loader, so the name of
     ``/proc/PID/exe`` does not say Python (the old rule, checked here, refused it); its
     mapped interpreter does. Control: a program that is not Python, started the same way,
     is still refused."""
-    target = _start([str(LOADER), PY], tmp_path)
+    target = _start([str(LOADER), python], tmp_path)
     started.append(target)
     exe = Path(os.readlink(f"/proc/{target.pid}/exe")).name
     assert "python" not in exe  # what the old rule read
@@ -107,6 +208,28 @@ def test_a_python_started_through_the_loader_is_attached_with_gdb(
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+@pytest.mark.skipif(
+    not LOADER.exists() or STATIC_PYTHON is None, reason="no loader, or no static-libpython Python"
+)
+def test_without_the_mapped_interpreter_gdb_finds_no_python_symbols(
+    tmp_path: Path, started: list[subprocess.Popen[str]]
+) -> None:
+    """Control for the static-libpython case above: the gdb script without reading the
+    mapped interpreter's symbols finds no CPython function in that process."""
+    assert STATIC_PYTHON is not None
+    text = attach.inject.GDB_SCRIPT.read_text()
+    reading = "            if attempt or not load_mapped_interpreter():\n"
+    assert text.count(reading) == 1
+    broken = tmp_path / "gdb_queue_no_mapped_interpreter.py"
+    broken.write_text(text.replace(reading, "            if True:\n"))
+    target = _start([str(LOADER), STATIC_PYTHON], tmp_path)
+    started.append(target)
+    _ptrace_or_skip(target.pid)
+    with pytest.raises(attach.inject.InjectError, match="no symbol Py_IsInitialized"):
+        attach.inject._queue(target.pid, QUEUED, script=broken)
+    assert target.poll() is None  # refused, and left as it was
 
 
 def _run_314(code: str, pid: int) -> dict[str, object]:
@@ -174,3 +297,22 @@ def test_a_target_on_another_python_refuses_remote_exec(
     got = _run_314(REMOTE_EXEC_ONLY, target.pid)
     assert got["refused"] and f"sys.remote_exec into {target.pid} failed" in str(got["refused"])
     assert got["left"] == []
+
+
+@needs_314
+def test_gdb_starts_the_agent_in_a_python_314_process(
+    tmp_path: Path, started: list[subprocess.Popen[str]]
+) -> None:
+    """This mgtrace (no ``sys.remote_exec`` before 3.14) attaches to a 3.14 process with
+    gdb: the pending-call route works on 3.14's interpreter too."""
+    if sys.version_info >= (3, 14):
+        pytest.skip("this Python would use sys.remote_exec")
+    assert PY314 is not None
+    target = _start(PY314, tmp_path)
+    started.append(target)
+    _ptrace_or_skip(target.pid)
+    proc = proctree.read_proc(target.pid)
+    assert proc is not None
+    t = attach.connect(proc)
+    assert t.how == "gdb" and control.send(t.socket, "status")["pid"] == target.pid
+    assert target.poll() is None

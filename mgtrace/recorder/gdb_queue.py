@@ -53,10 +53,18 @@ def _on_stop(event: gdb.StopEvent) -> None:
 
 
 def reg(name: str) -> int:
+    gdb.newest_frame().select()
     return int(gdb.parse_and_eval(f"${name}"))
 
 
 def set_reg(name: str, value: int) -> None:
+    """Write a register of the thread itself. ``$name`` is the selected frame's, and after a
+    write of the stack pointer gdb selects anew the frame whose identity matches the one
+    selected before; where the code has no unwind information that can be the caller's,
+    whose "registers" are slots on the stack: a program counter written there became a
+    return address, and the thread crashed on it. So the innermost frame is selected first,
+    for every read and write."""
+    gdb.newest_frame().select()
     gdb.execute(f"set ${name} = {value}", to_string=True)
 
 
@@ -85,10 +93,46 @@ def entry_point() -> int:
 
 
 def symbol(name: str) -> int:
-    try:
-        return int(gdb.parse_and_eval(f"(long)&{name}"))
-    except gdb.error:
-        raise RuntimeError(f"the process has no symbol {name} (not a CPython?)") from None
+    for attempt in range(2):
+        try:
+            return int(gdb.parse_and_eval(f"(long)&{name}"))
+        except gdb.error:
+            if attempt or not load_mapped_interpreter():
+                break
+    raise RuntimeError(f"the process has no symbol {name} (not a CPython?)")
+
+
+PYTHON_IMAGE = re.compile(r"(lib)?python\d")  # python3.12, libpython3.12.so.1.0
+
+
+def load_mapped_interpreter() -> bool:
+    """Read the symbols of the Python images the process maps, at their load addresses.
+
+    To gdb, a Python started through the dynamic loader (``ld-linux python3 ...``) is the
+    loader: it reads the symbols of the loader and of the shared libraries, not those of the
+    interpreter, so a python binary with libpython linked in shows none. Returns whether
+    any image was read."""
+    pid = gdb.selected_inferior().pid
+    loaded: set[str] = set()
+    with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or int(fields[2], 16) != 0:  # the image's first mapping only
+                continue
+            path = fields[5].strip()
+            if path in loaded or not PYTHON_IMAGE.match(os.path.basename(path)):
+                continue
+            if any(c.isspace() or c in "'\"\\" for c in path):
+                continue  # not passed through gdb's command line
+            with open(path, "rb") as image:
+                header = image.read(18)
+            # a position-independent image (ELF type ET_DYN) is linked at 0: its symbols
+            # move by its load address; a fixed-address one (ET_EXEC) sits where linked
+            pie = header[:4] == b"\x7fELF" and header[16] == 3
+            base = int(fields[0].split("-")[0], 16) if pie else 0
+            gdb.execute(f"add-symbol-file {path} -o {base:#x}", to_string=True)
+            loaded.add(path)
+    return bool(loaded)
 
 
 def mmap_page(syscall_at: int, length: int) -> int:
