@@ -316,3 +316,26 @@ def test_gdb_starts_the_agent_in_a_python_314_process(
     t = attach.connect(proc)
     assert t.how == "gdb" and control.send(t.socket, "status")["pid"] == target.pid
     assert target.poll() is None
+
+
+@needs_314
+def test_a_314_target_that_disables_remote_debugging_gets_the_agent_through_gdb(
+    tmp_path: Path, started: list[subprocess.Popen[str]]
+) -> None:
+    """mgtrace on 3.14 and a 3.14 target started with PYTHON_DISABLE_REMOTE_DEBUG: PEP 768
+    refuses, and gdb starts the agent instead (mgtrace's throwaway gdb check runs on the
+    same interpreter: a wrapper given as MGTRACE_PYTHON314 must be its sys.executable)."""
+    assert PY314 is not None
+    script = tmp_path / "target.py"
+    script.write_text(TARGET)
+    target = subprocess.Popen(
+        [*PY314, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHON_DISABLE_REMOTE_DEBUG": "1"},
+    )
+    started.append(target)
+    assert target.stdout is not None and target.stdout.readline().strip() == "up"
+    _ptrace_or_skip(target.pid)
+    got = _run_314(ATTACH, target.pid)
+    assert got["how"] == "gdb" and got["pid"] == target.pid, got
