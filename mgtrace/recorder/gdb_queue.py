@@ -175,9 +175,10 @@ def call(
 
 
 def restore(thread: gdb.InferiorThread, saved: dict[str, int]) -> None:
-    """The saved registers back, the program counter last: once it moves, gdb rebuilds the
-    frame from it, and in some frames it then refuses to assign the stack pointer (the
-    thread was left with its old stack, and crashed)."""
+    """The saved registers back, each into the innermost frame (``set_reg``), the program
+    counter last: gdb rebuilds the frames from it, and a write made to any frame but the
+    innermost lands on the stack instead (the thread was once left with its old stack
+    pointer that way, and crashed)."""
     thread.switch()
     for name in SAVED:
         if name != "rip":
