@@ -83,28 +83,48 @@ def _ptrace_or_skip(pid: int) -> None:
         pytest.skip(why)
 
 
-# The main thread sleeps in nanosleep issued from an anonymous executable page: to gdb the
-# innermost frame is code without symbols or unwind information. 100 sleeps, then "done".
-JIT_SLEEPER = """
-import ctypes, mmap
+# A thread sleeps in nanosleep issued from an anonymous executable page: to gdb the
+# innermost frame is code without symbols or unwind information. Either the main thread
+# sleeps so, 100 times; or a helper thread does, while the main thread computes for a few
+# seconds (never in a system call: gdb takes the helper, as an engine's driver thread).
+# Then "done".
+RAW_SLEEP = """
+import ctypes, mmap, threading, time
 code = bytes.fromhex("48c7c023000000" "0f05" "c3")  # mov rax, 35 (nanosleep); syscall; ret
 page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
 page.write(code)
 address = ctypes.addressof(ctypes.c_char.from_buffer(page))
 raw_sleep = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p)(address)
 pause = (ctypes.c_long * 2)(0, 20_000_000)
+"""
+JIT_SLEEPERS = {
+    "main-thread-waits": RAW_SLEEP
+    + """
 print("up", flush=True)
 for _ in range(100):
     raw_sleep(ctypes.addressof(pause), None)
 print("done", flush=True)
-"""
+""",
+    "helper-thread-waits": RAW_SLEEP
+    + """
+def helper():
+    while True:
+        raw_sleep(ctypes.addressof(pause), None)
+threading.Thread(target=helper, daemon=True).start()
+print("up", flush=True)
+end = time.monotonic() + 3
+while time.monotonic() < end:
+    sum(range(1000))
+print("done", flush=True)
+""",
+}
 QUEUED = "print('queued code ran', flush=True)\n"
 FRAME_SELECTION = "    gdb.newest_frame().select()\n"
 
 
-def _jit_sleeper(tmp_path: Path) -> subprocess.Popen[str]:
+def _jit_sleeper(tmp_path: Path, shape: str) -> subprocess.Popen[str]:
     script = tmp_path / "jit_sleeper.py"
-    script.write_text(JIT_SLEEPER)
+    script.write_text(JIT_SLEEPERS[shape])
     target = subprocess.Popen(
         [PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -124,15 +144,16 @@ needs_x86_gdb = pytest.mark.skipif(
 
 
 @needs_x86_gdb
+@pytest.mark.parametrize("shape", list(JIT_SLEEPERS))
 def test_gdb_queues_code_where_the_thread_waits_in_code_without_unwind_info(
-    tmp_path: Path,
+    shape: str, tmp_path: Path
 ) -> None:
-    """An engine's main thread mostly waits inside the GPU driver, a stripped library. gdb
-    identifies its frames by the stack and code addresses it unwinds, and after a register
-    write it selects again the frame that matches the one selected before; in code it
-    cannot unwind that was an outer frame, so the registers written next went to slots on
-    the stack, and the target crashed. The code runs, and the target finishes its loop."""
-    target = _jit_sleeper(tmp_path)
+    """An engine's threads wait inside the GPU driver, a stripped library. gdb identifies
+    frames by the stack and code addresses it unwinds, and after a register write it selects
+    again the frame that matches the one selected before; in code it cannot unwind that was
+    an outer frame, so the registers written next went to slots on the stack, and the
+    target crashed. The code runs (on the main thread), and the target finishes."""
+    target = _jit_sleeper(tmp_path, shape)
     attach.inject._queue(target.pid, QUEUED)
     out, err = target.communicate(timeout=60)
     assert target.returncode == 0, err[-1000:]
@@ -140,14 +161,17 @@ def test_gdb_queues_code_where_the_thread_waits_in_code_without_unwind_info(
 
 
 @needs_x86_gdb
-def test_gdb_without_selecting_the_innermost_frame_crashes_that_target(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", list(JIT_SLEEPERS))
+def test_gdb_without_selecting_the_innermost_frame_crashes_that_target(
+    shape: str, tmp_path: Path
+) -> None:
     """Failing control for the test above: the gdb script with its register reads and
     writes left to whatever frame gdb selects."""
     text = attach.inject.GDB_SCRIPT.read_text()
     assert text.count(FRAME_SELECTION) == 2
     broken = tmp_path / "gdb_queue_any_frame.py"
     broken.write_text(text.replace(FRAME_SELECTION, ""))
-    target = _jit_sleeper(tmp_path)
+    target = _jit_sleeper(tmp_path, shape)
     with contextlib.suppress(attach.inject.InjectError):
         attach.inject._queue(target.pid, QUEUED, script=broken)
     try:
