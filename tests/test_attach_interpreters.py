@@ -9,7 +9,6 @@ script) and then as ``python3.14`` on the PATH; without one those tests are skip
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from mgtrace.recorder import attach, control, proctree
+from tests.attach_targets import gdb_script_with, python_target, queue_and_wait
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -123,18 +123,7 @@ FRAME_SELECTION = "    gdb.newest_frame().select()\n"
 
 
 def _jit_sleeper(tmp_path: Path, shape: str) -> subprocess.Popen[str]:
-    script = tmp_path / "jit_sleeper.py"
-    script.write_text(JIT_SLEEPERS[shape])
-    target = subprocess.Popen(
-        [PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    assert target.stdout is not None and target.stdout.readline().strip() == "up"
-    ok, why = attach.inject.ptrace_permitted(target.pid)
-    if not ok:
-        target.kill()
-        target.wait()
-        pytest.skip(why)
-    return target
+    return python_target(tmp_path, "jit_sleeper", JIT_SLEEPERS[shape])
 
 
 needs_x86_gdb = pytest.mark.skipif(
@@ -167,19 +156,9 @@ def test_gdb_without_selecting_the_innermost_frame_crashes_that_target(
 ) -> None:
     """Failing control for the test above: the gdb script with its register reads and
     writes left to whatever frame gdb selects."""
-    text = attach.inject.GDB_SCRIPT.read_text()
-    assert text.count(FRAME_SELECTION) == 2
-    broken = tmp_path / "gdb_queue_any_frame.py"
-    broken.write_text(text.replace(FRAME_SELECTION, ""))
-    target = _jit_sleeper(tmp_path, shape)
-    with contextlib.suppress(attach.inject.InjectError):
-        attach.inject._queue(target.pid, QUEUED, script=broken)
-    try:
-        out, _ = target.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        target.kill()
-        out, _ = target.communicate()
-    assert target.returncode != 0 and "done" not in out
+    broken = gdb_script_with(tmp_path, FRAME_SELECTION, "", count=2)
+    returncode, out = queue_and_wait(_jit_sleeper(tmp_path, shape), QUEUED, broken, 30)
+    assert returncode != 0 and "done" not in out
 
 
 def _static_python() -> str | None:
@@ -243,11 +222,8 @@ def test_without_the_mapped_interpreter_gdb_finds_no_python_symbols(
     """Control for the static-libpython case above: the gdb script without reading the
     mapped interpreter's symbols finds no CPython function in that process."""
     assert STATIC_PYTHON is not None
-    text = attach.inject.GDB_SCRIPT.read_text()
     reading = "            if attempt or not load_mapped_interpreter():\n"
-    assert text.count(reading) == 1
-    broken = tmp_path / "gdb_queue_no_mapped_interpreter.py"
-    broken.write_text(text.replace(reading, "            if True:\n"))
+    broken = gdb_script_with(tmp_path, reading, "            if True:\n")
     target = _start([str(LOADER), STATIC_PYTHON], tmp_path)
     started.append(target)
     _ptrace_or_skip(target.pid)

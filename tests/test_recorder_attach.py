@@ -22,6 +22,7 @@ from mgtrace.errors import ManifestError
 from mgtrace.recorder import attach, control, proctree
 from mgtrace.recorder.agent import Agent
 from mgtrace.schemas.reader import TraceReader
+from tests.attach_targets import gdb_script_with, python_target, queue_and_wait
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
@@ -364,18 +365,7 @@ def test_a_refused_remote_exec_falls_back_to_gdb(
 def _script_target(tmp_path: Path, name: str, body: str) -> subprocess.Popen[str]:
     """A Python process running ``body`` after printing 'up'; skipped where gdb may not
     attach to it."""
-    script = tmp_path / f"{name}.py"
-    script.write_text("import threading, time\nprint('up', flush=True)\n" + body)
-    target = subprocess.Popen(
-        [PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    assert target.stdout is not None and target.stdout.readline().strip() == "up"
-    ok, why = attach.inject.ptrace_permitted(target.pid)
-    if not ok:
-        target.kill()
-        target.wait()
-        pytest.skip(why)
-    return target
+    return python_target(tmp_path, name, "import threading, time\nprint('up', flush=True)\n" + body)
 
 
 SLEEPS = "for _ in range(100):\n    time.sleep(0.02)\nprint('done', flush=True)\n"
@@ -412,19 +402,10 @@ def test_every_one_of_several_targets_survives_the_queue_and_runs_the_code(
 def test_gdb_without_the_register_restore_breaks_the_target(tmp_path: Path) -> None:
     """Failing control for the test above: the same script with the saved registers not
     written back leaves the target on the program's entry point; it does not finish."""
-    text = attach.inject.GDB_SCRIPT.read_text()
-    assert text.count("        restore(thread, saved)\n") == 1
-    broken = tmp_path / "gdb_queue_no_restore.py"
-    broken.write_text(text.replace("        restore(thread, saved)\n", "        pass\n"))
+    broken = gdb_script_with(tmp_path, "        restore(thread, saved)\n", "        pass\n")
     target = _script_target(tmp_path, "sleeper", SLEEPS)
-    with contextlib.suppress(attach.inject.InjectError):
-        attach.inject._queue(target.pid, QUEUED, script=broken)
-    try:
-        out, _ = target.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        target.kill()
-        out, _ = target.communicate()
-    assert target.returncode != 0 and "done" not in out
+    returncode, out = queue_and_wait(target, QUEUED, broken, 10)
+    assert returncode != 0 and "done" not in out
 
 
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
