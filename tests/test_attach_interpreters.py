@@ -150,14 +150,14 @@ def test_gdb_queues_code_where_the_thread_waits_in_code_without_unwind_info(
 
 
 @needs_x86_gdb
-@pytest.mark.parametrize("shape", list(JIT_SLEEPERS))
-def test_gdb_without_selecting_the_innermost_frame_crashes_that_target(
-    shape: str, tmp_path: Path
-) -> None:
+def test_gdb_without_selecting_the_innermost_frame_crashes_that_target(tmp_path: Path) -> None:
     """Failing control for the test above: the gdb script with its register reads and
-    writes left to whatever frame gdb selects."""
+    writes left to whatever frame gdb selects. (With a helper thread the control is not
+    certain to fire: the main thread, which gdb tries first, may be waiting for the GIL in
+    the C library just then, where gdb unwinds well.)"""
     broken = gdb_script_with(tmp_path, FRAME_SELECTION, "", count=2)
-    returncode, out = queue_and_wait(_jit_sleeper(tmp_path, shape), QUEUED, broken, 30)
+    target = _jit_sleeper(tmp_path, "main-thread-waits")
+    returncode, out = queue_and_wait(target, QUEUED, broken, 30)
     assert returncode != 0 and "done" not in out
 
 

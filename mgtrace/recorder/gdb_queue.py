@@ -58,12 +58,12 @@ def reg(name: str) -> int:
 
 
 def set_reg(name: str, value: int) -> None:
-    """Write a register of the thread itself. ``$name`` is the selected frame's, and after a
-    write of the stack pointer gdb selects anew the frame whose identity matches the one
-    selected before; where the code has no unwind information that can be the caller's,
-    whose "registers" are slots on the stack: a program counter written there became a
-    return address, and the thread crashed on it. So the innermost frame is selected first,
-    for every read and write."""
+    """Write a register of the thread itself. ``$name`` is the selected frame's, and after
+    any write (a register, or memory such as the stack) gdb rebuilds its frames and selects
+    the one whose identity matches the frame selected before; in code it cannot unwind,
+    that can be an outer frame, whose "registers" are slots on the stack: values written
+    there (a stack pointer, a program counter) never reached the thread, and it crashed. So
+    the innermost frame is selected first, for every read and write."""
     gdb.newest_frame().select()
     gdb.execute(f"set ${name} = {value}", to_string=True)
 
