@@ -161,6 +161,19 @@ def test_gdb_without_selecting_the_innermost_frame_crashes_that_target(tmp_path:
     assert returncode != 0 and "done" not in out
 
 
+@needs_x86_gdb
+def test_the_throwaway_check_catches_a_script_that_crashes_such_a_thread(tmp_path: Path) -> None:
+    """Before it attaches to an engine, mgtrace tries gdb on a throwaway Python that waits as
+    an engine's threads do, in code gdb cannot unwind; the script without the frame
+    selection fails there (a throwaway that slept in Python, as before, let it pass)."""
+    ok, why = attach.inject.gdb_injection_works()
+    if not ok:
+        pytest.skip(why)
+    broken = gdb_script_with(tmp_path, FRAME_SELECTION, "", count=2)
+    ok, why = attach.inject.gdb_injection_works(broken)
+    assert not ok and "test process" in why, why
+
+
 def _static_python() -> str | None:
     """A system Python with libpython linked into its executable (Debian's and Ubuntu's
     are): through the loader, gdb reads none of its symbols unless told where it lies."""

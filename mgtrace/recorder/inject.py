@@ -172,22 +172,45 @@ def _queue(pid: int, source: str, script: Path | None = None) -> None:
         raise InjectError(f"gdb could not queue the agent in {pid}: {reason}")
 
 
+# The throwaway process waits as an engine's threads do: in a system call made from code
+# gdb can neither name nor unwind (an engine's, in the stripped GPU driver), here a page of
+# x86-64 code issuing nanosleep. Where no executable page can be made, it sleeps in Python.
+PROBE = """
+import platform, time
+wait = lambda: time.sleep(0.05)
+try:
+    import ctypes, mmap
+    assert platform.machine() == "x86_64"
+    page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    page.write(bytes.fromhex("48c7c023000000" "0f05" "c3"))  # mov rax, 35; syscall; ret
+    nanosleep = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p)(
+        ctypes.addressof(ctypes.c_char.from_buffer(page))
+    )
+    pause = (ctypes.c_long * 2)(0, 50_000_000)
+    wait = lambda: nanosleep(ctypes.addressof(pause), None)
+except Exception:
+    pass
+while True:
+    wait()
+"""
+
+
 @functools.cache
-def gdb_injection_works() -> tuple[bool, str]:
+def gdb_injection_works(script: Path | None = None) -> tuple[bool, str]:
     """Whether gdb can queue code in a process on this machine, tried end to end on a
     throwaway Python, so that an engine is never the first process to meet a kernel or a
-    gdb that cannot."""
+    gdb that cannot (``script``: another gdb script than mgtrace's, for tests)."""
     with tempfile.TemporaryDirectory(prefix="mgtrace-probe-") as tmp:
         marker = Path(tmp) / "ran"
         probe = subprocess.Popen(
-            [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"],
+            [sys.executable, "-c", PROBE],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         try:
             time.sleep(0.2)  # into its loop
-            _queue(probe.pid, f"open({str(marker)!r}, 'w').close()\n")
+            _queue(probe.pid, f"open({str(marker)!r}, 'w').close()\n", script)
             deadline = time.monotonic() + 5.0
             while not marker.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
