@@ -138,10 +138,10 @@ def test_gdb_queues_code_where_the_thread_waits_in_code_without_unwind_info(
     shape: str, tmp_path: Path
 ) -> None:
     """An engine's threads wait inside the GPU driver, a stripped library. gdb identifies
-    frames by the stack and code addresses it unwinds, and after a register write it selects
-    again the frame that matches the one selected before; in code it cannot unwind that was
-    an outer frame, so the registers written next went to slots on the stack, and the
-    target crashed. The code runs (on the main thread), and the target finishes."""
+    frames by the stack and code addresses it unwinds, and after any write it selects again
+    the frame that matches the one selected before; in code it cannot unwind that was an
+    outer frame, so the registers written next went to slots on the stack, and the target
+    crashed. The code runs (on the main thread), and the target finishes."""
     target = _jit_sleeper(tmp_path, shape)
     attach.inject._queue(target.pid, QUEUED)
     out, err = target.communicate(timeout=60)
@@ -177,17 +177,18 @@ def test_the_throwaway_check_catches_a_script_that_crashes_such_a_thread(tmp_pat
 def _static_python() -> str | None:
     """A system Python with libpython linked into its executable (Debian's and Ubuntu's
     are): through the loader, gdb reads none of its symbols unless told where it lies."""
+    if shutil.which("ldd") is None:
+        return None
     for name in ("/usr/bin/python3", "/usr/local/bin/python3"):
         path = Path(name)
-        if path.exists() and b"libpython" not in _needed(path):
+        if path.exists() and b"libpython" not in _libraries(path):
             return name
     return None
 
 
-def _needed(path: Path) -> bytes:
-    """The shared libraries the ELF file at ``path`` names (``ldd``'s first column)."""
-    done = subprocess.run(["ldd", str(path)], capture_output=True, timeout=30)
-    return done.stdout
+def _libraries(path: Path) -> bytes:
+    """``ldd``'s list of the shared libraries the program at ``path`` loads."""
+    return subprocess.run(["ldd", str(path)], capture_output=True, timeout=30).stdout
 
 
 STATIC_PYTHON = _static_python()
