@@ -102,7 +102,8 @@ def symbol(name: str) -> int:
     raise RuntimeError(f"the process has no symbol {name} (not a CPython?)")
 
 
-PYTHON_IMAGE = re.compile(r"(lib)?python\d")  # python3.12, libpython3.12.so.1.0
+# python3.12, libpython3.12.so.1.0: proctree.maps_python's rule (gdb's Python cannot import it)
+PYTHON_IMAGE = re.compile(r"(lib)?python\d")
 
 
 def load_mapped_interpreter() -> bool:
