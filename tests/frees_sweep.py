@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -56,9 +57,8 @@ def history_frees(path: Path) -> set[tuple[str, int, int]]:
     found = set()
     for (req,) in trace.sql("SELECT DISTINCT req_id FROM sched ORDER BY 1").fetchall():
         for line in trace.history(req).to_pylist():
-            if line["freed"]:
-                block = int(line["freed"].split("block ")[1].rstrip(")"))
-                found.add((req, line["step"], block))
+            for block in re.findall(r"block (\d+)", line["freed"] or ""):
+                found.add((req, line["step"], int(block)))
     return found
 
 

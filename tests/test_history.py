@@ -182,6 +182,16 @@ def test_history_frees_are_the_simulators(tmp_path, monkeypatch, engine: dict) -
         simulate(SimConfig(steps=120, seed=3, length_scale=0.2, output=out, **shape))
     assert len(frees) > 20
     assert history_frees(out) == frees
+    # a line per step: a step that frees several blocks names them all on its one line
+    trace = Trace(out)
+    several = 0
+    for (req,) in trace.sql("SELECT DISTINCT req_id FROM sched").fetchall():
+        lines = trace.history(req).to_pylist()
+        steps = [(line["rank"], line["step"]) for line in lines]
+        assert len(steps) == len(set(steps)), f"{req}: a step on two lines"
+        several += sum(1 for line in lines if (line["freed"] or "").count("block") > 1)
+    if engine["runner"] == "v2":  # the check's teeth: such steps are there
+        assert several > 0
     if engine.get("async_scheduling", True):
         # the failing control: one step fewer in flight frees some blocks a step early
         in_flight = history.steps_in_flight

@@ -162,7 +162,9 @@ def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -
         "coalesce(new_block_ids[1], []) FROM sched WHERE req_id = $1 ORDER BY rank, step",
         [req_id],
     ).fetchall()
-    out: dict[str, list] = {"rank": [], "step": [], "freed": []}
+    # one text per (rank, step): a line of the history is one step, however many blocks
+    # it frees (a prefix hit's block and the previous running one can go together)
+    freed: dict[tuple[int, int], list[str]] = {}
     for rank in sorted({r[0] for r in rows}):
         mine = [r for r in rows if r[0] == rank]
         steps = np.array([r[1] for r in mine], dtype=np.int64)
@@ -189,11 +191,20 @@ def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -
         for i, (_, step, kind, _, _, blocks) in enumerate(mine):
             if kind == "cached":  # as the replay: frees first, then this step's blocks
                 for _, _, col, block in own.retire(one, below[i : i + 1]):
-                    out["rank"].append(rank)
-                    out["step"].append(step)
-                    out["freed"].append(f"col {col} (block {block})")
+                    freed.setdefault((rank, step), []).append(f"col {col} (block {block})")
             own.apply(step, [1], [kind], [[blocks]])
-    return pa.table(out, schema=HISTORY_FREES)
+    return pa.table(
+        {
+            "rank": [rank for rank, _ in freed],
+            "step": [step for _, step in freed],
+            "freed": [", ".join(sorted(texts, key=_col_number)) for texts in freed.values()],
+        },
+        schema=HISTORY_FREES,
+    )
+
+
+def _col_number(text: str) -> int:
+    return int(text.split()[1])
 
 
 def request_history(
