@@ -446,3 +446,24 @@ def test_a_max_rows_too_large_to_use_is_a_usage_error(
         assert main([command[0], trace, *rest, "--max-rows", huge]) == 2
         assert "--max-rows" in capsys.readouterr().err
     assert main([command[0], trace, *rest, "--max-rows", str(2**62)]) == 0
+
+
+def test_the_accepted_distribution_counts_each_row_once_on_two_ranks(
+    tmp_path: Path, capsys
+) -> None:
+    """Every rank of a pipeline-parallel engine records the same batch rows; the canned
+    distribution counts them on one rank, not once per rank."""
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    out = tmp_path / "pp2"
+    simulate(SimConfig(steps=60, seed=4, runner="v2", pp=2, output=out))
+    spec = "FROM batch_rows WHERE accepted IS NOT NULL AND num_draft > 0"
+    assert (
+        main(["sql", str(out), f"SELECT rank, count(*) AS n {spec} GROUP BY 1", "--format", "json"])
+        == 0
+    )
+    per_rank = {r["rank"]: r["n"] for r in json.loads(capsys.readouterr().out)}
+    assert sorted(per_rank) == [0, 1] and per_rank[0] == per_rank[1] > 0  # the two ranks agree
+    assert main(["sql", str(out), "@accepted-distribution", "--format", "json"]) == 0
+    assert sum(r["rows"] for r in json.loads(capsys.readouterr().out)) == per_rank[0]

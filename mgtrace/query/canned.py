@@ -18,9 +18,12 @@ FROM batch_rows WHERE rank = {rank}
 GROUP BY step ORDER BY step
 """
 
+# One rank's rows: every rank of an engine (tensor or pipeline parallel) records the same
+# batch, so counting them all would count each row once per rank.
 ACCEPTED_DISTRIBUTION = """
 SELECT accepted, count(*) AS rows
-FROM batch_rows WHERE accepted IS NOT NULL AND num_draft > 0
+FROM batch_rows
+WHERE accepted IS NOT NULL AND num_draft > 0 AND rank = (SELECT min(rank) FROM batch_rows)
 GROUP BY accepted ORDER BY accepted
 """
 
@@ -87,7 +90,8 @@ NAMED: dict[str, tuple[str, str]] = {
     ),
     "accepted-distribution": (
         ACCEPTED_DISTRIBUTION,
-        "how many rows accepted how many tokens, over spec-decode rows",
+        "how many rows accepted how many tokens, over the spec-decode rows of the lowest rank "
+        "(an engine's ranks run the same batch)",
     ),
     "findings-over-time": (
         FINDINGS_OVER_TIME.format(where=findings_filter(as_recorded_replay_id())),
