@@ -332,8 +332,10 @@ def render_verdict(v: Any, console: Console, *, log: Any) -> None:
         for side in ("bad", "good"):
             if side in v.commands:
                 console.print(_text(f"  {side + ':':6}{v.commands[side]}"), highlight=False)
+    probes = len(v.probes)
     console.print(
-        f"{v.steps_replayed} steps replayed in {v.wall_s:.2f} s over {len(v.probes)} probes",
+        f"{v.steps_replayed} step{'s' if v.steps_replayed != 1 else ''} replayed in "
+        f"{v.wall_s:.2f} s over {probes} probe{'s' if probes != 1 else ''}",
         style="dim",
     )
     if log is not None:
