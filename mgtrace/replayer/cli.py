@@ -570,7 +570,9 @@ def minimize_cmd(
     out = stdout_console()
     out.print(
         f"minimized {trace}: {_count(result.original_steps, 'step')} and "
-        f"{_count(result.original_requests, 'request')} -> {_count(result.steps, 'step')} and "
+        # the requests in its batches: `info` also counts those that never got scheduled
+        f"{_count(result.original_requests, 'request')} in batches -> "
+        f"{_count(result.steps, 'step')} and "
         f"{_count(len(result.requests), 'request')} ({', '.join(result.requests)}), "
         f"{_count(result.table_updates, 'block-table change')}",
         markup=False,
