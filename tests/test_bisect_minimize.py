@@ -294,6 +294,17 @@ def test_diff_rules_counts_rank_steps_as_rank_steps() -> None:
     assert d.sentence(RuleSet(), RuleSet()).endswith("every one of 300 steps")
 
 
+def test_diff_sentence_counts_the_blocks_it_names() -> None:
+    """One block is said in the singular; past eight, the sentence says how many differ."""
+    from mgtrace.replayer.diff import RulesDiff
+
+    a, b = RuleSet(), RuleSet.parse("bt_row_is_req=true")
+    one = RulesDiff(first_step=3, rank=0, blocks=[125]).sentence(a, b)
+    assert one.endswith("(rank 0): block 125 holds different state")
+    many = RulesDiff(first_step=3, rank=0, blocks=list(range(1, 11))).sentence(a, b)
+    assert many.endswith("blocks 1, 2, 3, 4, 5, 6, 7, 8, ... (10 in all) hold different state")
+
+
 # ---------------------------------------------------------------- CLI
 def test_replay_cli_exit_codes_and_saved_findings() -> None:
     buggy = toggle_trace("stale-condense-row", 0)

@@ -159,7 +159,7 @@ def _step_hashes(reader: TraceReader, table: str) -> dict[tuple[int, int], int]:
 class RulesDiff:
     first_step: int | None
     rank: int | None
-    blocks: list[int] = field(default_factory=list)  # blocks whose tags differ (first few)
+    blocks: list[int] = field(default_factory=list)  # blocks whose tags differ
     findings_a: list[dict[str, Any]] = field(default_factory=list)
     findings_b: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0  # rank-steps replayed under each rule set
@@ -190,6 +190,10 @@ class RulesDiff:
         if not self.blocks:
             return where + f"(rank {self.rank}): the same state, read differently"
         shown = ", ".join(str(x) for x in self.blocks[:8])
+        if len(self.blocks) > 8:
+            shown += f", ... ({len(self.blocks)} in all)"
+        if len(self.blocks) == 1:
+            return where + f"(rank {self.rank}): block {shown} holds different state"
         return where + f"(rank {self.rank}): blocks {shown} hold different state"
 
 
