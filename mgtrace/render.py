@@ -191,7 +191,7 @@ def render_arrow(
     for row in table.to_pylist():
         t.add_row(*(_text(v, "NULL") for v in row.values()))
     console.print(t)
-    note = f"{table.num_rows:,} row{'s' if table.num_rows != 1 else ''}"
+    note = counted(table.num_rows, "row")
     if more and total is not None:
         note = f"{table.num_rows:,} of {total:,} rows shown (raise --max-rows, or use --format csv)"
     elif more:
@@ -242,7 +242,7 @@ def render_history(lines: pa.Table, console: Console, *, max_rows: int) -> None:
         t.add_row(*(_text(v) for v in row.values()))
     console.print(t)
     total = lines.num_rows
-    note = f"{total:,} step line{'s' if total != 1 else ''}"
+    note = counted(total, "step line")
     if total > max_rows:
         note = f"{max_rows:,} of {note} shown (raise --max-rows, or use --format csv)"
     console.print(note, style="dim")
@@ -260,12 +260,17 @@ def render_views(views: list[tuple[str, str, str, str]], console: Console) -> No
     console.print(t)
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, in the plural unless ``n`` is 1 (thousands separated)."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 def _replayed(result: Any) -> str:
     """Steps replayed, counted per rank: a PP trace's steps run on every rank."""
     ranks = len(result.ranks)
     if ranks > 1:
         return f"{result.steps} rank-steps ({ranks} ranks)"
-    return f"{result.steps} step{'s' if result.steps != 1 else ''}"
+    return counted(result.steps, "step")
 
 
 def findings_by_kind(findings: list[Any]) -> list[tuple[str, int, int]]:
@@ -304,9 +309,14 @@ def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str |
     for kind, requests_of_kind, step in findings_by_kind(result.findings):
         t.add_row(_text(kind), str(requests_of_kind), str(step))
     console.print(t)
+    repeats = (
+        f" ({counted(result.repeats, 'repeat')} of the same finding for the same request not "
+        "listed)"
+        if result.repeats
+        else ""
+    )
     console.print(
-        f"{len(result.findings)} findings over {_replayed(result)} "
-        f"({result.repeats} repeats of the same finding for the same request not listed)",
+        f"{counted(len(result.findings), 'finding')} over {_replayed(result)}{repeats}",
         style="dim",
     )
     if replay_id is not None:
@@ -332,10 +342,9 @@ def render_verdict(v: Any, console: Console, *, log: Any) -> None:
         for side in ("bad", "good"):
             if side in v.commands:
                 console.print(_text(f"  {side + ':':6}{v.commands[side]}"), highlight=False)
-    probes = len(v.probes)
     console.print(
-        f"{v.steps_replayed} step{'s' if v.steps_replayed != 1 else ''} replayed in "
-        f"{v.wall_s:.2f} s over {probes} probe{'s' if probes != 1 else ''}",
+        f"{counted(v.steps_replayed, 'step')} replayed in {v.wall_s:.2f} s over "
+        f"{counted(len(v.probes), 'probe')}",
         style="dim",
     )
     if log is not None:

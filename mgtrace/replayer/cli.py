@@ -538,7 +538,7 @@ def minimize_cmd(
     """
     from dataclasses import asdict
 
-    from mgtrace.render import stdout_console
+    from mgtrace.render import counted, stdout_console
     from mgtrace.replayer.minimize import minimize
 
     rules = rules_from_options(rule_values, rules_text)
@@ -569,12 +569,12 @@ def minimize_cmd(
         return EXIT_CLEAN
     out = stdout_console()
     out.print(
-        f"minimized {trace}: {_count(result.original_steps, 'step')} and "
+        f"minimized {trace}: {counted(result.original_steps, 'step')} and "
         # the requests in its batches: `info` also counts those that never got scheduled
-        f"{_count(result.original_requests, 'request')} in batches -> "
-        f"{_count(result.steps, 'step')} and "
-        f"{_count(len(result.requests), 'request')} ({', '.join(result.requests)}), "
-        f"{_count(result.table_updates, 'block-table change')}",
+        f"{counted(result.original_requests, 'request')} in batches -> "
+        f"{counted(result.steps, 'step')} and "
+        f"{counted(len(result.requests), 'request')} ({', '.join(result.requests)}), "
+        f"{counted(result.table_updates, 'block-table change')}",
         markup=False,
         highlight=False,
     )
@@ -590,7 +590,3 @@ def minimize_cmd(
         f"next: python -m pytest {shell_path(result.test_file)}", markup=False, highlight=False
     )
     return EXIT_CLEAN
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
