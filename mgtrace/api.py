@@ -90,11 +90,15 @@ class Trace:
         from_step: int | None = None,
         to_step: int | None = None,
         rules: str | None = "as-recorded",
+        rank: int | None = None,
     ) -> pa.Table:
         """One request's lines, as ``mgtrace history`` shows them (``request``: the id, or
-        a unique part of it; ``rules=None``: findings of every saved replay)."""
-        from mgtrace.query.history import request_history, resolve_request
+        a unique part of it; ``rules=None``: findings of every saved replay; ``rank``: that
+        rank's lines only)."""
+        from mgtrace.query.history import check_rank, request_history, resolve_request
 
+        if rank is not None:
+            check_rank(self.reader, rank, self.path)
         if self._con is None:
             self._con = self.reader.connect()
         req_id = resolve_request(self._con, request)
@@ -105,6 +109,7 @@ class Trace:
             to_step=to_step,
             rules=rules,
             run=self.run,
+            rank=rank,
         )
 
     # ------------------------------------------------------------------ analyses

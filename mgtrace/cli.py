@@ -236,6 +236,11 @@ def sql(
     show_default=True,
     help="Findings of the saved replays under these rules (as `replay` names them), or 'any'.",
 )
+@click.option(
+    "--rank",
+    type=click.IntRange(min=0),
+    help="Only this rank's lines (every rank of an engine runs the same batch).",
+)
 @tabular_output(max_rows=200, noun="Lines")
 @SKIP_BAD_PARTS
 def history(
@@ -244,6 +249,7 @@ def history(
     from_step: int | None,
     to_step: int | None,
     rules: str,
+    rank: int | None,
     fmt: str,
     output: Path | None,
     max_rows: int,
@@ -262,6 +268,7 @@ def history(
 
     from mgtrace.query.export import export_table
     from mgtrace.query.history import (
+        check_rank,
         findings_note,
         first_finding,
         request_history,
@@ -275,6 +282,8 @@ def history(
     check_step_window(from_step, to_step)
     fmt = _output_format(fmt, output, force, trace)
     reader = _open(trace, skip_bad_parts)
+    if rank is not None:
+        check_rank(reader, rank, trace)
     con = reader.connect()
     req_id = resolve_request(con, request)
     # named as replay names them (a typo is an error, not a silently empty column)
@@ -286,6 +295,7 @@ def history(
         to_step=to_step,
         rules=wanted,
         run=reader.manifest.run,
+        rank=rank,
     )
     if fmt != "table":
         export_table(lines, fmt, output)
@@ -302,10 +312,20 @@ def history(
     if about:
         out.print(Text(about))
     render_history(lines, out, max_rows=max_rows)
-    first = first_finding(con, req_id, rules=wanted)
+    first = first_finding(con, req_id, rules=wanted, rank=rank)
     if first is not None:
-        step, rank, sentence = first
-        out.print(Text(f"first finding at step {step} (rank {rank}): {sentence}"))
+        step, found_on, sentence = first
+        out.print(Text(f"first finding at step {step} (rank {found_on}): {sentence}"))
+    elif rank is not None:
+        elsewhere = first_finding(con, req_id, rules=wanted)
+        if elsewhere is not None:
+            step, found_on, _ = elsewhere
+            out.print(
+                Text(
+                    f"no finding on rank {rank}; the first is on rank {found_on}, at step {step}",
+                    style="dim",
+                )
+            )
     note = findings_note(reader, con, req_id, wanted, trace)
     if note is not None:
         out.print(Text(note, style="dim"))

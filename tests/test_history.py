@@ -242,3 +242,21 @@ def test_the_max_rows_note_says_how_many_lines_there_are() -> None:
         console = Console(file=io.StringIO(), width=200)
         render_history(lines, console, max_rows=max_rows)
         assert console.file.getvalue().rstrip().splitlines()[-1].startswith(note)
+
+
+def test_one_rank_of_a_pipeline_parallel_trace(tmp_path: Path) -> None:
+    """--rank keeps that rank's lines, exactly as the whole history has them; a rank the
+    trace lacks is one sentence."""
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    out = tmp_path / "pp2"
+    simulate(SimConfig(steps=80, seed=2, runner="v2", pp=2, scenario="pairs", output=out))
+    req = Trace(out).sql("SELECT min(req_id) FROM batch_rows").fetchall()[0][0]
+    every = _rows(out, req)
+    assert {line["rank"] for line in every} == {0, 1}  # the control: both ranks are there
+    for rank in (0, 1):
+        assert _rows(out, req, "--rank", str(rank)) == [r for r in every if r["rank"] == rank]
+    err = assert_one_sentence_error(run_cli("history", str(out), req, "--rank", "5"), 2)
+    assert "has no rank 5; its ranks: 0, 1" in err
+    assert Trace(out).history(req, rank=1).to_pylist() == [r for r in every if r["rank"] == 1]

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 # A scheduler row, a batch row, a row move, a freed state block or a finding of the request
 # makes a line. Parameters: $1 the request id, $2..$3 the step range, $4 the replays' rules,
 # $5 the block table that holds a request's own row (v1: InputBatch rows; V2: per-slot source
-# tables). ``history_frees`` (rank, step, freed) is registered beside the trace's views.
+# tables), $6 one rank (null: every rank). ``history_frees`` (rank, step, freed) is registered
+# beside the trace's views.
 HISTORY_SQL = """
 WITH
 sched_r AS (
@@ -120,7 +121,7 @@ LEFT JOIN rows_b r USING (rank, step)
 LEFT JOIN history_frees a USING (rank, step)
 LEFT JOIN moves_r m USING (rank, step)
 LEFT JOIN found_r f USING (rank, step)
-WHERE l.step BETWEEN $2 AND $3
+WHERE l.step BETWEEN $2 AND $3 AND ($6 IS NULL OR l.rank = $6)
 ORDER BY l.step, l.rank
 """
 
@@ -215,15 +216,17 @@ def request_history(
     to_step: int | None = None,
     rules: str | None = AS_RECORDED,
     run: RunMetadata,
+    rank: int | None = None,
 ) -> pa.Table:
     """The lines of ``req_id`` (an exact id; see ``resolve_request``), findings of replays
-    under ``rules`` only (None: every saved replay)."""
+    under ``rules`` only (None: every saved replay), of ``rank`` only (None: every rank)."""
     params: list[object] = [
         req_id,
         -1 if from_step is None else from_step,
         NO_STEP_LIMIT if to_step is None else to_step,
         rules,
         "v1" if run.runner == "v1" else "source",
+        rank,
     ]
     con.register("history_frees", align_frees(con, req_id, run))
     try:
@@ -232,16 +235,30 @@ def request_history(
         con.unregister("history_frees")
 
 
+def check_rank(reader: TraceReader, rank: int, trace: str | Path) -> None:
+    """One sentence when ``trace`` has no rank ``rank``."""
+    from mgtrace.replayer.steps import ranks_of
+
+    ranks = ranks_of(reader)
+    if rank not in ranks:
+        listed = ", ".join(map(str, ranks)) or "none"
+        raise UsageError(f"{path_arg(trace)} has no rank {rank}; its ranks: {listed}")
+
+
 def first_finding(
-    con: duckdb.DuckDBPyConnection, req_id: str, *, rules: str | None = AS_RECORDED
+    con: duckdb.DuckDBPyConnection,
+    req_id: str,
+    *,
+    rules: str | None = AS_RECORDED,
+    rank: int | None = None,
 ) -> tuple[int, int, str] | None:
-    """(step, rank, sentence) of the earliest saved finding that involves ``req_id``."""
-    where = "(req_id = $1 OR writer_req_id = $1)" + ("" if rules is None else " AND rules = $2")
-    params = [req_id] if rules is None else [req_id, rules]
+    """(step, rank, sentence) of the earliest saved finding that involves ``req_id`` (on
+    ``rank`` only, unless None)."""
     row = con.execute(
-        f"SELECT step, rank, detail FROM findings WHERE {where} "
+        "SELECT step, rank, detail FROM findings WHERE (req_id = $1 OR writer_req_id = $1) "
+        "AND ($2 IS NULL OR rules = $2) AND ($3 IS NULL OR rank = $3) "
         "ORDER BY step, rank, req_id <> $1 LIMIT 1",
-        params,
+        [req_id, rules, rank],
     ).fetchall()
     return (int(row[0][0]), int(row[0][1]), str(row[0][2])) if row else None
 
