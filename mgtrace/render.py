@@ -269,7 +269,7 @@ def _replayed(result: Any) -> str:
     """Steps replayed, counted per rank: a PP trace's steps run on every rank."""
     ranks = len(result.ranks)
     if ranks > 1:
-        return f"{result.steps} rank-steps ({ranks} ranks)"
+        return f"{result.steps:,} rank-steps ({ranks} ranks)"
     return counted(result.steps, "step")
 
 
