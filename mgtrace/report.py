@@ -76,8 +76,11 @@ def _query_table(con: Any, sql: str) -> str:
     return _table(rel.columns, rel.fetchall())
 
 
-def _histories(con: Any, trace: Trace, requests: list[str], first_bad: int) -> list[str]:
-    """``mgtrace history`` of each request around the first bad step."""
+def _histories(
+    con: Any, trace: Trace, requests: list[str], first_bad: int, rank: int
+) -> list[str]:
+    """``mgtrace history`` of each request around the first bad step, on the rank of the
+    first finding (every rank of an engine runs the same batch)."""
     from mgtrace.query.history import request_history
 
     out = []
@@ -88,6 +91,7 @@ def _histories(con: Any, trace: Trace, requests: list[str], first_bad: int) -> l
             from_step=max(0, first_bad - HISTORY_BEFORE),
             to_step=first_bad + HISTORY_AFTER,
             run=trace.run,
+            rank=rank,
         )
         names = [n for n in lines.column_names if lines[n].null_count < lines.num_rows]
         rows = [list(r.values()) for r in lines.select(names).to_pylist()]
@@ -162,11 +166,13 @@ def _findings_section(
             {f.req_id for f in first}
             | {f.writer_req_id for f in first if is_request(f.writer_req_id)}
         )[:4]
+        rank = min(f.rank for f in first)
+        on_rank = f" (rank {rank})" if len(result.ranks) > 1 else ""
         parts += [
             "<h2>Block ownership of the first requests</h2>",
             _img(plots.block_ownership(trace, chosen), "block ownership"),
-            "<h2>History of the first requests</h2>",
-            *_histories(con, trace, chosen, first_bad),
+            f"<h2>History of the first requests{on_rank}</h2>",
+            *_histories(con, trace, chosen, first_bad, rank),
         ]
     return parts
 

@@ -145,3 +145,24 @@ def test_report_crosses_the_first_decode_with_its_findings(report: Path) -> None
     section = text.split("<h2>Field re-analysis</h2>")[1]
     assert "first_decode_in_prefill_split" in section and "flagged_by_replay" in section
     assert "Client labels" not in section  # a simulated run has no client labels
+
+
+def test_a_pipeline_parallel_report_shows_the_histories_of_one_rank(tmp_path: Path) -> None:
+    """Both ranks record the same batch: the histories keep the first finding's rank, and
+    their heading names it, rather than show every step twice."""
+    mgtrace.simulate(
+        tmp_path / "pp", steps=60, seed=0, runner="v2", pp=2, bugs=["batch-row-block-table"]
+    )
+    out = tmp_path / "pp.html"
+    proc = run_cli("report", str(tmp_path / "pp"), "-o", str(out), "--no-bisect")
+    assert proc.returncode == 0, proc.stderr
+    heading, history = (
+        out.read_text().split("<h2>History of the first requests (rank ")[1].split("</h2>", 1)
+    )
+    tables = history.split("<h2>")[0].split("<h3>")[1:]  # a table per request
+    assert tables
+    for table in tables:
+        rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td>", table)
+        steps = [step for _, step in rows]
+        assert steps and len(steps) == len(set(steps))  # one line per step
+        assert {rank for rank, _ in rows} == {heading.rstrip(")")}
