@@ -76,9 +76,7 @@ def _query_table(con: Any, sql: str) -> str:
     return _table(rel.columns, rel.fetchall())
 
 
-def _histories(
-    con: Any, trace: Trace, requests: list[str], first_bad: int, rank: int
-) -> list[str]:
+def _histories(con: Any, trace: Trace, requests: list[str], first_bad: int, rank: int) -> list[str]:
     """``mgtrace history`` of each request around the first bad step, on the rank of the
     first finding (every rank of an engine runs the same batch)."""
     from mgtrace.query.history import request_history

@@ -467,3 +467,29 @@ def test_the_accepted_distribution_counts_each_row_once_on_two_ranks(
     assert sorted(per_rank) == [0, 1] and per_rank[0] == per_rank[1] > 0  # the two ranks agree
     assert main(["sql", str(out), "@accepted-distribution", "--format", "json"]) == 0
     assert sum(r["rows"] for r in json.loads(capsys.readouterr().out)) == per_rank[0]
+
+
+def test_the_canned_batch_queries_read_the_lowest_rank_there_is(tmp_path: Path, capsys) -> None:
+    """A recording whose rank 0 could not be reached has no rank-0 rows: the canned batch
+    queries read the lowest rank that recorded, not an empty rank 0."""
+    import numpy as np
+
+    from mgtrace.schemas.sample import SAMPLE_RUN, sample_step
+    from mgtrace.schemas.writer import TraceWriter
+
+    out = tmp_path / "rank1"
+    rng = np.random.default_rng(0)
+    with TraceWriter(out, run=SAMPLE_RUN, source={"kind": "sample"}) as w:
+        for step in range(5):
+            w.write_step(1, step, sample_step(step, 8, rng))
+    assert main(["sql", str(out), "@batch-composition", "--format", "json"]) == 0
+    steps = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in steps] == list(range(5))
+    assert all(
+        r["decode"] + r["short_extend"] + r["long_extend"] + r["prefill"] == 8 for r in steps
+    )
+    query = "SELECT count(*) AS n FROM batch_rows WHERE accepted IS NOT NULL AND num_draft > 0"
+    assert main(["sql", str(out), query, "--format", "json"]) == 0
+    spec_rows = json.loads(capsys.readouterr().out)[0]["n"]
+    assert main(["sql", str(out), "@accepted-distribution", "--format", "json"]) == 0
+    assert sum(r["rows"] for r in json.loads(capsys.readouterr().out)) == spec_rows > 0

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from mgtrace.errors import UsageError
 
+# The lowest rank that recorded rows: every rank of an engine (tensor or pipeline parallel)
+# records the same batch, so one rank's rows are the batch, and rank 0 may be missing (a
+# process the recorder could not reach).
+LOWEST_RANK = "(SELECT min(rank) FROM batch_rows)"
+
 BATCH_COMPOSITION = """
 SELECT step,
        count(*) FILTER (WHERE reorder_region = 'decode')       AS decode,
@@ -18,12 +23,11 @@ FROM batch_rows WHERE rank = {rank}
 GROUP BY step ORDER BY step
 """
 
-# One rank's rows: every rank of an engine (tensor or pipeline parallel) records the same
-# batch, so counting them all would count each row once per rank.
-ACCEPTED_DISTRIBUTION = """
+# One rank's rows (see LOWEST_RANK): counting every rank's would count each row once per rank.
+ACCEPTED_DISTRIBUTION = f"""
 SELECT accepted, count(*) AS rows
 FROM batch_rows
-WHERE accepted IS NOT NULL AND num_draft > 0 AND rank = (SELECT min(rank) FROM batch_rows)
+WHERE accepted IS NOT NULL AND num_draft > 0 AND rank = {LOWEST_RANK}
 GROUP BY accepted ORDER BY accepted
 """
 
@@ -85,8 +89,9 @@ def quoted(values: list[str]) -> str:
 # The canned queries by name, as ``mgtrace sql TRACE @NAME`` runs them: (SQL, what it answers).
 NAMED: dict[str, tuple[str, str]] = {
     "batch-composition": (
-        BATCH_COMPOSITION.format(rank=0),
-        "per step of rank 0: rows per reorder region, and drafts in the Mamba prefill split",
+        BATCH_COMPOSITION.format(rank=LOWEST_RANK),
+        "per step of the lowest rank: rows per reorder region, and drafts in the Mamba prefill "
+        "split",
     ),
     "accepted-distribution": (
         ACCEPTED_DISTRIBUTION,

@@ -38,8 +38,14 @@ def _figure(width: float = 9.0, height: float = 3.2) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def batch_composition(trace: Trace, *, rank: int = 0, first_bad: int | None = None) -> Figure:
-    """Rows per reorder region over time, and spec-decode rows in the Mamba prefill split."""
+def batch_composition(
+    trace: Trace, *, rank: int | None = None, first_bad: int | None = None
+) -> Figure:
+    """Rows per reorder region over time, and spec-decode rows in the Mamba prefill split, on
+    ``rank`` (default: the lowest rank with rows)."""
+    if rank is None:
+        ((lowest,),) = trace.sql(f"SELECT {canned.LOWEST_RANK}").fetchall()
+        rank = 0 if lowest is None else int(lowest)
     t = trace.sql(canned.BATCH_COMPOSITION.format(rank=int(rank))).fetchnumpy()
     fig = _figure()
     ax = fig.add_subplot()
