@@ -741,6 +741,49 @@ def test_sigterm_in_launch_mode_goes_to_the_engine_and_is_waited_for(tmp_path: P
             rec.wait()
 
 
+def test_launch_mode_says_when_the_recording_ended_before_the_engine(tmp_path: Path) -> None:
+    """At --max-steps the recording ends and the engine goes on serving, with mgtrace
+    waiting for it: one line says so (the wait looked like a hang), and SIGTERM still ends
+    both. Control: a launch without a limit says nothing of the kind while it records."""
+    out = tmp_path / "limited"
+    rec = _record_bg("-o", str(out), "--max-steps", "3", "--", *STANDIN, "--sleep", "0.02")
+    try:
+        # stderr holds the engine's lines too; read in a thread, so that a notice that
+        # never comes fails the wait instead of blocking a read
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(rec.stderr), daemon=True)  # type: ignore[arg-type]
+        reader.start()
+        line = _wait(
+            lambda: next((x for x in list(lines) if x.startswith("mgtrace:")), None),
+            timeout=60,
+            what="mgtrace's notice",
+        )
+        assert line.startswith("mgtrace: the recording ended after 3 steps; the engine goes on")
+        assert rec.poll() is None  # still waiting for the engine
+        rec.send_signal(signal.SIGTERM)
+        rec.wait(timeout=120)
+        reader.join(timeout=10)
+        assert rec.stdout is not None
+        stdout = rec.stdout.read()
+        assert rec.returncode == 128 + signal.SIGTERM
+        assert TraceReader(out).rows("steps") == 3 and "recorded steps 0..2" in stdout
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+    unlimited = _record_bg("-o", str(tmp_path / "all"), "--", *STANDIN, "--sleep", "0.02")
+    try:
+        _launched_engine(unlimited)
+        time.sleep(2)  # several polls
+        unlimited.send_signal(signal.SIGTERM)
+        _, stderr = unlimited.communicate(timeout=120)
+        assert "the recording ended" not in stderr
+    finally:
+        if unlimited.poll() is None:
+            unlimited.kill()
+            unlimited.wait()
+
+
 def _launched_engine(rec: subprocess.Popen[str]) -> int:
     """The pid of the stand-in engine that ``mgtrace record -- ...`` started, once it steps
     with its agent recording."""

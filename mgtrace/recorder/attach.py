@@ -379,9 +379,10 @@ def launch(
     *,
     duration_s: float | None,
     max_steps: int | None,
-    on_poll: Callable[[list[Target]], None] | None = None,
+    on_poll: Callable[[list[Target]], bool] | None = None,
 ) -> int:
-    """Run ``command`` with recording armed from its first step; returns its exit code."""
+    """Run ``command`` with recording armed from its first step; returns its exit code.
+    ``on_poll`` gets the recording processes every poll until it returns False."""
     if not command:
         raise UsageError("give the engine command after --, e.g. -- vllm serve MODEL")
     env = dict(os.environ)
@@ -418,8 +419,8 @@ def launch(
     with _handlers(forward), _handlers(interrupt, (signal.SIGINT,)):
         try:
             while child.poll() is None:
-                if on_poll is not None:
-                    on_poll(_live_targets(child.pid))
+                if on_poll is not None and not on_poll(_live_targets(child.pid)):
+                    on_poll = None
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
             # bounded without the engine: a gone agent fails its stop at once, a dead

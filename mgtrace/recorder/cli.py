@@ -359,10 +359,34 @@ def _record(
         return 128 + received[0]
     if old is not None:
         old.move_aside()
-    rc = attach.launch(list(command), output, duration_s=duration, max_steps=max_steps)
+    ends_early = max_steps is not None or duration is not None
+    rc = attach.launch(
+        list(command),
+        output,
+        duration_s=duration,
+        max_steps=max_steps,
+        on_poll=_EndNotice() if ends_early else None,
+    )
     click.echo(_launch_outcome(output, rc))
     # a signal's death is reported as a shell does: 128 + its number
     return 128 - rc if rc < 0 else rc
+
+
+class _EndNotice:
+    """Launch mode: one line once every agent has ended its recording (``--max-steps``,
+    ``--duration``) while the engine goes on serving, so that mgtrace's wait for the
+    command does not look like a hang. Returns False, to stop the polls, once said."""
+
+    def __call__(self, targets: list) -> bool:
+        if not targets or any(t.status.get("state") != "idle" for t in targets):
+            return True
+        steps = max(int(t.status.get("steps") or 0) for t in targets)
+        click.echo(
+            f"mgtrace: the recording ended after {steps} steps; the engine goes on, and "
+            "mgtrace waits for it to exit (Ctrl-C ends it)",
+            err=True,
+        )
+        return False
 
 
 def _signal_name(signum: int) -> str:
