@@ -73,12 +73,14 @@ class Trace:
         return trace_info(self.reader)
 
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
-        """A DuckDB relation over the trace views; call .df(), .arrow(), .fetchall(), .show()."""
+        """A DuckDB relation over the trace views; call .df(), .arrow(), .fetchall(), .show().
+        ``query`` may name a canned query as ``@NAME``, as ``mgtrace sql`` does."""
+        from mgtrace.query.canned import named
         from mgtrace.query.views import run_query
 
         if self._con is None:
             self._con = self.reader.connect()
-        return run_query(self._con, query)
+        return run_query(self._con, named(query, self.run.num_speculative_tokens))
 
     def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
         return self.reader.table(name, columns=columns)

@@ -207,12 +207,13 @@ def sql(
             "--list prints the views to the terminal; it takes no QUERY, -o or --format"
         )
     fmt = _output_format(fmt, output, force, trace)
-    con = _open(trace, skip_bad_parts).connect()
+    reader = _open(trace, skip_bad_parts)
+    con = reader.connect()
     if list_views:
         render_views(views_of(con), _stdout())
         render_canned([(f"@{name}", doc) for name, (_, doc) in NAMED.items()], _stdout())
         return
-    rel = run_query(con, named(query))
+    rel = run_query(con, named(query, reader.manifest.run.num_speculative_tokens))
     if fmt == "table":
         shown = fetch_arrow(rel, max_rows + 1)
         more = shown.num_rows > max_rows

@@ -179,17 +179,15 @@ def _reanalysis_section(con: Any, trace: Trace, replayed: bool) -> list[str]:
     """The field re-analysis: first spec-decode step in the Mamba prefill split against the
     replay's findings and, where the load generator labelled requests, against what the
     client saw."""
-    from mgtrace.recorder.probe_import import crosstab_sql
-
     parts = ["<h2>Field re-analysis</h2>"]
     if replayed:
         parts.append(_query_table(con, canned.FIRST_DECODE_IN_PREFILL_SPLIT.format(where="")))
     ((labelled,),) = con.sql("SELECT count(*) FROM requests WHERE corrupt IS NOT NULL").fetchall()
     if labelled:
-        window = 1 + trace.run.num_speculative_tokens if trace.run.num_speculative_tokens else 4
+        window = canned.label_window(trace.run.num_speculative_tokens)
         parts += [
             f"<p>Client labels against the Mamba prefill region (window {window}):</p>",
-            _query_table(con, crosstab_sql(window)),
+            _query_table(con, canned.crosstab_sql(window)),
         ]
     elif not replayed:
         parts.append("<p>Nothing to cross: no replay and no client labels.</p>")

@@ -493,3 +493,24 @@ def test_the_canned_batch_queries_read_the_lowest_rank_there_is(tmp_path: Path, 
     spec_rows = json.loads(capsys.readouterr().out)[0]["n"]
     assert main(["sql", str(out), "@accepted-distribution", "--format", "json"]) == 0
     assert sum(r["rows"] for r in json.loads(capsys.readouterr().out)) == spec_rows > 0
+
+
+def test_the_client_labels_cross_tab_is_a_canned_query(tmp_path: Path, capsys) -> None:
+    """An imported load-generator log's labels against the Mamba prefill region, by name from
+    the command line and from Python, at the window of the field reproducer (k unknown: 4);
+    import-probe points at it. Control: the cross-tab at another window differs."""
+    from mgtrace.api import Trace
+    from mgtrace.query.canned import crosstab_sql
+    from tests.test_recorder_unit import _probe_logs
+
+    probe, burst, _ = _probe_logs(tmp_path)
+    out = tmp_path / "imp"
+    assert main(["import-probe", str(probe), str(burst), "-o", str(out)]) == 0
+    assert f"next: mgtrace sql {out} @client-labels" in capsys.readouterr().out
+    assert main(["sql", str(out), "@client-labels", "--format", "json"]) == 0
+    by_name = json.loads(capsys.readouterr().out)
+    trace = Trace(out)
+    rows = [list(r) for r in trace.sql(crosstab_sql(4)).fetchall()]
+    assert [list(r.values()) for r in by_name] == rows and sum(r["n"] for r in by_name) > 0
+    assert [list(r) for r in trace.sql("@client-labels").fetchall()] == rows
+    assert [list(r) for r in trace.sql(crosstab_sql(1)).fetchall()] != rows

@@ -62,6 +62,46 @@ ORDER BY step
 """
 
 
+# The field re-analysis cross-tab against the client's labels (``@client-labels``): a
+# request's first decode step sat in the Mamba prefill region when a prefill-region row of it
+# had computed between prompt_len and prompt_len + W tokens and W or fewer scheduled
+# (W = 1 + k).
+CROSSTAB_SQL = """\
+WITH hits AS (
+  SELECT r.req_id,
+         bool_or(coalesce(b.num_computed BETWEEN r.prompt_len AND r.prompt_len + {window}
+                          AND b.num_scheduled <= {window}, false)) AS first_in_prefill,
+         bool_or(coalesce(b.num_computed > r.prompt_len + {window}
+                          AND b.num_scheduled <= {window}, false)) AS later_in_prefill
+  FROM requests r
+  LEFT JOIN batch_rows b ON b.req_id = r.req_id AND b.mamba_split = 'prefill'
+  WHERE r.corrupt IS NOT NULL
+  GROUP BY r.req_id
+)
+SELECT CASE WHEN h.first_in_prefill THEN 'FIRST decode step in Mamba prefill region'
+            ELSE 'first decode step clean' END
+       || CASE WHEN h.later_in_prefill THEN ' | later decode steps in prefill region'
+               ELSE '' END AS region,
+       count(*) AS n,
+       count(*) FILTER (WHERE r.corruption_marker LIKE 'salad%') AS salad,
+       count(*) FILTER (WHERE r.corruption_marker LIKE 'empty%') AS empty
+FROM hits h JOIN requests r USING (req_id)
+GROUP BY region ORDER BY region"""
+
+
+DEFAULT_LABEL_WINDOW = 4  # 1 + k of the field reproducer's MTP (k = 3), where k is unknown
+
+
+def crosstab_sql(window: int = DEFAULT_LABEL_WINDOW) -> str:
+    return CROSSTAB_SQL.format(window=int(window))
+
+
+def label_window(k: int | None) -> int:
+    """The cross-tab's window, 1 + k; the field default where k is not known (an imported
+    probe log does not carry it)."""
+    return 1 + k if k else DEFAULT_LABEL_WINDOW
+
+
 def findings_filter(replay_id: str | None) -> str:
     if replay_id is None:
         return ""
@@ -86,7 +126,10 @@ def quoted(values: list[str]) -> str:
     return ", ".join("'" + v.replace("'", "''") + "'" for v in values) or "''"
 
 
-# The canned queries by name, as ``mgtrace sql TRACE @NAME`` runs them: (SQL, what it answers).
+CLIENT_LABELS = "client-labels"
+
+# The canned queries by name, as ``mgtrace sql TRACE @NAME`` runs them: (SQL, what it answers;
+# ``named`` fits the client-label cross-tab's window to the trace).
 NAMED: dict[str, tuple[str, str]] = {
     "batch-composition": (
         BATCH_COMPOSITION.format(rank=LOWEST_RANK),
@@ -102,6 +145,13 @@ NAMED: dict[str, tuple[str, str]] = {
         FINDINGS_OVER_TIME.format(where=findings_filter(as_recorded_replay_id())),
         f"per step and kind, the requests found by {AS_RECORDED_SOURCE}",
     ),
+    CLIENT_LABELS: (
+        crosstab_sql(),
+        "the field re-analysis of client labels (an imported load-generator log): requests "
+        "by whether their first decode step sat in the Mamba prefill region, window 1+k "
+        f"({DEFAULT_LABEL_WINDOW} where k is unknown), and how many the client saw as word "
+        "salad or empty",
+    ),
     "first-decode-in-prefill-split": (
         FIRST_DECODE_IN_PREFILL_SPLIT.format(where=findings_filter(as_recorded_replay_id())),
         "the field re-analysis: first spec-decode step in the Mamba prefill split vs findings "
@@ -110,10 +160,13 @@ NAMED: dict[str, tuple[str, str]] = {
 }
 
 
-def named(query: str) -> str:
-    """``query`` itself, or the canned query it names as ``@NAME``."""
+def named(query: str, k: int | None = None) -> str:
+    """``query`` itself, or the canned query it names as ``@NAME`` (``k``: the trace's
+    speculative token count, which the client-label cross-tab's window depends on)."""
     if not query.startswith("@"):
         return query
+    if query[1:] == CLIENT_LABELS:
+        return crosstab_sql(label_window(k))
     found = NAMED.get(query[1:])
     if found is None:
         raise UsageError(

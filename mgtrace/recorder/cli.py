@@ -509,6 +509,8 @@ def import_probe_command(probe: Path, burst: Path | None, output: Path, force: b
             "counted in the manifest's errors",
             err=True,
         )
+    if report.requests:  # the load generator's labels: the field re-analysis is one query
+        click.echo(f"next: mgtrace sql {shell_path(output)} @client-labels")
     return 0
 
 

@@ -42,6 +42,7 @@ import numpy as np
 
 from mgtrace.errors import OutputError, UsageError
 from mgtrace.outputs import refuse_overwriting_inputs
+from mgtrace.query.canned import crosstab_sql
 from mgtrace.schemas.manifest import Drops, RunMetadata
 from mgtrace.schemas.tables import MAMBA_SPLITS, ROW_MOVE_OPS
 from mgtrace.schemas.writer import TraceWriter
@@ -54,35 +55,6 @@ EMPTY_WORD_RATE = 0.02
 QUEUE_HIGH = 4096
 # Run fields a probe log does not carry (manifest source ``run_unknown``).
 PROBE_RUN_UNKNOWN = ("num_speculative_tokens", "mamba_block_size")
-
-# The field re-analysis cross-tab as SQL over the trace (``mgtrace sql``): a request's first
-# decode step sat in the Mamba prefill region when a prefill-region row of it had computed
-# between prompt_len and prompt_len + W tokens and W or fewer scheduled (W = 1 + k).
-CROSSTAB_SQL = """\
-WITH hits AS (
-  SELECT r.req_id,
-         bool_or(coalesce(b.num_computed BETWEEN r.prompt_len AND r.prompt_len + {window}
-                          AND b.num_scheduled <= {window}, false)) AS first_in_prefill,
-         bool_or(coalesce(b.num_computed > r.prompt_len + {window}
-                          AND b.num_scheduled <= {window}, false)) AS later_in_prefill
-  FROM requests r
-  LEFT JOIN batch_rows b ON b.req_id = r.req_id AND b.mamba_split = 'prefill'
-  WHERE r.corrupt IS NOT NULL
-  GROUP BY r.req_id
-)
-SELECT CASE WHEN h.first_in_prefill THEN 'FIRST decode step in Mamba prefill region'
-            ELSE 'first decode step clean' END
-       || CASE WHEN h.later_in_prefill THEN ' | later decode steps in prefill region'
-               ELSE '' END AS region,
-       count(*) AS n,
-       count(*) FILTER (WHERE r.corruption_marker LIKE 'salad%') AS salad,
-       count(*) FILTER (WHERE r.corruption_marker LIKE 'empty%') AS empty
-FROM hits h JOIN requests r USING (req_id)
-GROUP BY region ORDER BY region"""
-
-
-def crosstab_sql(window: int = 4) -> str:
-    return CROSSTAB_SQL.format(window=int(window))
 
 
 @dataclass
