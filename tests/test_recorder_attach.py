@@ -768,9 +768,7 @@ def test_launch_mode_says_when_the_recording_ended_before_the_engine(tmp_path: P
         assert rec.returncode == 128 + signal.SIGTERM
         assert TraceReader(out).rows("steps") == 3 and "recorded steps 0..2" in stdout
     finally:
-        if rec.poll() is None:
-            rec.kill()
-            rec.wait()
+        _kill_with_its_engine(rec)
     unlimited = _record_bg("-o", str(tmp_path / "all"), "--", *STANDIN, "--sleep", "0.02")
     try:
         _launched_engine(unlimited)
@@ -779,9 +777,20 @@ def test_launch_mode_says_when_the_recording_ended_before_the_engine(tmp_path: P
         _, stderr = unlimited.communicate(timeout=120)
         assert "the recording ended" not in stderr
     finally:
-        if unlimited.poll() is None:
-            unlimited.kill()
-            unlimited.wait()
+        _kill_with_its_engine(unlimited)
+
+
+def _kill_with_its_engine(rec: subprocess.Popen[str]) -> None:
+    """A launcher a failed check left running, and the engine it started (which, an engine
+    that never ends on its own, would outlive it)."""
+    if rec.poll() is not None:
+        return
+    kids = [p.pid for p in proctree.tree(rec.pid)[1:]]
+    rec.kill()
+    rec.wait()
+    for pid in kids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _launched_engine(rec: subprocess.Popen[str]) -> int:
