@@ -165,7 +165,7 @@ def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -
     ).fetchall()
     # one text per (rank, step): a line of the history is one step, however many blocks
     # it frees (a prefix hit's block and the previous running one can go together)
-    freed: dict[tuple[int, int], list[str]] = {}
+    freed: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rank, step) -> (col, block)
     for rank in sorted({r[0] for r in rows}):
         mine = [r for r in rows if r[0] == rank]
         steps = np.array([r[1] for r in mine], dtype=np.int64)
@@ -192,20 +192,19 @@ def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -
         for i, (_, step, kind, _, _, blocks) in enumerate(mine):
             if kind == "cached":  # as the replay: frees first, then this step's blocks
                 for _, _, col, block in own.retire(one, below[i : i + 1]):
-                    freed.setdefault((rank, step), []).append(f"col {col} (block {block})")
+                    freed.setdefault((rank, step), []).append((col, block))
             own.apply(step, [1], [kind], [[blocks]])
     return pa.table(
         {
             "rank": [rank for rank, _ in freed],
             "step": [step for _, step in freed],
-            "freed": [", ".join(sorted(texts, key=_col_number)) for texts in freed.values()],
+            "freed": [
+                ", ".join(f"col {col} (block {block})" for col, block in sorted(blocks))
+                for blocks in freed.values()
+            ],
         },
         schema=HISTORY_FREES,
     )
-
-
-def _col_number(text: str) -> int:
-    return int(text.split()[1])
 
 
 def request_history(
