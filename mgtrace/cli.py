@@ -313,6 +313,12 @@ def history(
     if about:
         out.print(Text(about))
     render_history(lines, out, max_rows=max_rows)
+    if rank is None:
+        from mgtrace.query.rank_steps import step_offsets_caveat
+
+        caveat = step_offsets_caveat(reader)
+        if caveat is not None:
+            out.print(Text(f"{caveat} (--rank N shows one rank's lines)", style="yellow"))
     first = first_finding(con, req_id, rules=wanted, rank=rank)
     if first is not None:
         step, found_on, sentence = first

@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from mgtrace.query.rank_steps import offsets_summary
 from mgtrace.shell import shell_path
 
 
@@ -137,6 +138,9 @@ def render_info(info: dict[str, Any], console: Console) -> None:
     t.add_row("steps", f"{info['steps']}{span}")
     t.add_row("requests", str(info["requests"]))
     t.add_row("ranks", str(info["ranks"]))
+    rank_steps = offsets_summary(info["rank_step_offsets"])
+    if rank_steps is not None:
+        t.add_row("rank steps", _text(rank_steps))
     t.add_row("size on disk", f"{human_bytes(info['bytes_on_disk'])} in {info['parts']} parts")
     drops = info["drops"]
     dropped = drops["steps"] + drops["malformed_steps"]

@@ -20,6 +20,7 @@ from mgtrace.api import Trace
 from mgtrace.atomic import atomic_write
 from mgtrace.errors import InconclusiveError
 from mgtrace.query import canned, plots
+from mgtrace.query.rank_steps import offsets_summary
 from mgtrace.render import run_unknown
 from mgtrace.replayer.coverage import unseen_reason
 from mgtrace.replayer.requests import is_request
@@ -121,6 +122,9 @@ def _run_section(info: dict[str, Any]) -> list[str]:
         ("ranks", info["ranks"]),
         ("dropped steps", info["drops"]["steps"] + info["drops"]["malformed_steps"]),
     ]
+    rank_steps = offsets_summary(info["rank_step_offsets"])
+    if rank_steps is not None:
+        meta.insert(meta.index(("ranks", info["ranks"])) + 1, ("rank steps", rank_steps))
     return ["<h2>Run</h2>", _table(["field", "value"], meta)]
 
 

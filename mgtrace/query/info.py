@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from mgtrace.query.rank_steps import rank_step_offsets
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
 
@@ -33,6 +34,8 @@ def trace_info(reader: TraceReader) -> dict[str, Any]:
         "first_step": first_step,
         "last_step": last_step,
         "ranks": int(ranks),
+        # per rank, how its step numbers sit against the lowest rank's (see rank_steps)
+        "rank_step_offsets": rank_step_offsets(con),
         "requests": int(requests),
         "rows": {name: reader.rows(name) for name in TABLES},
         "parts": len(reader.parts),

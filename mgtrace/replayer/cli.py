@@ -200,6 +200,7 @@ def replay(
     from mgtrace.render import render_replay
 
     check_step_window(from_step, to_step)
+    from mgtrace.query.rank_steps import step_offsets_caveat
     from mgtrace.replayer.coverage import (
         mid_run_caveat,
         rule_note,
@@ -256,7 +257,11 @@ def replay(
                 soft_wrap=True,
                 markup=False,
             )
-    caveats = [unmodelled_writes(reader.manifest.run), mid_run_caveat(reader)]
+    caveats = [
+        unmodelled_writes(reader.manifest.run),
+        mid_run_caveat(reader),
+        step_offsets_caveat(reader),
+    ]
     caveat = "; ".join(c for c in caveats if c) or None
     note = rule_note(reader.manifest.run, rules)
     if as_json:
@@ -426,6 +431,12 @@ def bisect_cmd(
         click.echo(json.dumps(verdict.to_json(), indent=1, default=str))
     else:
         render_verdict(verdict, out, log=log)
+        from mgtrace.query.rank_steps import step_offsets_caveat
+        from mgtrace.schemas.reader import TraceReader
+
+        caveat = step_offsets_caveat(TraceReader(trace, skip_bad_parts=skip_bad_parts))
+        if caveat is not None:
+            out.print(f"[yellow]caveat[/]: {escape(caveat)}", highlight=False)
     return verdict.exit_code
 
 
