@@ -71,6 +71,9 @@ def _agreeing_offset(
 
 def step_offsets_caveat(reader: Any) -> str | None:
     """``offsets_sentence`` for an open trace."""
+    ranks = {p.rank for p in reader.parts if p.table == "sched"}
+    if len(ranks) < 2 and None not in ranks:  # a part of no one rank may hold several
+        return None  # one rank (or none): nothing to match, no query to run
     return offsets_sentence(rank_step_offsets(reader.connect()))
 
 
