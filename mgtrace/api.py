@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -126,18 +126,22 @@ class Trace:
         to_step: int | None = None,
         save: bool = False,
         allow_gaps: bool = False,
+        ranks: Sequence[int] | None = None,
         **rule_values: Any,
     ) -> ReplayResult:
         """Replay under ``rules`` (keyword rules such as ``reorder_threshold="1+k"`` too).
 
         With ``save=True`` the findings are added to the trace's ``findings`` table; with
-        ``allow_gaps=True`` the replay crosses dropped or left-out steps (it may mislead).
+        ``allow_gaps=True`` the replay crosses dropped or left-out steps (it may mislead);
+        ``ranks``: only those ranks (every rank by default).
         """
         from mgtrace.replayer.cli import last_step_of, replay_id_for
         from mgtrace.replayer.findings import save_findings
         from mgtrace.replayer.loop import replay_trace
+        from mgtrace.replayer.steps import some_ranks
 
         ruleset = _rules(rules, rule_values)
+        chosen = some_ranks(self.reader, ranks, self.path)
         result = replay_trace(
             self.reader,
             ruleset,
@@ -147,12 +151,15 @@ class Trace:
             from_step=from_step,
             to_step=to_step,
             allow_gaps=allow_gaps,
+            ranks=chosen,
         )
         if save:
             save_findings(
                 self.path,
                 result.findings,
-                replay_id=replay_id_for(ruleset, from_step, to_step, last_step_of(self.reader)),
+                replay_id=replay_id_for(
+                    ruleset, from_step, to_step, last_step_of(self.reader), chosen
+                ),
                 rules=ruleset.canonical(),
             )
             self.reload()

@@ -269,12 +269,15 @@ def counted(n: int, noun: str) -> str:
     return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
-def _replayed(result: Any) -> str:
-    """Steps replayed, counted per rank: a PP trace's steps run on every rank."""
+def _replayed(result: Any, of_ranks: int | None = None) -> str:
+    """Steps replayed, counted per rank: a PP trace's steps run on every rank. ``of_ranks``:
+    the trace's rank count, when the replay ran only some of them."""
     ranks = len(result.ranks)
-    if ranks > 1:
-        return f"{result.steps:,} rank-steps ({ranks} ranks)"
-    return counted(result.steps, "step")
+    steps = f"{result.steps:,} rank-steps" if ranks > 1 else counted(result.steps, "step")
+    if of_ranks is not None:
+        listed = ", ".join(map(str, result.ranks))
+        return f"{steps} (rank{'s' if ranks > 1 else ''} {listed}, of {of_ranks})"
+    return f"{steps} ({ranks} ranks)" if ranks > 1 else steps
 
 
 def findings_by_kind(findings: list[Any]) -> list[tuple[str, int, int]]:
@@ -289,13 +292,21 @@ def findings_by_kind(findings: list[Any]) -> list[tuple[str, int, int]]:
     return sorted(rows, key=lambda r: (r[2], -r[1], r[0]))
 
 
-def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str | None) -> None:
-    """The replay summary: the first corrupt step, its requests, and the finding kinds."""
+def render_replay(
+    result: Any,
+    console: Console,
+    *,
+    trace: Any,
+    replay_id: str | None,
+    of_ranks: int | None = None,
+) -> None:
+    """The replay summary: the first corrupt step, its requests, and the finding kinds
+    (``of_ranks``: the trace's rank count, when only some of its ranks were replayed)."""
     rules = result.rules.canonical()
     if result.clean:
         console.print(
-            f"[green]clean[/]: {_replayed(result)} replayed under {rules}; no request read "
-            "state that is not its own"
+            f"[green]clean[/]: {_replayed(result, of_ranks)} replayed under {rules}; no request "
+            "read state that is not its own"
         )
         return
     first = [f for f in result.findings if f.step == result.first_step]
@@ -320,7 +331,7 @@ def render_replay(result: Any, console: Console, *, trace: Any, replay_id: str |
         else ""
     )
     console.print(
-        f"{counted(len(result.findings), 'finding')} over {_replayed(result)}{repeats}",
+        f"{counted(len(result.findings), 'finding')} over {_replayed(result, of_ranks)}{repeats}",
         style="dim",
     )
     if replay_id is not None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-from mgtrace.errors import ManifestError, PartError
+from mgtrace.api import Trace
+from mgtrace.errors import ManifestError, PartError, UsageError
+from mgtrace.query.canned import as_recorded_replay_id
 from mgtrace.replayer.loop import replay_trace
 from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.reader import TraceReader
@@ -185,3 +188,42 @@ def test_data_parallel_ranks_are_engines_of_their_own(whole: Path, tmp_path: Pat
         (path / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="disagree on dp_rank"):
         TraceReader(tmp_path / "mixed")
+
+
+def test_replay_of_some_ranks_finds_what_the_whole_replay_finds_on_them(
+    whole: Path, tmp_path: Path
+) -> None:
+    trace = tmp_path / "whole.trace"
+    shutil.copytree(whole, trace)
+    every = replay_trace(TraceReader(trace)).findings
+    # the control: the deferred post-process of rank 0 (not the last stage) goes wrong
+    assert {f.rank for f in every} == {0}
+    for rank in (0, 1):
+        mine = [(f.step, f.req_id, f.signature, f.detail) for f in every if f.rank == rank]
+        for jobs in ("1", "2"):
+            proc = run_cli("replay", str(trace), "--rank", str(rank), "-j", jobs, "--json")
+            assert proc.returncode == (1 if mine else 0), proc.stderr
+            summary = json.loads(proc.stdout)
+            assert summary["ranks"] == [rank]
+            got = (
+                Trace(trace)
+                .sql(
+                    "SELECT step, req_id, signature, detail, rank FROM findings "
+                    f"WHERE replay_id = '{summary['replay_id']}'"
+                )
+                .fetchall()
+            )
+            assert {r[-1] for r in got} <= {rank}
+            rows = [r[:-1] for r in got]
+            assert sorted(rows) == sorted(mine), (rank, jobs)
+        api = Trace(trace).replay(ranks=[rank])
+        assert [(f.step, f.req_id, f.signature, f.detail) for f in api.findings] == mine
+    # some ranks are saved apart from the whole trace's replay; all of them are that replay
+    some = json.loads(run_cli("replay", str(trace), "--rank", "0", "--json").stdout)
+    both = run_cli("replay", str(trace), "--rank", "1", "--rank", "0", "--json").stdout
+    assert some["replay_id"] != as_recorded_replay_id() == json.loads(both)["replay_id"]
+    text = run_cli("replay", str(trace), "--rank", "1", "--no-save").stdout
+    assert "rank-steps" not in text and "(rank 1, of 2)" in text
+    assert_one_sentence_error(run_cli("replay", str(trace), "--rank", "5"), 2)
+    with pytest.raises(UsageError, match="has no rank 5; its ranks: 0, 1"):
+        Trace(trace).replay(ranks=[5])

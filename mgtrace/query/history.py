@@ -236,12 +236,9 @@ def request_history(
 
 def check_rank(reader: TraceReader, rank: int, trace: str | Path) -> None:
     """One sentence when ``trace`` has no rank ``rank``."""
-    from mgtrace.replayer.steps import ranks_of
+    from mgtrace.replayer.steps import check_ranks
 
-    ranks = ranks_of(reader)
-    if rank not in ranks:
-        listed = ", ".join(map(str, ranks)) or "none"
-        raise UsageError(f"{path_arg(trace)} has no rank {rank}; its ranks: {listed}")
+    check_ranks(reader, [rank], trace)
 
 
 def first_finding(

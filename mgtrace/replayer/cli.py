@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,11 +37,12 @@ def replay_id_for(
     from_step: int | None = None,
     to_step: int | None = None,
     last_step: int | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> str:
     """Findings of one rule set replace those of an earlier replay with the same rules over
-    the same steps; a replay of a window never replaces the whole trace's, nor the reverse.
-    A window that covers the whole trace (from step 0, to its ``last_step`` or past it) is
-    the whole trace."""
+    the same steps and ranks; a replay of a window, or of some ranks (``ranks``: None for
+    every one), never replaces the whole trace's, nor the reverse. A window that covers the
+    whole trace (from step 0, to its ``last_step`` or past it) is the whole trace."""
     if from_step == 0:
         from_step = None
     if to_step is not None and last_step is not None and to_step >= last_step:
@@ -48,6 +50,8 @@ def replay_id_for(
     key = rules.canonical()
     if from_step is not None or to_step is not None:
         key += f"|steps {from_step}..{to_step}"
+    if ranks is not None:
+        key += f"|ranks {','.join(map(str, sorted(set(ranks))))}"
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
@@ -152,6 +156,15 @@ DEVICE_OPTION = click.option(
 )
 @click.option("--allow-gaps", is_flag=True, help="Replay across dropped steps (may mislead).")
 @click.option(
+    "--rank",
+    "ranks",
+    type=click.IntRange(min=0),
+    multiple=True,
+    metavar="N",
+    help="Replay this rank only (repeatable): one worker of each pipeline stage, say, where "
+    "its tensor-parallel siblings ran the same batches. Default: every rank.",
+)
+@click.option(
     "-j",
     "--jobs",
     type=click.IntRange(min=0),
@@ -175,6 +188,7 @@ def replay(
     to_step: int | None,
     checkpoint_every: int | None,
     allow_gaps: bool,
+    ranks: tuple[int, ...],
     jobs: int,
     no_save: bool,
     as_json: bool,
@@ -210,6 +224,7 @@ def replay(
     from mgtrace.replayer.findings import save_findings
     from mgtrace.replayer.loop import replay_trace
     from mgtrace.replayer.parallel import default_jobs
+    from mgtrace.replayer.steps import ranks_of, some_ranks
     from mgtrace.schemas.reader import TraceReader
 
     rules = rules_from_options(rule_values, rules_text)
@@ -217,10 +232,14 @@ def replay(
     last = last_step_of(reader)
     if from_step is not None and last is not None and from_step > last:
         raise UsageError(f"--from-step {from_step} is past the last step of {trace} ({last})")
+    chosen = some_ranks(reader, ranks, trace)
     err = Console(stderr=True)
-    total = reader.rows("steps")
+    steps_parts = [p for p in reader.parts if p.table == "steps"]
+    if chosen is not None:
+        steps_parts = [p for p in steps_parts if p.rank is None or p.rank in chosen]
+    total = sum(p.rows for p in steps_parts)
     if to_step is not None:
-        total = min(total, (to_step + 1) * max(1, len({p.rank for p in reader.parts})))
+        total = min(total, (to_step + 1) * max(1, len({p.rank for p in steps_parts})))
     columns = (TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("steps", total=total)
@@ -236,6 +255,7 @@ def replay(
             checkpoint_every=checkpoint_every,
             progress=lambda n: bar.advance(task, n),
             jobs=jobs or default_jobs(),
+            ranks=chosen,
         )
     if result.steps == 0:
         raise InconclusiveError(
@@ -245,7 +265,7 @@ def replay(
     # gaps a replay crosses with --allow-gaps are dropped or left-out steps, which the
     # manifest and the reader say
     unseen = None if result.findings else unseen_reason(reader)
-    replay_id = replay_id_for(rules, from_step, to_step, last)
+    replay_id = replay_id_for(rules, from_step, to_step, last, chosen)
     saved = False
     if not no_save:
         try:
@@ -274,7 +294,13 @@ def replay(
             summary["note"] = note
         click.echo(json.dumps(summary, indent=1, default=str))
     else:
-        render_replay(result, out, trace=trace, replay_id=replay_id if saved else None)
+        render_replay(
+            result,
+            out,
+            trace=trace,
+            replay_id=replay_id if saved else None,
+            of_ranks=None if chosen is None else len(ranks_of(reader)),
+        )
         if unseen is not None:
             out.print(f"[yellow]inconclusive[/]: {escape(unseen)}")
         if caveat is not None:

@@ -15,7 +15,7 @@ ownership and the oracle. Per step, in the engine's order:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from mgtrace.replayer.requests import BUILDER, DUMMY_REQUEST, PADDED_ROW, SCHEDU
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.replayer.steps import (
     RankTrace,
+    check_ranks,
     first_gap,
     ranks_of,
     require_replayable,
@@ -1054,6 +1055,7 @@ def replay_trace(
     defer_reads: bool | None = None,
     mirror: bool | None = None,
     jobs: int = 1,
+    ranks: Sequence[int] | None = None,
 ) -> ReplayResult:
     """Replay every rank of a trace under ``rules``, reporting the window
     ``from_step..to_step``: findings before ``from_step`` are dropped, and inside the window
@@ -1063,12 +1065,13 @@ def replay_trace(
     With ``from_step`` a checkpoint cached by an earlier replay under the same rules starts
     the replay close to that step; ``checkpoint_every`` caches new ones on the way. With
     ``jobs`` > 1 each rank is replayed in segments on that many processes (``parallel``),
-    with the same findings.
+    with the same findings. ``ranks``: only those ranks (all by default).
     """
     from mgtrace.replayer import checkpoint as ckpt
 
     rules = rules or RuleSet()
     require_replayable(reader)
+    chosen = ranks_of(reader) if ranks is None else check_ranks(reader, ranks, reader.path)
     ids, seed = ckpt.request_ids_for(reader)
     if jobs > 1:
         if backend != "reference" or checkpoint_every or seed is not None:
@@ -1078,14 +1081,13 @@ def replay_trace(
             )
         load_backend(backend, device)  # refuses what a replay without --jobs refuses
         return _replay_in_segments(
-            reader, rules, jobs, layout, from_step, to_step, allow_gaps, progress
+            reader, rules, jobs, layout, from_step, to_step, allow_gaps, progress, chosen
         )
     run_backend = load_backend(backend, device)
     findings: list[Finding] = []
     repeats = 0
     steps_done = 0
-    ranks = ranks_of(reader)
-    for rank in ranks:
+    for rank in chosen:
         trace = RankTrace(reader, rank, ids)
         if not allow_gaps:
             _require_contiguous(trace.step_numbers, rank, trace.first_left_out)
@@ -1127,7 +1129,7 @@ def replay_trace(
         )
         findings += [f for f in rep.oracle.findings if from_step is None or f.step >= from_step]
         repeats += sum(v - 1 for v in rep.oracle.repeats.values())
-    return ReplayResult.of(rules, findings, steps_done, ranks, repeats)
+    return ReplayResult.of(rules, findings, steps_done, chosen, repeats)
 
 
 def _replay_in_segments(
@@ -1139,12 +1141,12 @@ def _replay_in_segments(
     to_step: int | None,
     allow_gaps: bool,
     progress: Callable[[int], None] | None,
+    ranks: list[int],
 ) -> ReplayResult:
     from mgtrace.replayer.parallel import replay_rank_in_segments, step_numbers
 
     findings: list[Finding] = []
     repeats = steps = 0
-    ranks = ranks_of(reader)
     for rank in ranks:
         if not allow_gaps:
             numbers, left_out = step_numbers(reader, rank)

@@ -6,8 +6,9 @@ loop costs a few array views per step instead of a query.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from mgtrace.schemas.tables import (
     ROW_RULES,
     SCHED_KINDS,
 )
+from mgtrace.shell import path_arg
 from mgtrace.sim.reorder import builder_split
 
 
@@ -583,3 +585,23 @@ def require_replayable(reader: TraceReader) -> None:
 def ranks_of(reader: TraceReader) -> list[int]:
     t = reader.table("steps", columns=["rank"])
     return sorted(set(t.column("rank").to_pylist()))
+
+
+def check_ranks(reader: TraceReader, ranks: Iterable[int], trace: str | Path) -> list[int]:
+    """``ranks``, sorted, once each; one sentence when ``trace`` lacks one of them."""
+    have = ranks_of(reader)
+    wanted = sorted(set(ranks))
+    missing = [r for r in wanted if r not in have]
+    if missing:
+        listed = ", ".join(map(str, have)) or "none"
+        raise UsageError(f"{path_arg(trace)} has no rank {missing[0]}; its ranks: {listed}")
+    return wanted
+
+
+def some_ranks(
+    reader: TraceReader, ranks: Iterable[int] | None, trace: str | Path
+) -> list[int] | None:
+    """The ranks a replay was asked for, checked; None for every rank (none asked for, or
+    all of them): the whole trace's replay."""
+    chosen = check_ranks(reader, ranks, trace) if ranks else None
+    return None if chosen is None or chosen == ranks_of(reader) else chosen
