@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -227,3 +228,33 @@ def test_replay_of_some_ranks_finds_what_the_whole_replay_finds_on_them(
     assert_one_sentence_error(run_cli("replay", str(trace), "--rank", "5"), 2)
     with pytest.raises(UsageError, match="has no rank 5; its ranks: 0, 1"):
         Trace(trace).replay(ranks=[5])
+
+
+def test_bisect_of_some_ranks_and_its_commands_name_the_bad_rank(
+    whole: Path, tmp_path: Path
+) -> None:
+    trace = tmp_path / "whole.trace"
+    shutil.copytree(whole, trace)
+    log = tmp_path / "bisect.json"
+    verdict = json.loads(run_cli("bisect", str(trace), "--json", "--log", str(log)).stdout)
+    assert verdict["status"] == "bad" and verdict["rank"] == 0 and verdict["ranks"] is None
+    bad = verdict["commands"]["bad"]
+    assert "--no-save --rank=0 --to-step=" in bad, bad
+    shown = run_cli(*shlex.split(bad)[1:], "--json")
+    assert json.loads(shown.stdout)["first_step"] == verdict["first_step"]
+    assert json.loads(shown.stdout)["ranks"] == [0]
+    # rank 1 alone never goes bad; its log keeps the rank and re-checks the same way
+    one = run_cli("bisect", str(trace), "--rank", "1", "--json", "--log", str(log))
+    assert one.returncode == 0 and json.loads(one.stdout)["ranks"] == [1], one.stderr
+    assert json.loads(log.read_text())["ranks"] == [1]
+    again = run_cli("bisect", "--replay", str(log))
+    assert again.returncode == 0 and "the verdict holds" in again.stdout, again.stdout
+    assert_one_sentence_error(run_cli("bisect", str(trace), "--rank", "7"), 2)
+
+
+def test_bisect_commands_of_a_one_rank_trace_name_no_rank(tmp_path: Path) -> None:
+    path = tmp_path / "one.trace"
+    cfg = SimConfig(steps=80, seed=2, bugs=("reorder-threshold-mismatch",), output=path)
+    simulate(cfg.validate())
+    verdict = json.loads(run_cli("bisect", str(path), "--json").stdout)
+    assert verdict["status"] == "bad" and "--rank" not in verdict["commands"]["bad"]

@@ -18,6 +18,7 @@ import json
 import os
 import shlex
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,13 @@ from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, FOREIGN_STATE, Findin
 from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
 from mgtrace.replayer.requests import is_request
 from mgtrace.replayer.rules import RuleSet, single_changes
-from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
+from mgtrace.replayer.steps import (
+    RankTrace,
+    first_gap,
+    ranks_of,
+    require_replayable,
+    some_ranks,
+)
 from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.ranks import rank_directories
 from mgtrace.schemas.reader import TraceReader
@@ -72,6 +79,7 @@ class Verdict:
     reason: str = ""
     first_step: int | None = None
     rank: int | None = None
+    ranks: list[int] | None = None  # the ranks bisected, when not every one
     requests: list[str] = field(default_factory=list)
     first_findings: list[dict[str, Any]] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)  # single rule changes that make F clean
@@ -151,10 +159,13 @@ class Bisector:
         horizon: int = DEFAULT_HORIZON,
         every: int = CHECKPOINT_EVERY,
         skip_bad_parts: bool = False,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self.path = Path(trace_path)
         self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
         require_replayable(self.reader)
+        self.ranks = some_ranks(self.reader, ranks, self.path)
+        self.several_ranks = len(ranks_of(self.reader)) > 1
         self.base = base or RuleSet()
         self.backend_name = backend
         self.device = device
@@ -163,7 +174,8 @@ class Bisector:
         self.every = every
         # a minimized repro starts from the replay state its earlier steps left
         self.ids, self.start = ckpt.request_ids_for(self.reader)
-        self.traces = {r: RankTrace(self.reader, r, self.ids) for r in ranks_of(self.reader)}
+        chosen = self.ranks if self.ranks is not None else ranks_of(self.reader)
+        self.traces = {r: RankTrace(self.reader, r, self.ids) for r in chosen}
 
     def _replay(self, trace: RankTrace, rules: RuleSet) -> tuple[RankReplay, int]:
         """A replay of one rank under ``rules``, at the trace's start, and its first step."""
@@ -177,6 +189,7 @@ class Bisector:
             trace=str(self.path),
             base_rules=self.base.canonical(),
             horizon=self.horizon,
+            ranks=self.ranks,
         )
         gaps = {r: _gaps(t) for r, t in self.traces.items()}
         checkpoints: dict[int, dict[int, Checkpoint]] = {}
@@ -295,11 +308,14 @@ class Bisector:
         def cmd(rules: RuleSet, to_step: int) -> str:
             # --no-save: running them to look must not add their findings to the trace a
             # second time (the saved findings would then hold duplicates)
+            # of several ranks, the one that goes bad first shows it alone
+            rank = [f"--rank={v.rank}"] if self.several_ranks else []
             parts = [
                 "mgtrace",
                 "replay",
                 path_arg(self.path),
                 "--no-save",
+                *rank,
                 *rules.as_flags(),
                 f"--to-step={to_step}",
             ]
@@ -394,6 +410,7 @@ def _check_types(v: Verdict) -> None:
         and isinstance(v.explanations, list)
         and isinstance(v.first_findings, list)
         and all(isinstance(f, dict) for f in v.first_findings)
+        and (v.ranks is None or (isinstance(v.ranks, list) and all(map(is_int, v.ranks))))
     )
     if not ok:
         raise TypeError("a field holds a value of the wrong type")
@@ -420,7 +437,7 @@ def recheck_log(path: Path, **kwargs: Any) -> tuple[bool, Verdict, Verdict]:
             f"{path} is a damaged bisect log ({exc.__class__.__name__}: {exc})"
         ) from None
     kwargs["skip_bad_parts"] = kwargs.get("skip_bad_parts") or bool(data.get("skip_bad_parts"))
-    new = bisect(trace, base=base, horizon=old.horizon, **kwargs)
+    new = bisect(trace, base=base, horizon=old.horizon, ranks=old.ranks, **kwargs)
     same = (
         new.status == old.status
         and new.first_step == old.first_step

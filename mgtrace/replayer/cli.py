@@ -111,6 +111,15 @@ def list_rules(console: Console) -> None:
     console.print(t)
 
 
+RANK_OPTION = click.option(
+    "--rank",
+    "ranks",
+    type=click.IntRange(min=0),
+    multiple=True,
+    metavar="N",
+    help="Replay this rank only (repeatable): one worker of each pipeline stage, say, where "
+    "its tensor-parallel siblings ran the same batches. Default: every rank.",
+)
 DEVICE_OPTION = click.option(
     "--device",
     type=click.Choice(["cpu", "cuda"]),
@@ -155,15 +164,7 @@ DEVICE_OPTION = click.option(
     help="Cache a checkpoint every N steps (TRACE/.replay-cache) for --from-step.",
 )
 @click.option("--allow-gaps", is_flag=True, help="Replay across dropped steps (may mislead).")
-@click.option(
-    "--rank",
-    "ranks",
-    type=click.IntRange(min=0),
-    multiple=True,
-    metavar="N",
-    help="Replay this rank only (repeatable): one worker of each pipeline stage, say, where "
-    "its tensor-parallel siblings ran the same batches. Default: every rank.",
-)
+@RANK_OPTION
 @click.option(
     "-j",
     "--jobs",
@@ -374,6 +375,7 @@ def _counts(findings) -> dict[str, int]:
     type=click.Path(path_type=Path),
     help="Re-check a bisect log: run it again and compare.",
 )
+@RANK_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
 @click.option("--skip-bad-parts", is_flag=True, help="Read the valid parts of a damaged trace.")
 def bisect_cmd(
@@ -384,6 +386,7 @@ def bisect_cmd(
     device: str,
     log_path: Path | None,
     replay_log: Path | None,
+    ranks: tuple[int, ...],
     as_json: bool,
     skip_bad_parts: bool,
     **rule_values: str | None,
@@ -444,6 +447,7 @@ def bisect_cmd(
         backend=backend,
         device=device,
         skip_bad_parts=skip_bad_parts,
+        ranks=ranks or None,
     )
     log = log_path or Path(trace) / "bisect.json"
     try:
