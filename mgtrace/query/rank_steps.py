@@ -84,8 +84,8 @@ def offset_notes(offsets: dict[int, int | None]) -> list[str]:
     for rank, offset in sorted(offsets.items()):
         if offset is None:
             notes.append(
-                f"rank {rank}'s first {MATCHED_STEPS} steps match none of rank {lowest}'s "
-                "scheduler outputs"
+                f"rank {rank}'s scheduler outputs do not line up with rank {lowest}'s over their "
+                f"first {MATCHED_STEPS} steps, so its step numbers cannot be matched to them"
             )
         elif offset:
             sign = "+" if offset > 0 else "-"
@@ -100,7 +100,9 @@ def offsets_summary(offsets: dict[int, int | None]) -> str | None:
     notes = offset_notes(offsets)
     if not notes:
         return "a step is the same engine step on every rank"
-    return "; ".join([*notes, "the ranks began recording at different engine steps"])
+    if any(offsets.values()):  # a number other than 0
+        notes.append("the ranks began recording at different engine steps")
+    return "; ".join(notes)
 
 
 def offsets_sentence(offsets: dict[int, int | None]) -> str | None:
@@ -109,6 +111,8 @@ def offsets_sentence(offsets: dict[int, int | None]) -> str | None:
     notes = offset_notes(offsets)
     if not notes:
         return None
+    if not any(offsets.values()):  # no number other than 0: only ranks that do not line up
+        return "; ".join(notes)
     return (
         "the ranks began recording at different engine steps and number steps from their "
         f"own first one: {'; '.join(notes)}"
