@@ -209,6 +209,11 @@ def test_minimize_long_trace_to_a_small_repro(
     assert sorted(kept) == result.requests  # no request the repro does not hold
     if bug == "batch-row-block-table":  # the deferred post-process no longer holds the cut
         assert any(h["pass"] == "prefix" for h in result.history), result.history
+        # of the two ranks, the repro keeps the one its finding is on
+        assert {"pass": "ranks", "rank": first.findings[0].rank} in result.history
+        assert sorted(set(TraceReader(out).table("steps")["rank"].to_pylist())) == [
+            first.findings[0].rank
+        ]
     # bisect and diff start the repro from its start state, as replay does: the same first
     # step, undone by the same rule (they used to replay it from nothing: step 0, no fix)
     verdict = bisect(out)

@@ -14,6 +14,7 @@ from mgtrace.api import Trace
 from mgtrace.errors import ManifestError, PartError, UsageError
 from mgtrace.query.canned import as_recorded_replay_id
 from mgtrace.replayer.loop import replay_trace
+from mgtrace.replayer.steps import ranks_of
 from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
@@ -258,3 +259,11 @@ def test_bisect_commands_of_a_one_rank_trace_name_no_rank(tmp_path: Path) -> Non
     simulate(cfg.validate())
     verdict = json.loads(run_cli("bisect", str(path), "--json").stdout)
     assert verdict["status"] == "bad" and "--rank" not in verdict["commands"]["bad"]
+
+
+def test_minimize_keeps_the_rank_of_its_finding(whole: Path, tmp_path: Path) -> None:
+    out = tmp_path / "one-rank.min"
+    proc = run_cli("minimize", str(whole), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "on rank 0, the one rank it keeps" in " ".join(proc.stdout.split())
+    assert ranks_of(TraceReader(out)) == [0]

@@ -619,9 +619,12 @@ def minimize_cmd(
         markup=False,
         highlight=False,
     )
+    kept_rank = next((h["rank"] for h in result.history if h["pass"] == "ranks"), None)
+    on_rank = "" if kept_rank is None else f", on rank {kept_rank}, the one rank it keeps"
     out.print(
         f"pinned finding: {result.signature} at step {result.first_step} of the repro "
-        f"(step {result.original_first_step} of {trace}; the repro's steps start at 0)",
+        f"(step {result.original_first_step} of {trace}{on_rank}; the repro's steps start "
+        "at 0)",
         markup=False,
         highlight=False,
     )

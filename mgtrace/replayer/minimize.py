@@ -94,15 +94,36 @@ class Outcome:
     first_step: int | None
     signatures: set[str]
     lead: str | None = None  # the first finding as replay lists it (step, rank, batch row)
+    rank_of: dict[str, int] = field(default_factory=dict)  # signature -> lowest rank showing it
 
 
 def outcome(trace: MemoryTrace, rules: RuleSet) -> Outcome:
     result = replay_trace(trace, rules)  # type: ignore[arg-type]
-    first = [f.signature for f in result.findings if f.step == result.first_step]
-    return Outcome(result.first_step, set(first), first[0] if first else None)
+    first = [f for f in result.findings if f.step == result.first_step]
+    rank_of: dict[str, int] = {}
+    for f in first:  # in (step, rank, batch row) order: the lowest rank comes first
+        rank_of.setdefault(f.signature, f.rank)
+    lead = first[0].signature if first else None
+    return Outcome(result.first_step, set(rank_of), lead, rank_of)
 
 
 # ------------------------------------------------------------------ reductions
+def only_rank(trace: MemoryTrace, rank: int) -> MemoryTrace:
+    """One rank's rows and start state. Each rank replays on its own, so the other ranks'
+    rows take no part in a finding on this one."""
+    out = {
+        name: t.filter(pc.equal(t.column("rank"), rank))
+        if TABLES[name].per_step and t.num_rows
+        else t
+        for name, t in trace.tables_.items()
+    }
+    start = trace.start_state
+    if start is not None:
+        kept = {r: cp for r, cp in start.checkpoints.items() if r == rank}
+        start = replace(start, checkpoints=kept)
+    return MemoryTrace(trace.manifest, out, start)
+
+
 def truncate(trace: MemoryTrace, last_step: int) -> MemoryTrace:
     """The steps up to ``last_step``, and only the requests that appear in them."""
     out = {}
@@ -465,6 +486,12 @@ def minimize(
     if not bad(current):
         raise InconclusiveError("the finding does not survive cutting the steps after it")
     history.append({"pass": "truncate", "steps": base.first_step + 1})
+    rank = base.rank_of[pin]
+    if len(set(current.tables_["steps"].column("rank").to_pylist())) > 1:
+        alone = only_rank(current, rank)
+        if bad(alone):  # always, as each rank replays on its own; checked all the same
+            current = alone
+            history.append({"pass": "ranks", "rank": rank})
     # The prefix trim can leave requests and steps the earlier passes had to keep (their
     # history mattered then), so the passes repeat until none removes anything.
     for _ in range(MAX_ROUNDS):
