@@ -306,10 +306,10 @@ class Bisector:
         """The exact replays that show the bad side and, when there is one, the good side."""
 
         def cmd(rules: RuleSet, to_step: int) -> str:
-            # --no-save: running them to look must not add their findings to the trace a
-            # second time (the saved findings would then hold duplicates)
             # of several ranks, the one that goes bad first shows it alone
             rank = [f"--rank={v.rank}"] if self.several_ranks else []
+            # --no-save: running them to look must not add their findings to the trace a
+            # second time (the saved findings would then hold duplicates)
             parts = [
                 "mgtrace",
                 "replay",
