@@ -454,15 +454,23 @@ def main() -> int:
     if a.missing_launcher:
         del v.mu.MambaSpecDecodeGPUContext.run_fused_postprocess_align
     eng = StandinEngine(v, k=0 if a.no_spec else K)
-    print(f"READY {os.getpid()}", flush=True)
+    _say(f"READY {os.getpid()}")
     done = 0
     while a.steps == 0 or done < a.steps:
         eng.step()
         done += 1
         if a.sleep:
             time.sleep(a.sleep)
-    print(f"DONE {done}", flush=True)
+    _say(f"DONE {done}")
     return 0
+
+
+def _say(line: str) -> None:
+    """``line`` in one write. Stand-ins under one parent share its pipe, and print() writes
+    the text and its newline apart when output is unbuffered (PYTHONUNBUFFERED): two
+    workers' READY lines then came out as "READY 870READY 871"."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
 if __name__ == "__main__":
