@@ -165,7 +165,8 @@ class Bisector:
         self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
         require_replayable(self.reader)
         self.ranks = some_ranks(self.reader, ranks, self.path)
-        self.several_ranks = len(ranks_of(self.reader)) > 1
+        all_ranks = ranks_of(self.reader)
+        self.several_ranks = len(all_ranks) > 1
         self.base = base or RuleSet()
         self.backend_name = backend
         self.device = device
@@ -174,7 +175,7 @@ class Bisector:
         self.every = every
         # a minimized repro starts from the replay state its earlier steps left
         self.ids, self.start = ckpt.request_ids_for(self.reader)
-        chosen = self.ranks if self.ranks is not None else ranks_of(self.reader)
+        chosen = self.ranks if self.ranks is not None else all_ranks
         self.traces = {r: RankTrace(self.reader, r, self.ids) for r in chosen}
 
     def _replay(self, trace: RankTrace, rules: RuleSet) -> tuple[RankReplay, int]:

@@ -589,13 +589,7 @@ def ranks_of(reader: TraceReader) -> list[int]:
 
 def check_ranks(reader: TraceReader, ranks: Iterable[int], trace: str | Path) -> list[int]:
     """``ranks``, sorted, once each; one sentence when ``trace`` lacks one of them."""
-    have = ranks_of(reader)
-    wanted = sorted(set(ranks))
-    missing = [r for r in wanted if r not in have]
-    if missing:
-        listed = ", ".join(map(str, have)) or "none"
-        raise UsageError(f"{path_arg(trace)} has no rank {missing[0]}; its ranks: {listed}")
-    return wanted
+    return _checked(ranks_of(reader), ranks, trace)
 
 
 def some_ranks(
@@ -603,5 +597,17 @@ def some_ranks(
 ) -> list[int] | None:
     """The ranks a replay was asked for, checked; None for every rank (none asked for, or
     all of them): the whole trace's replay."""
-    chosen = check_ranks(reader, ranks, trace) if ranks else None
-    return None if chosen is None or chosen == ranks_of(reader) else chosen
+    if not ranks:
+        return None
+    have = ranks_of(reader)
+    chosen = _checked(have, ranks, trace)
+    return None if chosen == have else chosen
+
+
+def _checked(have: list[int], ranks: Iterable[int], trace: str | Path) -> list[int]:
+    wanted = sorted(set(ranks))
+    missing = [r for r in wanted if r not in have]
+    if missing:
+        listed = ", ".join(map(str, have)) or "none"
+        raise UsageError(f"{path_arg(trace)} has no rank {missing[0]}; its ranks: {listed}")
+    return wanted
