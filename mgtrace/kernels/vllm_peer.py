@@ -5,8 +5,8 @@ own terms (base addresses, page strides, inner sizes, conv widths, DS row counts
 module translates a launch description and a pool into exactly those arguments and calls
 the kernels directly, on the same bytes the mgtrace backends use.
 
-vLLM 0.33.0 indexes block-table rows by request slot in both copy kernels and by batch row
-in the aligned-indices gather; launches under any other rule cannot be compared.
+vLLM (0.33 and 0.34) indexes block-table rows by request slot in both copy kernels and by
+batch row in the aligned-indices gather; launches under any other rule cannot be compared.
 """
 
 from __future__ import annotations
@@ -121,10 +121,10 @@ def comparable(launch: AlignLaunch, has_idx_mapping: bool) -> str | None:
         if (slots < 0).any():
             return "vLLM's aligned-indices gather has no padded rows"
         if launch.row_rule != "batch_row" and not identity:
-            return "vLLM 0.33.0 gathers aligned indices by batch row"
+            return "vLLM gathers aligned indices by batch row"
         return None
     if launch.row_rule != "req_slot" and not identity:
-        return "vLLM 0.33.0 copies through request-slot block-table rows"
+        return "vLLM copies through request-slot block-table rows"
     if not has_idx_mapping and not identity:
         return "without idx_mapping vLLM's rows are the request slots"
     return None

@@ -8,6 +8,7 @@ each missing piece, when it does not.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +25,16 @@ class RecorderRefusal(MgtraceError):
 
 @dataclass(frozen=True)
 class Target:
-    """``module[:Class].attr``; optional targets only enrich the trace."""
+    """``module[:Class].attr``; optional targets only enrich the trace. ``params``: the
+    leading parameters (after ``self``) that its hook reads by position, in order. A vLLM
+    whose callable does not begin with them would hand the hook the wrong argument, so it
+    counts as missing."""
 
     module: str
     owner: str | None
     attr: str
     required: bool = True
+    params: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -39,10 +44,33 @@ class Target:
 
 _MU = "vllm.v1.worker.mamba_utils"
 _CTX = "MambaSpecDecodeGPUContext"
-_LAUNCHERS = (
-    Target(_MU, _CTX, "run_fused_precopy"),
-    Target(_MU, _CTX, "run_fused_postprocess"),
-    Target(_MU, _CTX, "run_fused_postprocess_align"),
+# The launchers' parameters, which their hooks read by name or position.
+PRECOPY_PARAMS = ("num_reqs", "state_idx_gpu", "src_col_gpu", "token_bias_gpu", "idx_mapping")
+POSTPROCESS_PARAMS = (
+    "num_reqs",
+    "num_accepted_tokens_gpu",
+    "mamba_state_idx_gpu",
+    "num_scheduled_tokens_gpu",
+    "num_computed_tokens_gpu",
+    "num_draft_tokens_gpu",
+)
+POSTPROCESS_ALIGN_PARAMS = (
+    "num_reqs",
+    "num_accepted_tokens_gpu",
+    "state_idx_gpu",
+    "new_num_computed_tokens_gpu",
+    "idx_mapping",
+)
+# Each runner calls its own post-process launcher (V1 in request order, V2 through
+# idx_mapping); a vLLM without the V1 runner (0.34 on) has no V1 launcher either.
+_PRECOPY_LAUNCHER = Target(_MU, _CTX, "run_fused_precopy", params=PRECOPY_PARAMS)
+V1_LAUNCHERS = (
+    _PRECOPY_LAUNCHER,
+    Target(_MU, _CTX, "run_fused_postprocess", params=POSTPROCESS_PARAMS),
+)
+V2_LAUNCHERS = (
+    _PRECOPY_LAUNCHER,
+    Target(_MU, _CTX, "run_fused_postprocess_align", params=POSTPROCESS_ALIGN_PARAMS),
 )
 _SPLIT = Target(
     "vllm.v1.attention.backends.mamba_attn",
@@ -57,51 +85,114 @@ _GDN_SPLIT = Target(
     required=False,
 )
 # V1 without a speculative config copies states through this, not the fused launchers.
-_SCALAR_COPY = Target(_MU, None, "collect_mamba_copy_meta", required=False)
+_SCALAR_COPY = Target(
+    _MU,
+    None,
+    "collect_mamba_copy_meta",
+    required=False,
+    params=(
+        "copy_bufs",
+        "kv_cache_config",
+        "mamba_state_copy_funcs",
+        "mamba_group_ids",
+        "src_block_idx",
+        "dest_block_idx",
+        "accept_token_bias",
+        "req_state",
+    ),
+)
 _CHECKPOINTS = Target(
     "vllm.model_executor.layers.mamba.checkpoint",
     "MambaPrefillCheckpointBuilder",
     "build",
     required=False,
+    params=("m", "request_rows"),
 )
+_V1_BATCH = "vllm.v1.worker.gpu_input_batch"
 
 V1_TARGETS: tuple[Target, ...] = (
-    Target(V1_RUNNER_MODULE, "GPUModelRunner", "execute_model"),
+    Target(V1_RUNNER_MODULE, "GPUModelRunner", "execute_model", params=("scheduler_output",)),
     # where present, a step whose execute_model returned None ends here
     Target(V1_RUNNER_MODULE, "GPUModelRunner", "sample_tokens", required=False),
     Target(V1_RUNNER_MODULE, "GPUModelRunner", "_update_states"),
-    Target(V1_RUNNER_MODULE, None, "reorder_batch_to_split_decodes_and_prefills"),
-    Target("vllm.v1.worker.gpu_input_batch", "InputBatch", "add_request"),
-    Target("vllm.v1.worker.gpu_input_batch", "InputBatch", "remove_request"),
-    Target("vllm.v1.worker.gpu_input_batch", "InputBatch", "swap_states"),
-    Target("vllm.v1.worker.gpu_input_batch", "InputBatch", "condense"),
-    Target(_MU, None, "preprocess_mamba"),
-    Target(_MU, None, "stage_postprocess_inputs_to_gpu"),
-    *_LAUNCHERS,
+    Target(
+        V1_RUNNER_MODULE,
+        None,
+        "reorder_batch_to_split_decodes_and_prefills",
+        params=("input_batch", "scheduler_output", "decode_threshold"),
+    ),
+    Target(_V1_BATCH, "InputBatch", "add_request", params=("request",)),
+    Target(_V1_BATCH, "InputBatch", "remove_request", params=("req_id",)),
+    Target(_V1_BATCH, "InputBatch", "swap_states", params=("i1", "i2")),
+    Target(_V1_BATCH, "InputBatch", "condense"),
+    Target(
+        _MU,
+        None,
+        "preprocess_mamba",
+        params=(
+            "scheduler_output",
+            "kv_cache_config",
+            "cache_config",
+            "mamba_state_idx",
+            "input_batch",
+            "requests",
+            "forward_context",
+            "mamba_state_copy_funcs",
+            "copy_bufs",
+            "align_ctx",
+        ),
+    ),
+    Target(
+        _MU,
+        None,
+        "stage_postprocess_inputs_to_gpu",
+        params=("ctx", "scheduler_output", "req_ids", "num_reqs"),
+    ),
+    *V1_LAUNCHERS,
     _SCALAR_COPY,
     _SPLIT,
     _GDN_SPLIT,
     _CHECKPOINTS,
 )
 
+_V2_STATE = "vllm.v1.worker.gpu.model_states.mamba_hybrid"
+_V2_TABLES = "vllm.v1.worker.gpu.block_table"
+
 V2_TARGETS: tuple[Target, ...] = (
-    Target(V2_RUNNER_MODULE, "GPUModelRunner", "execute_model"),
+    Target(
+        V2_RUNNER_MODULE,
+        "GPUModelRunner",
+        "execute_model",
+        params=("scheduler_output", "intermediate_tensors", "dummy_run"),
+    ),
     Target(V2_RUNNER_MODULE, "GPUModelRunner", "sample_tokens", required=False),
     Target(V2_RUNNER_MODULE, "GPUModelRunner", "prepare_inputs"),
     Target(
-        "vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState", "preprocess_state"
+        _V2_STATE,
+        "MambaHybridModelState",
+        "preprocess_state",
+        params=("input_batch", "block_tables", "kv_cache_config", "num_computed_tokens"),
     ),
-    Target(
-        "vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState", "postprocess_state"
-    ),
+    Target(_V2_STATE, "MambaHybridModelState", "postprocess_state"),
     Target("vllm.v1.worker.gpu.pp_utils", "PPHandler", "receive"),
     Target("vllm.v1.worker.gpu.pp_utils", "PPHandler", "get_prev_sampled_outputs"),
-    Target("vllm.v1.worker.gpu.block_table", "BlockTables", "append_block_ids"),
-    Target("vllm.v1.worker.gpu.block_table", "BlockTables", "gather_block_tables", required=False),
     Target(
-        "vllm.v1.worker.gpu.block_table", "BlockTables", "get_dummy_block_tables", required=False
+        _V2_TABLES,
+        "BlockTables",
+        "append_block_ids",
+        params=("req_index", "new_block_ids", "overwrite"),
     ),
-    *_LAUNCHERS,
+    Target(
+        _V2_TABLES,
+        "BlockTables",
+        "gather_block_tables",
+        required=False,
+        params=("idx_mapping", "num_reqs_padded", "out"),
+    ),
+    Target(
+        _V2_TABLES, "BlockTables", "get_dummy_block_tables", required=False, params=("num_reqs",)
+    ),
+    *V2_LAUNCHERS,
     _SPLIT,
     _GDN_SPLIT,
     _CHECKPOINTS,
@@ -124,16 +215,37 @@ def resolve(target: Target) -> Any | None:
     return owner
 
 
+def signature_problem(target: Target, owner: Any) -> str | None:
+    """Why the target's parameters do not begin with ``target.params``; None when they do
+    (or the callable has no Python signature to compare)."""
+    if not target.params:
+        return None
+    try:
+        names = list(inspect.signature(getattr(owner, target.attr)).parameters)
+    except (TypeError, ValueError):
+        return None
+    if target.owner is not None:
+        names = names[1:]  # self
+    if names[: len(target.params)] == list(target.params):
+        return None
+    return (
+        f"{target.label} takes ({', '.join(names)}), where the hook reads "
+        f"({', '.join(target.params)})"
+    )
+
+
 def resolve_all(targets: tuple[Target, ...]) -> tuple[dict[Target, Any], list[str]]:
-    """Owners of every present target, and labels of the missing required ones."""
+    """Owners of every present target whose parameters are as its hook reads them, and what
+    is wrong with each required one that is missing or differs."""
     owners: dict[Target, Any] = {}
     missing: list[str] = []
     for t in targets:
         owner = resolve(t)
-        if owner is not None:
+        problem = t.label if owner is None else signature_problem(t, owner)
+        if problem is None:
             owners[t] = owner
         elif t.required:
-            missing.append(t.label)
+            missing.append(problem)
     return owners, missing
 
 
@@ -170,6 +282,12 @@ def check_runner(runner: Any) -> tuple[str, dict[Target, Any]]:
         raise RecorderRefusal(
             f"this vLLM's {kind.upper()} runner lacks what the recorder hooks need: "
             + ", ".join(missing)
+        )
+    if getattr(getattr(runner, "cache_config", None), "use_replayssm", False) is True:
+        raise RecorderRefusal(
+            "this engine serves with --use-replayssm: its Mamba2 decodes keep recent inputs "
+            "in a ring and store the whole state only when they flush it, which mgtrace's "
+            "replay does not model; restart the engine without --use-replayssm to record it"
         )
     if kind == "v1" and not _v1_fused_align(runner) and _SCALAR_COPY not in owners:
         raise RecorderRefusal(

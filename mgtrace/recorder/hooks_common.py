@@ -12,7 +12,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mgtrace.recorder.assemble import BOUND_PTRS
-from mgtrace.recorder.features import Target, owner_of
+from mgtrace.recorder.features import (
+    POSTPROCESS_ALIGN_PARAMS,
+    POSTPROCESS_PARAMS,
+    PRECOPY_PARAMS,
+    Target,
+    owner_of,
+)
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
 from mgtrace.recorder.wire import raw
@@ -270,27 +276,9 @@ _POST_CPU = (
 )
 
 
-_PRECOPY = ("num_reqs", "state_idx_gpu", "src_col_gpu", "token_bias_gpu", "idx_mapping")
-_POST = (
-    "num_reqs",
-    "num_accepted_tokens_gpu",
-    "mamba_state_idx_gpu",
-    "num_scheduled_tokens_gpu",
-    "num_computed_tokens_gpu",
-    "num_draft_tokens_gpu",
-)
-_POST_ALIGN = (
-    "num_reqs",
-    "num_accepted_tokens_gpu",
-    "state_idx_gpu",
-    "new_num_computed_tokens_gpu",
-    "idx_mapping",
-)
-
-
 def _precopy(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     ctx = args[0]
-    n, sidx, src, bias, idx = call_args(args, kwargs, _PRECOPY)
+    n, sidx, src, bias, idx = call_args(args, kwargs, PRECOPY_PARAMS)
     if n == 0 or not ctx.is_initialized or sess.rec is None:
         return
     if idx is None:  # V1: staged in batch order, read as [:n]
@@ -317,7 +305,7 @@ def _precopy(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
 
 def _postprocess(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     ctx = args[0]
-    n, *tensors = call_args(args, kwargs, _POST)
+    n, *tensors = call_args(args, kwargs, POSTPROCESS_PARAMS)
     rec = sess.rec
     if n == 0 or not ctx.is_initialized or rec is None:
         return
@@ -342,7 +330,7 @@ def _postprocess(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
 def _postprocess_align(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     ctx = args[0]
-    n, acc, sidx, comp, idx = call_args(args, kwargs, _POST_ALIGN)
+    n, acc, sidx, comp, idx = call_args(args, kwargs, POSTPROCESS_ALIGN_PARAMS)
     rec = sess.rec
     if n == 0 or not ctx.is_initialized or rec is None:
         return
@@ -394,19 +382,14 @@ def _gdn_split(
         rec["mamba"] = (None, None, raw(mask.numpy()))
 
 
-def launcher_patches(sess: Session, ctx_cls: Any) -> list[Patch]:
+def launcher_patches(sess: Session, ctx_cls: Any, postprocess: str) -> list[Patch]:
+    """The pre-copy launcher and the runner's own post-process launcher: V1's
+    ``run_fused_postprocess`` (decision arrays in request order) or V2's
+    ``run_fused_postprocess_align`` (through idx_mapping)."""
+    before = _postprocess if postprocess == "run_fused_postprocess" else _postprocess_align
     return [
         Patch(ctx_cls, "run_fused_precopy", hook(sess, "run_fused_precopy", before=_precopy)),
-        Patch(
-            ctx_cls,
-            "run_fused_postprocess",
-            hook(sess, "run_fused_postprocess", before=_postprocess),
-        ),
-        Patch(
-            ctx_cls,
-            "run_fused_postprocess_align",
-            hook(sess, "run_fused_postprocess_align", before=_postprocess_align),
-        ),
+        Patch(ctx_cls, postprocess, hook(sess, postprocess, before=before)),
     ]
 
 

@@ -220,7 +220,11 @@ def v1_patches(sess: Session, owners: dict[Target, Any], mamba_groups: list[int]
             "stage_postprocess_inputs_to_gpu",
             hook(sess, "stage_postprocess_inputs_to_gpu", after=_staged),
         ),
-        *launcher_patches(sess, owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy")),
+        *launcher_patches(
+            sess,
+            owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy"),
+            "run_fused_postprocess",
+        ),
     ]
     scalar = owner_of(owners, None, "collect_mamba_copy_meta")
     if scalar is not None:

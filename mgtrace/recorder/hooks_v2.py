@@ -34,7 +34,7 @@ from mgtrace.recorder.wire import raw
 
 
 def _begin(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if kwargs.get("dummy_run") or (len(args) > 3 and args[3] is True):
+    if arg(args, kwargs, 3, "dummy_run") is True:
         # warm-up and DP padding batches are not engine steps: close the open step and
         # record nothing until the next real one
         sess.end_step()
@@ -245,7 +245,11 @@ def v2_patches(
         Patch(
             pp, "get_prev_sampled_outputs", hook(sess, "pp_get_prev", before=pp_hooks.prev_before)
         ),
-        *launcher_patches(sess, owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy")),
+        *launcher_patches(
+            sess,
+            owner_of(owners, "MambaSpecDecodeGPUContext", "run_fused_precopy"),
+            "run_fused_postprocess_align",
+        ),
         *_table_patches(sess, owner_of(owners, "BlockTables", "append_block_ids"), mamba_groups),
     ]
     patches += optional_patches(sess, owners)

@@ -54,10 +54,20 @@ def mamba_group_ids(runner: Any) -> list[int]:
         return []
 
 
+def _attention_groups(runner: Any) -> list[Any]:
+    """The runner's attention groups: V1 iterates them itself; V2 keeps a list per KV-cache
+    group, and its drafter (speculator) lists of its own."""
+    iterate = getattr(runner, "_attn_group_iterator", None)
+    if iterate is not None:
+        return list(iterate())
+    drafter = getattr(getattr(runner, "speculator", None), "attn_groups", None) or []
+    return [g for groups in [*getattr(runner, "attn_groups", []), *drafter] for g in groups]
+
+
 def builder_thresholds(runner: Any) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     try:
-        for group in runner._attn_group_iterator():
+        for group in _attention_groups(runner):
             builder = group.get_metadata_builder()
             out[type(builder).__name__] = _whole(getattr(builder, "reorder_batch_threshold", None))
     except Exception:

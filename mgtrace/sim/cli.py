@@ -22,7 +22,12 @@ from mgtrace.sim.engine import simulate as run_simulation
 @click.option(
     "--steps", default=2000, show_default=True, type=int, help="Engine steps to simulate."
 )
-@click.option("--runner", default="v1", show_default=True, help="Model runner: v1 | v2.")
+@click.option(
+    "--runner",
+    default="v1",
+    show_default=True,
+    help="Model runner: v1 | v2 (vLLM 0.34 has only V2; 0.33 has both).",
+)
 @click.option(
     "--mixer",
     default="mamba2",
