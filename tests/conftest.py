@@ -31,6 +31,16 @@ _cpu_only_environment()
 REPO = Path(__file__).resolve().parents[1]
 
 
+def skip_without_v1_runner() -> None:
+    """Skip the calling test (or module, at import) where the installed vLLM has no V1
+    runner: 0.34 removed it, and the V1 stand-in engine (tests/recorder_standin.py) is one."""
+    from mgtrace.recorder.features import V1_RUNNER_MODULE
+    from tests.recorder_standin import has_v1_runner
+
+    if not has_v1_runner():
+        pytest.skip(f"this vLLM has no V1 runner ({V1_RUNNER_MODULE})", allow_module_level=True)
+
+
 @pytest.fixture(scope="session")
 def sample_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A read-only sample trace shared by tests that do not modify it."""

@@ -1,4 +1,5 @@
-"""A stand-in V1 engine built from the real vLLM objects, for the recorder tests.
+"""A stand-in V1 engine built from the real vLLM objects, for the recorder tests (vLLM 0.33:
+0.34 has no V1 runner; ``AlignMemory`` serves the V2 tests on either).
 
 The bookkeeping vLLM does per step runs on real objects: ``InputBatch`` (add, remove,
 condense, swap), the runner's ``_may_reorder_batch`` and the module-level reorder function,
@@ -34,6 +35,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from mgtrace.recorder.features import V1_RUNNER_MODULE
 
 B = 4  # mamba block size
 K = 2  # speculative tokens
@@ -80,6 +83,70 @@ def kv_cache_config(k: int = K) -> Any:
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["mamba.0"], spec)],
     )
+
+
+def align_context(mu: Any, conv: torch.Tensor, temporal: torch.Tensor, table: torch.Tensor) -> Any:
+    """A real, initialised ``MambaSpecDecodeGPUContext`` over one layer's conv and temporal
+    state and one block table. Its fields differ between vLLM releases (0.34 renamed the
+    accepted-count copy and dropped the V1 buffers), so they are filled by name."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(mu.MambaSpecDecodeGPUContext)}
+
+    def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype)
+
+    kwargs: dict[str, Any] = dict(
+        state_base_addrs=t([conv.data_ptr(), temporal.data_ptr()], torch.int64),
+        state_block_strides=t([conv.stride(0) * 4, temporal.stride(0) * 4], torch.int64),
+        state_elem_sizes=t([4, 4], torch.int32),
+        state_inner_sizes=t([conv.stride(1), temporal[0].numel()], torch.int64),
+        state_conv_widths=t([conv.size(1), 0], torch.int32),
+        state_group_indices=t([0, 0], torch.int32),
+        state_dim_row_count=t([0, 0], torch.int32),
+        state_dim_row_stride=t([0, 0], torch.int64),
+        block_size=B,
+        num_states=2,
+        mamba_group_ids=[0],
+        num_groups=1,
+        block_table_ptrs=t([table.data_ptr()], torch.int64),
+        aligned_index_block_table_ptrs=t([table.data_ptr()], torch.int64),
+        block_table_stride_req=table.stride(0),
+        is_initialized=True,
+    )
+    for name in ("num_accepted_tokens_out", "num_accepted_tokens_snapshot"):
+        if name in names:
+            kwargs[name] = torch.zeros(MAX_REQS, dtype=torch.int32)
+    staging = sorted(n for n in names if n.endswith("_buf"))  # 0.33's V1 staging buffers
+    if staging:
+        from vllm.v1.utils import CpuGpuBuffer
+
+        for name in staging:
+            kwargs[name] = CpuGpuBuffer(MAX_REQS, dtype=torch.int32, device=CPU, pin_memory=False)
+    return mu.MambaSpecDecodeGPUContext(**kwargs)
+
+
+@dataclass
+class AlignMemory:
+    """One layer's state memory, a block table and the align context pointing at them, for
+    driving the V2 model state on its own (no V1 runner: vLLM 0.34 has none). The tensors
+    live as long as this object: the context holds only their addresses."""
+
+    conv: torch.Tensor
+    temporal: torch.Tensor
+    table: torch.Tensor
+    ctx: Any
+
+    @classmethod
+    def create(cls, k: int = K, table: torch.Tensor | None = None) -> AlignMemory:
+        """``table``: the block table the context points at (default: a zeroed one)."""
+        from vllm.v1.worker import mamba_utils
+
+        conv = torch.zeros(NUM_BLOCKS, 2 + k, 8, dtype=torch.float32)
+        temporal = torch.zeros(NUM_BLOCKS, 2, 4, dtype=torch.float32)
+        if table is None:
+            table = torch.zeros(MAX_REQS, MAX_BLOCKS, dtype=torch.int32)
+        return cls(conv, temporal, table, align_context(mamba_utils, conv, temporal, table))
 
 
 @dataclass
@@ -241,7 +308,9 @@ class StandinEngine:
         layer = SimpleNamespace(kv_cache=[self.conv, self.temporal])
         runner.compilation_config = SimpleNamespace(static_forward_context={"mamba.0": layer})
         if k:
-            self.ctx = self._context(ib.block_table[0].block_table.gpu)
+            self.ctx = align_context(
+                v.mu, self.conv, self.temporal, ib.block_table[0].block_table.gpu
+            )
             bufs = SimpleNamespace(
                 postprocess_align=self.ctx,
                 preprocess=SimpleNamespace(
@@ -276,42 +345,6 @@ class StandinEngine:
         self.sched = Scheduler(v, k=k)
         self.finished: set[str] = set()
 
-    def _context(self, table: torch.Tensor) -> Any:
-        v = self.v
-        conv, temporal = self.conv, self.temporal
-
-        def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype)
-
-        def buf() -> Any:
-            return v.CpuGpuBuffer(MAX_REQS, dtype=torch.int32, device=CPU, pin_memory=False)
-
-        return v.mu.MambaSpecDecodeGPUContext(
-            state_base_addrs=t([conv.data_ptr(), temporal.data_ptr()], torch.int64),
-            state_block_strides=t([conv.stride(0) * 4, temporal.stride(0) * 4], torch.int64),
-            state_elem_sizes=t([4, 4], torch.int32),
-            state_inner_sizes=t([conv.stride(1), temporal[0].numel()], torch.int64),
-            state_conv_widths=t([conv.size(1), 0], torch.int32),
-            state_group_indices=t([0, 0], torch.int32),
-            state_dim_row_count=t([0, 0], torch.int32),
-            state_dim_row_stride=t([0, 0], torch.int64),
-            block_size=B,
-            num_states=2,
-            mamba_group_ids=[0],
-            num_groups=1,
-            num_accepted_tokens_out=torch.zeros(MAX_REQS, dtype=torch.int32),
-            block_table_ptrs=t([table.data_ptr()], torch.int64),
-            aligned_index_block_table_ptrs=t([table.data_ptr()], torch.int64),
-            block_table_stride_req=table.stride(0),
-            mamba_state_idx_buf=buf(),
-            num_scheduled_tokens_buf=buf(),
-            num_computed_tokens_buf=buf(),
-            num_draft_tokens_buf=buf(),
-            precopy_src_col_buf=buf(),
-            precopy_token_bias_buf=buf(),
-            is_initialized=True,
-        )
-
     def step(self) -> dict[str, Any]:
         """One engine step through the runner class's (possibly hooked) methods."""
         so = self.sched.schedule(self.finished)
@@ -328,10 +361,11 @@ class StandinEngine:
         }
 
 
-def standin_update_states(self: Any, so: Any) -> None:
+def standin_update_states(self: Any, scheduler_output: Any) -> None:
     """The order of InputBatch bookkeeping in vLLM's _update_states, on the real objects."""
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
+    so = scheduler_output
     ib = self.input_batch
     for rid in so.finished_req_ids:
         self.requests.pop(rid, None)
@@ -365,10 +399,14 @@ def standin_update_states(self: Any, so: Any) -> None:
     ib.refresh_metadata()
 
 
-def standin_execute_model(self: Any, so: Any, intermediate_tensors: Any = None) -> None:
-    """vLLM's align-mode order: update states, commit tables, precopy, stage post-process."""
+def standin_execute_model(
+    self: Any, scheduler_output: Any, intermediate_tensors: Any = None
+) -> None:
+    """vLLM's align-mode order: update states, commit tables, precopy, stage post-process.
+    (Its parameters are named as vLLM's: the recorder checks them.)"""
     import vllm.v1.worker.gpu_model_runner as gmr
 
+    so = scheduler_output
     self._update_states(so)
     ib = self.input_batch
     n = ib.num_reqs
@@ -442,18 +480,40 @@ def main() -> int:
     ap.add_argument(
         "--missing-launcher",
         action="store_true",
-        help="a vLLM without the align post-process launcher (refused)",
+        help="a vLLM without the V1 post-process launcher (refused)",
+    )
+    ap.add_argument(
+        "--runner",
+        choices=("v1", "v2"),
+        default=None,
+        help="default: v1 where this vLLM has it (0.33), else v2 (0.34)",
     )
     a = ap.parse_args()
-    v = vllm_modules()
+    runner = a.runner or ("v1" if has_v1_runner() else "v2")
+    if runner == "v2" and (a.no_spec or a.missing_launcher):
+        ap.error("--no-spec and --missing-launcher are V1 stand-in options")
     # the stand-in's step functions go in before the plugin loads: an agent armed from the
     # environment wraps whatever execute_model the runner class holds when it arms
-    StandinRunnerMethods(v.gmr).__enter__()
-    if not a.no_plugin:
-        load_plugin_like_vllm()
-    if a.missing_launcher:
-        del v.mu.MambaSpecDecodeGPUContext.run_fused_postprocess_align
-    eng = StandinEngine(v, k=0 if a.no_spec else K)
+    if runner == "v2":
+        from tests.recorder_standin_v2 import StandinV2Methods, V2Engine
+
+        StandinV2Methods().__enter__()
+        if not a.no_plugin:
+            load_plugin_like_vllm()
+        eng: Any = V2Engine()
+    else:
+        v = vllm_modules()
+        StandinRunnerMethods(v.gmr).__enter__()
+        if not a.no_plugin:
+            load_plugin_like_vllm()
+        launcher = v.mu.MambaSpecDecodeGPUContext.run_fused_postprocess
+        if a.missing_launcher:
+            del v.mu.MambaSpecDecodeGPUContext.run_fused_postprocess
+        eng = StandinEngine(v, k=0 if a.no_spec else K)
+        if a.missing_launcher and not a.no_spec:
+            # the engine still steps, through the launcher bound on its own context, which
+            # the recorder's detection (it looks at the class) does not see
+            eng.ctx.run_fused_postprocess = launcher.__get__(eng.ctx)
     _say(f"READY {os.getpid()}")
     done = 0
     while a.steps == 0 or done < a.steps:
@@ -463,6 +523,16 @@ def main() -> int:
             time.sleep(a.sleep)
     _say(f"DONE {done}")
     return 0
+
+
+def has_v1_runner() -> bool:
+    """Whether the installed vLLM has the V1 runner (0.34 removed it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(V1_RUNNER_MODULE) is not None
+    except ImportError:
+        return False
 
 
 def _say(line: str) -> None:

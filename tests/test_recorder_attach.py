@@ -21,9 +21,11 @@ import pytest
 from mgtrace.errors import ManifestError
 from mgtrace.recorder import attach, control, proctree
 from mgtrace.recorder.agent import Agent
+from mgtrace.recorder.features import V1_RUNNER_MODULE, V2_RUNNER_MODULE
 from mgtrace.schemas.reader import TraceReader
 from tests.attach_targets import gdb_script_with, python_target, queue_and_wait
-from tests.conftest import REPO
+from tests.conftest import REPO, skip_without_v1_runner
+from tests.recorder_standin import has_v1_runner
 
 pytestmark = [pytest.mark.slow, pytest.mark.peer]
 pytest.importorskip("vllm")
@@ -40,6 +42,9 @@ RECORD = (
     "sys.exit(rv or 0)\n"
 )
 STANDIN = [PY, "-m", "tests.recorder_standin"]
+# The stand-in engine runs the V1 runner where this vLLM has it (0.33), else V2 (0.34).
+STANDIN_RUNNER = "v1" if has_v1_runner() else "v2"
+RUNNER_MODULE = V1_RUNNER_MODULE if STANDIN_RUNNER == "v1" else V2_RUNNER_MODULE
 
 
 def _wait(predicate: Any, timeout: float = 90.0, what: str = "condition") -> Any:
@@ -111,7 +116,7 @@ def test_activation_through_the_socket(engine: subprocess.Popen[str], tmp_path: 
     result = control.send(sock, "stop")
     assert result["state"] == "idle" and result["complete"] and result["hook_errors"] == 0
     reader = TraceReader(out)
-    assert reader.complete and reader.manifest.run.runner == "v1"
+    assert reader.complete and reader.manifest.run.runner == STANDIN_RUNNER
     con = reader.connect()
     n_steps = con.execute("SELECT count(*) FROM steps").fetchone()[0]
     assert n_steps == result["steps"] >= 4
@@ -660,6 +665,7 @@ def test_launch_mode_records_from_the_first_step(tmp_path: Path) -> None:
 def test_launch_mode_records_an_engine_without_speculative_decoding(tmp_path: Path) -> None:
     """A V1 engine without a speculative config (its states copied by preprocess_mamba
     itself) records from the command line like any other, and its trace replays clean."""
+    skip_without_v1_runner()
     out = tmp_path / "k0"
     proc = _record_cli(
         "-o", str(out), "--max-steps", "8", "--", *STANDIN, "--steps", "10", "--no-spec"
@@ -863,7 +869,7 @@ def test_armed_plugin_arms_when_the_runner_module_is_imported(tmp_path: Path) ->
         "from mgtrace.recorder.agent import get_agent\n"
         "a = get_agent()\n"
         "print(a.state)\n"
-        "import vllm.v1.worker.gpu_model_runner as g\n"
+        f"import {RUNNER_MODULE} as g\n"
         "print(a.state, g.GPUModelRunner.execute_model.__qualname__.split('.')[0])\n"
     )
     env = dict(os.environ, MGTRACE_RECORD_DIR=str(tmp_path / "armed"))
@@ -1008,6 +1014,7 @@ def test_an_engine_that_ends_normally_while_recording_leaves_a_complete_trace(
 def test_a_process_that_refuses_is_named_and_the_exit_says_so(tmp_path: Path) -> None:
     """Of two engine processes under one parent, one refuses (a vLLM without a launcher the
     hooks need): the summary named only the one that recorded, and the exit was 0."""
+    skip_without_v1_runner()  # --missing-launcher takes V1's launcher away
     code = (
         "import subprocess, sys\n"
         "kids = [subprocess.Popen([sys.executable, '-m', 'tests.recorder_standin', "

@@ -1093,3 +1093,72 @@ def test_a_killed_engine_whose_steps_never_reached_the_trace_is_named_with_them(
     with pytest.raises(MgtraceError) as none:  # the control: no step was ever recorded
         _summary([gone(0)], [])
     assert str(none.value) == "process 4321 went away before a step was recorded"
+
+
+def _groups(*builders: tuple[str, int | None]) -> list[Any]:
+    """Attention groups whose metadata builders are classes of the given names."""
+    return [
+        SimpleNamespace(
+            get_metadata_builder=lambda n=name, t=threshold: (
+                type(n, (), {})() if t is None else type(n, (), {"reorder_batch_threshold": t})()
+            )
+        )
+        for name, threshold in builders
+    ]
+
+
+def test_builder_thresholds_come_from_either_runner() -> None:
+    """V1 iterates its attention groups itself; V2 keeps one list per KV-cache group and its
+    drafter lists of its own, whose threshold (a drafter backend's 1, vLLM #55894) is the
+    one that matters most. A runner with neither yields nothing (the control)."""
+    from mgtrace.recorder.runinfo import builder_thresholds
+
+    v1 = SimpleNamespace(_attn_group_iterator=lambda: iter(_groups(("Mamba2B", 4), ("AttnB", 8))))
+    assert builder_thresholds(v1) == {"Mamba2B": 4, "AttnB": 8}
+    v2 = SimpleNamespace(
+        attn_groups=[_groups(("Mamba2B", 4)), _groups(("AttnB", None))],
+        speculator=SimpleNamespace(attn_groups=[_groups(("DrafterB", 1))]),
+    )
+    assert builder_thresholds(v2) == {"Mamba2B": 4, "AttnB": None, "DrafterB": 1}
+    assert builder_thresholds(SimpleNamespace(speculator=None)) == {}
+
+
+def _positional_reads(module: Any) -> list[tuple[str, int, str]]:
+    """Every ``arg(args, kwargs, N, "name")`` in a hook module: (function, N, name)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    reads = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for call in ast.walk(fn):
+            if (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Name)
+                and call.func.id == "arg"
+                and len(call.args) >= 4
+                and isinstance(call.args[2], ast.Constant)
+            ):
+                reads.append((fn.name, call.args[2].value, call.args[3].value))
+    return reads
+
+
+def test_every_argument_a_hook_reads_by_position_is_declared_on_its_target() -> None:
+    """The recorder refuses a vLLM whose hooked callables do not begin with the parameters
+    their targets declare; that check protects only the reads the declarations cover. Each
+    positional read in the hook modules must sit at its declared place (counting ``self``
+    for a method), in the targets of one runner or the other."""
+    from mgtrace.recorder import features, hooks_common, hooks_v1, hooks_v2
+
+    declared = set()
+    for t in (*features.V1_TARGETS, *features.V2_TARGETS):
+        first = 1 if t.owner is not None else 0
+        declared |= {(first + i, name) for i, name in enumerate(t.params)}
+    reads = [r for m in (hooks_common, hooks_v1, hooks_v2) for r in _positional_reads(m)]
+    assert len(reads) >= 20  # the scan sees the hooks' reads
+    undeclared = [r for r in reads if (r[1], r[2]) not in declared]
+    assert undeclared == []
+    # failing control: a read one place off is caught
+    assert (4, "mamba_state_idx") not in declared and (3, "mamba_state_idx") in declared

@@ -1,4 +1,4 @@
-"""The V2 block tables in a recording, against vLLM 0.33.0's real ``BlockTables`` on the CPU.
+"""The V2 block tables in a recording, against vLLM's real ``BlockTables`` on the CPU (0.33, 0.34).
 
 The real class is built with its UVA buffers on plain CPU memory (pinned memory needs an
 accelerator), and driven as the V2 runner drives it: ``append_block_ids`` for new and

@@ -18,6 +18,7 @@ import pytest
 
 from mgtrace.sim.input_rows import InputRows
 from mgtrace.sim.reorder import decode_count, regions, reorder_swaps
+from tests.conftest import skip_without_v1_runner
 
 pytestmark = pytest.mark.peer
 
@@ -34,18 +35,22 @@ def vllm_mods():
         import torch
         from vllm.sampling_params import SamplingParams
         from vllm.v1.attention.backends import utils as attn_utils
-        from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
     except Exception as exc:  # vLLM absent, or present but not importable here
         pytest.skip(
             f"vLLM is not importable ({exc.__class__.__name__}: {exc}); "
             "run `make peer` to install the peer package"
         )
+    return SimpleNamespace(torch=torch, SamplingParams=SamplingParams, attn=attn_utils)
+
+
+@pytest.fixture(scope="module")
+def v1_mods(vllm_mods):
+    """With the V1 runner's InputBatch, which vLLM 0.34 removed (its tests skip there)."""
+    skip_without_v1_runner()
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
     return SimpleNamespace(
-        torch=torch,
-        SamplingParams=SamplingParams,
-        attn=attn_utils,
-        CachedRequestState=CachedRequestState,
-        InputBatch=InputBatch,
+        **vars(vllm_mods), CachedRequestState=CachedRequestState, InputBatch=InputBatch
     )
 
 
@@ -80,8 +85,8 @@ def _real_row(ib, row: int) -> list[int]:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_rows_and_reorder_match_input_batch(vllm_mods, seed: int) -> None:
-    v = vllm_mods
+def test_rows_and_reorder_match_input_batch(v1_mods, seed: int) -> None:
+    v = v1_mods
     rng = random.Random(seed)
     real = _input_batch(v)
     ours = InputRows(MAX_REQS)
@@ -349,8 +354,9 @@ def _drive_vllm(factory, lag: int, steps: int) -> _Steps:
     pending = []
     for step in range(steps):
         so = sched.schedule()
-        # the V2 runner's output lists resumed requests among the new ones
-        resumed = set(so.scheduled_cached_reqs.resumed_req_ids)
+        # the V2 runner's output lists resumed requests among the new ones (vLLM 0.34, with
+        # only that runner, has no resumed set left)
+        resumed = set(getattr(so.scheduled_cached_reqs, "resumed_req_ids", ()))
         resumed |= {r.req_id for r in so.scheduled_new_reqs if r.req_id in t.flight}
         rows = [(r, r in resumed, n, True) for r, n in so.num_scheduled_tokens.items()]
         t.check(step, rows, set(so.preempted_req_ids or ()), set(so.finished_req_ids))
@@ -358,11 +364,10 @@ def _drive_vllm(factory, lag: int, steps: int) -> _Steps:
         if len(pending) > lag:
             done = pending.pop(0)
             ids = list(done.num_scheduled_tokens)
-            out = factory.Output(
-                req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[[7] for _ in ids],
-            )
+            fields = {"req_ids": ids, "sampled_token_ids": [[7] for _ in ids]}
+            if "req_id_to_index" in factory.Output.__dataclass_fields__:  # 0.34 dropped it
+                fields["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
+            out = factory.Output(**fields)
             sched.update_from_output(done, out)
     return t
 
