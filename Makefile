@@ -1,12 +1,17 @@
 # Two entry points for a fresh clone:
 #   make demo   set up .venv and run the main job on the embedded default
-#   make test   set up .venv (with the vLLM peer) and run every test tier that this machine can run
+#   make test   set up .venv (with the vLLM peer) and run every test tier that this machine can
+#               run, then the peer tier again against the next vLLM
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # A CPU build on machines without a GPU; override with TORCH_SPEC= to keep your own CUDA torch.
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm==0.33.0
+# vLLM 0.34 dropped the V1 runner and its post-process launcher, and renamed fields: the peer
+# tier runs a second time against it, from a folder of its own ahead of the venv's vLLM.
+VLLM_NEXT_SPEC ?= vllm==0.34.0
+PEER_NEXT := $(VENV)/peer-next
 PIP := $(PY) -m pip --disable-pip-version-check -q
 DEMO_DIR ?= out/demo
 
@@ -29,14 +34,19 @@ $(VENV)/.peer: $(VENV)/.installed requirements-peer.txt
 
 peer: $(VENV)/.peer
 
+$(PEER_NEXT)/.installed: $(VENV)/.peer
+	$(PIP) install --no-deps --no-compile --upgrade --target $(PEER_NEXT) "$(VLLM_NEXT_SPEC)"
+	touch $@
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/mgtrace demo -o $(DEMO_DIR) --force
 	$(VENV)/bin/mgtrace sql $(DEMO_DIR) "SELECT mamba_split, reorder_region, count(*) AS rows \
 		FROM batch_rows WHERE num_draft > 0 GROUP BY ALL ORDER BY rows DESC"
 
-test: $(VENV)/.peer
+test: $(VENV)/.peer $(PEER_NEXT)/.installed
 	$(PY) -m ruff check mgtrace tests benchmarks
 	$(PY) -m pytest -q
+	PYTHONPATH=$(PEER_NEXT) $(PY) -m pytest -q -m peer
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check mgtrace tests benchmarks
