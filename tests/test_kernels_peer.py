@@ -19,7 +19,7 @@ from mgtrace.kernels import BlockTables, StatePool, StateSpec, run_reference
 from mgtrace.kernels.check import run_check
 from mgtrace.kernels.gen import random_case
 from mgtrace.kernels.validate import validate_launch
-from tests.kernel_builders import postprocess, precopy, two_state_pool
+from tests.kernel_builders import filled_pool, postprocess, precopy, two_state_pool
 
 pytestmark = pytest.mark.peer
 
@@ -164,3 +164,22 @@ def test_wrapped_bias_and_a_refused_in_place_row_match_vllm(vllm) -> None:
     assert (
         ref.accepted_out.tolist() == run_vllm(vllm, launch, StatePool(specs, 30), tables).tolist()
     )
+
+
+def test_layouts_vllms_compiled_ds_copy_would_fault_on_are_named(vllm) -> None:
+    """vLLM's DS conv copy loads whole elements: compiled, a state off its element alignment
+    faults the GPU (seen on an H200), so such pools are kept from vLLM there and named. The
+    interpreter copes, and there the same launch on that layout still equals the reference,
+    as it does once the pages are element-aligned."""
+    from mgtrace.kernels.vllm_peer import alignment_problem
+
+    case = random_case(4242)  # a DS bfloat16 conv state in 25-byte pages
+    problem = alignment_problem(case.pool)
+    assert problem is not None and "2-byte elements" in problem and "25-byte pages" in problem
+    assert _against_vllm(vllm, case) is True
+    aligned = filled_pool(list(case.pool.specs), case.pool.num_blocks, page_bytes=26, seed=1)
+    assert alignment_problem(aligned) is None  # control: the same state in even pages
+    assert _against_vllm(vllm, replace(case, pool=aligned)) is True
+    sd = two_state_pool("SD", page_pad=2)  # 41-byte pages; SD goes through a byte-safe copy
+    assert alignment_problem(sd) is None
+    assert alignment_problem(two_state_pool("DS", page_pad=2)) is not None

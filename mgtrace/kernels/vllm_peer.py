@@ -130,6 +130,29 @@ def comparable(launch: AlignLaunch, has_idx_mapping: bool) -> str | None:
     return None
 
 
+def alignment_problem(pool: StatePool) -> str | None:
+    """Why vLLM's compiled kernels would fault on this pool's layout, or None.
+
+    vLLM's copy of a DS conv state moves whole 2- and 4-byte elements through typed pointers
+    (its byte copies of everything else handle any alignment), relying on each state starting
+    at a multiple of its element size, as every layout vLLM allocates does. Compiled for a
+    GPU, a load off that alignment faults ("misaligned address") and poisons the process's
+    CUDA context; the interpreter does not care. mgtrace's kernels take any layout."""
+    if pool.conv_layout != "DS":
+        return None
+    base = pool.buffer.data_ptr()
+    for spec, off in zip(pool.specs, pool.offsets, strict=True):
+        size = spec.elem_size
+        if spec.kind != "conv" or size not in (2, 4):
+            continue
+        if (base + off) % size or pool.page_bytes % size:
+            return (
+                f"vLLM's DS conv copy loads whole {size}-byte elements, and this pool puts "
+                f"them off that alignment (state at byte {off} of {pool.page_bytes}-byte pages)"
+            )
+    return None
+
+
 def _slot_array(launch: AlignLaunch, name: str, size: int, has_idx: bool, fill: int) -> np.ndarray:
     values = launch.column(name)
     if not has_idx:
@@ -157,6 +180,8 @@ def run_vllm(
     [groups, rows, 1 + k], or None (precopy).
     """
     reason = comparable(launch, has_idx_mapping)
+    if reason is None and pool.device.type != "cpu":
+        reason = alignment_problem(pool)
     if reason:
         raise UsageError(reason)
     layout = VllmLayout.build(pool, tables)
