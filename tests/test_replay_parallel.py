@@ -31,7 +31,7 @@ from tests.replay_helpers import set_root, sim_trace, toggle_trace
 
 pytestmark = pytest.mark.slow
 
-SEGMENTS = {"jobs": 4, "min_segment": 250, "warmup": 16}
+SEGMENTS = {"jobs": 4, "min_segment": 200, "warmup": 16}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,7 +158,31 @@ def test_segment_bounds_cover_every_step_once() -> None:
     bounds = segment_bounds(steps, jobs=3, min_segment=100)
     covered = [s for a, b in bounds for s in range(a, b + 1)]
     assert covered == steps and len(bounds) == 3
-    assert segment_bounds(steps, jobs=8, min_segment=400) == [(0, 499), (500, 999)]
+    assert segment_bounds(steps, jobs=8, min_segment=400) == [(0, 517), (518, 999)]
+    assert segment_bounds(steps, jobs=3, min_segment=100, skip_cost=0.0) == [
+        (0, 332),
+        (333, 666),
+        (667, 999),
+    ]
+
+
+def test_later_segments_are_shorter_by_their_bookkeeping_pass() -> None:
+    """Each worker passes over the steps before its segment first; with that pass at a
+    fraction of a replayed step, the workers' total work comes out about equal, where equal
+    segments leave the last worker the most."""
+    steps, cost = list(range(30000)), 0.07
+
+    def work(bounds: list[tuple[int, int]]) -> list[float]:
+        return [cost * a + (b - a + 1) for a, b in bounds]
+
+    balanced = work(segment_bounds(steps, jobs=16, min_segment=512, skip_cost=cost))
+    equal = work(segment_bounds(steps, jobs=16, min_segment=512, skip_cost=0.0))
+    assert len(balanced) == len(equal) == 16
+    assert max(balanced) - min(balanced) < 2
+    assert max(equal) > 1.25 * max(balanced)  # control: equal segments are unbalanced
+    # a segment never gets shorter than the minimum: fewer of them instead
+    short = segment_bounds(list(range(2000)), jobs=16, min_segment=500, skip_cost=0.3)
+    assert all(b - a + 1 >= 500 for a, b in short) and len(short) == 2
 
 
 def test_cli_jobs_prints_the_same_summary(tmp_path: Path) -> None:

@@ -48,24 +48,90 @@ def _numpy(col: pa.ChunkedArray, fill: int = -1) -> np.ndarray:
 
 
 class _Sliced:
-    """One table's rows of one rank, sorted by (step, *order), with per-step slices."""
+    """One table's rows of one rank, sorted by (step, *order), with per-step slices.
 
-    def __init__(self, table: pa.Table, order: list[str]) -> None:
-        keys = [("step", "ascending"), *((o, "ascending") for o in order)]
-        at = pc.sort_indices(table, sort_keys=keys).to_numpy()
-        if np.count_nonzero(at != np.arange(len(at))):  # writers mostly write in order
+    Callers need a step's rows together and, within it, rows equal in their first keys
+    together, in the order of the last key; a string key listed in ``categories`` is ranked
+    by its position there rather than alphabetically. Where every key holds known values,
+    the order is checked and made with numpy on integer keys, and a table already in order
+    (as writers write it) is not copied: sorting it by its strings took most of the
+    loading time of a long trace.
+    """
+
+    def __init__(
+        self,
+        table: pa.Table,
+        order: list[str],
+        categories: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        # codes of the categorical keys, in the sorted order: callers need them too
+        self.codes: dict[str, np.ndarray] = {}
+        keys = _integer_keys(table, ["step", *order], categories or {}, self.codes)
+        if keys is None:
+            self.codes = {}  # of the rows as they came, not as sorted here
+            sort_keys = [("step", "ascending"), *((o, "ascending") for o in order)]
+            at = pc.sort_indices(table, sort_keys=sort_keys).to_numpy()
+            if np.count_nonzero(at != np.arange(len(at))):
+                table = table.take(at)
+        elif (at := _sorting_permutation(keys)) is not None:
             table = table.take(at)
+            self.codes = {name: codes[at] for name, codes in self.codes.items()}
         self.table = table
         self.steps = table.column("step").to_numpy(zero_copy_only=False)
-        self.unique, self.starts = np.unique(self.steps, return_index=True)
+        first = np.ones(len(self.steps), dtype=bool)
+        first[1:] = self.steps[1:] != self.steps[:-1]
+        self.starts = np.flatnonzero(first)
+        self.unique = self.steps[self.starts]
         self.ends = np.append(self.starts[1:], len(self.steps))
-        self._index = {int(s): i for i, s in enumerate(self.unique)}
+        self._index = {int(s): i for i, s in enumerate(self.unique.tolist())}
 
     def bounds(self, step: int) -> tuple[int, int]:
         i = self._index.get(step)
         if i is None:
             return 0, 0
         return int(self.starts[i]), int(self.ends[i])
+
+
+def _integer_keys(
+    table: pa.Table,
+    names: list[str],
+    categories: dict[str, tuple[str, ...]],
+    codes_out: dict[str, np.ndarray],
+) -> list[np.ndarray] | None:
+    """The key columns as int64 arrays, nulls ranked last as Arrow ranks them; None where a
+    key is a string column with no categories, or holds a string not among them (the
+    caller then sorts as Arrow does). A categorical key's codes go to ``codes_out``."""
+    keys = []
+    for name in names:
+        col = table.column(name)
+        if name in categories:
+            codes = codes_out[name] = _codes(col, categories[name])
+            if np.count_nonzero(codes < 0) > col.null_count:
+                return None
+            key = codes.astype(np.int64)
+            key[codes < 0] = len(categories[name])
+            keys.append(key)
+        elif pa.types.is_integer(col.type):
+            last = np.iinfo(np.int64).max
+            keys.append(_numpy(col, fill=last).astype(np.int64, copy=False))
+        else:
+            return None
+    return keys
+
+
+def _sorting_permutation(keys: list[np.ndarray]) -> np.ndarray | None:
+    """The stable permutation that sorts rows by ``keys`` (most significant first), or None
+    when they are in order already: a pair of neighbours is out of order where the first
+    key in which they differ decreases."""
+    if len(keys[0]) < 2:
+        return None
+    undecided = np.ones(len(keys[0]) - 1, dtype=bool)
+    for key in keys:
+        step = np.diff(key)
+        if np.count_nonzero(undecided & (step < 0)):
+            return np.lexsort(keys[::-1])
+        undecided &= step == 0
+    return None
 
 
 @dataclass
@@ -149,7 +215,9 @@ class RankTrace:
         for i, s in enumerate(self.step_numbers.tolist()):
             self._step_index.setdefault(s, i)
         self._batch = _Sliced(load("batch_rows"), ["batch_row"])
-        self._launch = _Sliced(load("launches"), ["kernel", "batch_step", "batch_row"])
+        self._launch = _Sliced(
+            load("launches"), ["kernel", "batch_step", "batch_row"], {"kernel": KERNELS}
+        )
         lt = self._launch.table
         self._launch_cols = {
             c: _numpy(lt.column(c)) for c in (*ROW_COLUMNS, "step", "batch_step", "bt_step")
@@ -157,7 +225,9 @@ class RankTrace:
         self._launch_has = {
             c: lt.column(c).is_valid().to_numpy(zero_copy_only=False) for c in ROW_COLUMNS
         }
-        self._launch_kernel = _codes(lt.column("kernel"), KERNELS)
+        self._launch_kernel = self._launch.codes.get("kernel")
+        if self._launch_kernel is None:
+            self._launch_kernel = _codes(lt.column("kernel"), KERNELS)
         self._launch_rule = _codes(lt.column("row_rule"), ROW_RULES)
         self._launch_mode = _codes(lt.column("mode"), POSTPROCESS_MODES)
         self._launch_table = _codes(lt.column("bt_table"), BLOCK_TABLE_KINDS)

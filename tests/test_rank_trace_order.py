@@ -1,0 +1,143 @@
+"""A rank trace reads the same steps whatever order the parts hold their rows in: writers
+write in step order, and loading sorts only a table that is not."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from mgtrace.kernels.launch import AlignLaunch
+from mgtrace.replayer import steps as steps_module
+from mgtrace.replayer.loop import RankReplay, load_backend
+from mgtrace.replayer.requests import RequestIds
+from mgtrace.replayer.rules import RuleSet
+from mgtrace.replayer.steps import RankTrace
+from mgtrace.schemas.reader import TraceReader
+from mgtrace.sim.config import SimConfig
+from mgtrace.sim.engine import simulate
+
+# sched is sorted by step alone: its rows keep their order within a step
+SHUFFLED = ("batch_rows", "launches", "block_tables")
+
+
+class _ShuffledReader:
+    """A trace reader whose tables come with their rows in a seeded random order."""
+
+    def __init__(self, reader: TraceReader, seed: int) -> None:
+        self._reader = reader
+        self._rng = np.random.default_rng(seed)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+    def table(self, name: str, *args: Any, **kwargs: Any) -> pa.Table:
+        t = self._reader.table(name, *args, **kwargs)
+        if name not in SHUFFLED:
+            return t
+        return t.take(pa.array(self._rng.permutation(t.num_rows)))
+
+
+@pytest.fixture(scope="module")
+def deferred_trace(tmp_path_factory: pytest.TempPathFactory) -> TraceReader:
+    """V2 with a two-stage pipeline: post-processes deferred to a later step sit beside the
+    step's own launches, and the injected bug gives the replay findings to compare."""
+    out = tmp_path_factory.mktemp("order") / "t"
+    simulate(
+        SimConfig(
+            runner="v2",
+            pp=2,
+            scenario="mixed",
+            seed=3,
+            steps=250,
+            max_num_seqs=24,
+            length_scale=0.3,
+            bugs=("batch-row-block-table",),
+            output=out,
+        ).validate()
+    )
+    return TraceReader(out)
+
+
+def _launch_fields(launch: AlignLaunch) -> list[Any]:
+    out: list[Any] = []
+    for f in fields(AlignLaunch):
+        value = getattr(launch, f.name)
+        if isinstance(value, np.ma.MaskedArray):
+            out.append((value.data.tolist(), np.ma.getmaskarray(value).tolist()))
+        elif isinstance(value, np.ndarray):
+            out.append(value.tolist())
+        else:
+            out.append(value)
+    return out
+
+
+def _per_step(trace: RankTrace) -> list[Any]:
+    seen = []
+    for step in trace:
+        batch = trace.batch(step)
+        seen.append(
+            (
+                step,
+                [_launch_fields(launch) for launch in trace.launches(step)],
+                batch.uid.tolist(),
+                {name: col.tolist() for name, col in sorted(batch.cols.items())},
+                trace.table_updates(step),
+                trace.sched(step),
+            )
+        )
+    return seen
+
+
+def _findings(trace: RankTrace) -> list[dict[str, Any]]:
+    rep = RankReplay(trace, RuleSet(), load_backend("reference", "cpu"), device="cpu")
+    rep.run()
+    return [asdict(f) for f in rep.oracle.findings]
+
+
+@pytest.mark.unit
+def test_rows_in_any_order_read_as_the_steps_written(deferred_trace: TraceReader) -> None:
+    written = RankTrace(deferred_trace, 0, RequestIds())
+    deferred = [x for s in written for x in written.launches(s) if x.batch_step < s]
+    assert deferred, "control: post-processes deferred to a later step are among the launches"
+    shuffled = RankTrace(_ShuffledReader(deferred_trace, seed=7), 0, RequestIds())
+    assert _per_step(shuffled) == _per_step(written)
+    found = _findings(written)
+    assert found, "control: the injected bug gives the oracle something to find"
+    assert _findings(shuffled) == found
+
+
+@pytest.mark.unit
+def test_a_table_in_order_is_not_copied(
+    deferred_trace: TraceReader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writers' order needs no sort: loading permutes only the tables that are out of
+    order (those a string key without categories sorts are handed to Arrow)."""
+    permuted: list[int] = []
+    real = steps_module._sorting_permutation
+
+    def counted(keys: list[np.ndarray]) -> np.ndarray | None:
+        at = real(keys)
+        if at is not None:
+            permuted.append(len(at))
+        return at
+
+    monkeypatch.setattr(steps_module, "_sorting_permutation", counted)
+    RankTrace(deferred_trace, 0, RequestIds())
+    assert permuted == []
+    RankTrace(_ShuffledReader(deferred_trace, seed=11), 0, RequestIds())
+    assert len(permuted) == 2  # batch_rows and launches (block_tables goes to Arrow)
+
+
+@pytest.mark.unit
+def test_sorting_permutation_names_rows_out_of_order() -> None:
+    step = np.array([0, 0, 1, 1, 1])
+    row = np.array([0, 1, 0, 2, 1])
+    at = steps_module._sorting_permutation([step, row])
+    assert at is not None and at.tolist() == [0, 1, 2, 4, 3]
+    assert steps_module._sorting_permutation([step, np.array([0, 1, 0, 1, 2])]) is None
+    # a later key may fall where an earlier one rises
+    assert steps_module._sorting_permutation([step, np.array([5, 6, 0, 1, 2])]) is None
