@@ -146,6 +146,45 @@ class AlignLaunch:
             and self.rows_in_order
             and self.bt_row_consistent
         )
+        self.planned: Any = None  # a RowPlan made beforehand, with its launch's flags
+
+    @classmethod
+    def prechecked(
+        cls,
+        values: dict[str, Any],
+        *,
+        all_live: bool,
+        rows_in_order: bool,
+        bt_row_consistent: bool,
+        planned: Any,
+    ) -> AlignLaunch:
+        """A launch whose checks and plan were made beforehand, over many launches at once
+        (a trace's rows): ``values`` holds every field, the row columns as read-only int32
+        arrays (``num_accepted_cpu`` masked), none of them missing a required input, and
+        the kernel, rule and mode valid; ``planned`` is what ``plan_launch`` returns for it.
+        Building a launch the checking way costs more than its replay's copy."""
+        launch = cls.__new__(cls)
+        fields_ = launch.__dict__
+        fields_.update(values)
+        if launch.bt_row is None:
+            launch.bt_row = launch.expected_bt_row()
+        launch._plain = plain = {}
+        launch.has_nulls = False
+        for name in ROW_COLUMNS:
+            value = fields_[name]
+            if isinstance(value, np.ma.MaskedArray):
+                plain[name] = value.data
+                launch.has_nulls = True
+            elif value is not None:
+                plain[name] = value
+        launch.block32 = np.int32(launch.block_size)
+        launch.lacks_required = False
+        launch.all_live = all_live
+        launch.rows_in_order = rows_in_order
+        launch.bt_row_consistent = bt_row_consistent
+        launch.well_formed = not launch.has_nulls and rows_in_order and bt_row_consistent
+        launch.planned = planned
+        return launch
 
     @property
     def num_rows(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mgtrace.kernels.launch import AlignLaunch
+from mgtrace.kernels.launch import KERNELS, AlignLaunch
 
 # numpy scalars cost about a microsecond to create, a sizeable share of a launch; make them once.
 ONE = np.int32(1)
@@ -101,3 +101,63 @@ def plan_launch(launch: AlignLaunch) -> RowPlan:
         bias=bias,
         accepted_out=accepted_out,
     )
+
+
+def plan_rows(
+    kernel: np.ndarray,
+    by_batch_row: np.ndarray,
+    precomputed: np.ndarray,
+    columns: dict[str, np.ndarray],
+    block_size: int,
+) -> RowPlan:
+    """``plan_launch`` for the rows of many launches at once, as a trace holds them: per row
+    its kernel (a code into ``KERNELS``), whether its launch indexes block tables by batch
+    row and whether its post-process runs in precomputed mode; ``columns`` holds every row
+    column as int32. A launch's plan is the slice of its rows (rows of a launch that lacks
+    an input its kernel reads are meaningless: its plan is the empty one). The arithmetic is
+    the per-launch one, row by row: truncating division is exact for every sign, so
+    launches with and without negative counts agree."""
+    block = np.int32(block_size)
+    slot = columns["req_slot"]
+    live = slot >= 0
+    bt_row = np.where(by_batch_row, columns["batch_row"], slot)
+    precopy = kernel == KERNEL_CODES["precopy"]
+    gather = kernel == KERNEL_CODES["aligned_indices"]
+    # post-process rows
+    accepted = columns["num_accepted"]
+    computed = columns["num_computed"]
+    decided = (computed + columns["num_scheduled"]) - columns["num_draft"]
+    new_computed = np.where(precomputed, computed, decided + accepted - ONE)
+    running = np.where(precomputed, computed - accepted + ONE, decided)
+    blocks = _truncated(new_computed, block)
+    aligned = blocks * block
+    need = (aligned >= running) & live
+    post_bias = aligned - running
+    post_dst = blocks - ONE
+    moved = columns["state_idx"] - post_dst
+    accepted_out = np.where(need & (moved == 0), ONE, accepted).astype(np.int32)
+    post_copies = need & ((moved | post_bias) != 0)
+    # pre-copy and aligned-indices rows
+    first = np.maximum(_truncated(columns["seq_len"] - ONE, block), 0).astype(np.int32)
+    src = columns["src_col"]
+    dst = columns["state_idx"]
+    pre_copies = live & (src >= 0) & (src != dst)
+    return RowPlan(
+        live=live,
+        copies=np.where(precopy, pre_copies, np.where(gather, live, post_copies)),
+        bt_row=bt_row,
+        src_col=np.where(precopy, src, np.where(gather, first, dst)),
+        dst_col=np.where(precopy, dst, np.where(gather, first, post_dst)),
+        bias=np.where(precopy, columns["token_bias"], np.where(gather, 0, post_bias)).astype(
+            np.int32
+        ),
+        accepted_out=accepted_out,
+    )
+
+
+KERNEL_CODES = {name: i for i, name in enumerate(KERNELS)}
+
+
+def _truncated(x: np.ndarray, d: np.int32) -> np.ndarray:
+    """``x / d`` rounded toward zero, element by element, in int32."""
+    return (x - np.fmod(x, d)) // d

@@ -169,7 +169,10 @@ def validate_launch(
     undecided = None
     if not launch.well_formed or max_slots is not None:
         undecided = _check_rows(launch, rep, max_slots)
-    plan = _empty_plan(launch) if launch.lacks_required else plan_launch(launch)
+    if launch.planned is not None:
+        plan = launch.planned
+    else:
+        plan = _empty_plan(launch) if launch.lacks_required else plan_launch(launch)
     active = plan.copies & ~rep.bad if rep.problems else plan.copies
     # count_nonzero and nonzero: a fraction of the cost of .any() and flatnonzero here.
     if launch.kernel == "precopy" and np.count_nonzero(plan.bias[active] < 0):

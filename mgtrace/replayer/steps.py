@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mgtrace.errors import TraceError, UsageError
-from mgtrace.kernels.launch import ROW_COLUMNS, AlignLaunch
+from mgtrace.kernels.launch import REQUIRED_COLUMNS, ROW_COLUMNS, AlignLaunch
+from mgtrace.kernels.plan import RowPlan, plan_rows
 from mgtrace.replayer.ownership import freed_below, processed_tokens, steps_in_flight
 from mgtrace.replayer.requests import RequestIds
 from mgtrace.schemas.reader import TraceReader
@@ -525,6 +526,59 @@ class RankTrace:
                     self._group_batch_step[g],
                 )
             )
+        self._precheck_launches(starts, ends)
+
+    def _precheck_launches(self, starts: np.ndarray, ends: np.ndarray) -> None:
+        """The row-level checks and the plan of every launch, over all rows at once: a
+        launch built one at a time spends more on them than its replay spends copying.
+        Launches with an invalid rule, mode or block size, or without an input their kernel
+        reads, are left to be checked as they are built (and refused or reported there)."""
+        c = self._launch_cols
+        lengths = ends - starts
+        rule = self._launch_rule[starts]
+        mode = self._launch_mode[starts]
+        kernel = np.asarray(self._group_kernel)
+        post = kernel == KERNELS.index("postprocess")
+        valid = (rule >= 0) & np.where(post, mode >= 0, mode < 0)
+        valid &= self._group_has["batch_row"] & self._group_has["req_slot"]
+        for (name, mode_name), required in REQUIRED_COLUMNS.items():
+            of_kind = kernel == KERNELS.index(name)
+            if mode_name is not None:
+                of_kind &= mode == POSTPROCESS_MODES.index(mode_name)
+            for column in required:
+                valid &= ~of_kind | self._group_has[column]
+        if self.run.mamba_block_size <= 0:
+            valid[:] = False
+        self._group_prechecked = valid.tolist()
+        if not np.count_nonzero(valid):
+            return
+        by_batch_row = np.repeat(rule == ROW_RULES.index("batch_row"), lengths)
+        precomputed = np.repeat(mode == POSTPROCESS_MODES.index("precomputed"), lengths)
+
+        def any_row(flags: np.ndarray) -> np.ndarray:
+            return np.maximum.reduceat(flags.astype(np.int8), starts).astype(bool)
+
+        row_in_launch = np.arange(len(c["step"])) - np.repeat(starts, lengths)
+        expected_bt_row = np.where(by_batch_row, c["batch_row"], c["req_slot"])
+        inconsistent = any_row(c["bt_row"] != expected_bt_row) & self._group_has["bt_row"]
+        dead = any_row(c["req_slot"] < 0)
+        self._group_flags = list(
+            zip(
+                (~dead & ~np.asarray(self._group_cpu_counts, dtype=bool)).tolist(),
+                (~any_row(c["batch_row"] != row_in_launch)).tolist(),
+                (~inconsistent).tolist(),
+                strict=True,
+            )
+        )
+        self._row_plan = plan_rows(
+            np.repeat(kernel, lengths),
+            by_batch_row,
+            precomputed,
+            c,
+            self.run.mamba_block_size,
+        )
+        for array in vars(self._row_plan).values():
+            array.setflags(write=False)  # launches share slices of these
 
     def _make_launch(self, g: int) -> AlignLaunch:
         c = self._launch_cols
@@ -534,12 +588,16 @@ class RankTrace:
             values[name] = c[name][lo:hi]
         if self._group_cpu_counts[g]:
             has = self._launch_has["num_accepted_cpu"][lo:hi]
-            values["num_accepted_cpu"] = np.ma.MaskedArray(
+            cpu = np.ma.MaskedArray(
                 np.where(has, c["num_accepted_cpu"][lo:hi], 0).astype(np.int32), mask=~has
             )
+            cpu.data.setflags(write=False)  # a launch record never changes once built
+            cpu.mask.setflags(write=False)
+            values["num_accepted_cpu"] = cpu
         step, bt_step, mode, table, rule = self._group_scalars[g]
-        return AlignLaunch(
-            kernel=KERNELS[self._group_kernel[g]],
+        kernel = KERNELS[self._group_kernel[g]]
+        values.update(
+            kernel=kernel,
             row_rule=ROW_RULES[rule],
             mode=None if mode < 0 else POSTPROCESS_MODES[mode],
             bt_table=None if table < 0 else BLOCK_TABLE_KINDS[table],
@@ -549,7 +607,25 @@ class RankTrace:
             bt_step=bt_step,
             block_size=self.run.mamba_block_size,
             num_speculative_tokens=self.run.num_speculative_tokens,
-            **values,
+        )
+        if not self._group_prechecked[g]:
+            return AlignLaunch(**values)
+        p = self._row_plan
+        all_live, in_order, consistent = self._group_flags[g]
+        return AlignLaunch.prechecked(
+            values,
+            all_live=all_live,
+            rows_in_order=in_order,
+            bt_row_consistent=consistent,
+            planned=RowPlan(
+                live=p.live[lo:hi],
+                copies=p.copies[lo:hi],
+                bt_row=p.bt_row[lo:hi],
+                src_col=p.src_col[lo:hi],
+                dst_col=p.dst_col[lo:hi],
+                bias=p.bias[lo:hi],
+                accepted_out=p.accepted_out[lo:hi].copy() if kernel == "postprocess" else None,
+            ),
         )
 
     def table_updates(self, step: int) -> list[tuple[int, str, int, list[int]]]:

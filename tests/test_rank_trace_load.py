@@ -1,16 +1,20 @@
-"""A rank trace reads the same steps whatever order the parts hold their rows in: writers
-write in step order, and loading sorts only a table that is not."""
+"""Loading a rank trace: the same steps whatever order the parts hold their rows in (writers
+write in step order, and loading sorts only a table that is not), and launches checked and
+planned over all rows at once equal launches built one at a time with every check."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from mgtrace.kernels.launch import AlignLaunch
+from mgtrace.kernels.plan import RowPlan, plan_launch
 from mgtrace.replayer import steps as steps_module
 from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.requests import RequestIds
@@ -141,3 +145,95 @@ def test_sorting_permutation_names_rows_out_of_order() -> None:
     assert steps_module._sorting_permutation([step, np.array([0, 1, 0, 1, 2])]) is None
     # a later key may fall where an earlier one rises
     assert steps_module._sorting_permutation([step, np.array([5, 6, 0, 1, 2])]) is None
+
+
+class _DamagedReader(_ShuffledReader):
+    """Launch rows with seeded damage: negative and huge counts, padded rows, rows out of
+    order and block-table rows that disagree with the rule."""
+
+    def table(self, name: str, *args: Any, **kwargs: Any) -> pa.Table:
+        t = self._reader.table(name, *args, **kwargs)
+        if name != "launches":
+            return t
+        rng = self._rng
+        for column, values in (
+            ("num_computed", rng.integers(-40, 0, t.num_rows)),
+            ("num_accepted", rng.integers(2**31 - 9, 2**31 - 1, t.num_rows)),
+            ("req_slot", np.full(t.num_rows, -1)),
+            ("batch_row", rng.integers(0, 50, t.num_rows)),
+            ("bt_row", rng.integers(0, 50, t.num_rows)),
+        ):
+            hit = rng.random(t.num_rows) < 0.03
+            col = t.column(column)
+            null = col.is_null().to_numpy(zero_copy_only=False)  # what was not recorded stays so
+            old = pc.fill_null(col, 0).to_numpy(zero_copy_only=False)
+            new = np.where(hit, values, old).astype(np.int32)
+            i = t.schema.get_field_index(column)
+            field = t.schema.field(i)
+            t = t.set_column(i, field, pa.array(new, field.type, mask=null))
+        return t
+
+
+def _flags(launch: AlignLaunch) -> tuple:
+    return (
+        launch.has_nulls,
+        launch.lacks_required,
+        launch.all_live,
+        launch.rows_in_order,
+        launch.bt_row_consistent,
+        launch.well_formed,
+        launch.block32,
+    )
+
+
+def _plan_fields(plan: RowPlan) -> list[Any]:
+    return [
+        None if v is None else (v.dtype.str, v.tolist())
+        for v in (getattr(plan, f.name) for f in fields(RowPlan))
+    ]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("damaged", [False, True])
+@pytest.mark.parametrize(
+    ("bug", "engine"),
+    [
+        ("async-accepted-race", {"runner": "v1", "scenario": "pairs"}),
+        ("batch-row-block-table", {"runner": "v2", "pp": 2, "scenario": "mixed"}),
+        (None, {"runner": "v1", "scenario": "steady", "k": 0}),
+    ],
+)
+def test_launches_checked_at_once_equal_launches_checked_one_by_one(
+    tmp_path: Path, bug: str | None, engine: dict, damaged: bool
+) -> None:
+    out = tmp_path / "t"
+    simulate(
+        SimConfig(
+            seed=5,
+            steps=200,
+            max_num_seqs=24,
+            length_scale=0.3,
+            bugs=(bug,) if bug else (),
+            output=out,
+            **engine,
+        ).validate()
+    )
+    reader: Any = TraceReader(out)
+    if damaged:
+        reader = _DamagedReader(reader, seed=2)
+    trace = RankTrace(reader, 0, RequestIds())
+    prechecked = flagged = 0
+    for step in trace:
+        for launch in trace.launches(step):
+            values = {f.name: getattr(launch, f.name) for f in fields(AlignLaunch)}
+            one_by_one = AlignLaunch(**values)
+            assert _launch_fields(launch) == _launch_fields(one_by_one)
+            assert _flags(launch) == _flags(one_by_one)
+            if launch.planned is None:
+                continue
+            prechecked += 1
+            flagged += not launch.well_formed or not launch.all_live
+            assert _plan_fields(launch.planned) == _plan_fields(plan_launch(one_by_one))
+    assert prechecked, "control: launches are built from the rows checked at once"
+    if damaged:
+        assert flagged, "control: the damage reaches the checks"
