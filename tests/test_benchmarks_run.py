@@ -72,3 +72,53 @@ def test_benchmark_runs(tmp_path: Path, script: str, args: list[str], key: str |
     assert out.exists() and out.stat().st_size > 0
     if key is not None:  # profile_replay writes a text profile, the others JSON
         assert key in json.loads(out.read_text())
+
+
+def test_ab_of_two_trees_is_summarized(tmp_path: Path) -> None:
+    """``ab_trees.sh`` runs a benchmark on two trees in turn (here this tree twice) and
+    ``ab_summary.py`` makes one result of the runs, with the ratio of the medians."""
+    root = BENCHMARKS.parent
+    runs = tmp_path / "runs"
+    ab = [
+        "bash",
+        str(BENCHMARKS / "ab_trees.sh"),
+        str(root),
+        str(root),
+        str(runs),
+        "1",
+        "--",
+        sys.executable,
+        "benchmarks/bench_replay.py",
+        "--steps",
+        "120",
+        "--repeat",
+        "1",
+        "--no-bisect",
+    ]
+    proc = subprocess.run(ab, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in runs.iterdir()) == ["base_1.json", "new_1.json"]
+    out = tmp_path / "ab.json"
+    summary = [
+        sys.executable,
+        str(BENCHMARKS / "ab_summary.py"),
+        str(runs),
+        "--base",
+        "x",
+        "--new",
+        "x",
+        "--ab-command",
+        " ".join(ab),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(summary, capture_output=True, text=True, timeout=120, cwd=BENCHMARKS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loop = json.loads(out.read_text())["measures"]["loop_steps_per_s"]
+    assert len(loop["base"]) == len(loop["new"]) == 1
+    assert loop["new_over_base_median"] == round(loop["new_median"] / loop["base_median"], 3)
+    # control: a directory without the runs is refused
+    proc = subprocess.run(
+        [*summary[:2], str(tmp_path), *summary[3:-2]], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0 and "no base_*.json" in proc.stderr

@@ -204,8 +204,9 @@ def _plan_fields(plan: RowPlan) -> list[Any]:
     ],
 )
 def test_launches_checked_at_once_equal_launches_checked_one_by_one(
-    tmp_path: Path, bug: str | None, engine: dict, damaged: bool
+    tmp_path: Path, bug: str | None, engine: dict, damaged: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(steps_module, "PRECHECK_BLOCK", 7)  # many blocks, launches across ends
     out = tmp_path / "t"
     simulate(
         SimConfig(

@@ -135,6 +135,19 @@ def _sorting_permutation(keys: list[np.ndarray]) -> np.ndarray | None:
     return None
 
 
+PRECHECK_BLOCK = 1024  # launches checked and planned together (a few hundred steps)
+
+
+@dataclass
+class _Prechecked:
+    """One block of launches checked and planned together (``RankTrace._precheck``)."""
+
+    offset: int  # the block's first launch row
+    valid: list[bool]  # per launch: built from what follows, not checked as it is built
+    flags: list[tuple[bool, bool, bool]]  # per launch: all_live, rows_in_order, consistent
+    plan: RowPlan  # of every row of the block
+
+
 @dataclass
 class StepBatch:
     """One step's batch rows (batch order) as arrays; request ids also as uids."""
@@ -526,59 +539,71 @@ class RankTrace:
                     self._group_batch_step[g],
                 )
             )
-        self._precheck_launches(starts, ends)
+        self._prechecked: dict[int, _Prechecked] = {}  # the latest blocks of launches
 
-    def _precheck_launches(self, starts: np.ndarray, ends: np.ndarray) -> None:
-        """The row-level checks and the plan of every launch, over all rows at once: a
-        launch built one at a time spends more on them than its replay spends copying.
+    def _precheck(self, block: int) -> _Prechecked:
+        """The row-level checks and the plan of the launches of one block of
+        ``PRECHECK_BLOCK`` launches, over all their rows at once: a launch built one at a time
+        spends more on them than its replay spends copying. Blocks are made as the replay
+        reaches them (a window or a segment makes only its own) and the latest two kept.
         Launches with an invalid rule, mode or block size, or without an input their kernel
         reads, are left to be checked as they are built (and refused or reported there)."""
-        c = self._launch_cols
-        lengths = ends - starts
-        rule = self._launch_rule[starts]
-        mode = self._launch_mode[starts]
-        kernel = np.asarray(self._group_kernel)
+        done = self._prechecked.get(block)
+        if done is not None:
+            return done
+        first = block * PRECHECK_BLOCK
+        groups = slice(first, first + PRECHECK_BLOCK)
+        bounds = self._group_bounds[groups]
+        lo, hi = int(bounds[0, 0]), int(bounds[-1, 1])
+        starts, lengths = bounds[:, 0] - lo, bounds[:, 1] - bounds[:, 0]
+        c = {name: col[lo:hi] for name, col in self._launch_cols.items()}
+        has = {name: flags[groups] for name, flags in self._group_has.items()}
+        rule = self._launch_rule[lo:hi][starts]
+        mode = self._launch_mode[lo:hi][starts]
+        kernel = np.asarray(self._group_kernel[groups])
         post = kernel == KERNELS.index("postprocess")
         valid = (rule >= 0) & np.where(post, mode >= 0, mode < 0)
-        valid &= self._group_has["batch_row"] & self._group_has["req_slot"]
+        valid &= has["batch_row"] & has["req_slot"]
         for (name, mode_name), required in REQUIRED_COLUMNS.items():
             of_kind = kernel == KERNELS.index(name)
             if mode_name is not None:
                 of_kind &= mode == POSTPROCESS_MODES.index(mode_name)
             for column in required:
-                valid &= ~of_kind | self._group_has[column]
+                valid &= ~of_kind | has[column]
         if self.run.mamba_block_size <= 0:
             valid[:] = False
-        self._group_prechecked = valid.tolist()
-        if not np.count_nonzero(valid):
-            return
         by_batch_row = np.repeat(rule == ROW_RULES.index("batch_row"), lengths)
         precomputed = np.repeat(mode == POSTPROCESS_MODES.index("precomputed"), lengths)
 
         def any_row(flags: np.ndarray) -> np.ndarray:
             return np.maximum.reduceat(flags.astype(np.int8), starts).astype(bool)
 
-        row_in_launch = np.arange(len(c["step"])) - np.repeat(starts, lengths)
+        row_in_launch = np.arange(hi - lo) - np.repeat(starts, lengths)
         expected_bt_row = np.where(by_batch_row, c["batch_row"], c["req_slot"])
-        inconsistent = any_row(c["bt_row"] != expected_bt_row) & self._group_has["bt_row"]
-        dead = any_row(c["req_slot"] < 0)
-        self._group_flags = list(
-            zip(
-                (~dead & ~np.asarray(self._group_cpu_counts, dtype=bool)).tolist(),
-                (~any_row(c["batch_row"] != row_in_launch)).tolist(),
-                (~inconsistent).tolist(),
-                strict=True,
-            )
+        inconsistent = any_row(c["bt_row"] != expected_bt_row) & has["bt_row"]
+        cpu_counts = has["num_accepted_cpu"]
+        plan = plan_rows(
+            np.repeat(kernel, lengths), by_batch_row, precomputed, c, self.run.mamba_block_size
         )
-        self._row_plan = plan_rows(
-            np.repeat(kernel, lengths),
-            by_batch_row,
-            precomputed,
-            c,
-            self.run.mamba_block_size,
-        )
-        for array in vars(self._row_plan).values():
+        for array in vars(plan).values():
             array.setflags(write=False)  # launches share slices of these
+        done = _Prechecked(
+            offset=lo,
+            valid=valid.tolist(),
+            flags=list(
+                zip(
+                    (~any_row(c["req_slot"] < 0) & ~cpu_counts).tolist(),
+                    (~any_row(c["batch_row"] != row_in_launch)).tolist(),
+                    (~inconsistent).tolist(),
+                    strict=True,
+                )
+            ),
+            plan=plan,
+        )
+        if len(self._prechecked) >= 2:
+            del self._prechecked[min(self._prechecked)]
+        self._prechecked[block] = done
+        return done
 
     def _make_launch(self, g: int) -> AlignLaunch:
         c = self._launch_cols
@@ -608,10 +633,11 @@ class RankTrace:
             block_size=self.run.mamba_block_size,
             num_speculative_tokens=self.run.num_speculative_tokens,
         )
-        if not self._group_prechecked[g]:
+        block = self._precheck(g // PRECHECK_BLOCK)
+        if not block.valid[g % PRECHECK_BLOCK]:
             return AlignLaunch(**values)
-        p = self._row_plan
-        all_live, in_order, consistent = self._group_flags[g]
+        all_live, in_order, consistent = block.flags[g % PRECHECK_BLOCK]
+        p, lo, hi = block.plan, lo - block.offset, hi - block.offset
         return AlignLaunch.prechecked(
             values,
             all_live=all_live,

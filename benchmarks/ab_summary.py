@@ -1,0 +1,90 @@
+"""One result from the runs of ``ab_trees.sh``: per measure, every run's value on each
+tree, their medians and the new tree's median over the base tree's.
+
+    python benchmarks/ab_summary.py OUT_DIR --base COMMIT --new COMMIT --ab-command "..."
+                                    [--out FILE]
+
+Measures read from each run's JSON: ``bench_replay.py``'s loop and end-to-end steps/s and
+load seconds of every repeat; ``bench_replay_jobs.py``'s wall seconds per job count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from results_io import command_line, emit
+
+HIGHER_IS_BETTER = ("steps_per_s",)
+
+
+def _measures(run: dict[str, Any]) -> dict[str, list[float]]:
+    """The values one run of a benchmark reports, by measure."""
+    if "replay_runs" in run:
+        reps = run["replay_runs"]
+        return {
+            "loop_steps_per_s": [r["loop_steps_per_s"] for r in reps],
+            "end_to_end_steps_per_s": [r["end_to_end_steps_per_s"] for r in reps],
+            "load_s": [r["load_s"] for r in reps],
+        }
+    if "runs" in run and "trace" in run:
+        return {f"jobs_{j}_wall_s": r["wall_s"] for j, r in run["runs"].items()}
+    raise SystemExit("not a result of bench_replay.py or bench_replay_jobs.py")
+
+
+def summarize(directory: Path) -> dict[str, Any]:
+    values: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
+    for side in values:
+        files = sorted(directory.glob(f"{side}_*.json"))
+        if not files:
+            raise SystemExit(f"no {side}_*.json in {directory}")
+        for path in files:
+            for name, got in _measures(json.loads(path.read_text())).items():
+                values[side].setdefault(name, []).extend(got)
+    out: dict[str, Any] = {}
+    for name in values["base"]:
+        base = statistics.median(values["base"][name])
+        new = statistics.median(values["new"][name])
+        out[name] = {
+            "base": [round(v, 3) for v in values["base"][name]],
+            "new": [round(v, 3) for v in values["new"][name]],
+            "base_median": round(base, 3),
+            "new_median": round(new, 3),
+            "new_over_base_median": round(new / base, 3),
+            "better": "higher" if name.endswith(HIGHER_IS_BETTER) else "lower",
+        }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("directory", type=Path)
+    ap.add_argument("--base", required=True, help="The base tree's commit.")
+    ap.add_argument("--new", required=True, help="The new tree's commit.")
+    ap.add_argument("--ab-command", required=True, help="The ab_trees.sh command that ran.")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    result = {
+        "benchmark": "A/B of two trees, runs interleaved on one machine",
+        "command": args.ab_command,
+        "summarized_by": command_line(),
+        "base": args.base,
+        "new": args.new,
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": len(os.sched_getaffinity(0)),
+        },
+        "measures": summarize(args.directory),
+    }
+    emit(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
