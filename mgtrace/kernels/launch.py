@@ -114,10 +114,6 @@ class AlignLaunch:
             raise UsageError("req_slot and batch_row must have one entry per row")
         if self.bt_row is None:
             self.bt_row = self.expected_bt_row()
-        # Plain int32 views of every column, and whether any row is null: the hot path of a
-        # replay reads these instead of unwrapping masked arrays on every launch.
-        self._plain = plain = {}
-        self.has_nulls = False
         for name in ROW_COLUMNS:
             value = fields_[name]
             if value is None:
@@ -126,11 +122,7 @@ class AlignLaunch:
                 value = fields_[name] = _as_rows(value)
             if len(value) != n:
                 raise UsageError(f"column {name} has {len(value)} rows, the launch {n}")
-            if isinstance(value, np.ma.MaskedArray):
-                plain[name] = value.data
-                self.has_nulls = True
-            else:
-                plain[name] = value
+        plain = self._take_plain_columns()
         self.block32 = np.int32(self.block_size)
         self.lacks_required = any(name not in plain for name in self.required_columns)
         # Each check counts the rows that break it: count_nonzero costs a fraction of the
@@ -164,19 +156,10 @@ class AlignLaunch:
         the kernel, rule and mode valid; ``planned`` is what ``plan_launch`` returns for it.
         Building a launch the checking way costs more than its replay's copy."""
         launch = cls.__new__(cls)
-        fields_ = launch.__dict__
-        fields_.update(values)
+        launch.__dict__.update(values)
         if launch.bt_row is None:
             launch.bt_row = launch.expected_bt_row()
-        launch._plain = plain = {}
-        launch.has_nulls = False
-        for name in ROW_COLUMNS:
-            value = fields_[name]
-            if isinstance(value, np.ma.MaskedArray):
-                plain[name] = value.data
-                launch.has_nulls = True
-            elif value is not None:
-                plain[name] = value
+        launch._take_plain_columns()
         launch.block32 = np.int32(launch.block_size)
         launch.lacks_required = False
         launch.all_live = all_live
@@ -185,6 +168,21 @@ class AlignLaunch:
         launch.well_formed = not launch.has_nulls and rows_in_order and bt_row_consistent
         launch.planned = planned
         return launch
+
+    def _take_plain_columns(self) -> dict[str, np.ndarray]:
+        """Plain int32 views of every column, and whether any row is null: the hot path of a
+        replay reads these instead of unwrapping masked arrays on every launch."""
+        fields_ = self.__dict__
+        self._plain = plain = {}
+        self.has_nulls = False
+        for name in ROW_COLUMNS:
+            value = fields_[name]
+            if isinstance(value, np.ma.MaskedArray):
+                plain[name] = value.data
+                self.has_nulls = True
+            elif value is not None:
+                plain[name] = value
+        return plain
 
     @property
     def num_rows(self) -> int:
