@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from mgtrace.errors import UsageError
@@ -25,6 +27,7 @@ from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import RankTrace, ranks_of
 from mgtrace.schemas.reader import TraceReader
+from mgtrace.schemas.tables import SCHED_KINDS
 from mgtrace.sim.config import BUG_ASYNC_RACE, BUG_BATCH_ROW, BUG_REORDER, BUG_STALE_ROW
 from tests.conftest import assert_one_sentence_error, run_cli
 from tests.replay_helpers import set_root, sim_trace, toggle_trace
@@ -120,30 +123,79 @@ def test_prefix_hits_are_checked_on_the_words_they_stand_for() -> None:
     assert wrong.findings, "placeholders taken for tags must look like foreign state"
 
 
-def test_skip_to_rebuilds_the_bookkeeping_of_a_real_replay() -> None:
-    trace = toggle_trace(BUG_STALE_ROW, seed=0, steps=600)
+def _preempting_trace(runner: str) -> Path:
+    """A block pool too small for the batch: requests are preempted and re-added."""
+    engine = {"scenario": "mixed", "runner": runner, "k": 3, "max_num_seqs": 32}
+    return sim_trace(None, 2, 800, mamba_block_size=16, num_blocks=40, **engine)
+
+
+def _padded(wrote: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n, dtype=bool)
+    out[: len(wrote)] = wrote
+    return out
+
+
+class _GoneAfterReAdd:
+    """A reader whose batch rows lack one re-added request from its re-add on: the replay
+    takes back the state the request had written and sees it write none again."""
+
+    def __init__(self, reader: TraceReader) -> None:
+        self._reader = reader
+        sched = reader.table("sched").to_pylist()
+        first = next(r for r in sched if r["kind"] == "resumed" and r["step"] < 350)
+        self.gone = (first["req_id"], first["step"])
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._reader, name)
+
+    def table(self, name: str, *args: object, **kwargs: object) -> pa.Table:
+        t = self._reader.table(name, *args, **kwargs)
+        if name != "batch_rows":
+            return t
+        req, step = self.gone
+        return t.filter(
+            pc.invert(
+                pc.and_(pc.equal(t.column("req_id"), req), pc.greater_equal(t.column("step"), step))
+            )
+        )
+
+
+@pytest.mark.parametrize(
+    "trace_of", ["stale-row", "preempting-v1", "preempting-v2", "gone-after-re-add"]
+)
+def test_skip_to_rebuilds_the_bookkeeping_of_a_real_replay(trace_of: str) -> None:
+    if trace_of == "stale-row":
+        reader = TraceReader(toggle_trace(BUG_STALE_ROW, seed=0, steps=600))
+    elif trace_of == "gone-after-re-add":
+        reader = _GoneAfterReAdd(TraceReader(_preempting_trace("v1")))
+    else:
+        reader = TraceReader(_preempting_trace(trace_of.split("-")[1]))
+    rank_trace = RankTrace(reader, 0, RequestIds())
+    resumed = np.count_nonzero(rank_trace._sched_kind == SCHED_KINDS.index("resumed"))
+    assert trace_of == "stale-row" or resumed, "control: requests are re-added"
 
     def fresh() -> RankReplay:
-        return RankReplay(
-            RankTrace(TraceReader(trace), 0, RequestIds()),
-            RuleSet(),
-            load_backend("reference", "cpu"),
-        )
+        return RankReplay(rank_trace, RuleSet(), load_backend("reference", "cpu"))
 
-    real, skipped = fresh(), fresh()
-    real.run(until=399)
-    assert skipped.skip_to(399) == 399
-    a, b = real.checkpoint(399), skipped.checkpoint(399)
-    assert all(np.array_equal(x, y) for x, y in zip(a.ownership, b.ownership, strict=True))
-    for kind in a.tables:
-        assert all(
-            np.array_equal(x, y) for x, y in zip(a.tables[kind], b.tables[kind], strict=True)
-        )
-    n = max(len(a.wrote), len(b.wrote))
-    assert np.array_equal(np.resize(a.wrote, n), np.resize(b.wrote, n))
-    assert sorted(a.views) == sorted(b.views)
-    # control: the tags are what skip_to leaves alone, so they do differ
-    assert not np.array_equal(a.pool, b.pool)
+    for until in (399, 577):
+        real, skipped = fresh(), fresh()
+        real.run(until=until)
+        assert skipped.skip_to(until) == until
+        a, b = real.checkpoint(until), skipped.checkpoint(until)
+        assert all(np.array_equal(x, y) for x, y in zip(a.ownership, b.ownership, strict=True))
+        for kind in a.tables:
+            assert all(
+                np.array_equal(x, y) for x, y in zip(a.tables[kind], b.tables[kind], strict=True)
+            )
+        n = max(len(a.wrote), len(b.wrote))
+        assert np.array_equal(_padded(a.wrote, n), _padded(b.wrote, n))
+        assert np.count_nonzero(a.wrote), "control: requests have states of their own"
+        if trace_of == "gone-after-re-add":  # control: the re-add took its state back
+            gone = rank_trace.ids.uid(reader.gone[0])
+            assert not _padded(a.wrote, max(n, gone + 1))[gone]
+        assert sorted(a.views) == sorted(b.views)
+        # control: the tags are what skip_to leaves alone, so they do differ
+        assert not np.array_equal(a.pool, b.pool)
 
 
 def test_resolve_replaces_placeholders_only() -> None:
@@ -158,7 +210,7 @@ def test_segment_bounds_cover_every_step_once() -> None:
     bounds = segment_bounds(steps, jobs=3, min_segment=100)
     covered = [s for a, b in bounds for s in range(a, b + 1)]
     assert covered == steps and len(bounds) == 3
-    assert segment_bounds(steps, jobs=8, min_segment=400) == [(0, 517), (518, 999)]
+    assert segment_bounds(steps, jobs=8, min_segment=400) == [(0, 512), (513, 999)]
     assert segment_bounds(steps, jobs=3, min_segment=100, skip_cost=0.0) == [
         (0, 332),
         (333, 666),

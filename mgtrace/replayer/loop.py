@@ -285,23 +285,20 @@ class RankReplay:
         ownership, which requests have a state of their own and the recent row views come
         out as a replay leaves them; the tags and the findings stay as they were. Returns the
         last step applied (-1 if none). This is the exact part of a segment's start state
-        (see ``parallel``)."""
-        last = -1
+        (see ``parallel``). Only ownership needs every step in turn: the tables take each
+        row's last update, and the requests with a state of their own come from the rows."""
         views_from = until - self.keep_views  # older views are dropped before they are used
-        for step in self.trace.steps_from(0):
-            if step > until:
-                break
+        steps = [s for s in self.trace.steps_from(0) if s <= until]
+        for step in steps:
             if step > views_from:
-                view = self._enter(step)
-                uid, slot = view.uid, view.slot
-            else:  # the rows as recorded: the rules reorder them, never add or drop one
-                self._own(step)
-                batch = self.trace.batch(step)
-                uid, slot = batch.uid, batch.cols["req_slot"]
-            self.tables.apply(self.trace.table_updates(step))
-            self.oracle.mark_written(live_uids(uid, slot))
-            last = step
-        return last
+                self._enter(step)
+            else:
+                self._own(step)  # a re-add here clears what the request had written
+        if not steps:
+            return -1
+        self.tables.apply(self.trace.last_table_updates(steps))
+        self.oracle.mark_written(self.trace.written_through(steps))
+        return steps[-1]
 
     def _enter(self, step: int) -> RowView:
         """A step's row view under the rules and its scheduler's block-id changes: what its
@@ -799,7 +796,7 @@ class RankReplay:
                 self._write_states(step, writes, None)
         if ckpt is not None and not ckpt_first:
             self._write_checkpoints(step, ckpt)
-        self.oracle.mark_written(writes.uid_c)  # = live_uids(view.uid, view.slot)
+        self.oracle.mark_written(writes.uid_c)  # the step's live rows' requests
 
     def _second_reads_first_writes(
         self,
@@ -997,13 +994,6 @@ def _clamped(block_ids: np.ndarray, end: int) -> np.ndarray:
     """Block ids (int32, as the tables hold them) with every id past ``end``, and every
     negative one (as unsigned), at ``end``: np.clip costs several times more."""
     return np.minimum(block_ids.astype(np.int32, copy=False).view(np.uint32), end)
-
-
-def live_uids(uid: np.ndarray, slot: np.ndarray) -> np.ndarray:
-    """The requests of a step's live rows: after the forward model, each has a state of its
-    own (``Oracle.mark_written``)."""
-    live = slot >= 0
-    return uid if np.count_nonzero(live) == len(live) else uid[live]
 
 
 @dataclass

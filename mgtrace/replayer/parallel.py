@@ -58,8 +58,8 @@ PLACEHOLDER_BELOW = -(2**30)  # no uid, token count, position or step is this ne
 DEFAULT_WARMUP = 64  # steps replayed before a segment, findings discarded
 MIN_SEGMENT = 512  # shorter segments spend more on start-up and warm-up than they save
 # A step of the bookkeeping pass a worker makes up to its segment, against a replayed step
-# (~43 against ~590 us on a 2-core VM; ~40 against ~600 on a 16-core host, clean traces)
-SKIP_COST = 0.07
+# (~27 against ~550 us on a 2-core VM, clean traces)
+SKIP_COST = 0.05
 
 
 def default_jobs() -> int:

@@ -658,6 +658,41 @@ class RankTrace:
         lo, hi = self._tables.bounds(step)
         return self._table_rows[lo:hi]
 
+    def last_table_updates(self, steps: list[int]) -> list[tuple[int, str, int, list[int]]]:
+        """The block-table rows as the updates of ``steps`` leave them: an update rewrites a
+        whole row, so only each row's last one counts."""
+        last: dict[tuple[int, str, int], tuple[int, str, int, list[int]]] = {}
+        for step in steps:
+            for update in self.table_updates(step):
+                last[update[:3]] = update
+        return list(last.values())
+
+    def written_through(self, steps: list[int]) -> np.ndarray:
+        """uids of the requests that have a state of their own once ``steps`` have run: a
+        live row in one of them, and no re-add after a preemption later than that row (a
+        re-add lets go of every block; its step's own row comes after it)."""
+        mine = np.zeros(len(self._batch.steps), dtype=bool)
+        for step in steps:
+            lo, hi = self._batch.bounds(step)
+            mine[lo:hi] = True
+        mine &= (self._batch_cols["req_slot"] >= 0) & (self._batch_uid >= 0)
+        uid, at = self._batch_uid[mine], self._batch.steps[mine].astype(np.int64)
+        if not len(uid):
+            return uid
+        size = int(uid.max()) + 1
+        last_live = np.full(size, -1, dtype=np.int64)
+        np.maximum.at(last_live, uid, at)
+        resumed = np.isin(self._sched.steps, steps) & (
+            self._sched_kind == SCHED_KINDS.index("resumed")
+        )
+        ruid = self._sched_uid[resumed]
+        inside = (ruid >= 0) & (ruid < size)
+        last_resume = np.full(size, -1, dtype=np.int64)
+        np.maximum.at(
+            last_resume, ruid[inside], self._sched.steps[resumed][inside].astype(np.int64)
+        )
+        return np.flatnonzero((last_live >= 0) & (last_live >= last_resume))
+
     def sched(self, step: int) -> dict[str, Any]:
         """The scheduler rows that change block ownership (cached rows adding nothing do not)."""
         lo, hi = self._sched.bounds(step)
