@@ -123,15 +123,22 @@ def _integer_keys(
 def _sorting_permutation(keys: list[np.ndarray]) -> np.ndarray | None:
     """The stable permutation that sorts rows by ``keys`` (most significant first), or None
     when they are in order already: a pair of neighbours is out of order where the first
-    key in which they differ decreases."""
-    if len(keys[0]) < 2:
+    key in which they differ decreases. The check reuses its buffers: on a long trace each
+    new array costs more to touch than to compute."""
+    n = len(keys[0])
+    if n < 2:
         return None
-    undecided = np.ones(len(keys[0]) - 1, dtype=bool)
+    undecided = np.ones(n - 1, dtype=bool)
+    step = np.empty(n - 1, dtype=np.int64)
+    flag = np.empty(n - 1, dtype=bool)
     for key in keys:
-        step = np.diff(key)
-        if np.count_nonzero(undecided & (step < 0)):
+        np.subtract(key[1:], key[:-1], out=step)
+        np.less(step, 0, out=flag)
+        flag &= undecided
+        if np.count_nonzero(flag):
             return np.lexsort(keys[::-1])
-        undecided &= step == 0
+        np.equal(step, 0, out=flag)
+        undecided &= flag
     return None
 
 
@@ -245,8 +252,8 @@ class RankTrace:
         self._launch_rule = _codes(lt.column("row_rule"), ROW_RULES)
         self._launch_mode = _codes(lt.column("mode"), POSTPROCESS_MODES)
         self._launch_table = _codes(lt.column("bt_table"), BLOCK_TABLE_KINDS)
-        for name in ROW_COLUMNS:  # int32 once here, so launches are views, not copies
-            self._launch_cols[name] = self._launch_cols[name].astype(np.int32)
+        for name in ROW_COLUMNS:  # int32 once here (as written: no copy), so launches are views
+            self._launch_cols[name] = np.asarray(self._launch_cols[name], dtype=np.int32)
             self._launch_cols[name].setflags(write=False)  # launches share these views
         self._require_known_kernels()
         self._index_launch_groups()
