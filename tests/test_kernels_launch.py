@@ -84,6 +84,24 @@ def test_launch_record_is_frozen_and_rule_change_recomputes_rows() -> None:
     assert by_row.bt_row_consistent and launch.bt_row_consistent
 
 
+def test_a_masked_column_is_frozen_too() -> None:
+    """A column with null rows is a masked array; its values and its mask are frozen like
+    any column (freezing ``.data`` and ``.mask`` would freeze views of them only)."""
+    given = np.ma.MaskedArray(np.array([4, 5, 6], np.int32), mask=[False, True, False])
+    launch = precopy([3, 1, 0], [2, 2, 2], [1, 1, 1], [0, 0, 0])
+    launch = AlignLaunch(**{**_fields(launch), "num_accepted_cpu": given})
+    cpu = launch.num_accepted_cpu
+    for write in (
+        lambda: cpu.__setitem__(0, 9),
+        lambda: np.ma.getdata(cpu).__setitem__(0, 9),
+        lambda: np.ma.getmaskarray(cpu).__setitem__(0, True),
+    ):
+        with pytest.raises(ValueError):
+            write()
+    given[0] = 7  # control: the caller's own array stays theirs
+    assert cpu.tolist() == [4, None, 6]
+
+
 def test_bad_launch_parameters_are_usage_errors() -> None:
     with pytest.raises(UsageError, match="kernel"):
         AlignLaunch("copy", batch_row=[0], req_slot=[0])

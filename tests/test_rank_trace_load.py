@@ -145,6 +145,11 @@ def test_sorting_permutation_names_rows_out_of_order() -> None:
     assert steps_module._sorting_permutation([step, np.array([0, 1, 0, 1, 2])]) is None
     # a later key may fall where an earlier one rises
     assert steps_module._sorting_permutation([step, np.array([5, 6, 0, 1, 2])]) is None
+    # a null ranked last (the largest int64) before a negative value: out of order, though
+    # their difference wraps to a positive number
+    last = np.iinfo(np.int64).max
+    at = steps_module._sorting_permutation([np.zeros(2, np.int64), np.array([last, -2])])
+    assert at is not None and at.tolist() == [1, 0]
 
 
 class _DamagedReader(_ShuffledReader):
@@ -162,10 +167,12 @@ class _DamagedReader(_ShuffledReader):
             ("req_slot", np.full(t.num_rows, -1)),
             ("batch_row", rng.integers(0, 50, t.num_rows)),
             ("bt_row", rng.integers(0, 50, t.num_rows)),
+            ("num_accepted_cpu", rng.integers(0, 5, t.num_rows)),
         ):
             hit = rng.random(t.num_rows) < 0.03
             col = t.column(column)
-            null = col.is_null().to_numpy(zero_copy_only=False)  # what was not recorded stays so
+            # a row hit holds a value, recorded or not; the others keep their nulls
+            null = col.is_null().to_numpy(zero_copy_only=False) & ~hit
             old = pc.fill_null(col, 0).to_numpy(zero_copy_only=False)
             new = np.where(hit, values, old).astype(np.int32)
             i = t.schema.get_field_index(column)
@@ -223,9 +230,13 @@ def test_launches_checked_at_once_equal_launches_checked_one_by_one(
     if damaged:
         reader = _DamagedReader(reader, seed=2)
     trace = RankTrace(reader, 0, RequestIds())
-    prechecked = flagged = 0
+    prechecked = flagged = masked = 0
     for step in trace:
         for launch in trace.launches(step):
+            if launch.num_accepted_cpu is not None:  # frozen like every column
+                masked += 1
+                with pytest.raises(ValueError):
+                    launch.num_accepted_cpu[0] = 9
             values = {f.name: getattr(launch, f.name) for f in fields(AlignLaunch)}
             one_by_one = AlignLaunch(**values)
             assert _launch_fields(launch) == _launch_fields(one_by_one)
@@ -238,3 +249,4 @@ def test_launches_checked_at_once_equal_launches_checked_one_by_one(
     assert prechecked, "control: launches are built from the rows checked at once"
     if damaged:
         assert flagged, "control: the damage reaches the checks"
+        assert masked, "control: launches carry CPU-held counts, a masked column"

@@ -229,6 +229,15 @@ def _row_numbers(n: int) -> np.ndarray:
     return _ROW_NUMBERS[:n]
 
 
+def frozen_masked(data: np.ndarray, mask: np.ndarray) -> np.ma.MaskedArray:
+    """A masked array over ``data`` and ``mask`` (kept, not copied) that nothing can write:
+    the buffers are frozen first (``MaskedArray.data`` and ``.mask`` hand out views, so
+    freezing those leaves the buffers writable)."""
+    data.setflags(write=False)
+    mask.setflags(write=False)
+    return np.ma.MaskedArray(data, mask=mask)
+
+
 def _as_rows(value: Any) -> np.ndarray:
     """A private, read-only int32 copy: a launch record never changes once built. An int32
     array that nothing can write (a read-only array, or a read-only view of one) is kept as
@@ -241,13 +250,10 @@ def _as_rows(value: Any) -> np.ndarray:
         ):
             return value
     if isinstance(value, np.ma.MaskedArray):
-        out = np.ma.MaskedArray(
+        return frozen_masked(
             np.array(np.ma.getdata(value), dtype=np.int32),
-            mask=np.array(np.ma.getmaskarray(value), dtype=bool),
+            np.array(np.ma.getmaskarray(value), dtype=bool),
         )
-        out.data.setflags(write=False)
-        out.mask.setflags(write=False)
-        return out
     out = np.array(value, dtype=np.int32)
     out.setflags(write=False)
     return out

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mgtrace.errors import TraceError, UsageError
-from mgtrace.kernels.launch import REQUIRED_COLUMNS, ROW_COLUMNS, AlignLaunch
+from mgtrace.kernels.launch import REQUIRED_COLUMNS, ROW_COLUMNS, AlignLaunch, frozen_masked
 from mgtrace.kernels.plan import RowPlan, plan_rows
 from mgtrace.replayer.ownership import freed_below, processed_tokens, steps_in_flight
 from mgtrace.replayer.requests import RequestIds
@@ -129,15 +129,13 @@ def _sorting_permutation(keys: list[np.ndarray]) -> np.ndarray | None:
     if n < 2:
         return None
     undecided = np.ones(n - 1, dtype=bool)
-    step = np.empty(n - 1, dtype=np.int64)
     flag = np.empty(n - 1, dtype=bool)
-    for key in keys:
-        np.subtract(key[1:], key[:-1], out=step)
-        np.less(step, 0, out=flag)
+    for key in keys:  # compared, not subtracted: a null ranked last is the largest int64
+        np.less(key[1:], key[:-1], out=flag)
         flag &= undecided
         if np.count_nonzero(flag):
             return np.lexsort(keys[::-1])
-        np.equal(step, 0, out=flag)
+        np.equal(key[1:], key[:-1], out=flag)
         undecided &= flag
     return None
 
@@ -620,12 +618,9 @@ class RankTrace:
             values[name] = c[name][lo:hi]
         if self._group_cpu_counts[g]:
             has = self._launch_has["num_accepted_cpu"][lo:hi]
-            cpu = np.ma.MaskedArray(
-                np.where(has, c["num_accepted_cpu"][lo:hi], 0).astype(np.int32), mask=~has
+            values["num_accepted_cpu"] = frozen_masked(  # a launch never changes once built
+                np.where(has, c["num_accepted_cpu"][lo:hi], 0).astype(np.int32), ~has
             )
-            cpu.data.setflags(write=False)  # a launch record never changes once built
-            cpu.mask.setflags(write=False)
-            values["num_accepted_cpu"] = cpu
         step, bt_step, mode, table, rule = self._group_scalars[g]
         kernel = KERNELS[self._group_kernel[g]]
         values.update(
