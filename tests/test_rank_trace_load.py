@@ -154,7 +154,7 @@ def test_sorting_permutation_names_rows_out_of_order() -> None:
 
 class _DamagedReader(_ShuffledReader):
     """Launch rows with seeded damage: negative and huge counts, padded rows, rows out of
-    order and block-table rows that disagree with the rule."""
+    order, block-table rows that disagree with the rule and CPU-held accepted counts."""
 
     def table(self, name: str, *args: Any, **kwargs: Any) -> pa.Table:
         t = self._reader.table(name, *args, **kwargs)
