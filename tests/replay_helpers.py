@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
 
 from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE
+from mgtrace.schemas.reader import TraceReader
 from mgtrace.sim.config import (
     BUG_ASYNC_RACE,
     BUG_BATCH_ROW,
@@ -71,3 +75,20 @@ def involved(findings, step: int) -> set[str]:
             if f.kind == FOREIGN_BLOCK_WRITE and f.writer_req_id:
                 out.add(f.writer_req_id)
     return out
+
+
+class RewritingReader:
+    """A trace reader that hands out some tables rewritten (``rewrite``), the rest as the
+    trace holds them: damaged or reordered traces without writing one."""
+
+    def __init__(self, reader: TraceReader) -> None:
+        self._reader = reader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+    def table(self, name: str, *args: Any, **kwargs: Any) -> pa.Table:
+        return self.rewrite(name, self._reader.table(name, *args, **kwargs))
+
+    def rewrite(self, name: str, table: pa.Table) -> pa.Table:
+        return table

@@ -23,23 +23,20 @@ from mgtrace.replayer.steps import RankTrace
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.sim.config import SimConfig
 from mgtrace.sim.engine import simulate
+from tests.replay_helpers import RewritingReader
 
 # sched is sorted by step alone: its rows keep their order within a step
 SHUFFLED = ("batch_rows", "launches", "block_tables")
 
 
-class _ShuffledReader:
+class _ShuffledReader(RewritingReader):
     """A trace reader whose tables come with their rows in a seeded random order."""
 
     def __init__(self, reader: TraceReader, seed: int) -> None:
-        self._reader = reader
+        super().__init__(reader)
         self._rng = np.random.default_rng(seed)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._reader, name)
-
-    def table(self, name: str, *args: Any, **kwargs: Any) -> pa.Table:
-        t = self._reader.table(name, *args, **kwargs)
+    def rewrite(self, name: str, t: pa.Table) -> pa.Table:
         if name not in SHUFFLED:
             return t
         return t.take(pa.array(self._rng.permutation(t.num_rows)))
@@ -156,8 +153,7 @@ class _DamagedReader(_ShuffledReader):
     """Launch rows with seeded damage: negative and huge counts, padded rows, rows out of
     order, block-table rows that disagree with the rule and CPU-held accepted counts."""
 
-    def table(self, name: str, *args: Any, **kwargs: Any) -> pa.Table:
-        t = self._reader.table(name, *args, **kwargs)
+    def rewrite(self, name: str, t: pa.Table) -> pa.Table:
         if name != "launches":
             return t
         rng = self._rng

@@ -30,7 +30,7 @@ from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import SCHED_KINDS
 from mgtrace.sim.config import BUG_ASYNC_RACE, BUG_BATCH_ROW, BUG_REORDER, BUG_STALE_ROW
 from tests.conftest import assert_one_sentence_error, run_cli
-from tests.replay_helpers import set_root, sim_trace, toggle_trace
+from tests.replay_helpers import RewritingReader, set_root, sim_trace, toggle_trace
 
 pytestmark = pytest.mark.slow
 
@@ -135,21 +135,17 @@ def _padded(wrote: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-class _GoneAfterReAdd:
+class _GoneAfterReAdd(RewritingReader):
     """A reader whose batch rows lack one re-added request from its re-add on: the replay
     takes back the state the request had written and sees it write none again."""
 
     def __init__(self, reader: TraceReader) -> None:
-        self._reader = reader
+        super().__init__(reader)
         sched = reader.table("sched").to_pylist()
         first = next(r for r in sched if r["kind"] == "resumed" and r["step"] < 350)
         self.gone = (first["req_id"], first["step"])
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._reader, name)
-
-    def table(self, name: str, *args: object, **kwargs: object) -> pa.Table:
-        t = self._reader.table(name, *args, **kwargs)
+    def rewrite(self, name: str, t: pa.Table) -> pa.Table:
         if name != "batch_rows":
             return t
         req, step = self.gone

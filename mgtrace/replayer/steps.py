@@ -673,10 +673,7 @@ class RankTrace:
         """uids of the requests that have a state of their own once ``steps`` have run: a
         live row in one of them, and no re-add after a preemption later than that row (a
         re-add lets go of every block; its step's own row comes after it)."""
-        mine = np.zeros(len(self._batch.steps), dtype=bool)
-        for step in steps:
-            lo, hi = self._batch.bounds(step)
-            mine[lo:hi] = True
+        mine = np.isin(self._batch.steps, steps)
         mine &= (self._batch_cols["req_slot"] >= 0) & (self._batch_uid >= 0)
         uid, at = self._batch_uid[mine], self._batch.steps[mine].astype(np.int64)
         if not len(uid):
