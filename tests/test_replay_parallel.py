@@ -14,11 +14,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from click.testing import CliRunner
 
+import mgtrace.replayer.loop as loop_module
+import mgtrace.replayer.parallel as parallel_module
+from mgtrace.cli import cli
 from mgtrace.errors import UsageError
 from mgtrace.replayer.loop import RankReplay, ReplayResult, load_backend, replay_trace
 from mgtrace.replayer.parallel import (
     PLACEHOLDER_BASE,
+    auto_jobs,
     replay_rank_in_segments,
     resolve,
     segment_bounds,
@@ -235,14 +240,85 @@ def test_later_segments_are_shorter_by_their_bookkeeping_pass() -> None:
 
 def test_cli_jobs_prints_the_same_summary(tmp_path: Path) -> None:
     trace = toggle_trace(BUG_REORDER, seed=0, steps=1200)
-    one = run_cli("replay", str(trace), "--json", "--no-save")
+    one = run_cli("replay", str(trace), "--json", "--no-save", "--jobs", "1")
     many = run_cli("replay", str(trace), "--json", "--no-save", "--jobs", "2")
-    assert one.returncode == many.returncode == 1, many.stderr
+    default = run_cli("replay", str(trace), "--json", "--no-save")  # one job per core
+    assert one.returncode == many.returncode == default.returncode == 1, many.stderr
     drop = ("argv",)
-    a, b = json.loads(one.stdout), json.loads(many.stdout)
-    assert {k: v for k, v in a.items() if k not in drop} == {
-        k: v for k, v in b.items() if k not in drop
-    }
+    a, b, c = (json.loads(p.stdout) for p in (one, many, default))
+    assert (
+        {k: v for k, v in a.items() if k not in drop}
+        == {k: v for k, v in b.items() if k not in drop}
+        == {k: v for k, v in c.items() if k not in drop}
+    )
+
+
+class _Told(Exception):
+    """Raised by a stand-in replay with the jobs it was given."""
+
+
+def _jobs_the_cli_passes(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
+    def told(*_a: object, jobs: int, **_k: object) -> None:
+        raise _Told(jobs)
+
+    monkeypatch.setattr(loop_module, "replay_trace", told)
+    result = CliRunner().invoke(cli, ["replay", *args, "--no-save"])
+    assert isinstance(result.exception, _Told), result.output
+    return result.exception.args[0]
+
+
+@pytest.fixture
+def three_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever this machine has, a replay not told --jobs sees three cores."""
+    monkeypatch.setattr(parallel_module, "default_jobs", lambda: 3)
+
+
+def test_a_replay_not_told_jobs_takes_a_core_each_for_a_long_whole_trace(three_cores) -> None:
+    long, short = toggle_trace(BUG_REORDER, 0, 1200), toggle_trace(BUG_REORDER, 1, 1000)
+
+    def auto(trace: Path, **options: object) -> int:
+        given = {"backend": "reference", "layout": "compact", "from_step": None}
+        given |= {"to_step": None, "checkpoint_every": None, **options}
+        return auto_jobs(TraceReader(trace), None, **given)  # type: ignore[arg-type]
+
+    assert auto(long) == 3 and auto(long, to_step=1100) == 3
+    # too short for two segments of MIN_SEGMENT steps, whole or cut by --to-step
+    assert auto(short) == 1 and auto(long, to_step=1000) == 1
+    # what segments cannot replay, or a window that a cached checkpoint may start close to
+    assert auto(long, backend="triton") == 1 and auto(long, layout="full") == 1
+    assert auto(long, from_step=600) == 1 and auto(long, checkpoint_every=256) == 1
+    # a trace that starts mid-run (a minimized repro's start state) or is not on disk
+    for other in (_StartsMidRun, _InMemory, RewritingReader):
+        got = auto_jobs(
+            other(TraceReader(long)),
+            None,
+            backend="reference",
+            layout="compact",
+            from_step=None,
+            to_step=None,
+            checkpoint_every=None,
+        )
+        assert got == (3 if other is RewritingReader else 1), other
+
+
+class _StartsMidRun(RewritingReader):
+    start_state = "the state a minimized repro starts from"
+
+
+class _InMemory(RewritingReader):
+    path = None
+
+
+def test_the_cli_asks_for_the_automatic_jobs_only_when_not_told(
+    monkeypatch: pytest.MonkeyPatch, three_cores
+) -> None:
+    long, short = toggle_trace(BUG_REORDER, 0, 1200), toggle_trace(BUG_REORDER, 1, 1000)
+    assert _jobs_the_cli_passes(monkeypatch, str(long)) == 3
+    assert _jobs_the_cli_passes(monkeypatch, str(short)) == 1
+    assert _jobs_the_cli_passes(monkeypatch, str(long), "--backend", "triton") == 1
+    assert _jobs_the_cli_passes(monkeypatch, str(long), "--jobs", "1") == 1
+    assert _jobs_the_cli_passes(monkeypatch, str(short), "--jobs", "2") == 2
+    assert _jobs_the_cli_passes(monkeypatch, str(short), "--jobs", "0") == 3
 
 
 def test_jobs_refuse_a_backend_they_cannot_split() -> None:

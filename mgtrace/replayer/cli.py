@@ -169,11 +169,11 @@ DEVICE_OPTION = click.option(
     "-j",
     "--jobs",
     type=click.IntRange(min=0),
-    default=1,
-    show_default=True,
+    default=None,
     metavar="N",
     help="Replay each rank in segments on N processes, with the same findings (reference "
-    "backend); 0: one per core.",
+    "backend); 0: one per core. Default: one per core for a replay of the whole trace with "
+    "at least 1,024 steps a rank, else 1.",
 )
 @click.option("--no-save", is_flag=True, help="Do not add the findings to the trace.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -190,7 +190,7 @@ def replay(
     checkpoint_every: int | None,
     allow_gaps: bool,
     ranks: tuple[int, ...],
-    jobs: int,
+    jobs: int | None,
     no_save: bool,
     as_json: bool,
     show_rules: bool,
@@ -224,7 +224,7 @@ def replay(
     )
     from mgtrace.replayer.findings import save_findings
     from mgtrace.replayer.loop import replay_trace
-    from mgtrace.replayer.parallel import default_jobs
+    from mgtrace.replayer.parallel import auto_jobs, default_jobs
     from mgtrace.replayer.steps import ranks_of, some_ranks
     from mgtrace.schemas.reader import TraceReader
 
@@ -234,6 +234,16 @@ def replay(
     if from_step is not None and last is not None and from_step > last:
         raise UsageError(f"--from-step {from_step} is past the last step of {trace} ({last})")
     chosen = some_ranks(reader, ranks, trace)
+    if jobs is None:
+        jobs = auto_jobs(
+            reader,
+            chosen,
+            backend=backend,
+            layout=layout,
+            from_step=from_step,
+            to_step=to_step,
+            checkpoint_every=checkpoint_every,
+        )
     err = Console(stderr=True)
     steps_parts = [p for p in reader.parts if p.table == "steps"]
     if chosen is not None:

@@ -70,6 +70,51 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def auto_jobs(
+    reader: TraceReader,
+    ranks: list[int] | None,
+    *,
+    backend: str,
+    layout: str,
+    from_step: int | None,
+    to_step: int | None,
+    checkpoint_every: int | None,
+) -> int:
+    """How many processes a replay that was not told ``--jobs`` uses: one per core where
+    segments can replay it and it is long enough to split (two segments), else one.
+
+    A window (``from_step``) or checkpointed replay stays in one process, since a cached
+    checkpoint may start it close to its window; so does a trace that starts mid-run (its
+    start state is one process's) and one held only in memory."""
+    from mgtrace.replayer.checkpoint import start_state
+
+    if (
+        backend != "reference"
+        or layout != "compact"
+        or from_step is not None
+        or checkpoint_every
+        or getattr(reader, "path", None) is None
+        or start_state(reader) is not None
+    ):
+        return 1
+    steps = longest_rank_steps(reader, ranks)
+    if to_step is not None:
+        steps = min(steps, to_step + 1)
+    if steps < 2 * MIN_SEGMENT:
+        return 1
+    return default_jobs()
+
+
+def longest_rank_steps(reader: TraceReader, ranks: list[int] | None) -> int:
+    """Rows of the ``steps`` table of the longest rank among ``ranks`` (all: None), from the
+    parts' row counts (nothing is read)."""
+    per_rank: Counter[int | None] = Counter()
+    for part in reader.parts:
+        if part.table == "steps" and (ranks is None or part.rank is None or part.rank in ranks):
+            per_rank[part.rank] += part.rows
+    return max(per_rank.values(), default=0)
+
+
 @dataclass
 class SegmentResult:
     first: int
