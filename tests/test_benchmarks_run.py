@@ -122,3 +122,46 @@ def test_ab_of_two_trees_is_summarized(tmp_path: Path) -> None:
         [*summary[:2], str(tmp_path), *summary[3:-2]], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode != 0 and "no base_*.json" in proc.stderr
+
+
+def test_cli_jobs_script_compares_the_summaries(tmp_path: Path) -> None:
+    """``replay_cli_jobs.sh`` times the CLI both ways and says whether the summaries agree;
+    control: a summary that differs is said to."""
+    from mgtrace.sim import SimConfig, simulate
+
+    trace = tmp_path / "trace"
+    simulate(SimConfig(steps=40, seed=2, output=trace).validate())
+    script = [
+        "bash",
+        str(BENCHMARKS / "replay_cli_jobs.sh"),
+        str(trace),
+        "1",
+    ]
+    env = {**os.environ, "PY": sys.executable}
+    proc = subprocess.run(
+        script, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split()[2] for line in lines if line.startswith("round")] == [
+        "jobs=default",
+        "jobs=1",
+    ]
+    assert all("rc=0" in line for line in lines if line.startswith("round"))
+    assert lines[-1] == "summaries equal"
+    # control: a replay under another rule (a wrapper adds it to the --jobs 1 run) differs
+    wrapper = tmp_path / "py"
+    wrapper.write_text(
+        f'#!/bin/bash\nif [[ " $* " == *" --jobs 1"* ]]; then set -- "$@" '
+        f'--reorder-threshold=1; fi\nexec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    proc = subprocess.run(
+        script,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCHMARKS.parent,
+        env={**env, "PY": str(wrapper)},
+    )
+    assert proc.stdout.splitlines()[-1] == "SUMMARIES DIFFER", proc.stdout + proc.stderr[-2000:]

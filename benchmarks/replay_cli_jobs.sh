@@ -1,0 +1,25 @@
+#!/bin/bash
+# Wall time of `mgtrace replay` on one trace as a user runs it (interpreter start and imports
+# included), without --jobs (one process per core on a long trace) and with --jobs 1, rounds
+# interleaved; the JSON summaries of the two must be the same but for the command line.
+#   bash benchmarks/replay_cli_jobs.sh TRACE [ROUNDS]
+set -u
+TRACE=$1; ROUNDS=${2:-3}; PY=${PY:-python}
+TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
+echo "cores: $(nproc)  trace: $TRACE  rounds: $ROUNDS"
+for i in $(seq "$ROUNDS"); do
+  for jobs in default 1; do
+    args=(); [ "$jobs" = default ] || args=(--jobs "$jobs")
+    start=$(date +%s.%N)
+    "$PY" -m mgtrace replay "$TRACE" --no-save --json "${args[@]}" > "$TMP/$jobs.json"
+    rc=$?
+    end=$(date +%s.%N)
+    echo "round $i jobs=$jobs rc=$rc wall_s=$(echo "$end - $start" | bc)"
+  done
+done
+"$PY" - "$TMP/default.json" "$TMP/1.json" <<'PYEOF'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+a.pop("argv", None), b.pop("argv", None)
+print("summaries equal" if a == b else "SUMMARIES DIFFER")
+PYEOF
