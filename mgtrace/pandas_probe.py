@@ -5,14 +5,17 @@ imports pandas, only to ask whether the value is a pandas object: 0.3-0.5 s at t
 every command where pandas is installed. pyarrow asks that first question without insisting
 (a failed import means "no pandas objects here") and imports pandas again whenever it needs
 it for real (``to_pandas``), so answering the first question with a blocked import costs
-nothing later. (Its C++ side imports pandas as well when it infers the type of a Python
-list's values, as its Parquet dataset reader does: the commands that replay a trace still
-load pandas.) Only for processes mgtrace owns (the command line, the assembler process): a
-notebook that passes pandas objects to pyarrow keeps the usual behaviour.
+nothing later. Its C++ side asks too, the first time it converts an Arrow array to numpy
+(``to_numpy``, which the replaying commands call on every table they load) or infers the type
+of a Python list's values: that question, answered "no pandas", is asked again only by
+conversions that need pandas for real, which import it then. Only for processes mgtrace owns
+(the command line, the assembler process): a notebook that passes pandas objects to pyarrow
+keeps the usual behaviour.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 
@@ -25,8 +28,14 @@ def skip_pandas_probe() -> None:
 
     sys.modules["pandas"] = None  # type: ignore[assignment]  # `import pandas` now fails
     try:
-        pa.array(np.zeros(1, np.int8))  # a numpy conversion runs the check, and only it
-    except Exception:  # a pyarrow that converts differently: nothing gained, nothing lost
-        pass
+        # A numpy conversion runs the Python side's check (and fails in it: pyarrow then
+        # remembers there is no pandas); one back to numpy runs the C++ side's.
+        for probe in (
+            lambda: pa.array(np.zeros(1, np.int8)),
+            lambda: pa.array([0], pa.int8()).to_numpy(zero_copy_only=False),
+        ):
+            # a pyarrow that converts differently: nothing gained, nothing lost
+            with contextlib.suppress(Exception):
+                probe()
     finally:
         del sys.modules["pandas"]

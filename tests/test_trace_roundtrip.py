@@ -510,6 +510,12 @@ def test_string_columns_are_written_as_dictionaries_and_read_as_strings(tmp_path
     reader = TraceReader(tmp_path / "t")
     kernel = reader.table("launches").column("kernel")
     assert kernel.type == pa.string() and kernel.to_pylist() == ["precopy"] * 3
+    # what pyarrow's dataset reader gives with the table's schema, whole and in part
+    for name, some in (("launches", ["req_slot", "kernel"]), ("batch_rows", ["req_id"])):
+        path, schema = next((tmp_path / "t" / name).glob("*.parquet")), TABLES[name].schema
+        for columns in (None, some):
+            want = pq.read_table(path, columns=columns, schema=schema)
+            assert reader.table(name, columns=columns).equals(want, check_metadata=True)
     con = reader.connect()
     assert con.execute("SELECT mamba_split FROM batch_rows").fetchall() == [
         ("decode",),

@@ -80,6 +80,18 @@ def _decoded(schema: pa.Schema) -> pa.Schema:
     return pa.schema([f.remove_metadata() for f in fields])
 
 
+def _read_part(path: Path, columns: list[str] | None, schema: pa.Schema) -> pa.Table:
+    """A validated part (its columns are the table's, strings perhaps as dictionary codes)
+    with the table's schema: codes decoded to the strings they stand for.
+
+    Read as one Parquet file rather than through ``pq.read_table``: its dataset layer costs
+    about 50 ms to import (on a 2-core VM) and reads no faster (a 20,000-step trace's tables:
+    0.39 s either way, up to 0.58 s through the dataset layer)."""
+    table = pq.ParquetFile(path).read(columns=columns)
+    names = schema.names if columns is None else columns
+    return table.cast(pa.schema([schema.field(n) for n in names], metadata=schema.metadata))
+
+
 class TraceReader:
     """A validated, read-only view of one trace directory (or of the ``rank-NNN`` traces of a
     multi-worker recording under it, read as one)."""
@@ -161,7 +173,7 @@ class TraceReader:
         if not files:
             empty = spec.schema.empty_table()
             return empty.select(columns) if columns else empty
-        tables = [pq.read_table(f, columns=columns, schema=spec.schema) for f in files]
+        tables = [_read_part(f, columns, spec.schema) for f in files]
         return pa.concat_tables(tables)
 
     def tables(self) -> dict[str, pa.Table]:
