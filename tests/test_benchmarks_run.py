@@ -165,3 +165,27 @@ def test_cli_jobs_script_compares_the_summaries(tmp_path: Path) -> None:
         env={**env, "PY": str(wrapper)},
     )
     assert proc.stdout.splitlines()[-1] == "SUMMARIES DIFFER", proc.stdout + proc.stderr[-2000:]
+
+
+def test_ab_of_a_command_on_two_trees(tmp_path: Path) -> None:
+    """``ab_cli.sh`` times one command on two trees (here this tree twice) in turn and
+    prints the medians; control: a command that fails (exit 3, no such trace) stops it, nothing timed."""
+    root = BENCHMARKS.parent
+    script = ["bash", str(BENCHMARKS / "ab_cli.sh"), str(root), str(root), "2", "--"]
+    env = {**os.environ, "PY": sys.executable}
+    proc = subprocess.run(
+        [*script, "info", "--help"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == ["base", "new"] * 2
+    assert lines[-1].startswith("median wall s: base ") and "new/base" in lines[-1]
+    proc = subprocess.run(
+        [*script, "info", str(tmp_path / "absent")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 3 and "the base run exited 3" in proc.stderr
+    assert "median" not in proc.stdout
