@@ -169,7 +169,8 @@ def test_cli_jobs_script_compares_the_summaries(tmp_path: Path) -> None:
 
 def test_ab_of_a_command_on_two_trees(tmp_path: Path) -> None:
     """``ab_cli.sh`` times one command on two trees (here this tree twice) in turn and
-    prints the medians; control: a command that fails (exit 3, no such trace) stops it, nothing timed."""
+    prints the medians; control: a command that fails (exit 3, no such trace) stops it,
+    nothing timed."""
     root = BENCHMARKS.parent
     script = ["bash", str(BENCHMARKS / "ab_cli.sh"), str(root), str(root), "2", "--"]
     env = {**os.environ, "PY": sys.executable}
