@@ -7,6 +7,7 @@
 # The trees are directories (e.g. `git worktree add /tmp/base <commit>`), each run with its
 # own tree first on PYTHONPATH; PY names the interpreter (default: python).
 set -euo pipefail
+seconds() { printf "%d.%06d" $(($1 / 1000000000)) $(($1 / 1000 % 1000000)); }  # from ns
 base=$(cd "$1" && pwd); new=$(cd "$2" && pwd); rounds=$3
 shift 3
 [ "$1" = "--" ] && shift
@@ -16,13 +17,13 @@ runs=$(mktemp); trap 'rm -f "$runs"' EXIT
 for ((i = 1; i <= rounds; i++)); do
   for side in base new; do
     tree=$base; [ "$side" = new ] && tree=$new
-    start=$(date +%s.%N)
+    start=$(date +%s%N)
     rc=0
     (cd "$tree" && PYTHONPATH="$tree" "$PY" -m mgtrace "$@" > /dev/null) || rc=$?
     # 0 clean, 1 corruption found: anything else is not a run to time
     if [ "$rc" -gt 1 ]; then echo "ab_cli.sh: the $side run exited $rc" >&2; exit "$rc"; fi
-    end=$(date +%s.%N)
-    echo "$side $(echo "$end - $start" | bc)" | tee -a "$runs"
+    end=$(date +%s%N)
+    echo "$side $(seconds $((end - start)))" | tee -a "$runs"
   done
 done
 "$PY" - "$runs" <<'PYEOF'

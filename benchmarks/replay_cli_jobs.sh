@@ -4,17 +4,18 @@
 # interleaved; the JSON summaries of the two must be the same but for the command line.
 #   bash benchmarks/replay_cli_jobs.sh TRACE [ROUNDS]
 set -u
+seconds() { printf "%d.%06d" $(($1 / 1000000000)) $(($1 / 1000 % 1000000)); }  # from ns
 TRACE=$1; ROUNDS=${2:-3}; PY=${PY:-python}
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
 echo "cores: $(nproc)  trace: $TRACE  rounds: $ROUNDS"
 for i in $(seq "$ROUNDS"); do
   for jobs in default 1; do
     args=(); [ "$jobs" = default ] || args=(--jobs "$jobs")
-    start=$(date +%s.%N)
+    start=$(date +%s%N)
     "$PY" -m mgtrace replay "$TRACE" --no-save --json "${args[@]}" > "$TMP/$jobs.json"
     rc=$?
-    end=$(date +%s.%N)
-    echo "round $i jobs=$jobs rc=$rc wall_s=$(echo "$end - $start" | bc)"
+    end=$(date +%s%N)
+    echo "round $i jobs=$jobs rc=$rc wall_s=$(seconds $((end - start)))"
   done
 done
 "$PY" - "$TMP/default.json" "$TMP/1.json" <<'PYEOF'
