@@ -49,6 +49,11 @@ CASES = [
         ["--device", "cpu", "--steps", "40", "--repeats", "1", "--builder", "gdn"],
         "scenarios",
     ),
+    (
+        "recorder_floor.py",
+        ["--device", "cpu", "--rounds", "2", "--steps", "5"],
+        "added_us_per_step",
+    ),
     ("profile_replay.py", ["--steps", "60", "--top", "5"], None),
     ("profile_sim.py", ["--steps", "60", "--repeat", "1"], "median"),
 ]
