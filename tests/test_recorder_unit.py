@@ -166,6 +166,23 @@ def test_capture_ring_on_the_cpu_is_exact_and_counts_drops() -> None:
     assert ring.refusal == "18 values, over the 16 of a slot"
 
 
+def test_a_host_capture_holds_its_step_back_until_reaped() -> None:
+    """A capture of host tensors is complete when taken, but until the recorder thread has
+    reaped it, it counts as pending: its step's record must not go out before it, and a
+    close must not end the thread with it still queued. Control: a ring that counts only
+    device captures as pending lets the step go first."""
+    import torch
+
+    ring = CaptureRing(torch.device("cpu"), slots=4, slot_elems=16)
+    assert ring.pending == 0 and ring.oldest_pending_tag() is None
+    ring.grab([torch.arange(3, dtype=torch.int32)], [3], {"step": 5})
+    ring.grab([torch.arange(2, dtype=torch.int32)], [2], {"step": 6})
+    assert ring.pending == 2 and ring.oldest_pending_tag() == {"step": 5}
+    assert ring.pending_steps() == {5, 6}
+    assert [tag["step"] for _, _, tag in ring.reap_raw()] == [5, 6]
+    assert ring.pending == 0 and ring.oldest_pending_tag() is None
+
+
 @pytest.mark.parametrize("max_num_seqs", [None, 1700])
 def test_capture_slots_fit_the_engines_widest_launch(tmp_path: Path, max_num_seqs: Any) -> None:
     """A fused post-process of 1700 running requests reads 5 x 1700 values: the slots are

@@ -10,9 +10,10 @@ on a side stream, and reads a slot when that copy's event has completed. Nothing
 for the device (only ``Event.query``), so a slow device delays the trace, never the engine;
 and the engine thread pays two CUDA calls per launch, not three.
 
-For CPU tensors (vLLM on the CPU, and the tests) the same slot layout is filled with one
-synchronous ``torch.cat`` into the host slot: the kernel runs synchronously there, so the
-capture is equally exact.
+For CPU tensors (vLLM on the CPU, and the tests) the kernel runs synchronously, so a capture
+is complete when taken: the vectors' bytes, joined, land at once in a queue the recorder
+thread empties, as many as the ring has slots (copying into a slot and out of it again cost
+the engine thread about 3 µs a step more: ``benchmarks/recorder_floor.py``, A/B).
 """
 
 from __future__ import annotations
@@ -67,13 +68,17 @@ class CaptureRing:
         self._torch = torch
         self.cuda = getattr(device, "type", str(device)) == "cuda"
         self.slot_elems = slot_elems
-        # int32: every vector the align kernels read is int32, and a cat that converts
-        # dtypes costs several times one that does not
-        self.host = torch.empty((slots, slot_elems), dtype=torch.int32, pin_memory=self.cuda)
+        self.slots = slots
+        self.host = None
         self._host_np: np.ndarray | None = None  # made on the recorder thread, in reap
         self.staging = None
         self.events: list[Any] = []
+        # host captures, complete when taken: (bytes, lengths, tag), in launch order
+        self._landed: deque[tuple[bytes, tuple[int, ...], Any]] = deque()
         if self.cuda:
+            # int32: every vector the align kernels read is int32, and a cat that converts
+            # dtypes costs several times one that does not
+            self.host = torch.empty((slots, slot_elems), dtype=torch.int32, pin_memory=True)
             self.staging = torch.empty((slots, slot_elems), dtype=torch.int32, device=device)
             # torch.Event records on the current stream in C++; torch.cuda.Event.record()
             # looks the stream up in Python first, which costs more than the copy
@@ -82,8 +87,7 @@ class CaptureRing:
             self._copy_stream = torch.cuda.Stream(device=device)
         self._views: dict[int, tuple[Any, np.ndarray]] = {}
         # (ids and lengths) -> (the tensors, their numpy views cut to the lengths)
-        self._cuts: dict[tuple[int, ...], tuple[tuple[Any, ...], list[np.ndarray]]] = {}
-        self._rows: list[np.ndarray] | None = None  # per-slot host views, made on first use
+        self._cuts: dict[tuple[int, ...], tuple[tuple[Any, ...], list[np.ndarray], bool]] = {}
         self._slots: dict[tuple[int, int], Any] = {}  # staging views
         self._free: deque[int] = deque(range(slots))
         # [slot, lengths, tag, event of the copy to the host (None until it is issued)]
@@ -125,18 +129,19 @@ class CaptureRing:
                 self._free.appendleft(i)  # the next capture takes it: slots stay in order
                 raise
         else:
+            if len(self._landed) >= self.slots:
+                return self._refuse("full")
             total = sum(lengths)
             if total > self.slot_elems:
                 return self._refuse(f"{total} values, over the {self.slot_elems} of a slot")
-            i = self._free.popleft()
-            # Host tensors: numpy views of them are free and a numpy copy costs a fraction
-            # of a torch op, which matters on a busy engine thread.
-            try:
-                views = self._cut_views(tensors, lengths)
-                np.concatenate(views, out=self._host_rows()[i][:total], casting="unsafe")
-            except BaseException:
-                self._free.appendleft(i)
-                raise
+            # Host tensors: numpy views of them are free, and their bytes cost a fraction of
+            # a torch op, which matters on a busy engine thread.
+            views, int32 = self._cut_views(tensors, lengths)
+            if not int32:  # as the device path stores them
+                views = [v.astype(np.int32) for v in views]
+            self._landed.append((b"".join([v.tobytes() for v in views]), tuple(lengths), tag))
+            self.captured += 1
+            return True
         self._pending.append([i, tuple(lengths), tag, None])
         self.captured += 1
         return True
@@ -157,26 +162,24 @@ class CaptureRing:
             self._host_np = self.host.numpy()
         return self._host_np
 
-    def _host_rows(self) -> list[np.ndarray]:
-        """One numpy view per host slot: a list index costs less than a 2-D index."""
-        if self._rows is None:
-            self._rows = list(self._host_view())
-        return self._rows
-
-    def _cut_views(self, tensors: Sequence[Any], lengths: Sequence[int]) -> list[np.ndarray]:
-        """Numpy views of host tensors cut to ``lengths``, cached per group of tensors and
-        lengths: a launch passes the same buffers step after step, and one look-up costs
-        less than a view and a slice per tensor. The cache holds the tensors, so their ids
-        cannot be reused while cached; it is bounded for callers that pass fresh tensors."""
+    def _cut_views(
+        self, tensors: Sequence[Any], lengths: Sequence[int]
+    ) -> tuple[list[np.ndarray], bool]:
+        """Numpy views of host tensors cut to ``lengths``, and whether all are int32 (the
+        ring's element type), cached per group of tensors and lengths: a launch passes the
+        same buffers step after step, and one look-up costs less than a view and a slice
+        per tensor. The cache holds the tensors, so their ids cannot be reused while
+        cached; it is bounded for callers that pass fresh tensors."""
         key = (*map(id, tensors), *lengths)
         hit = self._cuts.get(key)
         if hit is not None and all(map(operator.is_, hit[0], tensors)):
-            return hit[1]
+            return hit[1], hit[2]
         if len(self._cuts) >= MAX_VIEWS:
             self._cuts.clear()
         views = [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)]
-        self._cuts[key] = (tuple(tensors), views)
-        return views
+        int32 = all(v.dtype == np.int32 for v in views)
+        self._cuts[key] = (tuple(tensors), views, int32)
+        return views, int32
 
     def _view(self, t: Any) -> np.ndarray:
         """A cached numpy view of a host tensor (the cache holds the tensor, so its id
@@ -192,14 +195,19 @@ class CaptureRing:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Captures not reaped yet (a host capture is complete, but its step must wait for
+        it all the same)."""
+        return len(self._pending) + len(self._landed)
 
     def oldest_pending_tag(self) -> Any:
+        """The tag of the oldest capture not reaped yet, or None."""
+        if self._landed:
+            return self._landed[0][2]
         return self._pending[0][2] if self._pending else None
 
     def pending_steps(self) -> set[int]:
-        """Steps with a capture that has not landed (recorder thread)."""
-        return {entry[2]["step"] for entry in list(self._pending)}
+        """Steps with a capture that has not been reaped (recorder thread)."""
+        return {entry[2]["step"] for entry in [*self._pending, *self._landed]}
 
     def _issue_host_copies(self) -> None:
         """Recorder thread: copy the staged slots whose launch-stream event has completed to
@@ -231,16 +239,17 @@ class CaptureRing:
     def reap_raw(self) -> list[tuple[bytes, tuple[int, ...], Any]]:
         """Completed captures in launch order, each the int32 bytes of its slot and the
         vector lengths in it; recorder thread."""
-        if self.cuda:
-            self._issue_host_copies()
+        if not self.cuda:
+            landed = self._landed
+            return [landed.popleft() for _ in range(len(landed))]
+        self._issue_host_copies()
         out = []
         host = self._host_view()  # a view of host memory: nothing to wait for
         while self._pending:
             i, lengths, tag, copied = self._pending[0]
-            if self.cuda:
-                if copied is None or not copied.query():
-                    break
-                self._issued -= 1
+            if copied is None or not copied.query():
+                break
+            self._issued -= 1
             self._pending.popleft()
             raw = host[i, : sum(lengths)].tobytes()
             self._free.append(i)
