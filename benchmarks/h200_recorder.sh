@@ -1,0 +1,26 @@
+#!/bin/bash
+# The recorder on a GPU machine: its GPU tests, the engine-thread floor against mgtrace's
+# hooks (CUDA and host tensors), and the whole recorder against a JSON logger. Everything
+# lands in $OUT. Run from the repository root with the dependencies importable (see
+# h200_stop.sh for wheels brought along).
+set -u
+PY=${PY:-python3}
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  $PY -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
+  nproc; uptime
+} > "$OUT/machine.txt" 2>&1
+run() {  # name, seconds, command...: one measurement, its log, its exit status
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$?"
+}
+run recorder-gpu-tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_recorder_gpu.py \
+    tests/test_recorder_floor.py
+tail -1 "$OUT/recorder-gpu-tests.log"
+run floor-cuda 120 $PY benchmarks/recorder_floor.py --device cuda --rounds 30 \
+    --out "$OUT/recorder-floor-h200-cuda.json"
+run floor-cpu 90 $PY benchmarks/recorder_floor.py --device cpu --rounds 30 \
+    --out "$OUT/recorder-floor-h200host-cpu.json"
+run recorder 120 $PY benchmarks/bench_recorder.py --device cuda --steps 1500 --repeats 3 \
+    --out "$OUT/recorder-h200.json"
+uptime >> "$OUT/machine.txt"
