@@ -230,7 +230,7 @@ def _tag(
     ctx: Any,
     kernel: str,
     n: int,
-    names: list[str],
+    names: tuple[str, ...],
     mode: str | None = None,
     cpu: dict[str, Any] | None = None,
     batch_step: int | None = None,
@@ -259,7 +259,8 @@ def _cpu(ctx: Any, n: int, bufs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     for name, attr in bufs:
         buf = getattr(ctx, attr)
         if buf is not None:
-            out[name] = raw(buf.np[:n])
+            values = buf.np[:n]
+            out[name] = (values.tobytes(), values.dtype.char, values.shape)  # ``raw``, inline
     return out
 
 
@@ -274,6 +275,11 @@ _POST_CPU = (
     ("num_computed", "num_computed_tokens_buf"),
     ("num_draft", "num_draft_tokens_buf"),
 )
+# the vectors each launch kind captures, in order (tuples: no list built per launch)
+_PRECOPY_NAMES = ("state_idx", "src_col", "token_bias")
+_PRECOPY_NAMES_V2 = ("idx_mapping", *_PRECOPY_NAMES)
+_POSTPROCESS_NAMES = ("num_accepted", "state_idx", "num_scheduled", "num_computed", "num_draft")
+_POSTPROCESS_ALIGN_NAMES = ("idx_mapping", "num_accepted", "state_idx", "num_computed")
 
 
 def _precopy(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -283,23 +289,16 @@ def _precopy(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
         return
     if idx is None:  # V1: staged in batch order, read as [:n]
         sess.grab(
-            [sidx, src, bias],
-            [n, n, n],
-            _tag(
-                sess,
-                ctx,
-                "precopy",
-                n,
-                ["state_idx", "src_col", "token_bias"],
-                cpu=_cpu(ctx, n, _PRECOPY_CPU),
-            ),
+            (sidx, src, bias),
+            (n, n, n),
+            _tag(sess, ctx, "precopy", n, _PRECOPY_NAMES, cpu=_cpu(ctx, n, _PRECOPY_CPU)),
         )
     else:  # V2: slot-indexed vectors read through idx_mapping
         whole = sidx.shape[0]
         sess.grab(
             [idx, sidx, src, bias],
             [n, whole, whole, whole],
-            _tag(sess, ctx, "precopy", n, ["idx_mapping", "state_idx", "src_col", "token_bias"]),
+            _tag(sess, ctx, "precopy", n, _PRECOPY_NAMES_V2),
         )
 
 
@@ -315,16 +314,8 @@ def _postprocess(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     rec["post_step"] = sess.step  # steps.postprocess_step: only where a post-process launched
     sess.grab(
         tensors,
-        [n] * 5,
-        _tag(
-            sess,
-            ctx,
-            "postprocess",
-            n,
-            ["num_accepted", "state_idx", "num_scheduled", "num_computed", "num_draft"],
-            mode="decision",
-            cpu=staged,
-        ),
+        (n, n, n, n, n),
+        _tag(sess, ctx, "postprocess", n, _POSTPROCESS_NAMES, mode="decision", cpu=staged),
     )
 
 
@@ -345,7 +336,7 @@ def _postprocess_align(sess: Session, args: tuple[Any, ...], kwargs: dict[str, A
             ctx,
             "postprocess",
             n,
-            ["idx_mapping", "num_accepted", "state_idx", "num_computed"],
+            _POSTPROCESS_ALIGN_NAMES,
             mode="precomputed",
             batch_step=batch_step,
         ),

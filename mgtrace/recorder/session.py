@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +169,7 @@ class Session:
         self.live = False
         self.sink.abandon()
 
-    def grab(self, tensors: list[Any], lengths: list[int], tag: dict[str, Any]) -> None:
+    def grab(self, tensors: Sequence[Any], lengths: Sequence[int], tag: dict[str, Any]) -> None:
         ring = self.ring
         if ring is None:
             ring = self.ring = CaptureRing(
