@@ -5,7 +5,10 @@ tree, their medians and the new tree's median over the base tree's.
                                     [--out FILE]
 
 Measures read from each run's JSON: ``bench_replay.py``'s loop and end-to-end steps/s and
-load seconds of every repeat; ``bench_replay_jobs.py``'s wall seconds per job count.
+load seconds of every repeat; ``bench_replay_jobs.py``'s wall seconds per job count;
+``bench_sim.py``'s steps/s of every repeat, with the trace and without; ``recorder_floor.py``'s
+µs a step each configuration adds and mgtrace's over the floor's; ``bench_recorder.py``'s
+engine-thread CPU and wall µs a step the recorder adds, per scenario.
 """
 
 from __future__ import annotations
@@ -35,7 +38,25 @@ def _measures(run: dict[str, Any]) -> dict[str, list[float]]:
         }
     if "runs" in run and "trace" in run:
         return {f"jobs_{j}_wall_s": r["wall_s"] for j, r in run["runs"].items()}
-    raise SystemExit("not a result of bench_replay.py or bench_replay_jobs.py")
+    if "all_with_trace" in run:
+        return {
+            "with_trace_steps_per_s": run["all_with_trace"],
+            "engine_only_steps_per_s": run["all_engine_only"],
+        }
+    if "mgtrace_over_floor" in run:
+        added = {f"{k}_added_us": [v] for k, v in run["added_us_per_step"].items()}
+        return {**added, "mgtrace_over_floor": [run["mgtrace_over_floor"]]}
+    if "scenarios" in run:
+        out: dict[str, list[float]] = {}
+        for name, sc in run["scenarios"].items():
+            o = sc["overhead_us_per_step"]
+            out[f"{name}_engine_thread_cpu_added_us"] = [o["recorder_engine_thread_cpu"]]
+            out[f"{name}_wall_added_us"] = [o["recorder_wall"]]
+        return out
+    raise SystemExit(
+        "not a result of bench_replay.py, bench_replay_jobs.py, bench_sim.py, "
+        "recorder_floor.py or bench_recorder.py"
+    )
 
 
 def summarize(directory: Path) -> dict[str, Any]:
@@ -56,7 +77,7 @@ def summarize(directory: Path) -> dict[str, Any]:
             "new": [round(v, 3) for v in values["new"][name]],
             "base_median": round(base, 3),
             "new_median": round(new, 3),
-            "new_over_base_median": round(new / base, 3),
+            "new_over_base_median": round(new / base, 3) if base else None,
             "better": "higher" if name.endswith(HIGHER_IS_BETTER) else "lower",
         }
     return out

@@ -195,3 +195,36 @@ def test_ab_of_a_command_on_two_trees(tmp_path: Path) -> None:
     )
     assert proc.returncode == 3 and "the base run exited 3" in proc.stderr
     assert "median" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "measure"),
+    [
+        ("bench_sim.py", ["--steps", "30", "--repeat", "1"], "with_trace_steps_per_s"),
+        ("recorder_floor.py", ["--rounds", "1", "--steps", "3"], "mgtrace_over_floor"),
+        (
+            "bench_recorder.py",
+            ["--device", "cpu", "--steps", "20", "--repeats", "1"],
+            "busy_host_loop_engine_thread_cpu_added_us",
+        ),
+    ],
+)
+def test_ab_summary_reads_each_benchmark(
+    tmp_path: Path, script: str, args: list[str], measure: str
+) -> None:
+    """``ab_summary.py`` takes the results of the simulator and recorder benchmarks too: a
+    real run of each, as base and as new, gives its measure with a ratio."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), str(BENCHMARKS)])}
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    cmd = [sys.executable, str(BENCHMARKS / script), *args, "--out", str(runs / "base_1.json")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (runs / "new_1.json").write_text((runs / "base_1.json").read_text())
+    out = tmp_path / "ab.json"
+    summary = [sys.executable, str(BENCHMARKS / "ab_summary.py"), str(runs)]
+    summary += ["--base", "x", "--new", "x", "--ab-command", "-", "--out", str(out)]
+    proc = subprocess.run(summary, capture_output=True, text=True, timeout=120, cwd=BENCHMARKS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())["measures"][measure]
+    assert got["new_over_base_median"] == 1.0 and len(got["base"]) >= 1
