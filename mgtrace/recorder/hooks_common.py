@@ -259,8 +259,7 @@ def _cpu(ctx: Any, n: int, bufs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     for name, attr in bufs:
         buf = getattr(ctx, attr)
         if buf is not None:
-            values = buf.np[:n]
-            out[name] = (values.tobytes(), values.dtype.char, values.shape)  # ``raw``, inline
+            out[name] = raw(buf.np[:n])
     return out
 
 
