@@ -183,6 +183,71 @@ def test_a_host_capture_holds_its_step_back_until_reaped() -> None:
     assert ring.pending == 0 and ring.oldest_pending_tag() is None
 
 
+def test_host_captures_follow_the_values_and_the_tensors_they_are_given() -> None:
+    """The ring caches numpy views per group of host tensors: a later capture of the same
+    tensors copies their current values, one of other tensors (or other lengths) copies
+    those, and a tensor of another dtype is stored as int32 like the device path stores
+    it. Control: a cache that returned the first views for any tensors would capture ``a``
+    again in place of ``c``."""
+    import torch
+
+    ring = CaptureRing(torch.device("cpu"), slots=8, slot_elems=16)
+    a = torch.tensor([1, 2, 3], dtype=torch.int32)
+    b = torch.tensor([4, 5, 6], dtype=torch.int32)
+    ring.grab((a, b), (3, 2), 0)
+    a[0] = 10
+    ring.grab((a, b), (3, 2), 1)
+    c = torch.tensor([7, 8, 9], dtype=torch.int32)
+    ring.grab((c, b), (3, 2), 2)
+    ring.grab((c, b), (2, 3), 3)
+    ring.grab((torch.tensor([11, 12], dtype=torch.int64),), (2,), 4)
+    got = [([x.tolist() for x in arrays], tag) for arrays, tag in ring.reap()]
+    assert got == [
+        ([[1, 2, 3], [4, 5]], 0),
+        ([[10, 2, 3], [4, 5]], 1),
+        ([[7, 8, 9], [4, 5]], 2),
+        ([[7, 8], [4, 5, 6]], 3),
+        ([[11, 12]], 4),
+    ]
+
+
+def test_staged_inputs_follow_a_replaced_buffer() -> None:
+    """The launch hooks cache views of an align context's CPU buffers per context and row
+    count. A context whose buffer is replaced is read from the new buffer, and a buffer
+    the context lacks is left out. Control: a cache keyed on the context alone would return
+    the old buffer's values."""
+    import numpy as np
+
+    from mgtrace.recorder.hooks_common import staged_inputs
+
+    def buf(values: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(np=np.array(values, dtype=np.int32))
+
+    ctx = SimpleNamespace(
+        mamba_state_idx_buf=buf([1, 2, 3]),
+        num_scheduled_tokens_buf=buf([4, 4, 4]),
+        num_computed_tokens_buf=buf([9, 9, 9]),
+        num_draft_tokens_buf=None,
+    )
+
+    def ints(staged: dict[str, Any]) -> dict[str, list[int]]:
+        return {k: np.frombuffer(v, dtype=np.int32).tolist() for k, v in staged.items()}
+
+    assert ints(staged_inputs(ctx, 2)) == {
+        "state_idx": [1, 2],
+        "num_scheduled": [4, 4],
+        "num_computed": [9, 9],
+    }
+    ctx.mamba_state_idx_buf.np[0] = 7  # the same buffer, new values
+    ctx.num_computed_tokens_buf = buf([5, 6, 7])  # a new buffer
+    assert ints(staged_inputs(ctx, 2)) == {
+        "state_idx": [7, 2],
+        "num_scheduled": [4, 4],
+        "num_computed": [5, 6],
+    }
+    assert ints(staged_inputs(ctx, 3))["num_computed"] == [5, 6, 7]
+
+
 @pytest.mark.parametrize("max_num_seqs", [None, 1700])
 def test_capture_slots_fit_the_engines_widest_launch(tmp_path: Path, max_num_seqs: Any) -> None:
     """A fused post-process of 1700 running requests reads 5 x 1700 values: the slots are

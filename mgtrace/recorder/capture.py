@@ -86,8 +86,8 @@ class CaptureRing:
             self.events = [self._make_event(device=device) for _ in range(slots)]
             self._copy_stream = torch.cuda.Stream(device=device)
         self._views: dict[int, tuple[Any, np.ndarray]] = {}
-        # (ids and lengths) -> (the tensors, their numpy views cut to the lengths)
-        self._cuts: dict[tuple[int, ...], tuple[tuple[Any, ...], list[np.ndarray], bool]] = {}
+        # (ids and lengths) -> what ``_cut_views`` returns
+        self._cuts: dict[tuple[int, ...], tuple[Any, ...]] = {}
         self._slots: dict[tuple[int, int], Any] = {}  # staging views
         self._free: deque[int] = deque(range(slots))
         # [slot, lengths, tag, event of the copy to the host (None until it is issued)]
@@ -131,15 +131,18 @@ class CaptureRing:
         else:
             if len(self._landed) >= self.slots:
                 return self._refuse("full")
-            total = sum(lengths)
-            if total > self.slot_elems:
-                return self._refuse(f"{total} values, over the {self.slot_elems} of a slot")
             # Host tensors: numpy views of them are free, and their bytes cost a fraction of
             # a torch op, which matters on a busy engine thread.
-            views, int32 = self._cut_views(tensors, lengths)
-            if not int32:  # as the device path stores them
-                views = [v.astype(np.int32) for v in views]
-            self._landed.append((b"".join([v.tobytes() for v in views]), tuple(lengths), tag))
+            hit = self._cuts.get((*map(id, tensors), *lengths))
+            if hit is None or not all(map(operator.is_, hit[0], tensors)):
+                hit = self._cut_views(tensors, lengths)
+            if hit[3] > self.slot_elems:
+                return self._refuse(f"{hit[3]} values, over the {self.slot_elems} of a slot")
+            if hit[2]:
+                data = b"".join(map(np.ndarray.tobytes, hit[1]))
+            else:  # as the device path stores them
+                data = b"".join([v.astype(np.int32).tobytes() for v in hit[1]])
+            self._landed.append((data, hit[4], tag))
             self.captured += 1
             return True
         self._pending.append([i, tuple(lengths), tag, None])
@@ -162,24 +165,20 @@ class CaptureRing:
             self._host_np = self.host.numpy()
         return self._host_np
 
-    def _cut_views(
-        self, tensors: Sequence[Any], lengths: Sequence[int]
-    ) -> tuple[list[np.ndarray], bool]:
-        """Numpy views of host tensors cut to ``lengths``, and whether all are int32 (the
-        ring's element type), cached per group of tensors and lengths: a launch passes the
-        same buffers step after step, and one look-up costs less than a view and a slice
-        per tensor. The cache holds the tensors, so their ids cannot be reused while
-        cached; it is bounded for callers that pass fresh tensors."""
-        key = (*map(id, tensors), *lengths)
-        hit = self._cuts.get(key)
-        if hit is not None and all(map(operator.is_, hit[0], tensors)):
-            return hit[1], hit[2]
+    def _cut_views(self, tensors: Sequence[Any], lengths: Sequence[int]) -> tuple[Any, ...]:
+        """Numpy views of host tensors cut to ``lengths``, cached per group of tensors and
+        lengths (a launch passes the same buffers step after step, and one look-up costs
+        less than a view and a slice per tensor): (the tensors, the views, whether all are
+        int32, the ring's element type, their total length, the lengths). The cache holds
+        the tensors, so their ids cannot be reused while cached; it is bounded for callers
+        that pass fresh tensors."""
         if len(self._cuts) >= MAX_VIEWS:
             self._cuts.clear()
         views = [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)]
         int32 = all(v.dtype == np.int32 for v in views)
-        self._cuts[key] = (tuple(tensors), views, int32)
-        return views, int32
+        entry = (tuple(tensors), views, int32, sum(lengths), tuple(lengths))
+        self._cuts[(*map(id, tensors), *lengths)] = entry
+        return entry
 
     def _view(self, t: Any) -> np.ndarray:
         """A cached numpy view of a host tensor (the cache holds the tensor, so its id

@@ -27,6 +27,7 @@ from mgtrace.recorder.hooks_common import (
     launcher_patches,
     optional_patches,
     runner_step_patches,
+    staged_inputs,
 )
 from mgtrace.recorder.patches import Patch
 from mgtrace.recorder.session import Session
@@ -178,13 +179,7 @@ def _staged(sess: Session, _t: Any, _r: Any, args: tuple[Any, ...], kwargs: dict
     if sess.rec is None:
         return
     ctx = arg(args, kwargs, 0, "ctx")
-    n = int(arg(args, kwargs, 3, "num_reqs"))
-    sess.rec["staged"] = {
-        "state_idx": raw(ctx.mamba_state_idx_buf.np[:n]),
-        "num_scheduled": raw(ctx.num_scheduled_tokens_buf.np[:n]),
-        "num_computed": raw(ctx.num_computed_tokens_buf.np[:n]),
-        "num_draft": raw(ctx.num_draft_tokens_buf.np[:n]),
-    }
+    sess.rec["staged"] = staged_inputs(ctx, int(arg(args, kwargs, 3, "num_reqs")))
 
 
 def v1_patches(sess: Session, owners: dict[Target, Any], mamba_groups: list[int]) -> list[Patch]:
