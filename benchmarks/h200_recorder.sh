@@ -17,10 +17,10 @@ run() {  # name, seconds, command...: one measurement, its log, its exit status
 run recorder-gpu-tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_recorder_gpu.py \
     tests/test_recorder_floor.py
 tail -1 "$OUT/recorder-gpu-tests.log"
-run floor-cuda 120 $PY benchmarks/recorder_floor.py --device cuda --rounds 30 \
-    --out "$OUT/recorder-floor-h200-cuda.json"
+run floor-cuda 180 $PY benchmarks/recorder_floor.py --device cuda --rounds 30 --per-hook \
+    --out "$OUT/recorder-floor-cuda.json"
 run floor-cpu 90 $PY benchmarks/recorder_floor.py --device cpu --rounds 30 \
-    --out "$OUT/recorder-floor-h200host-cpu.json"
+    --out "$OUT/recorder-floor-host-cpu.json"
 run recorder 120 $PY benchmarks/bench_recorder.py --device cuda --steps 1500 --repeats 3 \
-    --out "$OUT/recorder-h200.json"
+    --out "$OUT/recorder-cuda.json"
 uptime >> "$OUT/machine.txt"

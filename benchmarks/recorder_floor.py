@@ -21,15 +21,19 @@ rotate between four configurations:
 Reported: the engine thread's CPU time per step, median over the rounds, and what each
 configuration adds to ``unhooked``. ``floor`` is a lower bound for any recorder written in
 Python that keeps the same fields, not a recorder: ``mgtrace - floor`` is the cost of doing
-it safely (never raising into the engine, counting drops, stopping between steps).
+it safely (never raising into the engine, counting drops, stopping between steps). With
+``--per-hook``, also each hook body's own time per step in ``floor`` and in ``mgtrace``
+(wall clock around the body, which adds about 0.1 µs to each; blocks alternate between the
+two), to show where the gap to the floor is.
 
 Usage: python benchmarks/recorder_floor.py [--device cpu|cuda] [--rounds 40] [--steps 200]
-                                           [--out FILE]
+                                           [--per-hook] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import os
 import pickle
@@ -48,12 +52,18 @@ import torch
 from bench_recorder import ROWS, K, build_runner, scheduler_output
 from results_io import command_line, emit
 
-from mgtrace.recorder import hooks_v1
+from mgtrace.recorder import hooks_common, hooks_v1
 from mgtrace.recorder.patches import Patch, PatchSet
 from mgtrace.recorder.session import Session
 from mgtrace.schemas.manifest import RunMetadata
 
 TARGET_US = 25.0
+# mgtrace's hook names that differ from the function they wrap (the floor's names)
+HOOKED_FUNCTION = {
+    "reorder": "reorder_batch_to_split_decodes_and_prefills",
+    "mamba_split": "_compute_common_metadata",
+    "prefill_checkpoints": "build",
+}
 HANDOVER_S = 0.01  # as the recorder thread's poll
 
 
@@ -247,11 +257,94 @@ def _discard(self: Session) -> bool:
     return False
 
 
+def per_hook_bodies(device: torch.device, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """Each hook body's time per step (µs, summed over its calls), in ``floor`` and in
+    ``mgtrace``: the two hook sets installed in turn on one stand-in runner, timed by a
+    wrapper around each ``before`` and ``after``."""
+    spent: dict[str, collections.Counter[str]] = {
+        "floor": collections.Counter(),
+        "mgtrace": collections.Counter(),
+    }
+    clock = time.perf_counter_ns  # the thread CPU clock is a system call: it would dominate
+
+    def timed(config: str, name: str, body: Callable[..., Any] | None) -> Any:
+        if body is None:
+            return None
+        counter = spent[config]
+
+        def run(*args: Any) -> Any:
+            t = clock()
+            try:
+                return body(*args)
+            finally:
+                counter[name] += clock() - t
+
+        return run
+
+    real_hook, real_execute = hooks_common.hook, hooks_common._execute_hook
+
+    def timing_hook(
+        sess: Any, name: str, before: Any = None, after: Any = None, *, required: bool = True
+    ) -> Any:
+        target = HOOKED_FUNCTION.get(name, name)
+        return real_hook(
+            sess,
+            name,
+            timed("mgtrace", f"{target} (before)", before),
+            timed("mgtrace", f"{target} (after)", after),
+            required=required,
+        )
+
+    def timing_execute(sess: Any, begin: Any) -> Any:
+        return real_execute(sess, timed("mgtrace", "execute_model (before)", begin))
+
+    runner, owners = build_runner(device)
+    so = scheduler_output()
+    out = torch.zeros((ROWS, 1 + K), dtype=torch.int64, device=device)
+    cls = type(runner)
+    floor = Floor(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        sess = Session(Path(tmp) / "t", rank=0, kind="v1", run=RunMetadata(), assembler="thread")
+        hooks_common.hook = hooks_v1.hook = timing_hook  # type: ignore[assignment]
+        hooks_common._execute_hook = timing_execute  # type: ignore[assignment]
+        try:
+            ours = hooks_v1.v1_patches(sess, owners, [0])
+        finally:
+            hooks_common.hook = hooks_v1.hook = real_hook  # type: ignore[assignment]
+            hooks_common._execute_hook = real_execute  # type: ignore[assignment]
+        pairs = {
+            name: (timed("floor", f"{name} (before)", b), timed("floor", f"{name} (after)", a))
+            for name, (b, a) in floor.hooks().items()
+        }
+        minimal = [Patch(p.owner, p.name, _wrapper(*pairs[p.name])) for p in ours]
+        for r in range(rounds + 1):
+            for config, patch_list in (("floor", minimal), ("mgtrace", ours)):
+                patches = PatchSet()
+                patches.install(patch_list)
+                try:
+                    for _ in range(steps):
+                        cls.execute_model(runner, so)
+                        cls.sample_tokens(runner, out)
+                    if r == 0:  # a warm-up round, not counted
+                        spent[config].clear()
+                finally:
+                    patches.remove()
+                floor.records.clear()
+        sess.close(10.0)
+    total = rounds * steps
+    table = {}
+    for config, counter in spent.items():
+        table[config] = {k: round(v / total / 1e3, 2) for k, v in sorted(counter.items())}
+        table[config]["all hooks"] = round(sum(counter.values()) / total / 1e3, 2)
+    return table
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--steps", type=int, default=200, help="steps per block")
+    ap.add_argument("--per-hook", action="store_true", help="also time each hook body")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -331,6 +424,11 @@ def main() -> int:
             "handed_over_bytes": handed,
             "mgtrace_hook_errors": status["hook_errors"],
             "mgtrace_drops": status["drops"],
+            "hook_body_us_per_step": (
+                per_hook_bodies(device, args.rounds // 2 or 1, args.steps)
+                if args.per_hook
+                else None
+            ),
         },
         args.out,
     )

@@ -59,6 +59,29 @@ CASES = [
 ]
 
 
+def test_recorder_floor_times_the_same_hooks_in_both_configurations(tmp_path: Path) -> None:
+    """``recorder_floor.py --per-hook`` times every hook body of both hook sets, under the
+    names of the functions they wrap. Control: timing wrappers that never reach the
+    counters report nothing (an all-zero table)."""
+    out = tmp_path / "floor.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), str(BENCHMARKS)])}
+    args = ["--device", "cpu", "--rounds", "2", "--steps", "5", "--per-hook", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "recorder_floor.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = json.loads(out.read_text())["hook_body_us_per_step"]
+    floor, ours = table["floor"], table["mgtrace"]
+    for name in ("run_fused_precopy (before)", "_update_states (after)", "build (after)"):
+        assert floor[name] > 0 and ours[name] > 0, name
+    assert floor["all hooks"] > 0 and ours["all hooks"] > 0
+
+
 @pytest.mark.parametrize(
     ("script", "args", "key"), CASES, ids=[f"{c[0]}{'-gdn' * ('gdn' in c[1])}" for c in CASES]
 )
