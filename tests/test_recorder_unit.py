@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from mgtrace.errors import UsageError
@@ -183,6 +184,28 @@ def test_a_host_capture_holds_its_step_back_until_reaped() -> None:
     assert ring.pending == 0 and ring.oldest_pending_tag() is None
 
 
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.array([3, -1, 7], dtype=np.int32),
+        np.array([3, -1, 7], dtype=">i4"),
+        np.array([[1, 2], [3, 4]], dtype=np.int32),
+        np.array([True, False, True]),
+        np.array([2**40, -5], dtype=np.int64),
+    ],
+    ids=["int32", "int32-byte-swapped", "int32-2d", "bool", "int64"],
+)
+def test_a_raw_array_comes_back_with_its_values_shape_and_kind(array: np.ndarray) -> None:
+    """What the hooks store raw reads back as the same values, shape and kind, in native
+    byte order. Control: carrying the dtype's one-letter code loses the byte order, and a
+    byte-swapped vector comes back as other numbers."""
+    from mgtrace.recorder.wire import _array, raw
+
+    back = _array(raw(array))
+    assert back.tolist() == array.tolist() and back.shape == array.shape
+    assert back.dtype.kind == array.dtype.kind and back.dtype.isnative
+
+
 def test_host_captures_follow_the_values_and_the_tensors_they_are_given() -> None:
     """The ring caches numpy views per group of host tensors: a later capture of the same
     tensors copies their current values, one of other tensors (or other lengths) copies
@@ -216,8 +239,6 @@ def test_staged_inputs_follow_a_replaced_buffer() -> None:
     count. A context whose buffer is replaced is read from the new buffer, and a buffer
     the context lacks is left out. Control: a cache keyed on the context alone would return
     the old buffer's values."""
-    import numpy as np
-
     from mgtrace.recorder.hooks_common import staged_inputs
 
     def buf(values: list[int]) -> SimpleNamespace:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 HEADER = struct.Struct("<Q")  # frame length, then the pickle
+_INT32 = np.dtype(np.int32)
 
 
 def _array_from(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -93,8 +94,8 @@ def drafts_of(ids: list[str], counts: list[int]) -> dict[str, tuple[int, ...]]:
 
 
 # ---------------------------------------------------------------- step records
-# The hooks store host arrays raw (bytes, dtype char, shape; see ``raw``), so a record is
-# plain containers and packs without a conversion pass; an array stored as is travels by
+# The hooks store host arrays raw (see ``raw``), so a record is plain containers and packs
+# without a conversion pass; an array stored as is travels by
 # ``_reduce_array`` instead. Values that usually repeat from one step to the next (request
 # ids, the runner's state-column dicts, the scheduler's per-request dicts) travel as SAME
 # when equal to what was last sent under that name; the assembler keeps the last value of
@@ -105,7 +106,7 @@ _REPEATING = {"req_ids": "req_ids", "sidx_before": "sidx", "sidx_after": "sidx"}
 
 
 # A raw array: a vector of int32 (what the hooks copy but for a few) as its bytes alone;
-# any other as (bytes, dtype char, shape). Bytes are not tracked by the garbage collector;
+# any other as (bytes, dtype string, shape). Bytes are not tracked by the garbage collector;
 # a step's dozen raw vectors as tuples were two dozen more tracked objects a step, each a
 # share of a collection on the engine thread.
 Raw = bytes | tuple[bytes, str, tuple[int, ...]]
@@ -120,9 +121,9 @@ def raw(a: np.ndarray) -> Raw:
     """A host array as the wire carries it. Taken on the engine thread in place of a copy,
     at about the same cost (0.2 µs for 96 int32), so that the recorder thread, which shares
     the GIL, has nothing left to convert (it saved that thread about 17 µs a step)."""
-    if a.ndim == 1 and a.dtype.char == "i":
+    if a.dtype is _INT32 and a.ndim == 1:  # native int32 (a byte-swapped one is not this)
         return a.tobytes()
-    return a.tobytes(), a.dtype.char, a.shape
+    return a.tobytes(), a.dtype.str, a.shape  # the str keeps the byte order; char does not
 
 
 def _array(a: np.ndarray | Raw) -> np.ndarray:
@@ -132,8 +133,10 @@ def _array(a: np.ndarray | Raw) -> np.ndarray:
         return np.frombuffer(bytearray(a), dtype=np.int32)
     if kind is not tuple:
         return a  # type: ignore[return-value]
-    data, char, shape = a  # type: ignore[misc]
-    return np.frombuffer(bytearray(data), dtype=char).reshape(shape)
+    data, dtype, shape = a  # type: ignore[misc]
+    out = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    # the tables take native byte order (Arrow refuses a byte-swapped array)
+    return out if out.dtype.isnative else out.astype(out.dtype.newbyteorder("="))
 
 
 def _array_values(d: dict[str, Any]) -> dict[str, Any]:
