@@ -132,9 +132,24 @@ def _through(frames: list[bytes]) -> list[dict[str, Any]]:
     return [
         unpacker.record(m[1])
         for f in frames
-        for m in wire.decode(f[wire.HEADER.size :])
+        for messages in wire.decode_frames(f)
+        for m in messages
         if m[0] == "step"
     ]
+
+
+def test_a_long_frame_goes_as_several_pickles() -> None:
+    """A frame of many steps is several pickles of at most ``MESSAGES_PER_PICKLE`` messages
+    each (one pickle call holds the GIL throughout), which read back as the same records in
+    the same order. Control: with no limit it is one pickle."""
+    recs = _records(150)
+    packer = wire.Packer()
+    data = wire.encode([("step", packer.record(r)) for r in recs])
+    pickles = wire.decode_frames(data)
+    assert len(pickles) == -(-150 // wire.MESSAGES_PER_PICKLE) > 1
+    assert max(len(p) for p in pickles) <= wire.MESSAGES_PER_PICKLE
+    got = _through([data])
+    assert [_same_record(g, w) for g, w in zip(got, _records(150), strict=True)] == [[]] * 150
 
 
 def test_records_cross_the_wire_unchanged() -> None:

@@ -39,8 +39,23 @@ _DISPATCH = copyreg.dispatch_table.copy()
 _DISPATCH[np.ndarray] = _reduce_array
 
 
+# Messages per pickle call. A frame of many steps goes out as several pickles, joined: one
+# pickle call is C that never lets go of the GIL, while between calls the engine thread can
+# take it back at its next switch request. One pickle of a 256-step frame held the engine
+# thread up to 14.7 ms on a slow GPU host (``bench_recorder.py``'s longest step).
+MESSAGES_PER_PICKLE = 64  # about 20 steps: two launch captures and one record each
+
+
 def encode(messages: list[tuple[Any, ...]]) -> bytes:
-    """One frame: the length header and the pickled messages."""
+    """Frames for ``messages``, each the length header and a pickle of at most
+    ``MESSAGES_PER_PICKLE`` of them, joined (the assembler reads frames one after another)."""
+    if len(messages) <= MESSAGES_PER_PICKLE:
+        return _frame(messages)
+    n = MESSAGES_PER_PICKLE
+    return b"".join([_frame(messages[i : i + n]) for i in range(0, len(messages), n)])
+
+
+def _frame(messages: list[tuple[Any, ...]]) -> bytes:
     buf = io.BytesIO()
     buf.write(HEADER.pack(0))
     pickler = pickle.Pickler(buf, protocol=5)
@@ -54,6 +69,17 @@ def encode(messages: list[tuple[Any, ...]]) -> bytes:
 
 def decode(payload: bytes) -> list[tuple[Any, ...]]:
     return pickle.loads(payload)
+
+
+def decode_frames(data: bytes) -> list[list[tuple[Any, ...]]]:
+    """The messages of each whole frame in ``data``, in order (what ``encode`` made)."""
+    out, start = [], 0
+    while start < len(data):
+        (size,) = HEADER.unpack_from(data, start)
+        start += HEADER.size
+        out.append(decode(data[start : start + size]))
+        start += size
+    return out
 
 
 def _new_request(r: Any) -> tuple[Any, ...]:
