@@ -8,7 +8,8 @@ Measures read from each run's JSON: ``bench_replay.py``'s loop and end-to-end st
 load seconds of every repeat; ``bench_replay_jobs.py``'s wall seconds per job count;
 ``bench_sim.py``'s steps/s of every repeat, with the trace and without; ``recorder_floor.py``'s
 µs a step each configuration adds and mgtrace's over the floor's; ``bench_recorder.py``'s
-engine-thread CPU and wall µs a step the recorder adds, per scenario.
+engine-thread CPU and wall µs a step the recorder adds, its wall over the JSON logger's, and
+the 99th percentile and the longest of a recorded run's steps, per scenario.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def _measures(run: dict[str, Any]) -> dict[str, list[float]]:
             o = sc["overhead_us_per_step"]
             out[f"{name}_engine_thread_cpu_added_us"] = [o["recorder_engine_thread_cpu"]]
             out[f"{name}_wall_added_us"] = [o["recorder_wall"]]
+            out[f"{name}_wall_over_json_logger"] = [sc["recorder_vs_json_wall"]]
+            hooked = sc["step_wall_percentiles_us"]["hooked"]
+            out[f"{name}_hooked_step_p99_us"] = [hooked["p99"]]
+            out[f"{name}_hooked_step_max_us"] = [hooked["max"]]
         return out
     raise SystemExit(
         "not a result of bench_replay.py, bench_replay_jobs.py, bench_sim.py, "

@@ -228,7 +228,7 @@ def test_ab_of_a_command_on_two_trees(tmp_path: Path) -> None:
         (
             "bench_recorder.py",
             ["--device", "cpu", "--steps", "20", "--repeats", "1"],
-            "busy_host_loop_engine_thread_cpu_added_us",
+            "busy_host_loop_hooked_step_max_us",
         ),
     ],
 )
