@@ -28,7 +28,8 @@ from mgtrace.schemas.writer import TraceWriter
 
 log = logging.getLogger("mgtrace.recorder")
 
-MAX_FRAME_STEPS = 256  # steps per frame: bounds one GIL hold of the recorder thread
+MAX_FRAME_STEPS = 256  # steps per frame (each frame is pickled in slices of
+# ``wire.MESSAGES_PER_PICKLE`` messages, between which the engine can take the GIL back)
 # Everything ready goes in one frame, and then the thread sleeps. Smaller frames (a quarter
 # of the waiting steps, at least one), to shorten each hold, measured worse: between them
 # the thread keeps asking for the GIL, and an engine running Python gives it up only at a
