@@ -4,16 +4,7 @@
 # lands in $OUT. Run from the repository root with the dependencies importable (see
 # h200_stop.sh for wheels brought along).
 set -u
-PY=${PY:-python3}
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  $PY -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
-  nproc; uptime
-} > "$OUT/machine.txt" 2>&1
-run() {  # name, seconds, command...: one measurement, its log, its exit status
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$?"
-}
+source "$(dirname "$0")/gpu_run.sh"
 run recorder-gpu-tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_recorder_gpu.py \
     tests/test_recorder_floor.py
 tail -1 "$OUT/recorder-gpu-tests.log"

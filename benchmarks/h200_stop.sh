@@ -5,15 +5,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
 set -u
-PY=${PY:-python3}
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  $PY -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
-} > "$OUT/machine.txt" 2>&1
-run() {  # name, seconds, command...: one measurement, its log, its exit status
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$?"
-}
+source "$(dirname "$0")/gpu_run.sh"
 run gpu-tier-tests 170 $PY -m pytest -q -p no:cacheprovider tests/test_replay_gpu.py \
     tests/test_kernels_gpu.py tests/test_recorder_gpu.py tests/test_block_copies.py \
     tests/test_prefill_checkpoints.py tests/test_gdn_split.py tests/test_forward_order.py \

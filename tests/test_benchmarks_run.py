@@ -59,15 +59,11 @@ CASES = [
 ]
 
 
-def test_recorder_floor_times_the_same_hooks_in_both_configurations(tmp_path: Path) -> None:
-    """``recorder_floor.py --per-hook`` times every hook body of both hook sets, under the
-    names of the functions they wrap. Control: timing wrappers that never reach the
-    counters report nothing (an all-zero table)."""
-    out = tmp_path / "floor.json"
+def _run_benchmark(tmp_path: Path, script: str, args: list[str], out: Path) -> None:
+    """Run a benchmark script with ``--out out`` from ``tmp_path``; it must exit 0."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), str(BENCHMARKS)])}
-    args = ["--device", "cpu", "--rounds", "2", "--steps", "5", "--per-hook", "--out", str(out)]
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "recorder_floor.py"), *args],
+        [sys.executable, str(BENCHMARKS / script), *args, "--out", str(out)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -75,6 +71,15 @@ def test_recorder_floor_times_the_same_hooks_in_both_configurations(tmp_path: Pa
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_recorder_floor_times_the_same_hooks_in_both_configurations(tmp_path: Path) -> None:
+    """``recorder_floor.py --per-hook`` times every hook body of both hook sets, under the
+    names of the functions they wrap. Control: timing wrappers that never reach the
+    counters report nothing (an all-zero table)."""
+    out = tmp_path / "floor.json"
+    args = ["--device", "cpu", "--rounds", "2", "--steps", "5", "--per-hook"]
+    _run_benchmark(tmp_path, "recorder_floor.py", args, out)
     table = json.loads(out.read_text())["hook_body_us_per_step"]
     floor, ours = table["floor"], table["mgtrace"]
     for name in ("run_fused_precopy (before)", "_update_states (after)", "build (after)"):
@@ -87,16 +92,7 @@ def test_recorder_floor_times_the_same_hooks_in_both_configurations(tmp_path: Pa
 )
 def test_benchmark_runs(tmp_path: Path, script: str, args: list[str], key: str | None) -> None:
     out = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), str(BENCHMARKS)])}
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args, "--out", str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_benchmark(tmp_path, script, args, out)
     assert out.exists() and out.stat().st_size > 0
     if key is not None:  # profile_replay writes a text profile, the others JSON
         assert key in json.loads(out.read_text())
