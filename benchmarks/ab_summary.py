@@ -88,6 +88,12 @@ def summarize(directory: Path) -> dict[str, Any]:
     return out
 
 
+def _runs_machine(directory: Path) -> dict[str, Any] | None:
+    """The ``machine`` a benchmark's run recorded, if it did."""
+    first = sorted(directory.glob("base_*.json"))
+    return json.loads(first[0].read_text()).get("machine") if first else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("directory", type=Path)
@@ -102,10 +108,9 @@ def main() -> int:
         "summarized_by": command_line(),
         "base": args.base,
         "new": args.new,
-        "machine": {
-            "python": platform.python_version(),
-            "cpus": len(os.sched_getaffinity(0)),
-        },
+        # where the runs ran, as the first of them says (the summary may be made elsewhere)
+        "machine": _runs_machine(args.directory)
+        or {"python": platform.python_version(), "cpus": len(os.sched_getaffinity(0))},
         "measures": summarize(args.directory),
     }
     emit(result, args.out)
