@@ -233,12 +233,9 @@ def test_ab_summary_reads_each_benchmark(
 ) -> None:
     """``ab_summary.py`` takes the results of the simulator and recorder benchmarks too: a
     real run of each, as base and as new, gives its measure with a ratio."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), str(BENCHMARKS)])}
     runs = tmp_path / "runs"
     runs.mkdir()
-    cmd = [sys.executable, str(BENCHMARKS / script), *args, "--out", str(runs / "base_1.json")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_benchmark(tmp_path, script, args, runs / "base_1.json")
     (runs / "new_1.json").write_text((runs / "base_1.json").read_text())
     out = tmp_path / "ab.json"
     summary = [sys.executable, str(BENCHMARKS / "ab_summary.py"), str(runs)]
