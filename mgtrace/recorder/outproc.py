@@ -400,13 +400,7 @@ def _child(config: dict[str, Any]) -> int:
             if not chunk:
                 break  # end of input: the engine closed the pipe
             buf += chunk
-            while len(buf) >= wire.HEADER.size:
-                (size,) = wire.HEADER.unpack_from(buf, 0)
-                end = wire.HEADER.size + size
-                if len(buf) < end:
-                    break
-                messages = wire.decode(bytes(buf[wire.HEADER.size : end]))
-                del buf[:end]
+            for messages in wire.take_frames(buf):
                 for message in messages:
                     asm.apply(message)
         asm.tick()

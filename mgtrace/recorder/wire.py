@@ -71,14 +71,18 @@ def decode(payload: bytes) -> list[tuple[Any, ...]]:
     return pickle.loads(payload)
 
 
-def decode_frames(data: bytes) -> list[list[tuple[Any, ...]]]:
-    """The messages of each whole frame in ``data``, in order (what ``encode`` made)."""
+def take_frames(buf: bytearray) -> list[list[tuple[Any, ...]]]:
+    """The messages of each whole frame at the start of ``buf``, in order, removed from it;
+    a frame not yet whole stays for the bytes still to come."""
     out, start = [], 0
-    while start < len(data):
-        (size,) = HEADER.unpack_from(data, start)
-        start += HEADER.size
-        out.append(decode(data[start : start + size]))
-        start += size
+    while len(buf) - start >= HEADER.size:
+        (size,) = HEADER.unpack_from(buf, start)
+        end = start + HEADER.size + size
+        if len(buf) < end:
+            break
+        out.append(decode(bytes(buf[start + HEADER.size : end])))
+        start = end
+    del buf[:start]
     return out
 
 
