@@ -7,8 +7,12 @@ Reported per N: median wall seconds, steps/s, the speed-up over N=1 from the sam
 how many checks met a placeholder and were judged in the parent, and where the slowest
 worker's time went (loading the trace, the bookkeeping pass, the warm-up, its segment).
 
+With ``--backend triton --device cuda`` every process runs the Triton kernels on a device
+copy of its tag pool, in its own context on the GPU.
+
 Usage: python benchmarks/bench_replay_jobs.py [--steps N] [--scenario steady|mixed|pairs]
                                               [--bug NAME] [--jobs 1 2 4 ...] [--repeat R]
+                                              [--backend reference|triton] [--device D]
                                               [--out F]
 """
 
@@ -59,6 +63,8 @@ def main() -> int:
     ap.add_argument("--bug", default=None)
     ap.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--backend", default="reference", choices=("reference", "triton"))
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     jobs = sorted(set([1, *args.jobs]))
@@ -92,7 +98,9 @@ def main() -> int:
             for j in jobs:
                 current[0] = j
                 t0 = time.perf_counter()
-                result = replay_trace(TraceReader(trace), RuleSet(), jobs=j)
+                result = replay_trace(
+                    TraceReader(trace), RuleSet(), backend=args.backend, device=args.device, jobs=j
+                )
                 walls[j].append(time.perf_counter() - t0)
                 summary = (result.findings, result.repeats, result.steps)
                 if reference is None:
@@ -126,6 +134,8 @@ def main() -> int:
             "simulated_in_s": round(sim_s, 1),
             "findings": len(reference[0]),
         },
+        "backend": args.backend,
+        "device": args.device,
         "identical_findings_in_every_run": True,
         "runs": runs,
     }

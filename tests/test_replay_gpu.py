@@ -113,3 +113,34 @@ def test_streamed_backend_with_tiles_matches_reference(tmp_path: Path) -> None:
         found.append([(f.step, f.req_id, f.signature, f.block_id) for f in rep.oracle.findings])
     assert found[0], "control: the injected bug gives the backends something to find"
     assert found[1] == found[0]
+
+
+def test_triton_segments_on_the_gpu_report_what_one_reference_process_reports(
+    tmp_path: Path,
+) -> None:
+    from mgtrace.replayer.loop import RankReplay, load_backend
+    from mgtrace.replayer.parallel import replay_rank_in_segments
+    from mgtrace.replayer.requests import RequestIds
+    from mgtrace.replayer.rules import RuleSet
+    from mgtrace.replayer.steps import RankTrace
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    out = tmp_path / "t"
+    cfg = SimConfig(
+        scenario="pairs", steps=600, seed=0, max_num_seqs=16, length_scale=0.05,
+        bugs=("stale-condense-row",), output=out,
+    )  # fmt: skip
+    simulate(cfg.validate())
+    one = RankReplay(
+        RankTrace(TraceReader(out), 0, RequestIds()), RuleSet(), load_backend("reference", "cpu")
+    )
+    one.run()
+    got = replay_rank_in_segments(
+        TraceReader(out), 0, RuleSet(), backend="triton", device="cuda",
+        jobs=3, min_segment=150, warmup=16,
+    )  # fmt: skip
+    assert got.segments == 3
+    assert got.findings == one.oracle.findings
+    assert one.oracle.findings, "control: the injected bug gives the segments something to find"

@@ -78,6 +78,33 @@ def test_segments_report_what_one_process_reports(bug: str, rules: str) -> None:
         assert got.repeats == want_repeats
 
 
+@pytest.mark.interp
+@pytest.mark.parametrize(
+    ("bug", "engine"),
+    [
+        (BUG_STALE_ROW, {"runner": "v1"}),
+        (BUG_BATCH_ROW, {"runner": "v2", "pp": 2, "length_scale": 0.05}),
+    ],
+)
+def test_triton_segments_report_what_one_reference_process_reports(bug: str, engine: dict) -> None:
+    # Small enough for the interpreter (as test_replay_backends): each worker runs the
+    # Triton kernels on a copy of its placeholder pool, verified against it at every flush.
+    small = {"max_num_seqs": 8, "scenario": "pairs", "length_scale": 0.02, **engine}
+    trace = sim_trace(bug, 0, 120, **small)
+    found = 0
+    for rank in ranks_of(TraceReader(trace)):
+        want, want_repeats = _sequential(trace, rank, RuleSet())
+        found += len(want)
+        got = replay_rank_in_segments(
+            TraceReader(trace), rank, RuleSet(), backend="triton", device="cpu",
+            jobs=2, min_segment=40, warmup=8,
+        )  # fmt: skip
+        assert got.segments == 2
+        assert got.checked_here, "control: the later segment met placeholders"
+        assert (got.findings, got.repeats) == (want, want_repeats)
+    assert found, "control: the injected bug gives the segments something to find"
+
+
 def _keys(result) -> list[tuple]:
     return [(f.step, f.req_id, f.signature) for f in result.findings]
 
@@ -321,12 +348,13 @@ def test_the_cli_asks_for_the_automatic_jobs_only_when_not_told(
     assert _jobs_the_cli_passes(monkeypatch, str(short), "--jobs", "0") == 3
 
 
-def test_jobs_refuse_a_backend_they_cannot_split() -> None:
+def test_jobs_refuse_tags_they_cannot_split() -> None:
     trace = toggle_trace(BUG_REORDER, seed=0, steps=1200)
-    with pytest.raises(UsageError):
-        replay_trace(TraceReader(trace), RuleSet(), backend="triton", jobs=2)
-    proc = run_cli("replay", str(trace), "--jobs", "2", "--backend", "triton")
-    assert "reference backend" in assert_one_sentence_error(proc, 2)
+    # tags moved on the device only: no host pool to hold placeholders
+    with pytest.raises(UsageError, match="on the host"):
+        replay_trace(TraceReader(trace), RuleSet(), backend="triton", jobs=2, mirror=False)
+    proc = run_cli("replay", str(trace), "--jobs", "2", "--backend", "triton", "--layout", "full")
+    assert "compact tag layout" in assert_one_sentence_error(proc, 2)
     # the reference backend on a GPU: refused as it is without --jobs, not run on the CPU
     for jobs in ("1", "2"):
         proc = run_cli("replay", str(trace), "--no-save", "--jobs", jobs, "--device", "cuda")

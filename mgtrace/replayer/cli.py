@@ -171,9 +171,10 @@ DEVICE_OPTION = click.option(
     type=click.IntRange(min=0),
     default=None,
     metavar="N",
-    help="Replay each rank in segments on N processes, with the same findings (reference "
-    "backend); 0: one per core. Default: one per core for a replay of the whole trace with "
-    "at least 1,024 steps a rank, else 1.",
+    help="Replay each rank in segments on N processes, with the same findings (compact "
+    "layout); 0: one per core. Default: one per core for a replay of the whole trace with "
+    "at least 1,024 steps a rank on the reference backend, else 1 (with triton each process "
+    "opens its own context on the device).",
 )
 @click.option("--no-save", is_flag=True, help="Do not add the findings to the trace.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")

@@ -1064,14 +1064,24 @@ def replay_trace(
     chosen = ranks_of(reader) if ranks is None else check_ranks(reader, ranks, reader.path)
     ids, seed = ckpt.request_ids_for(reader)
     if jobs > 1:
-        if backend != "reference" or checkpoint_every or seed is not None:
+        if checkpoint_every or seed is not None or mirror is False:
             raise UsageError(
-                "--jobs replays with the reference backend, without checkpoints, a trace "
-                "that starts at step 0; drop --jobs for this replay"
+                "--jobs replays without checkpoints a trace that starts at step 0, its tags "
+                "on the host; drop --jobs for this replay"
             )
         load_backend(backend, device)  # refuses what a replay without --jobs refuses
         return _replay_in_segments(
-            reader, rules, jobs, layout, from_step, to_step, allow_gaps, progress, chosen
+            reader,
+            rules,
+            jobs,
+            layout,
+            from_step,
+            to_step,
+            allow_gaps,
+            progress,
+            chosen,
+            backend=backend,
+            device=device,
         )
     run_backend = load_backend(backend, device)
     findings: list[Finding] = []
@@ -1132,6 +1142,9 @@ def _replay_in_segments(
     allow_gaps: bool,
     progress: Callable[[int], None] | None,
     ranks: list[int],
+    *,
+    backend: str,
+    device: str,
 ) -> ReplayResult:
     from mgtrace.replayer.parallel import replay_rank_in_segments, step_numbers
 
@@ -1147,6 +1160,8 @@ def _replay_in_segments(
             rules,
             jobs=jobs,
             layout=layout,
+            backend=backend,
+            device=device,
             until=to_step,
             report_from=from_step,
             progress=progress,

@@ -20,8 +20,9 @@ exact pool every segment's placeholders name (one gather each), the logged check
 the words their placeholders stand for, and the findings, first occurrence per (request,
 signature), are merged as one oracle would have reported them.
 
-Only the reference backend on a compact tag pool replays in segments: placeholders must stay
-whole int32 words, in host memory.
+Segments run on a compact tag pool: placeholders must stay whole int32 words, in host
+memory. The Triton backend runs there on a device copy of that pool (``mirror.py``), which
+gets the same placeholders; each worker then holds its own context on the device.
 """
 
 from __future__ import annotations
@@ -177,8 +178,10 @@ def _rank_trace(reader: TraceReader, rank: int) -> RankTrace:
     return RankTrace(reader, rank, RequestIds())
 
 
-def _rank_replay(trace: RankTrace, rules: RuleSet, layout: str) -> RankReplay:
-    return RankReplay(trace, rules, load_backend("reference", "cpu"), layout, "cpu")
+def _rank_replay(
+    trace: RankTrace, rules: RuleSet, layout: str, backend: str = "reference", device: str = "cpu"
+) -> RankReplay:
+    return RankReplay(trace, rules, load_backend(backend, device), layout, device)
 
 
 # The rank trace a forked worker inherits from the parent, instead of loading it again (the
@@ -232,13 +235,17 @@ class _Job:
     rank: int
     rules: str
     layout: str
+    backend: str = "reference"
+    device: str = "cpu"
 
     def replay(self) -> RankReplay:
         trace = _INHERITED.get((self.path, self.rank))
         if trace is None:
             reader = TraceReader(self.path, skip_bad_parts=self.skip_bad_parts)
             trace = _rank_trace(reader, self.rank)
-        return _rank_replay(trace, RuleSet.parse(self.rules), self.layout)
+        return _rank_replay(
+            trace, RuleSet.parse(self.rules), self.layout, self.backend, self.device
+        )
 
 
 def speculate(
@@ -283,6 +290,8 @@ def replay_rank_in_segments(
     *,
     jobs: int,
     layout: str = "compact",
+    backend: str = "reference",
+    device: str = "cpu",
     until: int | None = None,
     report_from: int | None = None,
     warmup: int = DEFAULT_WARMUP,
@@ -305,7 +314,15 @@ def replay_rank_in_segments(
     reported = sum(1 for s in steps if report_from is None or s >= report_from)
     # a hand-off point must lie inside the segment before
     warmup = min(warmup, *(steps.index(b) - steps.index(a) for a, b in bounds))
-    job = _Job(str(path), bool(getattr(reader, "skipped", None)), rank, rules.canonical(), layout)
+    job = _Job(
+        str(path),
+        bool(getattr(reader, "skipped", None)),
+        rank,
+        rules.canonical(),
+        layout,
+        backend,
+        device,
+    )
     firsts = [a for a, _ in bounds]
     handoffs = [max(a - warmup, 0) - 1 for a in firsts[1:]] + [None]
     trace = _rank_trace(reader, rank)

@@ -447,12 +447,15 @@ class TagPool:
     def name_words(self, base: int) -> None:
         """Set word ``i`` of the pool to ``base + i``: a placeholder that names the word it
         stands in for, wherever the kernels' copies take it (host pools whose tags are whole
-        int32 words only, so that a copy never splits a placeholder)."""
-        if self.device_pool is not None or not self.pool.on_host or not self._word_aligned:
+        int32 words only, so that a copy never splits a placeholder). A device copy of the
+        pool (``mirror``) gets the same words, so that the two stay byte for byte equal."""
+        if not self.pool.on_host or not self._word_aligned:
             raise UsageError("only a word-aligned tag pool in host memory takes placeholders")
         self.settle()
         words = self.pool.view(np.int32)
         words[:] = np.arange(base, base + len(words), dtype=np.int64)
+        if self.device_pool is not None:
+            self.restore(self.pool.numpy())
 
     # ----------------------------------------------------------------- checkpoints
     def snapshot(self) -> np.ndarray:
