@@ -5,10 +5,10 @@
 # repository root with the dependencies importable (see h200_stop.sh).
 set -u
 source "$(dirname "$0")/gpu_run.sh"
-run replay-gpu-tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_replay_gpu.py
+run replay-gpu-tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_replay_gpu.py
 tail -1 "$OUT/replay-gpu-tests.log"
-run jobs-triton 330 $PY benchmarks/bench_replay_jobs.py --steps 20000 --jobs 4 8 16 \
+run jobs-triton 250 $PY benchmarks/bench_replay_jobs.py --steps 20000 --jobs 4 8 16 \
     --repeat 1 --backend triton --device cuda --out "$OUT/replay-jobs-triton-cuda.json"
-run jobs-reference 120 $PY benchmarks/bench_replay_jobs.py --steps 20000 --jobs 16 \
+run jobs-reference 100 $PY benchmarks/bench_replay_jobs.py --steps 20000 --jobs 16 \
     --repeat 1 --out "$OUT/replay-jobs-reference-host.json"
 uptime >> "$OUT/machine.txt"
