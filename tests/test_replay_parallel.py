@@ -7,7 +7,10 @@ a check that met a placeholder must be judged on the words it stands for.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +26,7 @@ from mgtrace.errors import UsageError
 from mgtrace.replayer.loop import RankReplay, ReplayResult, load_backend, replay_trace
 from mgtrace.replayer.parallel import (
     PLACEHOLDER_BASE,
+    _parent_of,
     auto_jobs,
     replay_rank_in_segments,
     resolve,
@@ -462,11 +466,57 @@ def _sigterm_is_default(pid: int) -> bool:
     return not caught & (1 << (signal.SIGTERM - 1))
 
 
-@pytest.fixture
-def replay_with_stopped_workers():
+def _workers(pid: int, backend: str) -> list[int]:
+    """A replay's workers: its children where it forks them; with the Triton backend (torch
+    imported) the children of its fork server."""
+    kids = _children(pid)
+    if backend == "reference":
+        return kids
+    # forked from the server, they share its command line; others (a program an import runs
+    # at the server's start) do not
+    return [g for k in kids for g in _children(k) if _cmdline(g) == _cmdline(k)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _pipes(pid: int) -> set[str]:
+    out = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                out.add(os.readlink(fd))
+    return out
+
+
+def _started(worker: int, backend: str) -> bool:
+    """Whether a worker has asked to die with its parent. A forked worker's SIGTERM handler
+    is the default again once it has (it comes last); a fork server's worker has the
+    default from the start, and has let go of the fork server's liveness pipe once it has:
+    the pipe whose read end the fork server was started with (its second argument)."""
+    if not _runs(worker) or not _sigterm_is_default(worker):
+        return False
+    if backend == "reference":
+        return True
+    server = _parent_of(worker)
+    try:
+        alive_fd = re.search(r"main\(\d+, (\d+)", _cmdline(server).decode()).group(1)
+        alive = os.readlink(f"/proc/{server}/fd/{alive_fd}")
+        return alive not in _pipes(worker) and _runs(worker)  # not gone in between
+    except (OSError, AttributeError):
+        return False
+
+
+@pytest.fixture(params=["reference", "triton"])
+def replay_with_stopped_workers(request):
     """A real `mgtrace replay --jobs 2` whose two workers have started and are held
     (SIGSTOP), so that none can finish before the test acts; every process it started is
-    killed at the end."""
+    killed at the end. Its workers are forked by the replay (reference backend) or by a fork
+    server (Triton, interpreted on the CPU)."""
     import os
     import signal
     import subprocess
@@ -477,26 +527,25 @@ def replay_with_stopped_workers():
 
     trace = toggle_trace(BUG_REORDER, seed=0, steps=1200)
     cmd = [sys.executable, "-m", "mgtrace", "replay", str(trace), "--no-save", "--jobs", "2"]
+    cmd += ["--backend", request.param]
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     kids: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while len(kids) < 2:
-            assert proc.poll() is None, "the replay ended before both workers were seen"
-            assert time.monotonic() < deadline, "no workers started"
-            kids = _children(proc.pid)
         # a worker stopped before its start-up asked to die with its parent would outlive
-        # it: wait until it has (its SIGTERM handler is the default again, which comes last)
-        while not all(_sigterm_is_default(kid) for kid in kids):
+        # it: wait until both have (and a short-lived process an import started is gone)
+        while len(kids) < 2:
+            assert proc.poll() is None, "the replay ended before both workers started"
             assert time.monotonic() < deadline, "the workers did not start up"
+            kids = [k for k in _workers(proc.pid, request.param) if _started(k, request.param)]
             time.sleep(0.01)
         for kid in kids:
             os.kill(kid, signal.SIGSTOP)
         yield proc, kids
     finally:
-        for pid in (proc.pid, *kids):
+        for pid in (proc.pid, *_children(proc.pid), *kids):
             if _runs(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.communicate()

@@ -189,11 +189,24 @@ def _rank_replay(
 _INHERITED: dict[tuple[str, int], RankTrace] = {}
 
 
+# What a fork server imports once for every worker it forks, where this process has
+# imported torch: importing them is most of a spawned worker's start (seconds, and sixteen
+# at once contend). Only imports: a process that has touched the GPU cannot fork a worker
+# that uses it.
+FORKSERVER_PRELOAD = ["numpy", "pyarrow", "torch", "triton", "mgtrace.replayer.loop"]
+
+
 def _pool_context() -> multiprocessing.context.BaseContext:
     """fork, so that workers inherit the loaded trace, where this process has not imported
-    torch (whose thread pools do not survive a fork); spawn elsewhere."""
-    if "fork" in multiprocessing.get_all_start_methods() and "torch" not in sys.modules:
+    torch (whose thread pools and CUDA state do not survive a fork); else a fork server
+    that has imported the heavy modules, or spawn where there is none."""
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and "torch" not in sys.modules:
         return multiprocessing.get_context("fork")
+    if "forkserver" in methods:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        return ctx
     return multiprocessing.get_context("spawn")
 
 
@@ -459,16 +472,44 @@ def _stopped_by_signals() -> Iterator[_SignalStop]:
 def _worker_start(parent: int) -> None:
     """In a worker, first: take SIGTERM and SIGHUP as a plain process does (a fork inherits
     the parent's handlers, which are for the parent), and on Linux die with the parent, which
-    cannot stop its workers when it is SIGKILLed. The handlers go last: once they are the
+    cannot stop its workers when it is SIGKILLed. A fork server's worker dies with the fork
+    server, which exits when the replay does. The handlers go last: once they are the
     defaults again (``SigCgt`` in /proc), the worker dies with its parent."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the request took effect
+        direct = os.getppid()
+        if parent not in (direct, _parent_of(direct)):  # it died before the request took effect
             os._exit(1)
+        if direct != parent:
+            _let_the_fork_server_go()
     for s in _STOP_SIGNALS:
         signal.signal(s, signal.SIG_DFL)
+
+
+def _let_the_fork_server_go() -> None:
+    """Close a fork server's worker's copy of the pipe whose end tells the fork server that
+    its clients are gone: held here, the fork server would outlive a killed replay, waiting
+    for this worker, which waits for the fork server to die."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` (Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            return int(fh.read().rpartition(b")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
