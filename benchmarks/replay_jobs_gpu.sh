@@ -1,14 +1,19 @@
 #!/bin/bash
-# The Triton replay in segments on a GPU machine: its GPU tests, then a 20,000-step trace
-# replayed end to end on 1 to 16 processes with the Triton backend on the GPU, and with the
+# The Triton replay in segments on a GPU machine: the replay's GPU tests, then a 20,000-step
+# buggy trace replayed by `mgtrace replay` as a user runs it, without --jobs (segments on
+# several processes) against --jobs 1, with the Triton backend on the GPU and with the
 # reference backend on the same host for scale. Everything lands in $OUT. Run from the
 # repository root with the dependencies importable (see h200_stop.sh).
 set -u
 source "$(dirname "$0")/gpu_run.sh"
 run replay-gpu-tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_replay_gpu.py
 tail -1 "$OUT/replay-gpu-tests.log"
-run jobs-triton 250 $PY benchmarks/bench_replay_jobs.py --steps 20000 --jobs 4 8 16 \
-    --repeat 1 --backend triton --device cuda --out "$OUT/replay-jobs-triton-cuda.json"
-run jobs-reference 100 $PY benchmarks/bench_replay_jobs.py --steps 20000 --jobs 16 \
-    --repeat 1 --out "$OUT/replay-jobs-reference-host.json"
+TRACE=$(mktemp -d)/trace
+run simulate 60 $PY -m mgtrace simulate --scenario steady --steps 20000 --seed 0 \
+    --bug reorder-threshold-mismatch -o "$TRACE"
+REPLAY_ARGS="--backend triton --device cuda" PY=$PY \
+    run replay-cli-triton 250 bash benchmarks/replay_cli_jobs.sh "$TRACE" 2
+cat "$OUT/replay-cli-triton.log"
+PY=$PY run replay-cli-reference 100 bash benchmarks/replay_cli_jobs.sh "$TRACE" 1
+cat "$OUT/replay-cli-reference.log"
 uptime >> "$OUT/machine.txt"

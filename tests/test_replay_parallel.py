@@ -25,6 +25,7 @@ from mgtrace.cli import cli
 from mgtrace.errors import UsageError
 from mgtrace.replayer.loop import RankReplay, ReplayResult, load_backend, replay_trace
 from mgtrace.replayer.parallel import (
+    DEVICE_JOBS,
     PLACEHOLDER_BASE,
     _parent_of,
     auto_jobs,
@@ -304,6 +305,16 @@ def three_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(parallel_module, "default_jobs", lambda: 3)
 
 
+def test_a_triton_replay_not_told_jobs_takes_at_most_a_few_contexts_on_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(parallel_module, "default_jobs", lambda: 64)
+    long = toggle_trace(BUG_REORDER, 0, 1200)
+    given = {"layout": "compact", "from_step": None, "to_step": None, "checkpoint_every": None}
+    assert auto_jobs(TraceReader(long), None, backend="reference", **given) == 64
+    assert auto_jobs(TraceReader(long), None, backend="triton", **given) == DEVICE_JOBS
+
+
 def test_a_replay_not_told_jobs_takes_a_core_each_for_a_long_whole_trace(three_cores) -> None:
     long, short = toggle_trace(BUG_REORDER, 0, 1200), toggle_trace(BUG_REORDER, 1, 1000)
 
@@ -313,10 +324,11 @@ def test_a_replay_not_told_jobs_takes_a_core_each_for_a_long_whole_trace(three_c
         return auto_jobs(TraceReader(trace), None, **given)  # type: ignore[arg-type]
 
     assert auto(long) == 3 and auto(long, to_step=1100) == 3
+    assert auto(long, backend="triton") == 3
     # too short for two segments of MIN_SEGMENT steps, whole or cut by --to-step
     assert auto(short) == 1 and auto(long, to_step=1000) == 1
     # what segments cannot replay, or a window that a cached checkpoint may start close to
-    assert auto(long, backend="triton") == 1 and auto(long, layout="full") == 1
+    assert auto(long, layout="full") == 1
     assert auto(long, from_step=600) == 1 and auto(long, checkpoint_every=256) == 1
     # a trace that starts mid-run (a minimized repro's start state) or is not on disk
     for other in (_StartsMidRun, _InMemory, RewritingReader):
@@ -346,7 +358,7 @@ def test_the_cli_asks_for_the_automatic_jobs_only_when_not_told(
     long, short = toggle_trace(BUG_REORDER, 0, 1200), toggle_trace(BUG_REORDER, 1, 1000)
     assert _jobs_the_cli_passes(monkeypatch, str(long)) == 3
     assert _jobs_the_cli_passes(monkeypatch, str(short)) == 1
-    assert _jobs_the_cli_passes(monkeypatch, str(long), "--backend", "triton") == 1
+    assert _jobs_the_cli_passes(monkeypatch, str(long), "--backend", "triton") == 3
     assert _jobs_the_cli_passes(monkeypatch, str(long), "--jobs", "1") == 1
     assert _jobs_the_cli_passes(monkeypatch, str(short), "--jobs", "2") == 2
     assert _jobs_the_cli_passes(monkeypatch, str(short), "--jobs", "0") == 3

@@ -61,6 +61,10 @@ MIN_SEGMENT = 512  # shorter segments spend more on start-up and warm-up than th
 # A step of the bookkeeping pass a worker makes up to its segment, against a replayed step
 # (~27 against ~550 us on a 2-core VM, clean traces)
 SKIP_COST = 0.05
+# Processes a Triton replay takes when not told: each holds its own context on the GPU, which
+# time-slices between them (on an H200 host 8 replayed 20,000 steps 2.8 times as fast as one
+# process, 16 only 2.6 times: benchmarks/results/h200-1e31c16/)
+DEVICE_JOBS = 8
 
 
 def default_jobs() -> int:
@@ -82,7 +86,8 @@ def auto_jobs(
     checkpoint_every: int | None,
 ) -> int:
     """How many processes a replay that was not told ``--jobs`` uses: one per core where
-    segments can replay it and it is long enough to split (two segments), else one.
+    segments can replay it and it is long enough to split (two segments), at most
+    ``DEVICE_JOBS`` with the Triton backend; else one.
 
     A window (``from_step``) or checkpointed replay stays in one process, since a cached
     checkpoint may start it close to its window; so does a trace that starts mid-run (its
@@ -90,8 +95,7 @@ def auto_jobs(
     from mgtrace.replayer.checkpoint import start_state
 
     if (
-        backend != "reference"
-        or layout != "compact"
+        layout != "compact"
         or from_step is not None
         or checkpoint_every
         or getattr(reader, "path", None) is None
@@ -103,6 +107,8 @@ def auto_jobs(
         steps = min(steps, to_step + 1)
     if steps < 2 * MIN_SEGMENT:
         return 1
+    if backend != "reference":  # each process holds a context on the one device
+        return min(default_jobs(), DEVICE_JOBS)
     return default_jobs()
 
 
