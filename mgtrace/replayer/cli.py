@@ -172,9 +172,9 @@ DEVICE_OPTION = click.option(
     default=None,
     metavar="N",
     help="Replay each rank in segments on N processes, with the same findings (compact "
-    "layout); 0: one per core. Default: one per core for a replay of the whole trace with "
-    "at least 1,024 steps a rank on the reference backend, else 1 (with triton each process "
-    "opens its own context on the device).",
+    "layout); 0: one per core. Default, for a replay of the whole trace with at least 1,024 "
+    "steps a rank: one per core, at most 8 with triton (each holds a context on the GPU); "
+    "else 1.",
 )
 @click.option("--no-save", is_flag=True, help="Do not add the findings to the trace.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
