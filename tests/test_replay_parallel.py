@@ -454,16 +454,8 @@ def test_control_a_plain_shutdown_leaves_the_worker_running() -> None:
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
+    procs = (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
+    return [p for p in procs if _parent_of(p) == pid]
 
 
 def _sigterm_is_default(pid: int) -> bool:

@@ -486,9 +486,9 @@ def _worker_start(parent: int) -> None:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         direct = os.getppid()
-        if parent not in (direct, _parent_of(direct)):  # it died before the request took effect
-            os._exit(1)
-        if direct != parent:
+        if direct != parent:  # a fork server's worker, or the parent died before the request
+            if _parent_of(direct) != parent:
+                os._exit(1)
             _let_the_fork_server_go()
     for s in _STOP_SIGNALS:
         signal.signal(s, signal.SIG_DFL)

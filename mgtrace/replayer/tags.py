@@ -173,6 +173,16 @@ def _has_temporal(run: RunMetadata, group: int) -> bool:
     return any(s.group == group and s.kind == "temporal" for s in run.states)
 
 
+def _load(pool: StatePool, data: np.ndarray) -> None:
+    """Pool bytes ``data`` into ``pool``, wherever it lives."""
+    if pool.on_host:
+        pool.numpy()[: len(data)] = data
+    else:
+        import torch
+
+        pool.buffer.copy_(torch.from_numpy(data).to(pool.device))
+
+
 class TagPool:
     """A StatePool whose states carry provenance tags, plus tag read/write helpers."""
 
@@ -455,7 +465,7 @@ class TagPool:
         words = self.pool.view(np.int32)
         words[:] = np.arange(base, base + len(words), dtype=np.int64)
         if self.device_pool is not None:
-            self.restore(self.pool.numpy())
+            _load(self.device_pool, self.pool.numpy())
 
     # ----------------------------------------------------------------- checkpoints
     def snapshot(self) -> np.ndarray:
@@ -467,14 +477,8 @@ class TagPool:
     def restore(self, data: np.ndarray) -> None:
         self.settle()
         for pool in (self.pool, self.device_pool):
-            if pool is None:
-                continue
-            if pool.on_host:
-                pool.numpy()[: len(data)] = data
-            else:
-                import torch
-
-                pool.buffer.copy_(torch.from_numpy(data).to(pool.device))
+            if pool is not None:
+                _load(pool, data)
 
     def mirror_mismatch(self) -> tuple[int, int] | None:
         """(block, byte in its page) of the first byte where the device copy differs from
