@@ -8,7 +8,9 @@ validation on the host, the same sanitised rows) without ever waiting:
 
 - block tables live in persistent device buffers, refreshed by one upload when the host
   snapshot changes, so the device layout (table addresses) is built once;
-- a launch's columns travel in one upload;
+- a launch's columns travel in one upload, into a slot of a ring whose device views are made
+  once (``SlotUploads``): the vectors are padded to a multiple of 128 rows with refused rows
+  (req_slot -1), so that a few slot layouts serve every launch;
 - the accepted counts the launch returns are the host decision (``Validation.accepted_out``,
   the same arithmetic as the kernel's); the kernel's own counts stay on the device, and
   ``verify`` compares them all with the host's in one transfer, raising on any difference.
@@ -17,6 +19,7 @@ validation on the host, the same sanitised rows) without ever waiting:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,7 +27,7 @@ import torch
 from mgtrace.kernels.launch import AlignLaunch
 from mgtrace.kernels.pool import BlockTables, StatePool
 from mgtrace.kernels.reference import LaunchResult
-from mgtrace.kernels.staging import Uploads
+from mgtrace.kernels.staging import Layout, Slot, SlotUploads, Uploads, parts, rows_for
 from mgtrace.kernels.triton_align import (
     DeviceLayout,
     launch_postprocess,
@@ -38,6 +41,26 @@ from mgtrace.kernels.validate import Validation, validate_launch
 _POSTPROCESS = ("req_slot", "state_idx", "num_scheduled", "num_computed", "num_draft")
 _PRECOPY = ("req_slot", "state_idx", "src_col", "token_bias")
 TILE_BYTES = 64 << 10
+# the ring of launch inputs: 512 launches (a 1,024-row launch's seven vectors a slot)
+VECTOR_SLOT_BYTES = 32 << 10
+VECTOR_SLOTS = 512
+
+
+def _vector_layout(count: int, width: int) -> Layout:
+    return _LAYOUTS.get((count, width)) or _LAYOUTS.setdefault(
+        (count, width), parts(*[(np.int32, (width,))] * count)
+    )
+
+
+_LAYOUTS: dict[tuple[int, int], Layout] = {}
+
+
+def _sender(slots: SlotUploads, slot: Slot) -> Callable[[], list[torch.Tensor]]:
+    def send() -> list[torch.Tensor]:
+        slots.send(slot)
+        return slot.dev
+
+    return send
 
 
 class KernelDisagreement(RuntimeError):
@@ -53,6 +76,7 @@ class StreamedTriton:
         self._layouts: dict[tuple, tuple[weakref.ref, DeviceLayout, torch.Tensor]] = {}
         self._loaded: dict[tuple, BlockTables] = {}  # host snapshot each buffer holds now
         self._uploads: dict[torch.device, Uploads] = {}
+        self._slots: dict[torch.device, SlotUploads] = {}
         self._device_counts: list[torch.Tensor] = []
         self._host_counts: list[np.ndarray] = []
         self.launches = 0  # kernels enqueued
@@ -106,14 +130,14 @@ class StreamedTriton:
             # Precomputed mode reads no scheduled or draft counts: computed stands in for them.
             names = _POSTPROCESS if decision else (*_POSTPROCESS[:2], "num_computed")
             row = {name: i for i, name in enumerate(names)}
-            packed = np.empty((len(names) + 2, n), dtype=np.int32)
+            packed, send = self._vectors(pool.device, len(names) + 2, n)
             for name, i in row.items():
-                packed[i] = safe.column(name)
-            packed[-2] = packed[-1] = safe.column("num_accepted")
+                packed[i][:n] = safe.column(name)
+            packed[-2][:n] = packed[-1][:n] = safe.column("num_accepted")
             if validation.problems and result.accepted_out is not None:
                 # Refused rows never run: their output counts start as the host decision.
-                packed[-1] = np.where(validation.bad, result.accepted_out, packed[-2])
-            dev = self._staging(pool.device).upload(packed).unbind(0)
+                packed[-1][:n] = np.where(validation.bad, result.accepted_out, packed[-2][:n])
+            dev = send()
             computed = dev[row["num_computed"]]
             launch_postprocess(
                 layout,
@@ -131,10 +155,15 @@ class StreamedTriton:
                 tiles=self._tiles(pool),
             )
             self._device_counts.append(dev[-1])
-            self._host_counts.append(result.accepted_out)
+            # padded rows never run: their counts stay as staged (0)
+            want = np.zeros(len(packed[-1]), np.int32)
+            want[:n] = result.accepted_out
+            self._host_counts.append(want)
         else:
-            packed = np.stack([safe.column(name) for name in _PRECOPY])
-            dev = self._staging(pool.device).upload(packed).unbind(0)
+            packed, send = self._vectors(pool.device, len(_PRECOPY), n)
+            for i, name in enumerate(_PRECOPY):
+                packed[i][:n] = safe.column(name)
+            dev = send()
             launch_precopy(
                 layout,
                 len(pool.specs),
@@ -147,6 +176,33 @@ class StreamedTriton:
             )
         self.launches += 1
         return result
+
+    def _vectors(
+        self, device: torch.device, count: int, n: int
+    ) -> tuple[list[np.ndarray], Callable[[], list[torch.Tensor]]]:
+        """``count`` int32 vectors of ``n`` rows, padded to ``rows_for(n)`` as refused rows
+        (req_slot -1 in vector 0, 0 elsewhere): host arrays to fill, and the call that
+        uploads them and returns their device tensors."""
+        width = rows_for(n)
+        layout = _vector_layout(count, width)
+        slots = self._slots.get(device)
+        if slots is None:
+            slots = self._slots[device] = SlotUploads(
+                device, slot_bytes=VECTOR_SLOT_BYTES, slots=VECTOR_SLOTS
+            )
+        slot = slots.take(layout) if slots.fits(layout) else None
+        if slot is None and slots.fits(layout):
+            self.verify()  # every slot is taken: wait for the device, then reuse them
+            slot = slots.take(layout)
+        if slot is None:  # more rows than a slot holds: a one-off upload
+            packed = np.zeros((count, width), dtype=np.int32)
+            packed[0, n:] = -1
+            return list(packed), lambda: list(self._staging(device).upload(packed).unbind(0))
+        host = slot.host
+        host[0][n:] = -1
+        for vector in host[1:]:
+            vector[n:] = 0
+        return host, _sender(slots, slot)
 
     def _staging(self, device: torch.device) -> Uploads:
         uploads = self._uploads.get(device)
@@ -168,9 +224,12 @@ class StreamedTriton:
         device, host = self._device_counts, self._host_counts
         self._device_counts, self._host_counts = [], []
         if not device:
+            for slots in self._slots.values():
+                slots.synchronize()
+                slots.reset()
             return
         got = torch.cat(device).cpu().numpy()
-        for uploads in self._uploads.values():
+        for uploads in (*self._uploads.values(), *self._slots.values()):
             uploads.reset()  # the copy back waited for every launch so far
         want = np.concatenate(host)
         if not np.array_equal(got, want):

@@ -14,6 +14,7 @@ for all. The full layout uses the recorded state shapes (for bandwidth measureme
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,8 +22,16 @@ from mgtrace.errors import UsageError
 from mgtrace.kernels.pool import StatePool, StateSpec
 from mgtrace.schemas.manifest import RunMetadata
 
+if TYPE_CHECKING:
+    from mgtrace.kernels.staging import Slot
+
 CONV_TAG_INTS = 2  # uid, position
 TEMPORAL_TAG_INTS = 4  # uid, tokens, step, flags
+
+# settle's ring on a GPU: a slot holds one settle's writes (a step's are a few thousand
+# words, 12 bytes each with the word's index), 256 of them between waits for the device
+WRITE_SLOT_BYTES = 128 << 10
+WRITE_SLOTS = 256
 
 # Temporal tag flags.
 DRAFTS_FOLDED = 1  # written by a prefill-split pass over unverified draft tokens
@@ -53,13 +62,17 @@ class _IntView:
         self._log: list = []  # device tensors gathered by gather_later, in order
         self._writes: list[tuple[np.ndarray, np.ndarray]] = []  # not yet on the device
         self._last: np.ndarray | None = None  # scratch: the last write of each word
+        self._layouts: dict[int, tuple] = {}  # padded write count -> settle's slot layout
         if host is None or device is not None:
             import torch
 
-            from mgtrace.kernels.staging import Uploads
+            from mgtrace.kernels.staging import SlotUploads, Uploads
 
             self._words = (device or pool).buffer.view(torch.int32)
             self._uploads = Uploads(self._words.device)
+            self._write_slots = SlotUploads(
+                self._words.device, slot_bytes=WRITE_SLOT_BYTES, slots=WRITE_SLOTS
+            )
 
     def _upload(self, arr: np.ndarray):
         return self._uploads.upload(arr)
@@ -67,6 +80,7 @@ class _IntView:
     def _synced(self) -> None:
         """The device has caught up (a copy back just waited for it)."""
         self._uploads.reset()
+        self._write_slots.reset()
 
     def __getitem__(self, idx: np.ndarray) -> np.ndarray:
         if self.host is not None:
@@ -94,11 +108,42 @@ class _IntView:
         idx = np.concatenate([w[0] for w in writes])
         values = np.concatenate([w[1] for w in writes])
         keep = self._last_writes(idx)
-        packed = np.empty((2, len(keep)), dtype=np.int64)
-        packed[0] = idx[keep]
-        packed[1] = values[keep]
-        dev = self._upload(packed)
-        self._words.index_put_((dev[0],), dev[1].to(self._words.dtype))
+        slot = self._write_slot(len(keep))
+        if slot is None:  # more writes than a slot holds
+            packed = np.empty((2, len(keep)), dtype=np.int64)
+            packed[0] = idx[keep]
+            packed[1] = values[keep]
+            dev = self._upload(packed)
+            self._words.index_put_((dev[0],), dev[1].to(self._words.dtype))
+            return
+        at, value = slot.host
+        n = len(keep)
+        at[:n] = idx[keep]
+        value[:n] = values[keep]  # int32 words, as the cast on the device did
+        # padding repeats the last write: a word written twice with one value is
+        # deterministic, and the padded length lets one cached view serve many settles
+        at[n:] = at[n - 1]
+        value[n:] = value[n - 1]
+        self._write_slots.send(slot)
+        self._words.index_put_((slot.dev[0],), slot.dev[1])
+
+    def _write_slot(self, n: int) -> Slot | None:
+        """A slot for ``n`` (word, value) pairs, padded; None if they do not fit one."""
+        from mgtrace.kernels.staging import parts, rows_for
+
+        width = rows_for(n)
+        layout = self._layouts.get(width)
+        if layout is None:
+            layout = self._layouts[width] = parts((np.int64, (width,)), (np.int32, (width,)))
+        slots = self._write_slots
+        if not slots.fits(layout):
+            return None
+        slot = slots.take(layout)
+        if slot is None:  # every slot is taken: wait for the device, then reuse them
+            slots.synchronize()
+            slots.reset()
+            slot = slots.take(layout)
+        return slot
 
     def _last_writes(self, idx: np.ndarray) -> np.ndarray:
         """Positions in ``idx`` of the last write to each word."""
