@@ -17,6 +17,7 @@ four calls.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -80,6 +81,7 @@ _ALIGN = 16  # part offsets: pointers Triton specialises as 16-byte aligned, in 
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
 
+@functools.lru_cache(maxsize=256)
 def layout_bytes(layout: Layout) -> int:
     end = 0
     for dtype, shape in layout:
@@ -88,24 +90,22 @@ def layout_bytes(layout: Layout) -> int:
 
 
 class Slot:
-    """One slot cut into a layout's parts: numpy views to fill, the same memory as pinned
-    host tensors, and device tensors over the slot's device copy."""
+    """One slot cut into a layout's parts: numpy views of its pinned host memory to fill,
+    and device tensors over the slot's device copy."""
 
-    __slots__ = ("dev", "host", "host_tensors", "index", "nbytes")
+    __slots__ = ("dev", "host", "index", "nbytes")
 
     def __init__(self, index: int, host: torch.Tensor, dev: torch.Tensor, layout: Layout) -> None:
         self.index = index
         self.host: list[np.ndarray] = []
-        self.host_tensors: list[torch.Tensor] = []
         self.dev: list[torch.Tensor] = []
         host_np = host.numpy()
         start = 0
         for dtype, shape in layout:
             start = -(-start // _ALIGN) * _ALIGN
             size = np.dtype(dtype).itemsize * int(np.prod(shape))
-            torch_dtype = _TORCH_DTYPES[np.dtype(dtype).str]
             self.host.append(host_np[start : start + size].view(dtype).reshape(shape))
-            self.host_tensors.append(host[start : start + size].view(torch_dtype).view(shape))
+            torch_dtype = _TORCH_DTYPES[np.dtype(dtype).str]
             self.dev.append(dev[start : start + size].view(torch_dtype).view(shape))
             start += size
         self.nbytes = start

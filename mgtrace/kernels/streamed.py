@@ -40,6 +40,7 @@ from mgtrace.kernels.validate import Validation, validate_launch
 # row pre-fills the separate output buffer the kernel writes its resets into).
 _POSTPROCESS = ("req_slot", "state_idx", "num_scheduled", "num_computed", "num_draft")
 _PRECOPY = ("req_slot", "state_idx", "src_col", "token_bias")
+_VECTORS = len(_POSTPROCESS) + 2  # the most a launch uploads
 TILE_BYTES = 64 << 10
 # the ring of launch inputs: 512 launches (a 1,024-row launch's seven vectors a slot)
 VECTOR_SLOT_BYTES = 32 << 10
@@ -55,10 +56,10 @@ def _vector_layout(count: int, width: int) -> Layout:
 _LAYOUTS: dict[tuple[int, int], Layout] = {}
 
 
-def _sender(slots: SlotUploads, slot: Slot) -> Callable[[], list[torch.Tensor]]:
+def _sender(slots: SlotUploads, slot: Slot, count: int) -> Callable[[], list[torch.Tensor]]:
     def send() -> list[torch.Tensor]:
         slots.send(slot)
-        return slot.dev
+        return slot.dev[:count]
 
     return send
 
@@ -184,7 +185,8 @@ class StreamedTriton:
         (req_slot -1 in vector 0, 0 elsewhere): host arrays to fill, and the call that
         uploads them and returns their device tensors."""
         width = rows_for(n)
-        layout = _vector_layout(count, width)
+        # one layout for both kernels (the precopy uses the first vectors): half the cuts
+        layout = _vector_layout(_VECTORS, width)
         slots = self._slots.get(device)
         if slots is None:
             slots = self._slots[device] = SlotUploads(
@@ -198,11 +200,11 @@ class StreamedTriton:
             packed = np.zeros((count, width), dtype=np.int32)
             packed[0, n:] = -1
             return list(packed), lambda: list(self._staging(device).upload(packed).unbind(0))
-        host = slot.host
+        host = slot.host[:count]
         host[0][n:] = -1
         for vector in host[1:]:
             vector[n:] = 0
-        return host, _sender(slots, slot)
+        return host, _sender(slots, slot, count)
 
     def _staging(self, device: torch.device) -> Uploads:
         uploads = self._uploads.get(device)
