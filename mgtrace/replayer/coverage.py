@@ -8,9 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.replayer.steps import (
     REPLAY_TABLES,
+    category_codes,
     complete_steps,
     in_flight_at_start,
     spec_decodes_run_first,
@@ -80,15 +82,16 @@ def mid_run_caveat(reader: Any) -> str | None:
 
     if start_state(reader) is not None or not reader.rows("sched"):
         return None
-    sched = reader.table("sched", columns=["rank", "req_id", "kind"])
+    # integer codes throughout: a long trace has millions of scheduler rows
+    sched = reader.table("sched", columns=["rank", "step", "req_id", "kind"])
     ranks = np.asarray(sched.column("rank").to_numpy(zero_copy_only=False))
-    req_ids = np.asarray(sched.column("req_id").to_numpy(zero_copy_only=False))
-    kinds = np.asarray(
-        [SCHED_KINDS.index(k) for k in sched.column("kind").to_pylist()], dtype=np.int64
-    )
-    order = np.argsort(reader.table("sched", columns=["step"]).column("step"), kind="stable")
-    ranks, req_ids, kinds = ranks[order], req_ids[order], kinds[order]
-    n = max(in_flight_at_start(req_ids[ranks == r], kinds[ranks == r]) for r in set(ranks))
+    steps = np.asarray(sched.column("step").to_numpy(zero_copy_only=False))
+    uids = RequestIds().uids_of_column(sched.column("req_id"))
+    kinds = category_codes(sched.column("kind"), SCHED_KINDS)
+    if np.any(steps[1:] < steps[:-1]):  # parts are read in step order: mostly sorted
+        order = np.argsort(steps, kind="stable")
+        ranks, uids, kinds = ranks[order], uids[order], kinds[order]
+    n = max(in_flight_at_start(uids[ranks == r], kinds[ranks == r]) for r in np.unique(ranks))
     if not n:
         return None
     return (

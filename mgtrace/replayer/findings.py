@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 
 import pyarrow as pa
@@ -40,13 +41,24 @@ class Finding:
 
 
 def findings_table(findings: list[Finding], *, replay_id: str, rules: str) -> pa.Table:
-    rows = []
-    for f in findings:
-        row = asdict(f)
-        row.pop("mechanism")
-        row.update(replay_id=replay_id, rules=rules, signature=f.signature)
-        rows.append(row)
-    return pa.Table.from_pylist(rows, schema=FINDINGS.schema)
+    """One row per finding, built a column at a time (a replay of a long buggy trace finds
+    a hundred thousand; ``dataclasses.asdict`` took seconds over them)."""
+    n = len(findings)
+    given = {
+        "replay_id": [replay_id] * n,
+        "rules": [rules] * n,
+        "signature": [f.signature for f in findings],
+    }
+    columns = {
+        field.name: pa.array(
+            given[field.name]
+            if field.name in given
+            else list(map(attrgetter(field.name), findings)),
+            field.type,
+        )
+        for field in FINDINGS.schema
+    }
+    return pa.table(columns, schema=FINDINGS.schema)
 
 
 def save_findings(trace: Path, findings: list[Finding], *, replay_id: str, rules: str) -> None:

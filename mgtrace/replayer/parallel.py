@@ -52,6 +52,7 @@ from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.requests import RequestIds
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import RankTrace, complete_steps, first_left_out
+from mgtrace.replayer.tags import TagPool
 from mgtrace.schemas.reader import TraceReader
 
 PLACEHOLDER_BASE = -(2**31)  # word i of a segment's start pool: PLACEHOLDER_BASE + i
@@ -344,11 +345,12 @@ def replay_rank_in_segments(
     )
     firsts = [a for a, _ in bounds]
     handoffs = [max(a - warmup, 0) - 1 for a in firsts[1:]] + [None]
-    trace = _rank_trace(reader, rank)
-    checker = _rank_replay(trace, rules, layout)  # judges the reads the workers logged
-    if len(checker.pool.pool.view(np.int32)) > PLACEHOLDER_BELOW - PLACEHOLDER_BASE:
+    if len(TagPool(reader.manifest.run, layout=layout).pool.view(np.int32)) > (
+        PLACEHOLDER_BELOW - PLACEHOLDER_BASE
+    ):
         raise UsageError("the tag pool has more words than placeholders; drop --jobs")
     if len(bounds) == 1:  # too short to split: no process to start
+        trace = _rank_trace(reader, rank)
         _INHERITED[(job.path, rank)] = trace
         try:
             results = [speculate(job, *bounds[0], warmup, None, report_from)]
@@ -356,17 +358,29 @@ def replay_rank_in_segments(
             _INHERITED.clear()
         if progress is not None:
             progress(len(steps))
-        return _merge(checker, results, reported, verify, report_from)
+        return _merge(_rank_replay(trace, rules, layout), results, reported, verify, report_from)
+    context = _pool_context()
     pool = ProcessPoolExecutor(
         max_workers=len(bounds),
-        mp_context=_pool_context(),
+        mp_context=context,
         initializer=_worker_start,
         initargs=(os.getpid(),),
     )
     with _stopped_by_signals() as stop:
-        results = _run_pool(
-            pool, job, trace, rank, bounds, handoffs, warmup, report_from, steps, progress, stop
+        results, trace = _run_pool(
+            pool,
+            job,
+            lambda: _rank_trace(reader, rank),
+            context.get_start_method() == "fork",
+            bounds,
+            handoffs,
+            warmup,
+            report_from,
+            steps,
+            progress,
+            stop,
         )
+    checker = _rank_replay(trace, rules, layout)  # judges the reads the workers logged
     t0 = time.perf_counter()
     outcome = _merge(checker, results, reported, verify, report_from)
     outcome.merge_s = time.perf_counter() - t0
@@ -377,8 +391,8 @@ def replay_rank_in_segments(
 def _run_pool(
     pool: ProcessPoolExecutor,
     job: _Job,
-    trace: RankTrace,
-    rank: int,
+    load: Callable[[], RankTrace],
+    inherit: bool,
     bounds: list[tuple[int, int]],
     handoffs: list[int | None],
     warmup: int,
@@ -386,11 +400,14 @@ def _run_pool(
     steps: list[int],
     progress: Callable[[int], None] | None,
     stop: _SignalStop,
-) -> list[SegmentResult]:
-    """Every segment on the pool's workers, in order; the pool ends with it, whatever
-    happens."""
+) -> tuple[list[SegmentResult], RankTrace]:
+    """Every segment on the pool's workers, in order, and the rank's trace from ``load``:
+    before the workers start where they ``inherit`` it (fork), else while they run. The
+    pool ends with it, whatever happens."""
     try:
-        _INHERITED[(job.path, rank)] = trace  # the workers start (fork) on the first submit
+        trace = load() if inherit else None
+        if trace is not None:
+            _INHERITED[(job.path, job.rank)] = trace  # the workers fork on the first submit
         try:
             with stop.held(), warnings.catch_warnings():
                 # a fork of this process, which has threads: the workers run numpy and Python
@@ -401,6 +418,8 @@ def _run_pool(
                 ]
         finally:
             _INHERITED.clear()
+        if trace is None:
+            trace = load()
         results = []
         for future in futures:
             results.append(future.result())
@@ -416,7 +435,7 @@ def _run_pool(
     except BaseException:
         _stop_workers(pool)  # Ctrl-C, SIGTERM or a failed segment: the others' work is moot
         raise
-    return results
+    return results, trace
 
 
 # Signals that end a replay the way Ctrl-C does, when the pool's processes exist.

@@ -106,7 +106,7 @@ def _integer_keys(
     for name in names:
         col = table.column(name)
         if name in categories:
-            codes = codes_out[name] = _codes(col, categories[name])
+            codes = codes_out[name] = category_codes(col, categories[name])
             if np.count_nonzero(codes < 0) > col.null_count:
                 return None
             key = codes.astype(np.int64)
@@ -246,10 +246,10 @@ class RankTrace:
         }
         self._launch_kernel = self._launch.codes.get("kernel")
         if self._launch_kernel is None:
-            self._launch_kernel = _codes(lt.column("kernel"), KERNELS)
-        self._launch_rule = _codes(lt.column("row_rule"), ROW_RULES)
-        self._launch_mode = _codes(lt.column("mode"), POSTPROCESS_MODES)
-        self._launch_table = _codes(lt.column("bt_table"), BLOCK_TABLE_KINDS)
+            self._launch_kernel = category_codes(lt.column("kernel"), KERNELS)
+        self._launch_rule = category_codes(lt.column("row_rule"), ROW_RULES)
+        self._launch_mode = category_codes(lt.column("mode"), POSTPROCESS_MODES)
+        self._launch_table = category_codes(lt.column("bt_table"), BLOCK_TABLE_KINDS)
         for name in ROW_COLUMNS:  # int32 once here (as written: no copy), so launches are views
             self._launch_cols[name] = np.asarray(self._launch_cols[name], dtype=np.int32)
             self._launch_cols[name].setflags(write=False)  # launches share these views
@@ -269,7 +269,7 @@ class RankTrace:
         self._sched = _Sliced(load("sched"), [])
         st = self._sched.table
         self._sched_uid = ids.uids_of_column(st.column("req_id"))
-        self._sched_kind = _codes(st.column("kind"), SCHED_KINDS)
+        self._sched_kind = category_codes(st.column("kind"), SCHED_KINDS)
         adds = pc.fill_null(
             pc.greater(pc.list_value_length(pc.list_flatten(st.column("new_block_ids"))), 0), False
         )
@@ -389,7 +389,7 @@ class RankTrace:
         tt = self._tables.table
         group = pc.fill_null(tt.column("group"), -1).to_numpy(zero_copy_only=False)
         bad = np.flatnonzero(
-            (group < 0) | (group >= groups) | (_codes(tt.column("table"), kinds) < 0)
+            (group < 0) | (group >= groups) | (category_codes(tt.column("table"), kinds) < 0)
         )
         if len(bad):
             _, kind, row, _ = self._table_rows[int(bad[0])]
@@ -729,7 +729,7 @@ def in_flight_at_start(req_ids: np.ndarray, kinds: np.ndarray) -> int:
     return int(np.count_nonzero(kinds[first] != SCHED_KINDS.index("new")))
 
 
-def _codes(col: pa.ChunkedArray, categories: tuple[str, ...]) -> np.ndarray:
+def category_codes(col: pa.ChunkedArray, categories: tuple[str, ...]) -> np.ndarray:
     """A categorical column as int8 codes into ``categories`` (-1 for null or unknown)."""
     idx = pc.index_in(col, value_set=pa.array(list(categories), pa.string()))
     return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int8)
