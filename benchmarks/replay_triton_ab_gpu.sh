@@ -6,9 +6,14 @@
 # profile of this tree's step. Everything lands in $OUT. Run from the repository root with
 # the dependencies importable (see h200_stop.sh):
 #
-#   OUT=... bash benchmarks/replay_triton_ab_gpu.sh BASE_TREE BASE_COMMIT NEW_COMMIT
+#   OUT=... [ONE_PROCESS_ROUNDS=2] bash benchmarks/replay_triton_ab_gpu.sh BASE_TREE BASE_COMMIT NEW_COMMIT
+#
+# ONE_PROCESS_ROUNDS=0 leaves out the one-process A/B; then this tree's replay of the same
+# 20,000 steps in segments (bench_replay_jobs.py, 1 and 8 processes) says where its
+# workers' time goes.
 set -u
 base=$1 base_commit=$2 new_commit=$3
+rounds=${ONE_PROCESS_ROUNDS:-2}
 source "$(dirname "$0")/gpu_run.sh"
 # (the interpreter's tests are CI's: this machine's Triton interpreter fails on its numpy)
 run gpu-tests 200 $PY -m pytest -q -p no:cacheprovider -m "not interp" tests/test_replay_gpu.py \
@@ -17,10 +22,13 @@ run gpu-tests 200 $PY -m pytest -q -p no:cacheprovider -m "not interp" tests/tes
 tail -1 "$OUT/gpu-tests.log"
 runs=$(mktemp -d)  # the runs' own files: only a few files come back from a GPU machine
 cmd="$PY benchmarks/bench_replay.py --steps 3000 --repeat 3 --backend triton --device cuda --no-bisect"
-run ab-one-process 240 bash benchmarks/ab_trees.sh "$base" . "$runs/ab-one-process" 2 -- $cmd
-$PY benchmarks/ab_summary.py "$runs/ab-one-process" --base "$base_commit" --new "$new_commit" \
-    --ab-command "bash benchmarks/ab_trees.sh BASE . OUT 2 -- $cmd" \
-    --out "$OUT/replay-triton-ab-one-process.json" > /dev/null
+if [ "$rounds" -gt 0 ]; then
+  run ab-one-process 240 bash benchmarks/ab_trees.sh "$base" . "$runs/ab-one-process" "$rounds" \
+      -- $cmd
+  $PY benchmarks/ab_summary.py "$runs/ab-one-process" --base "$base_commit" --new "$new_commit" \
+      --ab-command "bash benchmarks/ab_trees.sh BASE . OUT $rounds -- $cmd" \
+      --out "$OUT/replay-triton-ab-one-process.json" > /dev/null
+fi
 TRACE=$(mktemp -d)/trace
 run simulate 60 $PY -m mgtrace simulate --scenario steady --steps 20000 --seed 0 \
     --bug reorder-threshold-mismatch -o "$TRACE"
@@ -38,6 +46,11 @@ for round in 1 2; do
   done
 done
 tail -3 "$runs/cli-new-1.log" >> "$OUT/replay-cli-ab.txt"
-run profile 100 $PY benchmarks/profile_replay.py --steps 1000 --backend triton --device cuda \
-    --out "$OUT/profile-triton.txt"
+if [ "$rounds" -gt 0 ]; then
+  run profile 100 $PY benchmarks/profile_replay.py --steps 1000 --backend triton --device cuda \
+      --out "$OUT/profile-triton.txt"
+else
+  run jobs 200 $PY benchmarks/bench_replay_jobs.py --steps 20000 --bug reorder-threshold-mismatch \
+      --jobs 1 8 --repeat 1 --backend triton --device cuda --out "$OUT/replay-jobs-triton.json"
+fi
 uptime >> "$OUT/machine.txt"
