@@ -156,6 +156,16 @@ class Oracle:
             self._keys.append((self._report_clock, len(self._keys)))
         self.findings.append(f)
 
+    def _repeated(self, uid: int, kind: str, mechanism: str) -> bool:
+        """Count one more occurrence of a finding already reported for ``uid`` and say so,
+        before its detail is written: a corrupted request repeats its findings step after
+        step (over a million times in a long buggy trace), and only the first is kept."""
+        key = (uid, f"{kind}:{mechanism}")
+        seen = self.repeats.get(key)
+        if seen:
+            self.repeats[key] = seen + 1
+        return bool(seen)
+
     def forget_reports(self) -> None:
         """Start reporting afresh (where a step window begins): every key's next occurrence
         is reported again, and repeats are counted from here on. Deferred reads are checked
@@ -321,10 +331,17 @@ class Oracle:
         judged = foreign | wrong if self.unwritten_unknown else foreign | wrong | unwritten
         for i in np.flatnonzero(judged).tolist():
             uid, e, t = int(read.uid[i]), int(read.expected_tokens[i]), int(tok_t[i])
-            name = self.ids.name(uid)
             what = read.kind(i)
             if unwritten[i]:
                 kind, mech = WRONG_TOKENS, f"{what}:temporal:unwritten"
+            elif foreign[i]:
+                kind, mech = FOREIGN_STATE, f"{what}:temporal"
+            else:
+                kind, mech = WRONG_TOKENS, f"{what}:temporal:{'ahead' if t > e else 'behind'}"
+            if self._repeated(uid, kind, mech):
+                continue
+            name = self.ids.name(uid)
+            if unwritten[i]:
                 detail = (
                     f"request {name} {_verb(what)} a temporal state no request has written "
                     f"(block {int(blocks[i])}); {_wants(what, e)} tokens"
@@ -333,15 +350,12 @@ class Oracle:
             elif foreign[i]:
                 writer = self.ids.name(int(uid_t[i]))
                 who = "a padded row" if uid_t[i] == DUMMY_REQUEST else f"request {writer}"
-                kind, mech = FOREIGN_STATE, f"{what}:temporal"
                 detail = (
                     f"request {name} {_verb(what)} a temporal state written by {who} "
                     f"at step {int(step_t[i])} ({t} tokens folded in; {_wants(what, e)})"
                 )
                 writer_id, writer_step = writer, int(step_t[i])
             else:
-                rel = "ahead" if t > e else "behind"
-                kind, mech = WRONG_TOKENS, f"{what}:temporal:{rel}"
                 detail = (
                     f"request {name} {_verb(what)} its own temporal state with {t} "
                     f"tokens folded in where {_wants(what, e)} (written at step {int(step_t[i])})"
@@ -404,22 +418,27 @@ class Oracle:
         bad_pos = ok & ~bad_uid & ~(pos_ok | ~inside).all(axis=1)
         for i in np.flatnonzero(bad_uid | bad_pos).tolist():
             uid = int(read.uid[i])
-            name = self.ids.name(uid)
             what = read.kind(i)
             if never[i]:
                 kind, mech = WRONG_TOKENS, f"{what}:conv:unwritten"
-                detail = f"request {name} {_verb(what)} conv rows no request has written"
-                writer_id = None
             elif bad_uid[i]:
                 j = int(np.argmax(~uid_ok[i] & inside[i]))
-                writer = self.ids.name(int(got_uid[i, j]))
                 kind, mech = FOREIGN_STATE, f"{what}:conv"
-                detail = f"request {name} {_verb(what)} conv rows of {writer}"
-                writer_id = writer
             else:
                 j = int(np.argmax(~pos_ok[i] & inside[i]))
                 rel = "ahead" if got_pos[i, j] > want_pos[i, j] else "behind"
                 kind, mech = WRONG_TOKENS, f"{what}:conv:{rel}"
+            if self._repeated(uid, kind, mech):
+                continue
+            name = self.ids.name(uid)
+            if never[i]:
+                detail = f"request {name} {_verb(what)} conv rows no request has written"
+                writer_id = None
+            elif bad_uid[i]:
+                writer = self.ids.name(int(got_uid[i, j]))
+                detail = f"request {name} {_verb(what)} conv rows of {writer}"
+                writer_id = writer
+            else:
                 detail = (
                     f"request {name} {_verb(what)} conv positions {int(got_pos[i, 0])}.."
                     f"{int(got_pos[i, -1])} where it needs {int(want_pos[i, 0])}.."
