@@ -36,6 +36,46 @@ READ_KINDS = ("decode-read", "prefill-read", "next-state", "cached-state")
 _VERBS = {"next-state": "will read next", "cached-state": "keeps for the prefix cache"}
 
 
+def _findings_by_code(
+    codes: tuple[tuple[str, str], ...],
+) -> tuple[tuple[tuple[str, str, str], ...], ...]:
+    """[read kind][finding code] -> (kind, mechanism, signature), made once: the checks look
+    a bad row's finding up instead of formatting its names."""
+    return tuple(
+        tuple((kind, f"{what}:{m}", f"{kind}:{what}:{m}") for kind, m in codes)
+        for what in READ_KINDS
+    )
+
+
+# finding codes: 0 never written, 1 another request's, 2 and 3 its own, ahead and behind
+_TEMPORAL_FINDINGS = _findings_by_code(
+    (
+        (WRONG_TOKENS, "temporal:unwritten"),
+        (FOREIGN_STATE, "temporal"),
+        (WRONG_TOKENS, "temporal:ahead"),
+        (WRONG_TOKENS, "temporal:behind"),
+    )
+)
+_CONV_FINDINGS = _findings_by_code(
+    (
+        (WRONG_TOKENS, "conv:unwritten"),
+        (FOREIGN_STATE, "conv"),
+        (WRONG_TOKENS, "conv:ahead"),
+        (WRONG_TOKENS, "conv:behind"),
+    )
+)
+
+
+def _finding_codes(
+    unwritten: np.ndarray, foreign: np.ndarray, ahead: np.ndarray, rows: np.ndarray
+) -> list[int]:
+    """The finding code of each of ``rows``, the first that holds in that order."""
+    code = np.where(ahead[rows], 2, 3)
+    code[foreign[rows]] = 1
+    code[unwritten[rows]] = 0
+    return code.tolist()
+
+
 def _verb(what: str) -> str:
     return _VERBS.get(what, "reads")
 
@@ -156,11 +196,11 @@ class Oracle:
             self._keys.append((self._report_clock, len(self._keys)))
         self.findings.append(f)
 
-    def _repeated(self, uid: int, kind: str, mechanism: str) -> bool:
+    def _repeated(self, uid: int, signature: str) -> bool:
         """Count one more occurrence of a finding already reported for ``uid`` and say so,
         before its detail is written: a corrupted request repeats its findings step after
         step (over a million times in a long buggy trace), and only the first is kept."""
-        key = (uid, f"{kind}:{mechanism}")
+        key = (uid, signature)
         seen = self.repeats.get(key)
         if seen:
             self.repeats[key] = seen + 1
@@ -329,17 +369,17 @@ class Oracle:
         foreign = ok & ~mine & ~prefix & ~unwritten
         wrong = ok & mine & (tok_t != read.expected_tokens)
         judged = foreign | wrong if self.unwritten_unknown else foreign | wrong | unwritten
-        for i in np.flatnonzero(judged).tolist():
-            uid, e, t = int(read.uid[i]), int(read.expected_tokens[i]), int(tok_t[i])
-            what = read.kind(i)
-            if unwritten[i]:
-                kind, mech = WRONG_TOKENS, f"{what}:temporal:unwritten"
-            elif foreign[i]:
-                kind, mech = FOREIGN_STATE, f"{what}:temporal"
-            else:
-                kind, mech = WRONG_TOKENS, f"{what}:temporal:{'ahead' if t > e else 'behind'}"
-            if self._repeated(uid, kind, mech):
+        rows = np.flatnonzero(judged)
+        codes = _finding_codes(unwritten, foreign, tok_t > read.expected_tokens, rows)
+        whats = read.what[rows].tolist()
+        for i, uid, what_code, code in zip(
+            rows.tolist(), read.uid[rows].tolist(), whats, codes, strict=True
+        ):
+            kind, mech, signature = _TEMPORAL_FINDINGS[what_code][code]
+            if self._repeated(uid, signature):
                 continue
+            e, t = int(read.expected_tokens[i]), int(tok_t[i])
+            what = READ_KINDS[what_code]
             name = self.ids.name(uid)
             if unwritten[i]:
                 detail = (
@@ -416,25 +456,26 @@ class Oracle:
         never = ok & ((got_uid == NO_REQUEST) & inside).any(axis=1)
         bad_uid = ok & ~(uid_ok | ~inside).all(axis=1)
         bad_pos = ok & ~bad_uid & ~(pos_ok | ~inside).all(axis=1)
-        for i in np.flatnonzero(bad_uid | bad_pos).tolist():
-            uid = int(read.uid[i])
-            what = read.kind(i)
-            if never[i]:
-                kind, mech = WRONG_TOKENS, f"{what}:conv:unwritten"
-            elif bad_uid[i]:
-                j = int(np.argmax(~uid_ok[i] & inside[i]))
-                kind, mech = FOREIGN_STATE, f"{what}:conv"
-            else:
-                j = int(np.argmax(~pos_ok[i] & inside[i]))
-                rel = "ahead" if got_pos[i, j] > want_pos[i, j] else "behind"
-                kind, mech = WRONG_TOKENS, f"{what}:conv:{rel}"
-            if self._repeated(uid, kind, mech):
+        rows = np.flatnonzero(bad_uid | bad_pos)
+        # the first window row inside the window at a wrong position, per row
+        first_off = np.argmax(~pos_ok & inside, axis=1)
+        at = np.arange(len(first_off))
+        ahead = got_pos[at, first_off] > want_pos[at, first_off]
+        codes = _finding_codes(never, bad_uid, ahead, rows)
+        whats = read.what[rows].tolist()
+        for i, uid, what_code, code in zip(
+            rows.tolist(), read.uid[rows].tolist(), whats, codes, strict=True
+        ):
+            kind, mech, signature = _CONV_FINDINGS[what_code][code]
+            if self._repeated(uid, signature):
                 continue
+            what = READ_KINDS[what_code]
             name = self.ids.name(uid)
             if never[i]:
                 detail = f"request {name} {_verb(what)} conv rows no request has written"
                 writer_id = None
             elif bad_uid[i]:
+                j = int(np.argmax(~uid_ok[i] & inside[i]))
                 writer = self.ids.name(int(got_uid[i, j]))
                 detail = f"request {name} {_verb(what)} conv rows of {writer}"
                 writer_id = writer
