@@ -881,3 +881,56 @@ def test_a_padded_row_whose_gather_leaves_the_table_is_malformed(tmp_path) -> No
     first = findings[0]
     assert (first.kind, first.mechanism) == (MALFORMED, "aligned_indices:state_col")
     assert (first.step, first.batch_row) == (target["step"], target["batch_row"])
+
+
+# ---------------------------------------------------------------- repeated findings
+@pytest.mark.parametrize("bug", ["stale-condense-row", "reorder-threshold-mismatch"])
+def test_repeats_counted_before_their_wording_match_the_full_report(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, bug: str
+) -> None:
+    """The oracle counts a repeat of a finding it already reported before wording it; the
+    findings and repeat counts are those of wording every occurrence and letting the report
+    drop the repeats."""
+    from mgtrace.replayer.loop import replay_trace
+    from mgtrace.replayer.oracle import Oracle
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    out = tmp_path / "t"
+    simulate(SimConfig(scenario="pairs", steps=300, seed=0, bugs=(bug,), output=out).validate())
+    reader = TraceReader(out)
+    fast = replay_trace(reader)
+    assert fast.repeats > 0, "control: the bug repeats its findings"
+    monkeypatch.setattr(Oracle, "_repeated", lambda self, uid, signature: False)
+    full = replay_trace(reader)
+    assert fast.findings == full.findings
+    assert fast.repeats == full.repeats
+
+
+def test_a_bad_rows_finding_code_is_the_first_that_holds_and_names_its_mechanism() -> None:
+    from mgtrace.replayer.oracle import _CONV_FINDINGS, _TEMPORAL_FINDINGS, _finding_codes
+
+    unwritten = np.array([True, False, False, False])
+    foreign = np.array([True, True, False, False])
+    ahead = np.array([True, True, True, False])
+    assert _finding_codes(unwritten, foreign, ahead, np.arange(4)) == [0, 1, 2, 3]
+    assert _finding_codes(unwritten, foreign, ahead, np.array([3, 0])) == [3, 0]
+    decode = 0  # READ_KINDS[0]
+    assert [m for _, m, _ in _TEMPORAL_FINDINGS[decode]] == [
+        "decode-read:temporal:unwritten",
+        "decode-read:temporal",
+        "decode-read:temporal:ahead",
+        "decode-read:temporal:behind",
+    ]
+    assert _CONV_FINDINGS[3][1] == (
+        "foreign_state",
+        "cached-state:conv",
+        "foreign_state:cached-state:conv",
+    )
+    assert [k for k, _, _ in _CONV_FINDINGS[1]] == [
+        "wrong_tokens",
+        "foreign_state",
+        "wrong_tokens",
+        "wrong_tokens",
+    ]
