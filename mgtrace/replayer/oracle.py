@@ -13,7 +13,7 @@ Each finding names a mechanism without ids or numbers, so that its signature
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -196,6 +196,23 @@ class Oracle:
             self._keys.append((self._report_clock, len(self._keys)))
         self.findings.append(f)
 
+    def _first_occurrences(
+        self,
+        read: StateRead,
+        rows: np.ndarray,
+        codes: list[int],
+        findings: tuple[tuple[tuple[str, str, str], ...], ...],
+    ) -> Iterator[tuple[int, int, str, str, str]]:
+        """(row, uid, read kind, finding kind, mechanism) of each of ``rows`` whose finding
+        (``findings[read kind][code]``) its request has not had yet; a repeat is counted."""
+        whats = read.what[rows].tolist()
+        for i, uid, what, code in zip(
+            rows.tolist(), read.uid[rows].tolist(), whats, codes, strict=True
+        ):
+            kind, mechanism, signature = findings[what][code]
+            if not self._repeated(uid, signature):
+                yield i, uid, READ_KINDS[what], kind, mechanism
+
     def _repeated(self, uid: int, signature: str) -> bool:
         """Count one more occurrence of a finding already reported for ``uid`` and say so,
         before its detail is written: a corrupted request repeats its findings step after
@@ -371,15 +388,10 @@ class Oracle:
         judged = foreign | wrong if self.unwritten_unknown else foreign | wrong | unwritten
         rows = np.flatnonzero(judged)
         codes = _finding_codes(unwritten, foreign, tok_t > read.expected_tokens, rows)
-        whats = read.what[rows].tolist()
-        for i, uid, what_code, code in zip(
-            rows.tolist(), read.uid[rows].tolist(), whats, codes, strict=True
+        for i, uid, what, kind, mech in self._first_occurrences(
+            read, rows, codes, _TEMPORAL_FINDINGS
         ):
-            kind, mech, signature = _TEMPORAL_FINDINGS[what_code][code]
-            if self._repeated(uid, signature):
-                continue
             e, t = int(read.expected_tokens[i]), int(tok_t[i])
-            what = READ_KINDS[what_code]
             name = self.ids.name(uid)
             if unwritten[i]:
                 detail = (
@@ -462,14 +474,7 @@ class Oracle:
         at = np.arange(len(first_off))
         ahead = got_pos[at, first_off] > want_pos[at, first_off]
         codes = _finding_codes(never, bad_uid, ahead, rows)
-        whats = read.what[rows].tolist()
-        for i, uid, what_code, code in zip(
-            rows.tolist(), read.uid[rows].tolist(), whats, codes, strict=True
-        ):
-            kind, mech, signature = _CONV_FINDINGS[what_code][code]
-            if self._repeated(uid, signature):
-                continue
-            what = READ_KINDS[what_code]
+        for i, uid, what, kind, mech in self._first_occurrences(read, rows, codes, _CONV_FINDINGS):
             name = self.ids.name(uid)
             if never[i]:
                 detail = f"request {name} {_verb(what)} conv rows no request has written"
