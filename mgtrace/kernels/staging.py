@@ -82,11 +82,19 @@ Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
 
 @functools.lru_cache(maxsize=256)
-def layout_bytes(layout: Layout) -> int:
-    end = 0
+def _spans(layout: Layout) -> tuple[tuple[int, int], ...]:
+    """(start, bytes) of each part of ``layout`` in a slot."""
+    out, end = [], 0
     for dtype, shape in layout:
-        end = -(-end // _ALIGN) * _ALIGN + np.dtype(dtype).itemsize * int(np.prod(shape))
-    return end
+        start = -(-end // _ALIGN) * _ALIGN
+        end = start + np.dtype(dtype).itemsize * int(np.prod(shape))
+        out.append((start, end - start))
+    return tuple(out)
+
+
+def layout_bytes(layout: Layout) -> int:
+    spans = _spans(layout)
+    return spans[-1][0] + spans[-1][1] if spans else 0
 
 
 class Slot:
@@ -100,15 +108,11 @@ class Slot:
         self.host: list[np.ndarray] = []
         self.dev: list[torch.Tensor] = []
         host_np = host.numpy()
-        start = 0
-        for dtype, shape in layout:
-            start = -(-start // _ALIGN) * _ALIGN
-            size = np.dtype(dtype).itemsize * int(np.prod(shape))
+        for (dtype, shape), (start, size) in zip(layout, _spans(layout), strict=True):
             self.host.append(host_np[start : start + size].view(dtype).reshape(shape))
             torch_dtype = _TORCH_DTYPES[np.dtype(dtype).str]
             self.dev.append(dev[start : start + size].view(torch_dtype).view(shape))
-            start += size
-        self.nbytes = start
+        self.nbytes = layout_bytes(layout)
 
 
 class SlotUploads:
@@ -166,10 +170,11 @@ class SlotUploads:
             row = self._rows[i] = (self._host[i], self._dev[i])
         return row
 
-    def synchronize(self) -> None:
-        """Wait for the device to consume every copy queued so far."""
+    def wait(self) -> None:
+        """Wait for the device to consume every copy queued so far, then reuse the slots."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self.reset()
 
     def reset(self) -> None:
         """The device has consumed every upload so far (the caller synchronised)."""
@@ -182,6 +187,7 @@ def rows_for(n: int) -> int:
     return max(128, -(-n // 128) * 128)
 
 
+@functools.lru_cache(maxsize=256)
 def parts(*specs: tuple[type | str, Sequence[int]]) -> Layout:
     """A layout from (dtype, shape) pairs."""
     return tuple((np.dtype(d).str, tuple(int(x) for x in shape)) for d, shape in specs)

@@ -27,7 +27,7 @@ import torch
 from mgtrace.kernels.launch import AlignLaunch
 from mgtrace.kernels.pool import BlockTables, StatePool
 from mgtrace.kernels.reference import LaunchResult
-from mgtrace.kernels.staging import Layout, Slot, SlotUploads, Uploads, parts, rows_for
+from mgtrace.kernels.staging import Slot, SlotUploads, Uploads, parts, rows_for
 from mgtrace.kernels.triton_align import (
     DeviceLayout,
     launch_postprocess,
@@ -45,15 +45,6 @@ TILE_BYTES = 64 << 10
 # the ring of launch inputs: 512 launches (a 1,024-row launch's seven vectors a slot)
 VECTOR_SLOT_BYTES = 32 << 10
 VECTOR_SLOTS = 512
-
-
-def _vector_layout(count: int, width: int) -> Layout:
-    return _LAYOUTS.get((count, width)) or _LAYOUTS.setdefault(
-        (count, width), parts(*[(np.int32, (width,))] * count)
-    )
-
-
-_LAYOUTS: dict[tuple[int, int], Layout] = {}
 
 
 def _sender(slots: SlotUploads, slot: Slot, count: int) -> Callable[[], list[torch.Tensor]]:
@@ -186,7 +177,7 @@ class StreamedTriton:
         uploads them and returns their device tensors."""
         width = rows_for(n)
         # one layout for both kernels (the precopy uses the first vectors): half the cuts
-        layout = _vector_layout(_VECTORS, width)
+        layout = parts(*[(np.int32, (width,))] * _VECTORS)
         slots = self._slots.get(device)
         if slots is None:
             slots = self._slots[device] = SlotUploads(
@@ -227,8 +218,7 @@ class StreamedTriton:
         self._device_counts, self._host_counts = [], []
         if not device:
             for slots in self._slots.values():
-                slots.synchronize()
-                slots.reset()
+                slots.wait()
             return
         got = torch.cat(device).cpu().numpy()
         for uploads in (*self._uploads.values(), *self._slots.values()):

@@ -62,7 +62,6 @@ class _IntView:
         self._log: list = []  # device tensors gathered by gather_later, in order
         self._writes: list[tuple[np.ndarray, np.ndarray]] = []  # not yet on the device
         self._last: np.ndarray | None = None  # scratch: the last write of each word
-        self._layouts: dict[int, tuple] = {}  # padded write count -> settle's slot layout
         if host is None or device is not None:
             import torch
 
@@ -132,16 +131,13 @@ class _IntView:
         from mgtrace.kernels.staging import parts, rows_for
 
         width = rows_for(n)
-        layout = self._layouts.get(width)
-        if layout is None:
-            layout = self._layouts[width] = parts((np.int64, (width,)), (np.int32, (width,)))
+        layout = parts((np.int64, (width,)), (np.int32, (width,)))
         slots = self._write_slots
         if not slots.fits(layout):
             return None
         slot = slots.take(layout)
         if slot is None:  # every slot is taken: wait for the device, then reuse them
-            slots.synchronize()
-            slots.reset()
+            slots.wait()
             slot = slots.take(layout)
         return slot
 
