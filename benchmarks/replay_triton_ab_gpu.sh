@@ -9,8 +9,8 @@
 #   OUT=... [ONE_PROCESS_ROUNDS=2] bash benchmarks/replay_triton_ab_gpu.sh BASE_TREE BASE_COMMIT NEW_COMMIT
 #
 # ONE_PROCESS_ROUNDS=0 leaves out the one-process A/B; then this tree's replay of the same
-# 20,000 steps in segments (bench_replay_jobs.py, 1 and 8 processes) says where its
-# workers' time goes.
+# 20,000 steps in segments (bench_replay_jobs.py, 1 and 8 processes, or the counts in JOBS)
+# says where its workers' time goes.
 set -u
 base=$1 base_commit=$2 new_commit=$3
 rounds=${ONE_PROCESS_ROUNDS:-2}
@@ -50,7 +50,7 @@ if [ "$rounds" -gt 0 ]; then
   run profile 100 $PY benchmarks/profile_replay.py --steps 1000 --backend triton --device cuda \
       --out "$OUT/profile-triton.txt"
 else
-  run jobs 200 $PY benchmarks/bench_replay_jobs.py --steps 20000 --bug reorder-threshold-mismatch \
-      --jobs 1 8 --repeat 1 --backend triton --device cuda --out "$OUT/replay-jobs-triton.json"
+  run jobs 300 $PY benchmarks/bench_replay_jobs.py --steps 20000 --bug reorder-threshold-mismatch \
+      --jobs ${JOBS:-1 8} --repeat 1 --backend triton --device cuda --out "$OUT/replay-jobs-triton.json"
 fi
 uptime >> "$OUT/machine.txt"
