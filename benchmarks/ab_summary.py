@@ -5,7 +5,8 @@ tree, their medians and the new tree's median over the base tree's.
                                     [--out FILE]
 
 Measures read from each run's JSON: ``bench_replay.py``'s loop and end-to-end steps/s and
-load seconds of every repeat; ``bench_replay_jobs.py``'s wall seconds per job count;
+load seconds of every repeat; ``bench_trace_load.py``'s load seconds and peak and kept
+resident memory of every load; ``bench_replay_jobs.py``'s wall seconds per job count;
 ``bench_sim.py``'s steps/s of every repeat, with the trace and without; ``recorder_floor.py``'s
 µs a step each configuration adds and mgtrace's over the floor's; ``bench_recorder.py``'s
 engine-thread CPU and wall µs a step the recorder adds, its wall over the JSON logger's, and
@@ -37,6 +38,9 @@ def _measures(run: dict[str, Any]) -> dict[str, list[float]]:
             "end_to_end_steps_per_s": [r["end_to_end_steps_per_s"] for r in reps],
             "load_s": [r["load_s"] for r in reps],
         }
+    if "load_runs" in run:
+        keys = ("load_s", "peak_rss_mb", "kept_rss_mb")
+        return {k: [r[k] for r in run["load_runs"]] for k in keys}
     if "runs" in run and "trace" in run:
         return {f"jobs_{j}_wall_s": r["wall_s"] for j, r in run["runs"].items()}
     if "all_with_trace" in run:
@@ -59,8 +63,8 @@ def _measures(run: dict[str, Any]) -> dict[str, list[float]]:
             out[f"{name}_hooked_step_max_us"] = [hooked["max"]]
         return out
     raise SystemExit(
-        "not a result of bench_replay.py, bench_replay_jobs.py, bench_sim.py, "
-        "recorder_floor.py or bench_recorder.py"
+        "not a result of bench_replay.py, bench_trace_load.py, bench_replay_jobs.py, "
+        "bench_sim.py, recorder_floor.py or bench_recorder.py"
     )
 
 

@@ -246,3 +246,124 @@ def test_launches_checked_at_once_equal_launches_checked_one_by_one(
     if damaged:
         assert flagged, "control: the damage reaches the checks"
         assert masked, "control: launches carry CPU-held counts, a masked column"
+
+
+class _DecodingReader(RewritingReader):
+    """A trace reader that decodes every string column, whatever the caller asks."""
+
+    def table(self, name: str, *args: Any, **kwargs: Any) -> pa.Table:
+        kwargs["codes"] = False
+        return self._reader.table(name, *args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def v1_trace(tmp_path_factory: pytest.TempPathFactory) -> TraceReader:
+    """V1, whose batch rows name their requests by dictionary codes (V2's by strings)."""
+    out = tmp_path_factory.mktemp("codes") / "t"
+    simulate(
+        SimConfig(
+            scenario="mixed",
+            seed=5,
+            steps=250,
+            max_num_seqs=24,
+            length_scale=0.3,
+            bugs=("reorder-threshold-mismatch", "async-accepted-race"),
+            output=out,
+        ).validate()
+    )
+    return TraceReader(out)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_strings_kept_as_codes_load_as_decoded_strings_do(
+    runner: str, v1_trace: TraceReader, deferred_trace: TraceReader
+) -> None:
+    """Request ids and categories read as the writer's dictionary codes give the steps,
+    launches and findings that the decoded strings give; the big Arrow tables are not kept."""
+    trace = v1_trace if runner == "v1" else deferred_trace
+
+    def coded(codes: bool) -> list[str]:
+        return [
+            f"{name}.{field.name}"
+            for name in ("batch_rows", "launches", "sched")
+            for field in trace.table(name, codes=codes).schema
+            if pa.types.is_dictionary(field.type)
+        ]
+
+    assert coded(True), "control: some strings are read as codes"
+    assert coded(False) == []
+    from_codes = RankTrace(trace, 0, RequestIds())
+    from_strings = RankTrace(_DecodingReader(trace), 0, RequestIds())
+    assert _per_step(from_codes) == _per_step(from_strings)
+    found = _findings(from_codes)
+    assert found, "control: the injected bug gives the oracle something to find"
+    assert _findings(from_strings) == found
+    assert from_codes._launch.table is None and from_codes._batch.table is None
+
+
+@pytest.mark.unit
+def test_codes_of_dictionary_chunks_equal_codes_of_their_strings() -> None:
+    """Per chunk: a dictionary's values looked up once, nulls and unknown values -1, a
+    dictionary with no values (every row null), and plain strings beside them."""
+    chunks = [
+        pa.DictionaryArray.from_arrays(
+            pa.array([2, 0, None, 1, 2], pa.int32()), pa.array(["prefill", "bogus", "cached"])
+        ),
+        pa.DictionaryArray.from_arrays(
+            pa.array([None, None], pa.int32()), pa.array([], pa.string())
+        ),
+        pa.DictionaryArray.from_arrays(pa.array([0, 0], pa.int32()), pa.array(["new"])),
+    ]
+    strings = pa.chunked_array([c.cast(pa.string()) for c in chunks])
+    want = steps_module.category_codes(strings, ("new", "cached", "prefill"))
+    assert want.tolist() == [1, 2, -1, -1, 1, -1, -1, 0, 0]
+    for mixed in (
+        pa.chunked_array(chunks),
+        pa.chunked_array(chunks[:2]),  # chunks of one dictionary type, and strings after
+    ):
+        got = steps_module.category_codes(mixed, ("new", "cached", "prefill"))
+        assert got.dtype == np.int8
+        assert got.tolist() == want[: len(got)].tolist()
+    tail = steps_module.category_codes(pa.chunked_array([chunks[2].cast(pa.string())]), ("new",))
+    assert tail.tolist() == [0, 0]
+
+
+@pytest.mark.unit
+def test_uids_of_dictionary_codes_follow_appearance_not_dictionary_order() -> None:
+    """The writer's dictionary lists ids in its own order, some not in the chunk at all:
+    uids still go to ids in the order rows name them, as for strings."""
+    coded = pa.chunked_array(
+        [
+            pa.DictionaryArray.from_arrays(
+                pa.array([2, 2, 0, 2], pa.int32()), pa.array(["a", "unused", "c"])
+            ),
+            pa.DictionaryArray.from_arrays(pa.array([1, 0], pa.int32()), pa.array(["c", "d"])),
+        ]
+    )
+    strings = pa.chunked_array([c.cast(pa.string()) for c in coded.chunks])
+    from_strings, from_codes = RequestIds(), RequestIds()
+    want = from_strings.uids_of_column(strings)
+    assert want.tolist() == [1, 1, 2, 1, 3, 1]
+    assert from_codes.uids_of_column(coded).tolist() == want.tolist()
+    assert from_codes.names == from_strings.names == ["c", "a", "d"]
+
+
+@pytest.mark.unit
+def test_parts_with_codes_and_strings_in_one_column_concatenate_decoded() -> None:
+    """A writer may store a column as codes in one part and as strings in another: read with
+    codes, such a column is decoded in every part (the others stay codes)."""
+    from mgtrace.schemas.reader import _same_types
+    from mgtrace.schemas.tables import table_spec
+
+    schema = table_spec("sched").schema
+    names = pa.array(["r1", "r2"]).dictionary_encode()
+    coded = pa.table({"req_id": names, "kind": pa.array(["new", "new"]).dictionary_encode()})
+    plain = pa.table({"req_id": pa.array(["r3"]), "kind": pa.array(["cached"]).dictionary_encode()})
+    with pytest.raises(pa.ArrowInvalid):  # control: as read, they do not concatenate
+        pa.concat_tables([coded, plain])
+    joined = pa.concat_tables(_same_types([coded, plain], schema))
+    assert joined.column("req_id").type == pa.string()
+    assert pa.types.is_dictionary(joined.column("kind").type)
+    assert joined.column("req_id").to_pylist() == ["r1", "r2", "r3"]
+    assert joined.column("kind").to_pylist() == ["new", "new", "cached"]

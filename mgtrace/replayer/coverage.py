@@ -83,7 +83,7 @@ def mid_run_caveat(reader: Any) -> str | None:
     if start_state(reader) is not None or not reader.rows("sched"):
         return None
     # integer codes throughout: a long trace has millions of scheduler rows
-    sched = reader.table("sched", columns=["rank", "step", "req_id", "kind"])
+    sched = reader.table("sched", columns=["rank", "step", "req_id", "kind"], codes=True)
     ranks = np.asarray(sched.column("rank").to_numpy(zero_copy_only=False))
     steps = np.asarray(sched.column("step").to_numpy(zero_copy_only=False))
     uids = RequestIds().uids_of_column(sched.column("req_id"))

@@ -47,12 +47,23 @@ class RequestIds:
         return np.fromiter((self.uid(r) for r in req_ids), dtype=np.int32)
 
     def uids_of_column(self, column: pa.ChunkedArray) -> np.ndarray:
-        """uids of a string column, looking each distinct id up once."""
+        """uids of a string column, looking each distinct id up once (a column read as
+        dictionary codes: each chunk's dictionary, in order)."""
         if not len(column):
             return np.zeros(0, dtype=np.int32)
-        encoded = pc.dictionary_encode(column).combine_chunks()
-        table = self.uids(encoded.dictionary.to_pylist())
-        return table[encoded.indices.to_numpy(zero_copy_only=False)]
+        parts = []
+        for chunk in column.chunks:
+            if not pa.types.is_dictionary(chunk.type):
+                chunk = pc.dictionary_encode(chunk)  # ids in order of appearance
+                table = self.uids(chunk.dictionary.to_pylist())
+            else:  # uids in order of appearance too, not the dictionary's order
+                seen = pc.unique(chunk.indices)
+                table = np.zeros(len(chunk.dictionary), dtype=np.int32)
+                table[seen.to_numpy(zero_copy_only=False)] = self.uids(
+                    chunk.dictionary.take(seen).to_pylist()
+                )
+            parts.append(table[chunk.indices.to_numpy(zero_copy_only=False)])
+        return np.concatenate(parts)
 
     def name(self, uid: int) -> str:
         if uid == DUMMY_REQUEST:

@@ -6,7 +6,7 @@ loop costs a few array views per step instead of a query.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,8 @@ from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import (
     BLOCK_TABLE_KINDS,
     KERNELS,
+    MAMBA_SPLITS,
     POSTPROCESS_MODES,
-    REORDER_REGIONS,
     ROW_RULES,
     SCHED_KINDS,
 )
@@ -65,20 +65,26 @@ class _Sliced:
         order: list[str],
         categories: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
-        # codes of the categorical keys, in the sorted order: callers need them too
+        # codes of the categorical keys, and the integer keys without nulls as ``_numpy``
+        # makes them, in the sorted order: callers need them too
         self.codes: dict[str, np.ndarray] = {}
-        keys = _integer_keys(table, ["step", *order], categories or {}, self.codes)
+        self.columns: dict[str, np.ndarray] = {}
+        keys = _integer_keys(table, ["step", *order], categories or {}, self.codes, self.columns)
         if keys is None:
-            self.codes = {}  # of the rows as they came, not as sorted here
+            self.codes, self.columns = {}, {}  # of the rows as they came, not as sorted here
             sort_keys = [("step", "ascending"), *((o, "ascending") for o in order)]
-            at = pc.sort_indices(table, sort_keys=sort_keys).to_numpy()
+            at = pc.sort_indices(_decoded_keys(table, ["step", *order]), sort_keys=sort_keys)
+            at = at.to_numpy()
             if np.count_nonzero(at != np.arange(len(at))):
                 table = table.take(at)
         elif (at := _sorting_permutation(keys)) is not None:
             table = table.take(at)
             self.codes = {name: codes[at] for name, codes in self.codes.items()}
-        self.table = table
-        self.steps = table.column("step").to_numpy(zero_copy_only=False)
+            self.columns = {name: values[at] for name, values in self.columns.items()}
+        self.table: pa.Table | None = table
+        self.steps = self.columns.get("step")
+        if self.steps is None:
+            self.steps = table.column("step").to_numpy(zero_copy_only=False)
         first = np.ones(len(self.steps), dtype=bool)
         first[1:] = self.steps[1:] != self.steps[:-1]
         self.starts = np.flatnonzero(first)
@@ -93,15 +99,26 @@ class _Sliced:
         return int(self.starts[i]), int(self.ends[i])
 
 
+def _decoded_keys(table: pa.Table, names: list[str]) -> pa.Table:
+    """The key columns, strings read as dictionary codes decoded (Arrow sorts no codes)."""
+    columns = [table.column(n) for n in names]
+    return pa.table(
+        [c.cast(c.type.value_type) if pa.types.is_dictionary(c.type) else c for c in columns],
+        names=names,
+    )
+
+
 def _integer_keys(
     table: pa.Table,
     names: list[str],
     categories: dict[str, tuple[str, ...]],
     codes_out: dict[str, np.ndarray],
+    plain_out: dict[str, np.ndarray],
 ) -> list[np.ndarray] | None:
-    """The key columns as int64 arrays, nulls ranked last as Arrow ranks them; None where a
-    key is a string column with no categories, or holds a string not among them (the
-    caller then sorts as Arrow does). A categorical key's codes go to ``codes_out``."""
+    """The key columns as integer arrays, nulls ranked last as Arrow ranks them; None where
+    a key is a string column with no categories, or holds a string not among them (the
+    caller then sorts as Arrow does). A categorical key's codes go to ``codes_out``, an
+    integer key without nulls (kept in its own type: no int64 copy) to ``plain_out``."""
     keys = []
     for name in names:
         col = table.column(name)
@@ -112,6 +129,8 @@ def _integer_keys(
             key = codes.astype(np.int64)
             key[codes < 0] = len(categories[name])
             keys.append(key)
+        elif pa.types.is_integer(col.type) and not col.null_count:
+            keys.append(plain_out.setdefault(name, _numpy(col)))
         elif pa.types.is_integer(col.type):
             last = np.iinfo(np.int64).max
             keys.append(_numpy(col, fill=last).astype(np.int64, copy=False))
@@ -190,9 +209,18 @@ class RankTrace:
         self.rank = rank
         self.ids = ids
         self.run = reader.manifest.run
+        self._read(reader, rank, ids)
+        # The rows live on as numpy columns: the Arrow tables, most of what a long trace
+        # holds in memory, are not kept (the small block_tables one is), and the memory
+        # they held goes back to the system (once ``_read``'s locals are gone), not to a
+        # pool that worker processes started beside this one cannot use.
+        for sliced in (self._batch, self._launch, self._sched):
+            sliced.table = None
+        pa.default_memory_pool().release_unused()
 
-        def load(name: str) -> pa.Table:
-            t = reader.table(name)
+    def _read(self, reader: TraceReader, rank: int, ids: RequestIds) -> None:
+        def load(name: str, codes: bool = True) -> pa.Table:
+            t = reader.table(name, codes=codes)
             ranks = pc.min_max(t.column("rank")).as_py()
             if ranks["min"] == ranks["max"] == rank:  # a single-rank trace: nothing to drop
                 return t
@@ -238,8 +266,10 @@ class RankTrace:
             load("launches"), ["kernel", "batch_step", "batch_row"], {"kernel": KERNELS}
         )
         lt = self._launch.table
+        known = self._launch.columns
         self._launch_cols = {
-            c: _numpy(lt.column(c)) for c in (*ROW_COLUMNS, "step", "batch_step", "bt_step")
+            c: known[c] if c in known else _numpy(lt.column(c))
+            for c in (*ROW_COLUMNS, "step", "batch_step", "bt_step")
         }
         self._launch_has = {
             c: lt.column(c).is_valid().to_numpy(zero_copy_only=False) for c in ROW_COLUMNS
@@ -255,7 +285,7 @@ class RankTrace:
             self._launch_cols[name].setflags(write=False)  # launches share these views
         self._require_known_kernels()
         self._index_launch_groups()
-        self._tables = _Sliced(load("block_tables"), ["group", "table", "row"])
+        self._tables = _Sliced(load("block_tables", codes=False), ["group", "table", "row"])
         tt = self._tables.table
         self._table_rows = list(
             zip(
@@ -277,9 +307,7 @@ class RankTrace:
         has_ids = np.zeros(st.num_rows, dtype=bool)
         if grouped is not None and len(grouped):
             has_ids[np.asarray(grouped)[np.asarray(adds)]] = True
-        self._sched_matters = has_ids | np.asarray(
-            pc.fill_null(pc.not_equal(st.column("kind"), "cached"), True)
-        )
+        self._sched_matters = has_ids | (self._sched_kind != SCHED_KINDS.index("cached"))
         # Block lists of the rows that change ownership, read once (few rows; most add none).
         matters = np.flatnonzero(self._sched_matters)
         self._sched_pos = np.full(st.num_rows, -1, dtype=np.int64)
@@ -308,25 +336,16 @@ class RankTrace:
         # derived as its builder makes it
         split = bt.column("mamba_split")
         self._batch_split_recorded = split.is_valid().to_numpy(zero_copy_only=False)
-        self._batch_prefill = (
-            pc.if_else(
-                pc.is_null(split),
-                pc.fill_null(bt.column("is_prefilling"), False),
-                pc.equal(split, "prefill"),
-            )
-            .to_numpy(zero_copy_only=False)
-            .astype(bool)
-        )
-        if split.null_count and spec_decodes_run_first(self.run):
-            self._derive_gdn_split(pc.is_null(split).to_numpy(zero_copy_only=False))
-        self._batch_region = (
-            pc.fill_null(pc.index_in(bt.column("reorder_region"), value_set=_REGIONS), -1)
-            .to_numpy(zero_copy_only=False)
-            .astype(np.int8)
-        )
         self._batch_is_prefilling = pc.fill_null(bt.column("is_prefilling"), False).to_numpy(
             zero_copy_only=False
         )
+        self._batch_prefill = np.where(
+            self._batch_split_recorded,
+            category_codes(split, MAMBA_SPLITS) == MAMBA_SPLITS.index("prefill"),
+            self._batch_is_prefilling,
+        )
+        if split.null_count and spec_decodes_run_first(self.run):
+            self._derive_gdn_split(pc.is_null(split).to_numpy(zero_copy_only=False))
 
     def _derive_gdn_split(self, unrecorded: np.ndarray) -> None:
         """GDN's split of the steps whose split was not recorded (an older recording, or a
@@ -464,7 +483,6 @@ class RankTrace:
         lo, hi = self._batch.bounds(step)
         cols = {c: a[lo:hi] for c, a in self._batch_cols.items()}
         cols["is_prefill_split"] = self._batch_prefill[lo:hi]
-        cols["region"] = self._batch_region[lo:hi]
         cols["is_prefilling"] = self._batch_is_prefilling[lo:hi]
         return StepBatch(step, self._batch_uid[lo:hi], cols)
 
@@ -512,14 +530,17 @@ class RankTrace:
         )
         # Per launch, as Python values: building a launch then reads no numpy scalars.
         self._group_rows = list(zip(starts.tolist(), ends.tolist(), strict=True))
-        self._group_columns = [
-            [
-                name
-                for name in ROW_COLUMNS
-                if name != "num_accepted_cpu" and self._group_has[name][g]
-            ]
-            for g in range(len(starts))
-        ]
+        # the columns each launch recorded, one tuple per pattern of them (a few patterns
+        # over tens of thousands of launches)
+        given = [name for name in ROW_COLUMNS if name != "num_accepted_cpu"]
+        pattern = np.zeros(len(starts), dtype=np.int64)
+        for bit, name in enumerate(given):
+            pattern |= self._group_has[name].astype(np.int64) << bit
+        names = {
+            p: tuple(name for bit, name in enumerate(given) if p >> bit & 1)
+            for p in np.unique(pattern).tolist()
+        }
+        self._group_columns = [names[p] for p in pattern.tolist()]
         self._group_cpu_counts = self._group_has["num_accepted_cpu"].tolist()
         self._group_scalars = list(
             zip(
@@ -713,7 +734,6 @@ class RankTrace:
         return self._sched_uid[sel], self._sched_freed_below[sel]
 
 
-_REGIONS = pa.array(list(REORDER_REGIONS), pa.string())
 _KERNEL_ORDER = {
     KERNELS.index(k): i for i, k in enumerate(("precopy", "aligned_indices", "postprocess"))
 }
@@ -730,9 +750,40 @@ def in_flight_at_start(req_ids: np.ndarray, kinds: np.ndarray) -> int:
 
 
 def category_codes(col: pa.ChunkedArray, categories: tuple[str, ...]) -> np.ndarray:
-    """A categorical column as int8 codes into ``categories`` (-1 for null or unknown)."""
-    idx = pc.index_in(col, value_set=pa.array(list(categories), pa.string()))
-    return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int8)
+    """A categorical column as int8 codes into ``categories`` (-1 for null or unknown),
+    strings or dictionary codes (``TraceReader.table(codes=True)``): a dictionary is looked
+    up once, not row by row."""
+    value_set = pa.array(list(categories), pa.string())
+
+    def codes_of(values: pa.Array) -> np.ndarray:
+        idx = pc.index_in(values, value_set=value_set)
+        return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int8)
+
+    return dictionary_lookup(col, codes_of, np.int8(-1))
+
+
+def dictionary_lookup(
+    col: pa.ChunkedArray, lookup: Callable[[pa.Array], np.ndarray], null: np.generic
+) -> np.ndarray:
+    """``lookup`` (a numpy value per string) over a string column, applied to each
+    dictionary chunk's values once and taken by its indices; ``null`` where a row is null
+    (``lookup`` maps null strings itself)."""
+    parts = []
+    for chunk in col.chunks:
+        if not pa.types.is_dictionary(chunk.type):
+            parts.append(lookup(chunk))
+            continue
+        indices = chunk.indices
+        if not len(chunk.dictionary):  # every row null
+            parts.append(np.full(len(chunk), null))
+            continue
+        values = lookup(chunk.dictionary)
+        at = pc.fill_null(indices, 0).to_numpy(zero_copy_only=False)
+        got = values[at]
+        if indices.null_count:
+            got[~indices.is_valid().to_numpy(zero_copy_only=False)] = null
+        parts.append(got)
+    return np.concatenate(parts) if parts else np.full(0, null)
 
 
 # The tables a replay reads; a step missing rows of any of them cannot be replayed.

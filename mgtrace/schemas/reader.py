@@ -80,16 +80,45 @@ def _decoded(schema: pa.Schema) -> pa.Schema:
     return pa.schema([f.remove_metadata() for f in fields])
 
 
-def _read_part(path: Path, columns: list[str] | None, schema: pa.Schema) -> pa.Table:
+def _read_part(
+    path: Path, columns: list[str] | None, schema: pa.Schema, codes: bool = False
+) -> pa.Table:
     """A validated part (its columns are the table's, strings perhaps as dictionary codes)
-    with the table's schema: codes decoded to the strings they stand for.
+    with the table's schema: codes decoded to the strings they stand for, unless ``codes``
+    (a string column written as codes then stays a dictionary array).
 
     Read as one Parquet file rather than through ``pq.read_table``: its dataset layer costs
     about 50 ms to import (on a 2-core VM) and reads no faster (a 20,000-step trace's tables:
     0.39 s either way, up to 0.58 s through the dataset layer)."""
     table = pq.ParquetFile(path).read(columns=columns)
-    names = schema.names if columns is None else columns
-    return table.cast(pa.schema([schema.field(n) for n in names], metadata=schema.metadata))
+    fields = [schema.field(n) for n in (schema.names if columns is None else columns)]
+    if codes:
+        fields = [
+            f.with_type(table.schema.field(f.name).type)
+            if pa.types.is_dictionary(table.schema.field(f.name).type)
+            else f
+            for f in fields
+        ]
+    return table.cast(pa.schema(fields, metadata=schema.metadata))
+
+
+def _same_types(tables: list[pa.Table], schema: pa.Schema) -> list[pa.Table]:
+    """``tables`` with a column that is codes in some and strings in others decoded in all,
+    so that they concatenate (a writer chooses codes part by part)."""
+    mixed = [
+        name
+        for name in tables[0].column_names
+        if len({t.schema.field(name).type for t in tables}) > 1
+    ]
+    if not mixed:
+        return tables
+    out = []
+    for t in tables:
+        for name in mixed:
+            i = t.schema.get_field_index(name)
+            t = t.set_column(i, schema.field(name), t.column(i).cast(schema.field(name).type))
+        out.append(t)
+    return out
 
 
 class TraceReader:
@@ -166,15 +195,21 @@ class TraceReader:
         return sum(p.rows for p in self.parts if p.table == table)
 
     # ------------------------------------------------------------------ data
-    def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
-        """All valid parts of one table as one Arrow table (empty with the schema if none)."""
+    def table(
+        self, name: str, *, columns: list[str] | None = None, codes: bool = False
+    ) -> pa.Table:
+        """All valid parts of one table as one Arrow table (empty with the schema if none).
+
+        With ``codes``, a string column the writer stored as dictionary codes stays a
+        dictionary array: no string is made per row (a long trace's request ids), and its
+        chunks may carry different dictionaries."""
         spec = table_spec(name)
         files = self.part_files(name)
         if not files:
             empty = spec.schema.empty_table()
             return empty.select(columns) if columns else empty
-        tables = [_read_part(f, columns, spec.schema) for f in files]
-        return pa.concat_tables(tables)
+        tables = [_read_part(f, columns, spec.schema, codes) for f in files]
+        return pa.concat_tables(_same_types(tables, spec.schema) if codes else tables)
 
     def tables(self) -> dict[str, pa.Table]:
         return {name: self.table(name) for name in TABLES}
