@@ -74,7 +74,10 @@ class MemoryTrace:
         self.tables_ = tables
         self.start_state = start_state
 
-    def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
+    def table(
+        self, name: str, *, columns: list[str] | None = None, codes: bool = False
+    ) -> pa.Table:
+        """One table as held (``codes`` asks for nothing: strings held decoded stay so)."""
         t = self.tables_[name]
         return t.select(columns) if columns else t
 
