@@ -4,8 +4,10 @@ A long simulated trace (96 sequences) is replayed end to end, as ``mgtrace repla
 does it (trace loading, worker start-up and the merge included), for each N given; runs are
 interleaved over the repeats, and every run's findings must equal the one-process run's.
 Reported per N: median wall seconds, steps/s, the speed-up over N=1 from the same run, and
-how many checks met a placeholder and were judged in the parent, and where the slowest
-worker's time went (loading the trace, the bookkeeping pass, the warm-up, its segment).
+how many checks met a placeholder and were judged in the parent, where the slowest
+worker's time went (loading the trace, the bookkeeping pass, the warm-up, its segment), where
+the parent's went (loading the trace, starting the workers, waiting for them, building the
+checker of their logged reads, merging) and what the run spent outside all that.
 
 With ``--backend triton --device cuda`` every process runs the Triton kernels on a device
 copy of its tag pool, in its own context on the GPU.
@@ -49,11 +51,25 @@ def _phases(outcomes: list) -> dict:
             max((w.get(phase, 0.0) for w in o.worker_seconds), default=0.0) for o in outcomes
         ]
         slowest[phase] = round(statistics.median(per_run), 2)
+    parent = {
+        phase: round(statistics.median(o.parent_seconds.get(phase, 0.0) for o in outcomes), 2)
+        for phase in ("load", "start", "wait", "checker", "merge")
+    }
     return {
         "checks_judged_in_parent": statistics.median(o.checked_here for o in outcomes),
         "slowest_worker_s": slowest,
         "merge_s": round(statistics.median(o.merge_s for o in outcomes), 2),
+        "parent_s": parent,
     }
+
+
+def _outside(walls: list[float], outcomes: list) -> dict:
+    """The median of what a run spent outside the segmented replay of its rank (opening the
+    trace, finding its steps, the mid-run check, the summary)."""
+    if len(outcomes) != len(walls):  # one process: no segments
+        return {}
+    spent = [w - sum(o.parent_seconds.values()) for w, o in zip(walls, outcomes, strict=True)]
+    return {"outside_segmented_replay_s": round(statistics.median(spent), 2)}
 
 
 def main() -> int:
@@ -115,6 +131,7 @@ def main() -> int:
             "steps_per_s": round(args.steps / statistics.median(walls[j]), 1),
             "speedup_over_one_process": round(one / statistics.median(walls[j]), 2),
             **_phases(outcomes[j]),
+            **_outside(walls[j], outcomes[j]),
         }
         for j in jobs
     }

@@ -39,6 +39,7 @@ CASES = [
         ["--steps", "300", "--jobs", "1", "2", "--repeat", "1"],
         "command",
     ),
+    ("bench_trace_load.py", ["--steps", "60", "--repeat", "1"], "median"),
     (
         "bench_recorder.py",
         ["--device", "cpu", "--steps", "40", "--repeats", "1"],
@@ -220,6 +221,7 @@ def test_ab_of_a_command_on_two_trees(tmp_path: Path) -> None:
     ("script", "args", "measure"),
     [
         ("bench_sim.py", ["--steps", "30", "--repeat", "1"], "with_trace_steps_per_s"),
+        ("bench_trace_load.py", ["--steps", "30", "--repeat", "1"], "kept_rss_mb"),
         ("recorder_floor.py", ["--rounds", "1", "--steps", "3"], "mgtrace_over_floor"),
         (
             "bench_recorder.py",

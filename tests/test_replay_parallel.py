@@ -81,6 +81,9 @@ def test_segments_report_what_one_process_reports(bug: str, rules: str) -> None:
         assert got.segments == 4
         assert got.findings == want
         assert got.repeats == want_repeats
+        # the parent accounts for its time phase by phase, as the workers do
+        assert set(got.parent_seconds) == {"load", "start", "wait", "checker", "merge"}
+        assert min(got.parent_seconds.values()) >= 0 and got.parent_seconds["wait"] > 0
 
 
 @pytest.mark.interp

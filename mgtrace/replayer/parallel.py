@@ -143,6 +143,10 @@ class RankOutcome:
     checked_here: int  # reads that met a placeholder, checked once their words were known
     worker_seconds: list[dict[str, float]] = field(default_factory=list)
     merge_s: float = 0.0
+    # where this process's time went: loading the trace, starting the workers, waiting for
+    # their results (the wait the load overlaps where workers do not fork), building the
+    # checker of their logged reads, and merging
+    parent_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def segment_bounds(
@@ -366,8 +370,10 @@ def replay_rank_in_segments(
         initializer=_worker_start,
         initargs=(os.getpid(),),
     )
+    parent: dict[str, float] = {}
     with _stopped_by_signals() as stop:
         results, trace = _run_pool(
+            parent,
             pool,
             job,
             lambda: _rank_trace(reader, rank),
@@ -380,15 +386,18 @@ def replay_rank_in_segments(
             progress,
             stop,
         )
-    checker = _rank_replay(trace, rules, layout)  # judges the reads the workers logged
     t0 = time.perf_counter()
+    checker = _rank_replay(trace, rules, layout)  # judges the reads the workers logged
+    t1 = time.perf_counter()
     outcome = _merge(checker, results, reported, verify, report_from)
-    outcome.merge_s = time.perf_counter() - t0
+    outcome.merge_s = time.perf_counter() - t1
     outcome.worker_seconds = [r.seconds for r in results]
+    outcome.parent_seconds = {**parent, "checker": t1 - t0, "merge": outcome.merge_s}
     return outcome
 
 
 def _run_pool(
+    seconds: dict[str, float],
     pool: ProcessPoolExecutor,
     job: _Job,
     load: Callable[[], RankTrace],
@@ -403,9 +412,19 @@ def _run_pool(
 ) -> tuple[list[SegmentResult], RankTrace]:
     """Every segment on the pool's workers, in order, and the rank's trace from ``load``:
     before the workers start where they ``inherit`` it (fork), else while they run. The
-    pool ends with it, whatever happens."""
+    pool ends with it, whatever happens. ``seconds`` gets the time spent loading, starting
+    the workers and waiting for them."""
+    clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[phase] = seconds.get(phase, 0.0) + now - clock
+        clock = now
+
     try:
         trace = load() if inherit else None
+        lap("load")
         if trace is not None:
             _INHERITED[(job.path, job.rank)] = trace  # the workers fork on the first submit
         try:
@@ -418,8 +437,10 @@ def _run_pool(
                 ]
         finally:
             _INHERITED.clear()
+        lap("start")
         if trace is None:
             trace = load()
+            lap("load")
         results = []
         for future in futures:
             results.append(future.result())
@@ -427,6 +448,7 @@ def _run_pool(
                 res = results[-1]
                 progress(sum(1 for s in steps if res.first <= s <= res.last))
         pool.shutdown()
+        lap("wait")
     except BrokenProcessPool as exc:
         _stop_workers(pool)
         raise MgtraceError(
