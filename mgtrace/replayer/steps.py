@@ -48,6 +48,20 @@ def _numpy(col: pa.ChunkedArray, fill: int = -1) -> np.ndarray:
     return col.to_numpy(zero_copy_only=False)
 
 
+def _valid(col: pa.ChunkedArray, uniform: dict[bool, np.ndarray]) -> np.ndarray:
+    """Where a column holds a value, read-only; columns with no null, or no value at all
+    (most of them), share one such array from ``uniform``."""
+    if col.null_count in (0, len(col)):
+        value = not col.null_count
+        if value not in uniform:
+            uniform[value] = np.full(len(col), value)
+            uniform[value].setflags(write=False)
+        return uniform[value]
+    valid = col.is_valid().to_numpy(zero_copy_only=False)
+    valid.setflags(write=False)
+    return valid
+
+
 class _Sliced:
     """One table's rows of one rank, sorted by (step, *order), with per-step slices.
 
@@ -271,9 +285,8 @@ class RankTrace:
             c: known[c] if c in known else _numpy(lt.column(c))
             for c in (*ROW_COLUMNS, "step", "batch_step", "bt_step")
         }
-        self._launch_has = {
-            c: lt.column(c).is_valid().to_numpy(zero_copy_only=False) for c in ROW_COLUMNS
-        }
+        uniform: dict[bool, np.ndarray] = {}
+        self._launch_has = {c: _valid(lt.column(c), uniform) for c in ROW_COLUMNS}
         self._launch_kernel = self._launch.codes.get("kernel")
         if self._launch_kernel is None:
             self._launch_kernel = category_codes(lt.column("kernel"), KERNELS)
