@@ -233,6 +233,8 @@ class RankTrace:
         pa.default_memory_pool().release_unused()
 
     def _read(self, reader: TraceReader, rank: int, ids: RequestIds) -> None:
+        """Every column and index the replay needs, from the rank's tables."""
+
         def load(name: str, codes: bool = True) -> pa.Table:
             t = reader.table(name, codes=codes)
             ranks = pc.min_max(t.column("rank")).as_py()
@@ -280,9 +282,9 @@ class RankTrace:
             load("launches"), ["kernel", "batch_step", "batch_row"], {"kernel": KERNELS}
         )
         lt = self._launch.table
-        known = self._launch.columns
+        made = self._launch.columns  # its sort keys, made already
         self._launch_cols = {
-            c: known[c] if c in known else _numpy(lt.column(c))
+            c: made[c] if c in made else _numpy(lt.column(c))
             for c in (*ROW_COLUMNS, "step", "batch_step", "bt_step")
         }
         uniform: dict[bool, np.ndarray] = {}
@@ -340,7 +342,11 @@ class RankTrace:
             steps_in_flight(self.run),
         )
         self._sched_freed_below = freed_below(processed, self.run.mamba_block_size)
-        self._batch_cols = {c: _numpy(self._batch.table.column(c)) for c in BATCH_INT_COLUMNS}
+        made = self._batch.columns  # its sort keys, made already
+        self._batch_cols = {
+            c: made[c] if c in made else _numpy(self._batch.table.column(c))
+            for c in BATCH_INT_COLUMNS
+        }
         bt = self._batch.table
         self._batch_uid = ids.uids_of_column(bt.column("req_id"))
         # The builder's split where it was recorded; where not, a row still prefilling its
