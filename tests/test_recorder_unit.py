@@ -211,7 +211,8 @@ def test_host_captures_follow_the_values_and_the_tensors_they_are_given() -> Non
     tensors copies their current values, one of other tensors (or other lengths) copies
     those, and a tensor of another dtype is stored as int32 like the device path stores
     it. Control: a cache that returned the first views for any tensors would capture ``a``
-    again in place of ``c``."""
+    again in place of ``c``; one that checked only the first tensor, ``b`` in place of
+    ``a``."""
     import torch
 
     ring = CaptureRing(torch.device("cpu"), slots=8, slot_elems=16)
@@ -223,14 +224,16 @@ def test_host_captures_follow_the_values_and_the_tensors_they_are_given() -> Non
     c = torch.tensor([7, 8, 9], dtype=torch.int32)
     ring.grab((c, b), (3, 2), 2)
     ring.grab((c, b), (2, 3), 3)
-    ring.grab((torch.tensor([11, 12], dtype=torch.int64),), (2,), 4)
+    ring.grab((c, a), (2, 3), 4)  # the same first tensor and lengths, another second
+    ring.grab((torch.tensor([11, 12], dtype=torch.int64),), (2,), 5)
     got = [([x.tolist() for x in arrays], tag) for arrays, tag in ring.reap()]
     assert got == [
         ([[1, 2, 3], [4, 5]], 0),
         ([[10, 2, 3], [4, 5]], 1),
         ([[7, 8, 9], [4, 5]], 2),
         ([[7, 8], [4, 5, 6]], 3),
-        ([[11, 12]], 4),
+        ([[7, 8], [10, 2, 3]], 4),
+        ([[11, 12]], 5),
     ]
 
 
@@ -238,7 +241,8 @@ def test_staged_inputs_follow_a_replaced_buffer() -> None:
     """The launch hooks cache views of an align context's CPU buffers per context and row
     count. A context whose buffer is replaced is read from the new buffer, and a buffer
     the context lacks is left out. Control: a cache keyed on the context alone would return
-    the old buffer's values."""
+    the old buffer's values, and one keyed on the row count alone would miss a buffer
+    only the other context has."""
     from mgtrace.recorder.hooks_common import staged_inputs
 
     def buf(values: list[int]) -> SimpleNamespace:
@@ -267,6 +271,10 @@ def test_staged_inputs_follow_a_replaced_buffer() -> None:
         "num_computed": [5, 6],
     }
     assert ints(staged_inputs(ctx, 3))["num_computed"] == [5, 6, 7]
+    # another context with the same buffers and one this one lacks, then this one again
+    other = SimpleNamespace(**{**vars(ctx), "num_draft_tokens_buf": buf([3, 3, 3])})
+    assert ints(staged_inputs(other, 3))["num_draft"] == [3, 3, 3]
+    assert "num_draft" not in staged_inputs(ctx, 3)
 
 
 @pytest.mark.parametrize("max_num_seqs", [None, 1700])

@@ -19,7 +19,6 @@ the engine thread about 3 µs a step more: ``benchmarks/recorder_floor.py``, A/B
 from __future__ import annotations
 
 import itertools
-import operator
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -87,7 +86,7 @@ class CaptureRing:
             self._copy_stream = torch.cuda.Stream(device=device)
         self._views: dict[int, tuple[Any, np.ndarray]] = {}
         # (ids and lengths) -> what ``_cut_views`` returns
-        self._cuts: dict[tuple[int, ...], tuple[Any, ...]] = {}
+        self._cuts: dict[int, tuple[Any, ...]] = {}  # id of the first tensor -> _cut_views
         self._slots: dict[tuple[int, int], Any] = {}  # staging views
         self._free: deque[int] = deque(range(slots))
         # [slot, lengths, tag, event of the copy to the host (None until it is issued)]
@@ -106,7 +105,8 @@ class CaptureRing:
     def grab(self, tensors: Sequence[Any], lengths: Sequence[int], tag: Any) -> bool:
         """Queue the copy of ``tensors[i][:lengths[i]]`` (or more: on the device whole
         vectors when they fit, so callers slice what they need); engine thread, never
-        blocks."""
+        blocks. Host tensors' views are cached for ``lengths`` given as a tuple (a list is
+        read right, only anew each time)."""
         if not self._free:
             return self._refuse("full")
         if self.staging is not None:
@@ -133,8 +133,9 @@ class CaptureRing:
                 return self._refuse("full")
             # Host tensors: numpy views of them are free, and their bytes cost a fraction of
             # a torch op, which matters on a busy engine thread.
-            hit = self._cuts.get((*map(id, tensors), *lengths))
-            if hit is None or not all(map(operator.is_, hit[0], tensors)):
+            hit = self._cuts.get(id(tensors[0]))
+            # the cache holds the tensors: equal ids are the same tensors
+            if hit is None or hit[4] != lengths or hit[5] != tuple(map(id, tensors)):
                 hit = self._cut_views(tensors, lengths)
             if hit[3] > self.slot_elems:
                 return self._refuse(f"{hit[3]} values, over the {self.slot_elems} of a slot")
@@ -166,18 +167,19 @@ class CaptureRing:
         return self._host_np
 
     def _cut_views(self, tensors: Sequence[Any], lengths: Sequence[int]) -> tuple[Any, ...]:
-        """Numpy views of host tensors cut to ``lengths``, cached per group of tensors and
-        lengths (a launch passes the same buffers step after step, and one look-up costs
-        less than a view and a slice per tensor): (the tensors, the views, whether all are
-        int32, the ring's element type, their total length, the lengths). The cache holds
-        the tensors, so their ids cannot be reused while cached; it is bounded for callers
-        that pass fresh tensors."""
+        """Numpy views of host tensors cut to ``lengths``, cached by the first tensor (a
+        launch passes the same buffers step after step, and one look-up costs less than a
+        view and a slice per tensor): (the tensors, the views, whether all are int32, their
+        total length, the lengths, the tensors' ids). The cache holds the tensors, so their
+        ids cannot be reused while cached; it is bounded for callers that pass fresh
+        tensors."""
         if len(self._cuts) >= MAX_VIEWS:
             self._cuts.clear()
         views = [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)]
         int32 = all(v.dtype == np.int32 for v in views)
-        entry = (tuple(tensors), views, int32, sum(lengths), tuple(lengths))
-        self._cuts[(*map(id, tensors), *lengths)] = entry
+        lengths = tuple(lengths)
+        entry = (tuple(tensors), views, int32, sum(lengths), lengths, tuple(map(id, tensors)))
+        self._cuts[id(tensors[0])] = entry
         return entry
 
     def _view(self, t: Any) -> np.ndarray:

@@ -172,6 +172,9 @@ def has_two_tables(ctx: Any) -> bool:
     return hasattr(ctx, name) or name in getattr(cls, "__annotations__", {})
 
 
+_V1_BINDING = ("req_slot", "v1")
+
+
 def binding(ctx: Any, kind: str) -> tuple[str, str]:
     """(row rule, bound table) of an align context, from what the context carries.
 
@@ -180,7 +183,7 @@ def binding(ctx: Any, kind: str) -> tuple[str, str]:
     list that V2 fills with the gathered, batch-ordered tables."""
     two_tables = has_two_tables(ctx)
     if kind == "v1":
-        return "req_slot", "v1"
+        return _V1_BINDING
     return ("req_slot", "source") if two_tables else ("batch_row", "input")
 
 
@@ -222,7 +225,7 @@ def _grab_bound_ptrs(sess: Session, ctx: Any) -> None:
         "names": ["ptrs"],
         "tables": sess.table_ptrs,
     }
-    sess.grab([words], [words.shape[0]], tag)
+    sess.grab((words,), (words.shape[0],), tag)
 
 
 def _tag(
@@ -235,8 +238,10 @@ def _tag(
     cpu: dict[str, Any] | None = None,
     batch_step: int | None = None,
 ) -> dict[str, Any]:
-    rule, table = _binding_of(ctx, sess.kind)
-    if sess.kind == "v2":
+    if sess.kind == "v1":
+        rule, table = _V1_BINDING  # what ``binding`` says of every V1 context
+    else:
+        rule, table = _binding_of(ctx, sess.kind)
         _grab_bound_ptrs(sess, ctx)
     return {
         "step": sess.step,
@@ -252,43 +257,47 @@ def _tag(
     }
 
 
-# (id(ctx), id(bufs), n) -> (ctx, per buffer: name, attribute, the buffer, a view of its
-# first n values, whether that view travels as its bytes alone)
-_CPU_VIEWS: dict[tuple[int, int, int], tuple[Any, tuple[tuple[Any, ...], ...]]] = {}
+class _StagedViews:
+    """Per row count: the context and, per buffer, (name, attribute, the buffer, a view of
+    its first n values, whether that view travels as its bytes alone). One per buffer set,
+    so that a look-up is one int key (a tuple key costs its hashing on every launch). The
+    cache holds the context, so its id is not reused while cached; it is bounded for
+    contexts made anew."""
 
+    __slots__ = ("bufs", "by_rows")
 
-def _cpu(ctx: Any, n: int, bufs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
-    """The CPU-staged side of a launch's inputs: (name, buffer attribute) pairs, raw, for
-    the buffers the context has. The views are cached per context and row count (a slice
-    and a conversion check per buffer cost the engine thread more than the copy); a
-    context whose buffer was replaced gets new views."""
-    hit = _CPU_VIEWS.get((id(ctx), id(bufs), n))
-    if hit is not None and hit[0] is ctx:
-        out = {}
-        for name, attr, buf, view, as_bytes in hit[1]:
-            if getattr(ctx, attr) is not buf:
-                break
-            out[name] = view.tobytes() if as_bytes else raw(view)
-        else:
-            return out
-    return _cpu_views(ctx, n, bufs)
+    def __init__(self, bufs: tuple[tuple[str, str], ...]) -> None:
+        self.bufs = bufs
+        self.by_rows: dict[int, tuple[Any, tuple[tuple[Any, ...], ...]]] = {}
 
+    def read(self, ctx: Any, n: int) -> dict[str, Any]:
+        """The CPU-staged side of a launch's inputs, raw, for the buffers the context has.
+        A slice and a conversion check per buffer cost the engine thread more than the
+        copy, hence the cached views; a context whose buffer was replaced gets new ones."""
+        hit = self.by_rows.get(n)
+        if hit is not None and hit[0] is ctx:
+            out = {}
+            for name, attr, buf, view, as_bytes in hit[1]:
+                if getattr(ctx, attr) is not buf:
+                    break
+                out[name] = view.tobytes() if as_bytes else raw(view)
+            else:
+                return out
+        return self._read_anew(ctx, n)
 
-def _cpu_views(ctx: Any, n: int, bufs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
-    """``_cpu`` the slow way, caching the views for the next launch. The cache holds the
-    context, so its id is not reused while cached; it is bounded for contexts made anew."""
-    if len(_CPU_VIEWS) >= 64:
-        _CPU_VIEWS.clear()
-    out, entries = {}, []
-    for name, attr in bufs:
-        buf = getattr(ctx, attr)
-        if buf is None:
-            continue
-        view = buf.np[:n]
-        out[name] = raw(view)
-        entries.append((name, attr, buf, view, isinstance(out[name], bytes)))
-    _CPU_VIEWS[(id(ctx), id(bufs), n)] = (ctx, tuple(entries))
-    return out
+    def _read_anew(self, ctx: Any, n: int) -> dict[str, Any]:
+        if len(self.by_rows) >= 64:
+            self.by_rows.clear()
+        out, entries = {}, []
+        for name, attr in self.bufs:
+            buf = getattr(ctx, attr)
+            if buf is None:
+                continue
+            view = buf.np[:n]
+            out[name] = raw(view)
+            entries.append((name, attr, buf, view, isinstance(out[name], bytes)))
+        self.by_rows[n] = (ctx, tuple(entries))
+        return out
 
 
 _PRECOPY_CPU = (
@@ -304,9 +313,13 @@ _POST_CPU = (
 )
 
 
+_PRECOPY_STAGED = _StagedViews(_PRECOPY_CPU)
+_POST_STAGED = _StagedViews(_POST_CPU)
+
+
 def staged_inputs(ctx: Any, n: int) -> dict[str, Any]:
     """The post-process inputs the runner staged on the CPU for ``n`` requests, raw."""
-    return _cpu(ctx, n, _POST_CPU)
+    return _POST_STAGED.read(ctx, n)
 
 
 # the vectors each launch kind captures, in order (tuples: no list built per launch)
@@ -325,13 +338,13 @@ def _precopy(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
         sess.grab(
             (sidx, src, bias),
             (n, n, n),
-            _tag(sess, ctx, "precopy", n, _PRECOPY_NAMES, cpu=_cpu(ctx, n, _PRECOPY_CPU)),
+            _tag(sess, ctx, "precopy", n, _PRECOPY_NAMES, cpu=_PRECOPY_STAGED.read(ctx, n)),
         )
     else:  # V2: slot-indexed vectors read through idx_mapping
         whole = sidx.shape[0]
         sess.grab(
-            [idx, sidx, src, bias],
-            [n, whole, whole, whole],
+            (idx, sidx, src, bias),
+            (n, whole, whole, whole),
             _tag(sess, ctx, "precopy", n, _PRECOPY_NAMES_V2),
         )
 
@@ -363,8 +376,8 @@ def _postprocess_align(sess: Session, args: tuple[Any, ...], kwargs: dict[str, A
     # steps.postprocess_step: the batch this launch processed, only where one launched
     rec["post_step"] = sess.step if batch_step is None else batch_step
     sess.grab(
-        [idx, acc, sidx, comp],
-        [n, acc.shape[0], sidx.shape[0], comp.shape[0]],
+        (idx, acc, sidx, comp),
+        (n, acc.shape[0], sidx.shape[0], comp.shape[0]),
         _tag(
             sess,
             ctx,

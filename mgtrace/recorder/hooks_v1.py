@@ -81,7 +81,10 @@ def _swap(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     rec = sess.rec
     if rec is None:
         return
-    ib, i1, i2 = args[0], arg(args, kwargs, 1, "i1"), arg(args, kwargs, 2, "i2")
+    if len(args) == 3:  # how vLLM calls it
+        ib, i1, i2 = args
+    else:
+        ib, i1, i2 = args[0], arg(args, kwargs, 1, "i1"), arg(args, kwargs, 2, "i2")
     acc = ib.num_accepted_tokens_cpu
     rec["moves"].append(
         ("swap", i1, i2, ib._req_ids[i1], ib._req_ids[i2], int(acc[i1]), int(acc[i2]))
@@ -140,8 +143,11 @@ def _pre_before(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     rec = sess.rec
     if rec is None:
         return None
-    state_idx = arg(args, kwargs, 3, "mamba_state_idx")
-    ib = arg(args, kwargs, 4, "input_batch")
+    if len(args) > 4:  # how vLLM passes them
+        state_idx, ib = args[3], args[4]
+    else:
+        state_idx = arg(args, kwargs, 3, "mamba_state_idx")
+        ib = arg(args, kwargs, 4, "input_batch")
     n = len(ib.req_ids)
     rec["acc_prev"] = raw(ib.num_accepted_tokens_cpu[:n])
     rec["computed_pre"] = raw(ib.num_computed_tokens_cpu[:n])

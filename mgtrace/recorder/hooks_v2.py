@@ -80,8 +80,8 @@ def _pre_state(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         tensors.append(computed)
         names.append("num_computed")
     sess.grab(
-        tensors,
-        [n, *(t.shape[0] for t in tensors[1:])],
+        tuple(tensors),
+        (n, *(t.shape[0] for t in tensors[1:])),
         {
             "step": sess.step,
             "kernel": "v2_pre",

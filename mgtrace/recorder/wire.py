@@ -24,6 +24,7 @@ import numpy as np
 
 HEADER = struct.Struct("<Q")  # frame length, then the pickle
 _INT32 = np.dtype(np.int32)
+_INT32_STR = _INT32.str
 
 
 def _array_from(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -151,9 +152,11 @@ def raw(a: np.ndarray) -> Raw:
     """A host array as the wire carries it. Taken on the engine thread in place of a copy,
     at about the same cost (0.2 µs for 96 int32), so that the recorder thread, which shares
     the GIL, has nothing left to convert (it saved that thread about 17 µs a step)."""
-    if a.dtype is _INT32 and a.ndim == 1:  # native int32 (a byte-swapped one is not this)
-        return a.tobytes()
-    return a.tobytes(), a.dtype.str, a.shape  # the str keeps the byte order; char does not
+    dtype = a.dtype
+    if dtype is _INT32:  # native int32 (a byte-swapped one is not this)
+        # a block table: the str made once (``dtype.str`` formats it anew, 0.5 µs)
+        return a.tobytes() if a.ndim == 1 else (a.tobytes(), _INT32_STR, a.shape)
+    return a.tobytes(), dtype.str, a.shape  # the str keeps the byte order; char does not
 
 
 def _array(a: np.ndarray | Raw) -> np.ndarray:
