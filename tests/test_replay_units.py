@@ -176,6 +176,62 @@ def test_processed_tokens_take_off_the_steps_still_in_flight() -> None:
     assert processed_tokens(*args, 2).tolist() == [0, 0, 0, 0]
 
 
+def _processed_by_definition(
+    uid: np.ndarray,
+    step: np.ndarray,
+    kind: np.ndarray,
+    num_scheduled: np.ndarray,
+    num_computed: np.ndarray,
+    in_flight: int,
+) -> list[int]:
+    """The definition, row by row: less the first scheduled row of the same request at each
+    of the ``in_flight`` steps before."""
+    from mgtrace.schemas.tables import SCHED_KINDS
+
+    scheduled = {SCHED_KINDS.index(k) for k in ("new", "cached", "resumed")}
+    first: dict[tuple[int, int], int] = {}
+    for u, s, k, n in zip(
+        uid.tolist(), step.tolist(), kind.tolist(), num_scheduled.tolist(), strict=True
+    ):
+        if k in scheduled:
+            first.setdefault((u, s), n)
+    return [
+        c - sum(first.get((u, s - back), 0) for back in range(1, in_flight + 1))
+        for u, s, c in zip(uid.tolist(), step.tolist(), num_computed.tolist(), strict=True)
+    ]
+
+
+@pytest.mark.parametrize("layout", ["in_step_order", "shuffled", "twice_in_a_step"])
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_processed_tokens_match_their_definition_on_random_rows(
+    layout: str, in_flight: int
+) -> None:
+    """Rows in step order take the shifted comparison, rows out of order or a request twice
+    in one step the search; both give the definition's counts, finished and preempted rows
+    included. Controls: a shift that counts only the steps before the last in flight
+    (``<`` for ``<=``) fails the first layout, a search that takes the last row of a
+    request's step the third."""
+    from mgtrace.replayer.ownership import processed_tokens
+
+    rng = np.random.default_rng(in_flight)
+    rows = []
+    for s in range(60):  # each request at most once a step, some steps skipped
+        for u in rng.choice(12, size=rng.integers(0, 9), replace=False).tolist():
+            rows.append((u, s, int(rng.integers(0, 5)), int(rng.integers(1, 9))))
+    uid, step, kind, sched = (np.array(c) for c in zip(*rows, strict=True))
+    if layout == "shuffled":
+        perm = rng.permutation(len(uid))
+        uid, step, kind, sched = uid[perm], step[perm], kind[perm], sched[perm]
+    elif layout == "twice_in_a_step":
+        # five rows again, later and with other counts: the first of each pair counts
+        uid, step, kind = (np.concatenate([a, a[:5]]) for a in (uid, step, kind))
+        sched = np.concatenate([sched, sched[:5] + 10])
+    computed = rng.integers(0, 500, size=len(uid))
+    args = (uid.astype(np.int32), step.astype(np.int64), kind.astype(np.int8), sched, computed)
+    got = processed_tokens(*args, in_flight).tolist()
+    assert got == _processed_by_definition(*args, in_flight)
+
+
 # ---------------------------------------------------------------- tags
 def _run(conv_layout: str = "SD") -> RunMetadata:
     shape = [5, 64] if conv_layout == "SD" else [64, 5]
