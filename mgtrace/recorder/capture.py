@@ -85,7 +85,6 @@ class CaptureRing:
             self.events = [self._make_event(device=device) for _ in range(slots)]
             self._copy_stream = torch.cuda.Stream(device=device)
         self._views: dict[int, tuple[Any, np.ndarray]] = {}
-        # (ids and lengths) -> what ``_cut_views`` returns
         self._cuts: dict[int, tuple[Any, ...]] = {}  # id of the first tensor -> _cut_views
         self._slots: dict[tuple[int, int], Any] = {}  # staging views
         self._free: deque[int] = deque(range(slots))

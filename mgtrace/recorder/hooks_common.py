@@ -260,9 +260,8 @@ def _tag(
 class _StagedViews:
     """Per row count: the context and, per buffer, (name, attribute, the buffer, a view of
     its first n values, whether that view travels as its bytes alone). One per buffer set,
-    so that a look-up is one int key (a tuple key costs its hashing on every launch). The
-    cache holds the context, so its id is not reused while cached; it is bounded for
-    contexts made anew."""
+    so that a look-up is one int key (a tuple key costs its hashing on every launch); the
+    context and its buffers are compared by identity. Bounded for contexts made anew."""
 
     __slots__ = ("bufs", "by_rows")
 
