@@ -62,9 +62,10 @@ MIN_SEGMENT = 512  # shorter segments spend more on start-up and warm-up than th
 # A step of the bookkeeping pass a worker makes up to its segment, against a replayed step
 # (~27 against ~550 us on a 2-core VM, clean traces)
 SKIP_COST = 0.05
-# Processes a Triton replay takes when not told: each holds its own context on the GPU, and
-# more contend for it and the host's cores without gain (on an H200 host 8 replayed 20,000
-# steps 2.8 times as fast as one process, 16 only 2.6 times: benchmarks/results/h200-1e31c16/)
+# Processes a Triton replay takes when not told: each holds its own context on the GPU, which
+# time-slices between them, so more add nothing (on an H200 host 8 replayed 20,000 steps 2.8
+# times as fast as one process, 16 only 2.6 times: benchmarks/results/h200-1e31c16/; on an
+# H100 host the segments of 8 and of 16 took as long: benchmarks/results/h100-1cc2b8f/)
 DEVICE_JOBS = 8
 
 
