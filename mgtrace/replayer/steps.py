@@ -112,6 +112,13 @@ class _Sliced:
             return 0, 0
         return int(self.starts[i]), int(self.ends[i])
 
+    def numpy_columns(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """``names`` as ``_numpy`` makes them, in the sorted order; sort keys made while
+        sorting are reused, not made again."""
+        assert self.table is not None, "the table was dropped once its columns were made"
+        made, table = self.columns, self.table
+        return {c: made[c] if c in made else _numpy(table.column(c)) for c in names}
+
 
 def _decoded_keys(table: pa.Table, names: list[str]) -> pa.Table:
     """The key columns, strings read as dictionary codes decoded (Arrow sorts no codes)."""
@@ -282,11 +289,9 @@ class RankTrace:
             load("launches"), ["kernel", "batch_step", "batch_row"], {"kernel": KERNELS}
         )
         lt = self._launch.table
-        made = self._launch.columns  # its sort keys, made already
-        self._launch_cols = {
-            c: made[c] if c in made else _numpy(lt.column(c))
-            for c in (*ROW_COLUMNS, "step", "batch_step", "bt_step")
-        }
+        self._launch_cols = self._launch.numpy_columns(
+            (*ROW_COLUMNS, "step", "batch_step", "bt_step")
+        )
         uniform: dict[bool, np.ndarray] = {}
         self._launch_has = {c: _valid(lt.column(c), uniform) for c in ROW_COLUMNS}
         self._launch_kernel = self._launch.codes.get("kernel")
@@ -342,11 +347,7 @@ class RankTrace:
             steps_in_flight(self.run),
         )
         self._sched_freed_below = freed_below(processed, self.run.mamba_block_size)
-        made = self._batch.columns  # its sort keys, made already
-        self._batch_cols = {
-            c: made[c] if c in made else _numpy(self._batch.table.column(c))
-            for c in BATCH_INT_COLUMNS
-        }
+        self._batch_cols = self._batch.numpy_columns(BATCH_INT_COLUMNS)
         bt = self._batch.table
         self._batch_uid = ids.uids_of_column(bt.column("req_id"))
         # The builder's split where it was recorded; where not, a row still prefilling its
