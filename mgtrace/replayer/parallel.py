@@ -62,10 +62,11 @@ MIN_SEGMENT = 512  # shorter segments spend more on start-up and warm-up than th
 # A step of the bookkeeping pass a worker makes up to its segment, against a replayed step
 # (~27 against ~550 us on a 2-core VM, clean traces)
 SKIP_COST = 0.05
-# Processes a Triton replay takes when not told: each holds its own context on the GPU, which
-# time-slices between them, so more add nothing (on an H200 host 8 replayed 20,000 steps 2.8
-# times as fast as one process, 16 only 2.6 times: benchmarks/results/h200-1e31c16/; on an
-# H100 host the segments of 8 and of 16 took as long: benchmarks/results/h100-1cc2b8f/)
+# Processes a Triton replay takes when not told: each holds its own context on the one GPU,
+# and more than 8 add nothing (on an H200 host 8 replayed 20,000 steps 2.8 times as fast as
+# one process, 16 only 2.6 times: benchmarks/results/h200-1e31c16/; on H100 hosts the
+# segments of 8 and of 16 took as long, and 4 and 8 ran 2.67 and 2.91 times as fast as one:
+# benchmarks/results/h100-1cc2b8f/, h100-d40ccaf-sharing/)
 DEVICE_JOBS = 8
 
 
