@@ -1,11 +1,11 @@
 #!/bin/bash
 # What several replay processes on one GPU machine cost each other: one process alone, then
-# N at once (independent one-process replays of 3,000 steps, bench_replay.py), for the
-# Triton backend (each its own CUDA context on the one GPU) and for the reference backend
-# (the CPU only), and, where the machine has CUDA MPS, the Triton processes again through
-# one MPS server (their work then shares one context). Prints, and writes to
-# $OUT/replay-sharing.txt, each process's loop rate. Run from the repository root with the
-# dependencies importable (see h200_stop.sh):
+# N at once, each on a core of its own (independent one-process replays of 3,000 steps,
+# bench_replay.py), for the Triton backend (each its own CUDA context on the one GPU) and for
+# the reference backend (the CPU only), and, where the machine has CUDA MPS, the Triton
+# processes again through one MPS server (their work then shares one context). Prints, and
+# writes to $OUT/replay-sharing.txt, each process's loop rate. Run from the repository root
+# with the dependencies importable (see h200_stop.sh):
 #
 #   OUT=... [N=8] bash benchmarks/replay_sharing_gpu.sh
 set -u
@@ -14,8 +14,9 @@ source "$(dirname "$0")/gpu_run.sh"
 runs=$(mktemp -d)
 rates() {  # label count backend device
   local label=$1 count=$2 backend=$3 device=$4
+  # bench_replay.py keeps to the lowest core it may use: each process gets a core of its own
   for i in $(seq "$count"); do
-    $PY benchmarks/bench_replay.py --steps 3000 --repeat 1 --no-bisect --backend "$backend" \
+    taskset -c $((i - 1)) $PY benchmarks/bench_replay.py --steps 3000 --repeat 1 --no-bisect --backend "$backend" \
         --device "$device" --out "$runs/$label-$i.json" > "$runs/$label-$i.log" 2>&1 &
   done
   wait
