@@ -8,6 +8,9 @@ Usage: python benchmarks/bench_replay.py [--steps N] [--backend reference|triton
                                          [--device cpu|cuda] [--layout compact|full] [--out F]
                                          [--baseline-sync] [--breakdown] [--full-layers N]
                                          [--tiles N]
+
+It keeps to the lowest core it may use (one core, as the targets say): copies run side by
+side each need a core of their own (``taskset -c N``), or they share that one.
 """
 
 from __future__ import annotations
