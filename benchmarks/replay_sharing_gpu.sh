@@ -15,9 +15,11 @@ runs=$(mktemp -d)
 rates() {  # label count backend device
   local label=$1 count=$2 backend=$3 device=$4
   # bench_replay.py keeps to the lowest core it may use: each process gets a core of its own
+  # (more processes than cores share them in turn)
   for i in $(seq "$count"); do
-    taskset -c $((i - 1)) $PY benchmarks/bench_replay.py --steps 3000 --repeat 1 --no-bisect --backend "$backend" \
-        --device "$device" --out "$runs/$label-$i.json" > "$runs/$label-$i.log" 2>&1 &
+    taskset -c $(((i - 1) % $(nproc))) $PY benchmarks/bench_replay.py --steps 3000 --repeat 1 \
+        --no-bisect --backend "$backend" --device "$device" --out "$runs/$label-$i.json" \
+        > "$runs/$label-$i.log" 2>&1 &
   done
   wait
   $PY - "$label" "$runs" "$count" <<'EOF' | tee -a "$OUT/replay-sharing.txt"
