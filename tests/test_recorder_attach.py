@@ -860,6 +860,23 @@ def test_launch_mode_says_when_the_engine_recorded_nothing(tmp_path: Path) -> No
     assert "Traceback" not in proc.stderr
 
 
+def test_launch_mode_names_the_agents_refusal(tmp_path: Path) -> None:
+    """An engine whose vLLM lacks a hook target records nothing: the one sentence names the
+    refusal, not a missing plugin. Control: the same command without the refusal is told
+    apart by its message."""
+    skip_without_v1_runner()  # --missing-launcher takes V1's launcher away
+    refused = _record_cli(
+        "-o", str(tmp_path / "r"), "--", *STANDIN, "--steps", "40", "--sleep", "0.05",
+        "--missing-launcher",
+    )
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "agent in process" in last and "refused to record" in last, refused.stderr
+    assert "run_fused_postprocess" in last and "lacks mgtrace" not in last
+    plain = _record_cli("-o", str(tmp_path / "p"), "--", PY, "-c", "pass")
+    assert plain.returncode == 2 and "refused" not in plain.stderr
+
+
 def test_armed_plugin_arms_when_the_runner_module_is_imported(tmp_path: Path) -> None:
     """vLLM loads plugins before a worker imports its runner: an agent armed from the
     environment must be waiting on the hooks the moment that import completes."""

@@ -688,6 +688,9 @@ def _invoke(cmd: Any, args: list[str]) -> tuple[int, str]:
         (["--engine-pid", "1", "--max-steps", "0"], "--max-steps must be at least 1"),
         (["--", "vllm", "serve"], "give the trace directory with -o DIR"),
         (["--engine-pid", "999999999", "-o", "/tmp/mgtrace-never"], "there is no process"),
+        (["--engine-pdi", "3"], "no such option: --engine-pdi"),
+        (["--engine-pid", "1", "--duraton", "10"], "no such option: --duraton"),
+        (["-o", "/tmp/mgtrace-never", "--max-step", "5", "--", "true"], "no such option"),
     ],
 )
 def test_record_rejects_bad_arguments_in_one_sentence(args: list[str], message: str) -> None:
@@ -695,6 +698,24 @@ def test_record_rejects_bad_arguments_in_one_sentence(args: list[str], message: 
 
     code, text = _invoke(record, args)
     assert code == 2 and message in text and "\n" not in text
+
+
+def test_record_leaves_the_engine_commands_options_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Options after the engine command's first word are the engine's, even where mgtrace
+    has one of that name. Control: before the command they are mgtrace's."""
+    from mgtrace.recorder import cli
+
+    seen: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(cli, "_record", lambda *a: seen.append(a) or 0)
+    out = tmp_path / "t"
+    engine = ["echo", "hello", "--duration", "5", "--output", "x"]
+    assert _invoke(cli.record, ["-o", str(out), *engine]) == (0, "")
+    assert _invoke(cli.record, ["-o", str(out), "--duration", "5", "--", "echo"]) == (0, "")
+    (_, output, duration, _, command, _), (_, _, control_duration, _, control_command, _) = seen
+    assert output == out and duration is None and command == tuple(engine)
+    assert control_duration == 5.0 and control_command == ("echo",)
 
 
 def test_record_force_replaces_only_traces(tmp_path: Path) -> None:
@@ -710,8 +731,9 @@ def test_record_force_replaces_only_traces(tmp_path: Path) -> None:
     code, text = _invoke(record, ["--engine-pid", "999999999", "-o", str(project), "-f"])
     assert code == 2 and "there is no process" in text
     assert (project / "NOTES.md").read_text() == "mine"  # a bad pid touches nothing
-    with pytest.raises(Exception, match="neither an mgtrace trace nor a folder of traces"):
-        _check_output(project, force=True)
+    for force in (True, False):  # without --force too: passing it would not help
+        with pytest.raises(Exception, match="nor a folder of traces; choose another path"):
+            _check_output(project, force=force)
     assert (project / "NOTES.md").is_file() and (project / "old-trace").is_dir()
     (project / "NOTES.md").unlink()
     assert _check_output(project, force=True)
@@ -1273,3 +1295,23 @@ def test_every_argument_a_hook_reads_by_position_is_declared_on_its_target() -> 
     assert undeclared == []
     # failing control: a read one place off is caught
     assert (4, "mamba_state_idx") not in declared and (3, "mamba_state_idx") in declared
+
+
+def test_an_injected_agent_that_never_starts_is_not_blamed_on_ptrace(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """When the injection went in but the agent did not answer in time, the advice is not
+    to allow ptrace (it was allowed); the user learns the agent may still start. Control:
+    a process with no agent that may not be injected gets the enabling hint."""
+    from mgtrace.recorder import attach, control, proctree
+
+    monkeypatch.setattr(control, "engine_socket_path", lambda pid: tmp_path / "absent.sock")
+    monkeypatch.setattr(attach, "_inject", lambda pid: ("gdb", None))
+    monkeypatch.setattr(attach, "_wait_socket", lambda path, timeout_s: False)
+    proc = proctree.Proc(999999999, 1, os.geteuid(), "python3", "python3 -m vllm serve")
+    with pytest.raises(attach.AttachError) as caught:
+        attach.connect(proc)
+    assert "may still start there later" in caught.value.message
+    assert "ptrace" not in caught.value.message
+    with pytest.raises(attach.AttachError, match="ptrace_scope"):
+        attach.connect(proc, allow_inject=False)

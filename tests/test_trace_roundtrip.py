@@ -376,6 +376,10 @@ def test_writer_refuses_to_overwrite(fresh_trace: Path, tmp_path: Path) -> None:
     with pytest.raises(OutputError, match="not an mgtrace trace"):
         TraceWriter(plain, overwrite=True)
     assert (other / "precious.txt").exists() and plain.read_text() == "keep me too"
+    # without --force the advice is not to pass it, since it would not help
+    for path in (other, plain):
+        with pytest.raises(OutputError, match="not an mgtrace trace; choose another path"):
+            TraceWriter(path)
     TraceWriter(fresh_trace, overwrite=True).close()  # control: a trace may be replaced
     assert TraceReader(fresh_trace).rows("steps") == 0
 

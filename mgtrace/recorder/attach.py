@@ -121,10 +121,14 @@ def connect(proc: proctree.Proc, *, allow_inject: bool = True) -> Target:
         raise AttachError(f"process {proc.pid} has no mgtrace agent; {ENABLE_HINT}")
     how, script = _inject(proc.pid)
     if not _wait_socket(path, SOCKET_WAIT_S):
+        # The injection itself worked, so ptrace is no help here; the queued call stays
+        # queued and may start the agent (inert, listening only) later.
         raise AttachError(
-            f"the agent injected into {proc.pid} by {how} did not open its socket within "
-            f"{SOCKET_WAIT_S:.0f} s (is the process's main thread running Python?); "
-            f"{ENABLE_HINT}"
+            f"the agent queued in {proc.pid} by {how} did not start within "
+            f"{SOCKET_WAIT_S:.0f} s, because the process's main thread ran no Python "
+            "meanwhile (a long blocking call?); it may still start there later, inert until "
+            "asked to record, so try again once the engine serves requests, or install "
+            "mgtrace in the engine's Python environment so vLLM loads its plugin"
         )
     if script is not None:  # the target has run it: the agent answers
         script.unlink(missing_ok=True)
@@ -380,9 +384,12 @@ def launch(
     duration_s: float | None,
     max_steps: int | None,
     on_poll: Callable[[list[Target]], bool] | None = None,
+    refusals: dict[int, str] | None = None,
 ) -> int:
     """Run ``command`` with recording armed from its first step; returns its exit code.
-    ``on_poll`` gets the recording processes every poll until it returns False."""
+    ``on_poll`` gets the recording processes every poll until it returns False;
+    ``refusals`` collects, by process id, why an agent refused to record (the engine's
+    own log says it too, but among the engine's lines)."""
     if not command:
         raise UsageError("give the engine command after --, e.g. -- vllm serve MODEL")
     env = dict(os.environ)
@@ -419,8 +426,12 @@ def launch(
     with _handlers(forward), _handlers(interrupt, (signal.SIGINT,)):
         try:
             while child.poll() is None:
-                if on_poll is not None and not on_poll(_live_targets(child.pid)):
-                    on_poll = None
+                if on_poll is not None or refusals is not None:
+                    targets = _live_targets(child.pid)
+                    if refusals is not None:
+                        refusals.update(_refusals(targets))
+                    if on_poll is not None and not on_poll(targets):
+                        on_poll = None
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
             # bounded without the engine: a gone agent fails its stop at once, a dead
@@ -465,6 +476,14 @@ def _shares_terminal_sigint(pid: int) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _refusals(targets: list[Target]) -> dict[int, str]:
+    return {
+        t.proc.pid: str(t.status.get("refusal") or "it refused to record")
+        for t in targets
+        if t.status.get("state") == "refused"
+    }
 
 
 def _live_targets(pid: int) -> list[Target]:

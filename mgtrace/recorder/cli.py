@@ -32,12 +32,13 @@ def _check_output(out: Path, force: bool) -> bool:
     clear_stale_siblings(out)
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return False
+    if not out.is_dir() or not _holds_only_traces(out):  # said first: --force would not help
+        raise OutputError(
+            f"{out} exists and is neither an mgtrace trace nor a folder of traces; choose "
+            "another path (--force replaces only those)"
+        )
     if not force:
         raise OutputError(f"{out} already exists; pass --force to overwrite it")
-    if not out.is_dir() or not _holds_only_traces(out):
-        raise OutputError(
-            f"{out} is neither an mgtrace trace nor a folder of traces; refusing to overwrite it"
-        )
     return True
 
 
@@ -257,8 +258,9 @@ def record_command(
     stop: bool = False,
 ) -> int:
     """Record a running vLLM engine (--engine-pid PID), or start one with recording armed
-    (-- vllm serve ...). With --stop, end the recording of every process of the engine
-    that records (one whose mgtrace was killed before it could stop it).
+    (-- vllm serve ...; mgtrace's options go before it, everything from its first word on is
+    the engine's). With --stop, end the recording of every process of the engine that
+    records (one whose mgtrace was killed before it could stop it).
 
     Exit codes: 0 recorded (or stopped), 2 refused (bad option, no engine, nothing
     recorded), 130 Ctrl-C, 143/129 SIGTERM/SIGHUP; with an engine command, the engine's own
@@ -271,6 +273,8 @@ def record_command(
         if output is not None or duration is not None or max_steps is not None or force:
             raise UsageError("--stop takes no -o, --duration, --max-steps or --force")
         return _stop_command(engine_pid)
+    if command and command[0].startswith("-"):  # no program is named so
+        raise UsageError(f"no such option: {command[0]} (the engine command goes after --)")
     if (engine_pid is None) == (not command):
         raise UsageError("give either --engine-pid PID or the engine command after --")
     if duration is not None and not (0 < duration < math.inf):  # also refuses nan
@@ -360,14 +364,16 @@ def _record(
     if old is not None:
         old.move_aside()
     ends_early = max_steps is not None or duration is not None
+    refusals: dict[int, str] = {}
     rc = attach.launch(
         list(command),
         output,
         duration_s=duration,
         max_steps=max_steps,
         on_poll=_EndNotice() if ends_early else None,
+        refusals=refusals,
     )
-    click.echo(_launch_outcome(output, rc))
+    click.echo(_launch_outcome(output, rc, refusals))
     # a signal's death is reported as a shell does: 128 + its number
     return 128 - rc if rc < 0 else rc
 
@@ -434,13 +440,19 @@ def _lift_single_engine(out: Path) -> list[Path]:
     return [out]
 
 
-def _launch_outcome(output: Path, rc: int) -> str:
-    """What a launched command left in ``output``, in words; refuses when it left nothing."""
+def _launch_outcome(output: Path, rc: int, refusals: dict[int, str] | None = None) -> str:
+    """What a launched command left in ``output``, in words; refuses when it left nothing,
+    naming an agent's refusal where one refused."""
     if not output.exists() or not any(output.iterdir()):
+        why = (
+            "no vLLM engine step ran, or its Python environment lacks mgtrace (the vLLM "
+            "plugin that records is part of it)"
+        )
+        if refusals:
+            pid, reason = min(refusals.items())
+            why = f"mgtrace's agent in process {pid} refused to record: {reason.rstrip('.')}"
         raise MgtraceError(
-            f"the engine {_ended(rc)} and recorded nothing into {output}: no "
-            "vLLM engine step ran, or its Python environment lacks mgtrace (the vLLM plugin "
-            "that records is part of it)",
+            f"the engine {_ended(rc)} and recorded nothing into {output}: {why}",
             # a signal's death keeps its status: it says more than a usage error's 2
             exit_code=128 - rc if rc < 0 else None,
         )
@@ -516,7 +528,9 @@ def import_probe_command(probe: Path, burst: Path | None, output: Path, force: b
 
 record = click.command(
     "record",
-    context_settings={"ignore_unknown_options": True},
+    # Everything from the engine command's first word on is the engine's: its options are
+    # not taken for mgtrace's. An unknown option before it lands there too, and is refused.
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )(
     click.option("--engine-pid", type=int, help="Process id of a running vLLM engine.")(
         click.option(

@@ -585,10 +585,13 @@ def refuse_unless_replaceable(path: Path, overwrite: bool) -> bool:
     there is to be replaced. Callers that print before writing check first."""
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return False
+    if not is_trace_directory(path):  # said first: --force would not help
+        raise OutputError(
+            f"{path} exists and is not an mgtrace trace; choose another path "
+            "(--force replaces only a trace)"
+        )
     if not overwrite:
         raise OutputError(f"{path} already exists; pass --force to overwrite it")
-    if not is_trace_directory(path):
-        raise OutputError(f"{path} is not an mgtrace trace; refusing to overwrite it")
     return True
 
 
