@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -578,6 +579,39 @@ def test_bisect_log_never_overwrites_what_is_not_a_bisect_log(tmp_path: Path) ->
     for path in (trace / "bisect.json", tmp_path / "new.json", tmp_path / "new.json"):
         save_log(verdict, path)
         assert json.loads(path.read_text())["format"] == "mgtrace-bisect"
+
+
+def test_replay_stops_before_a_gap_and_keeps_what_it_found(tmp_path: Path) -> None:
+    """A gap anywhere once refused every replay of the trace, a --to-step window well before
+    it included, so the commands bisect printed for such a trace did not reproduce. Now a
+    replay stops before the first gap: what it found stands (exit 1, the stop said), a
+    window that ends before the gap is judged on its own, and only a replay that found
+    nothing before the gap is inconclusive. Control: a gap before the first finding is 125."""
+    buggy = toggle_trace("reorder-threshold-mismatch", 0)
+    first = _truth(buggy, "reorder-threshold-mismatch")["first_step"]
+    gap = first + 40
+    gapped = _with_steps_removed(buggy, tmp_path / "gap.trace", set(range(gap, gap + 5)))
+    manifest = gapped / "manifest.json"  # counted, as a recording counts what it drops
+    data = json.loads(manifest.read_text())
+    data["drops"] = {"steps": 5, "malformed_steps": 0, "rows": 0}
+    data["drops"]["step_ranges"] = [[0, gap, gap + 4]]
+    manifest.write_text(json.dumps(data))
+    for jobs in ("1", "2"):
+        proc = run_cli("replay", str(gapped), "--no-save", "--json", "--jobs", jobs)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        summary = json.loads(proc.stdout)
+        assert summary["first_step"] == first and summary["stopped_at_gap"] == {"0": gap}
+        assert f"rank 0 before step {gap}" in summary["caveat"] and "inconclusive" not in summary
+    proc = run_cli("replay", str(gapped), "--no-save", f"--to-step={first - 1}", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["clean"], proc.stdout + proc.stderr
+    v = bisect(gapped)
+    assert v.status == "bad" and v.first_step == first
+    for side, code in (("bad", 1), ("good", 0)):  # bisect's own commands reproduce
+        argv = shlex.split(v.commands[side])[1:]
+        assert run_cli(*argv).returncode == code, v.commands[side]
+    clean_before = _with_steps_removed(buggy, tmp_path / "before.trace", {first - 2})
+    err = assert_one_sentence_error(run_cli("replay", str(clean_before), "--no-save"), 125)
+    assert f"gap at step {first - 2}" in err and "found nothing before it" in err, err
 
 
 def test_minimize_replays_up_to_the_first_gap(tmp_path: Path) -> None:

@@ -866,7 +866,14 @@ def test_launch_mode_names_the_agents_refusal(tmp_path: Path) -> None:
     apart by its message."""
     skip_without_v1_runner()  # --missing-launcher takes V1's launcher away
     refused = _record_cli(
-        "-o", str(tmp_path / "r"), "--", *STANDIN, "--steps", "40", "--sleep", "0.05",
+        "-o",
+        str(tmp_path / "r"),
+        "--",
+        *STANDIN,
+        "--steps",
+        "40",
+        "--sleep",
+        "0.05",
         "--missing-launcher",
     )
     assert refused.returncode == 2, refused.stdout + refused.stderr

@@ -42,7 +42,7 @@ from mgtrace.replayer.requests import is_request
 from mgtrace.replayer.rules import RuleSet, single_changes
 from mgtrace.replayer.steps import (
     RankTrace,
-    first_gap,
+    first_hole,
     ranks_of,
     require_replayable,
     some_ranks,
@@ -144,8 +144,7 @@ def _finding_dict(f: Finding) -> dict[str, Any]:
 
 def _gaps(trace: RankTrace) -> int | None:
     """The first step missing from the trace, or one a left-out part held rows of."""
-    found = (first_gap(trace.step_numbers), trace.first_left_out)
-    return min((s for s in found if s is not None), default=None)
+    return first_hole(trace.step_numbers, trace.first_left_out)
 
 
 class Bisector:

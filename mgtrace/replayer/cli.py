@@ -200,10 +200,13 @@ def replay(
     **rule_values: str | None,
 ) -> int:
     """Re-run the align kernels of TRACE on provenance-tagged shadow state and report the
-    first step at which a request reads state that is not its own.
+    first step at which a request reads state that is not its own. Each rank's replay
+    stops before the first step the trace lacks (unless --allow-gaps): what it found before
+    stands, and it says where it stopped.
 
     Exit codes: 0 clean, 1 corruption found, 2 usage error, 3 unreadable trace,
-    125 inconclusive.
+    125 inconclusive (nothing found before a gap, or a clean replay of a trace that lacks
+    steps).
     """
     from mgtrace.render import stdout_console
 
@@ -277,7 +280,7 @@ def replay(
         )
     # gaps a replay crosses with --allow-gaps are dropped or left-out steps, which the
     # manifest and the reader say
-    unseen = None if result.findings else unseen_reason(reader)
+    unseen = None if result.findings or result.window_whole else unseen_reason(reader)
     replay_id = replay_id_for(rules, from_step, to_step, last, chosen)
     saved = False
     if not no_save:
@@ -291,6 +294,7 @@ def replay(
                 markup=False,
             )
     caveats = [
+        _stopped_caveat(result.stopped_at_gap),
         unmodelled_writes(reader.manifest.run),
         mid_run_caveat(reader),
         step_offsets_caveat(reader),
@@ -299,6 +303,8 @@ def replay(
     note = rule_note(reader.manifest.run, rules)
     if as_json:
         summary = summary_json(result, replay_id, saved)
+        if result.stopped_at_gap:  # rank -> the missing step the replay stopped before
+            summary["stopped_at_gap"] = {str(r): g for r, g in result.stopped_at_gap.items()}
         if unseen is not None:
             summary["inconclusive"] = unseen
         if caveat is not None:
@@ -323,6 +329,17 @@ def replay(
     if result.findings:
         return EXIT_CORRUPTION
     return EXIT_CLEAN if unseen is None else EXIT_INCONCLUSIVE
+
+
+def _stopped_caveat(stopped: dict[int, int]) -> str | None:
+    """The ranks a replay ended before a gap, in words (None: none did)."""
+    if not stopped:
+        return None
+    where = ", ".join(f"rank {r} before step {g}" for r, g in sorted(stopped.items()))
+    return (
+        f"the replay stopped where the trace lacks steps ({where}): the shadow state cannot "
+        "be rebuilt across them, so nothing after them was replayed"
+    )
 
 
 def summary_json(result, replay_id: str, saved: bool) -> dict:

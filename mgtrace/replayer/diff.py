@@ -21,7 +21,7 @@ from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.coverage import missing_from, unseen_reason
 from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.rules import RuleSet
-from mgtrace.replayer.steps import RankTrace, first_gap, ranks_of, require_replayable
+from mgtrace.replayer.steps import RankTrace, first_hole, ranks_of, require_replayable
 from mgtrace.schemas.reader import TraceReader
 
 INPUT_TABLES = ("steps", "batch_rows", "launches", "block_tables", "sched", "row_moves")
@@ -208,8 +208,7 @@ def diff_rules(
     for rank in ranks:
         trace = RankTrace(reader, rank, ids)
         # the shadow state cannot be rebuilt across a gap: both replays stop before it
-        found = (first_gap(trace.step_numbers), trace.first_left_out)
-        gap = min((g for g in found if g is not None), default=None)
+        gap = first_hole(trace.step_numbers, trace.first_left_out)
         if gap is not None and (out.gap is None or (gap, rank) < (out.gap[1], out.gap[0])):
             out.gap = (rank, gap)
         ra = RankReplay(trace, a, run, device=device)

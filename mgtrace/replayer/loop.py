@@ -35,7 +35,7 @@ from mgtrace.replayer.rules import AS_RECORDED, RuleSet
 from mgtrace.replayer.steps import (
     RankTrace,
     check_ranks,
-    first_gap,
+    first_hole,
     ranks_of,
     require_replayable,
     spec_decodes_run_first,
@@ -1004,6 +1004,12 @@ class ReplayResult:
     ranks: list[int]
     first_step: int | None
     repeats: int  # findings suppressed because the same request already had them
+    # rank -> the step missing from the trace that its replay stopped before (findings
+    # before it were found; nothing after it was replayed)
+    stopped_at_gap: dict[int, int] = field(default_factory=dict)
+    # --to-step ended the replay inside the recorded steps of every rank, before any of
+    # them is missing: what the trace lacks later says nothing about the window
+    window_whole: bool = False
 
     @property
     def clean(self) -> bool:
@@ -1011,9 +1017,19 @@ class ReplayResult:
 
     @classmethod
     def of(
-        cls, rules: RuleSet, findings: list[Finding], steps: int, ranks: list[int], repeats: int
+        cls,
+        rules: RuleSet,
+        findings: list[Finding],
+        steps: int,
+        ranks: list[int],
+        repeats: int,
+        reach: Reach | None = None,
     ) -> ReplayResult:
-        """The result of every rank's findings, put in (step, rank, batch row) order."""
+        """The result of every rank's findings, put in (step, rank, batch row) order.
+        Refuses, as inconclusive, a replay that stopped at a gap having found nothing."""
+        reach = reach or Reach(None)
+        if reach.stopped and not findings:
+            raise InconclusiveError(reach.refusal())
         findings.sort(
             key=lambda f: (f.step, f.rank, f.batch_row if f.batch_row is not None else -1)
         )
@@ -1024,7 +1040,47 @@ class ReplayResult:
             ranks=ranks,
             first_step=findings[0].step if findings else None,
             repeats=repeats,
+            stopped_at_gap={r: g for r, (g, _) in reach.stopped.items()},
+            window_whole=reach.whole,
         )
+
+
+class Reach:
+    """How far each rank's replay may go: to ``--to-step``, or to just before the first step
+    the trace lacks (dropped, never recorded, or in a left-out part), across which the
+    shadow state cannot be rebuilt. Findings before such a gap stand; a replay that found
+    none is inconclusive."""
+
+    def __init__(self, to_step: int | None) -> None:
+        self.to_step = to_step
+        self.stopped: dict[int, tuple[int, bool]] = {}  # rank -> (gap, whether left out)
+        self.whole = to_step is not None
+
+    def until(self, rank: int, steps: np.ndarray, left_out: int | None) -> int | None:
+        """The last step ``rank`` replays to (None: its end; -1: none at all)."""
+        gap = first_hole(steps, left_out)
+        reaches_end = not len(steps) or self.to_step is None or self.to_step >= steps.max()
+        if gap is None or (self.to_step is not None and self.to_step < gap):
+            self.whole = self.whole and not reaches_end
+            return self.to_step
+        self.whole = False
+        self.stopped[rank] = (gap, gap == left_out)
+        return gap - 1
+
+    def refusal(self) -> str:
+        rank, (gap, left_out) = min(self.stopped.items(), key=lambda kv: (kv[1][0], kv[0]))
+        if left_out:
+            why = (
+                f"rank {rank} of the trace lacks rows of step {gap} (a part --skip-bad-parts "
+                "left out held them)"
+            )
+        else:
+            why = (
+                f"rank {rank} of the trace has a gap at step {gap} (dropped or never "
+                "recorded steps)"
+            )
+        found = "the replay found nothing before it" if gap else "no step before it is recorded"
+        return f"{why}; the shadow state cannot be rebuilt across it, and {found}"
 
 
 _UNWRITABLE_CACHES: set[Path] = set()  # checkpoint directories a save failed in
@@ -1087,10 +1143,14 @@ def replay_trace(
     findings: list[Finding] = []
     repeats = 0
     steps_done = 0
+    reach = Reach(to_step)
     for rank in chosen:
         trace = RankTrace(reader, rank, ids)
+        until = to_step
         if not allow_gaps:
-            _require_contiguous(trace.step_numbers, rank, trace.first_left_out)
+            until = reach.until(rank, trace.step_numbers, trace.first_left_out)
+            if until is not None and until < 0:
+                continue  # the rank's first step is missing: nothing of it can be replayed
         rep = RankReplay(
             trace, rules, run_backend, layout, device, defer_reads=defer_reads, mirror=mirror
         )
@@ -1116,7 +1176,7 @@ def replay_trace(
 
         last = rep.run(
             start=start,
-            until=to_step,
+            until=until,
             progress=progress,
             every=checkpoint_every or 256,
             on_checkpoint=save,
@@ -1129,7 +1189,7 @@ def replay_trace(
         )
         findings += [f for f in rep.oracle.findings if from_step is None or f.step >= from_step]
         repeats += sum(v - 1 for v in rep.oracle.repeats.values())
-    return ReplayResult.of(rules, findings, steps_done, chosen, repeats)
+    return ReplayResult.of(rules, findings, steps_done, chosen, repeats, reach)
 
 
 def _replay_in_segments(
@@ -1150,10 +1210,14 @@ def _replay_in_segments(
 
     findings: list[Finding] = []
     repeats = steps = 0
+    reach = Reach(to_step)
     for rank in ranks:
+        until = to_step
         if not allow_gaps:
             numbers, left_out = step_numbers(reader, rank)
-            _require_contiguous(np.array(numbers, dtype=np.int64), rank, left_out)
+            until = reach.until(rank, np.array(numbers, dtype=np.int64), left_out)
+            if until is not None and until < 0:
+                continue  # the rank's first step is missing: nothing of it can be replayed
         outcome = replay_rank_in_segments(
             reader,
             rank,
@@ -1162,28 +1226,14 @@ def _replay_in_segments(
             layout=layout,
             backend=backend,
             device=device,
-            until=to_step,
+            until=until,
             report_from=from_step,
             progress=progress,
         )
         findings += [f for f in outcome.findings if from_step is None or f.step >= from_step]
         repeats += outcome.repeats
         steps += outcome.steps
-    return ReplayResult.of(rules, findings, steps, ranks, repeats)
-
-
-def _require_contiguous(steps: np.ndarray, rank: int, left_out: int | None = None) -> None:
-    if left_out is not None:
-        raise InconclusiveError(
-            f"rank {rank} of the trace lacks rows of step {left_out} (a part --skip-bad-parts "
-            "left out held them); the shadow state cannot be rebuilt across it"
-        )
-    gap = first_gap(steps)
-    if gap is not None:
-        raise InconclusiveError(
-            f"rank {rank} of the trace has a gap at step {gap} (dropped or never recorded "
-            "steps); the shadow state cannot be rebuilt across it"
-        )
+    return ReplayResult.of(rules, findings, steps, ranks, repeats, reach)
 
 
 __all__ = ["AS_RECORDED", "BACKENDS", "ReplayResult", "replay_trace"]

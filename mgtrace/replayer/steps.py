@@ -836,6 +836,13 @@ def first_gap(steps: np.ndarray) -> int | None:
     return int(steps[jumps[0]]) + 1 if len(jumps) else None
 
 
+def first_hole(steps: np.ndarray, left_out: int | None) -> int | None:
+    """The first step a replay cannot rebuild the state across: missing from sorted
+    ``steps``, or ``left_out`` (one a skipped part held rows of); None when there is none."""
+    found = (first_gap(steps), left_out)
+    return min((s for s in found if s is not None), default=None)
+
+
 def require_replayable(reader: TraceReader) -> None:
     """Refuse, in one sentence, a trace that holds nothing a replay can run: no align-kernel
     launch (a probe import, say), or no pool size to hold the states in."""
