@@ -378,7 +378,7 @@ def test_minimize_refuses_an_existing_output_before_any_replay(
     taken.mkdir()
     with pytest.raises(OutputError, match="already exists"):
         mod.minimize(trace, taken)
-    (tmp_path / "test_r2.py").write_text("")
+    (tmp_path / "test_r2.py").write_text(mod.TEST_TEMPLATE.split("{")[0] + "x.\n")
     with pytest.raises(OutputError, match="already exists"):
         mod.minimize(trace, tmp_path / "r2")
     # /proc takes no new file, though its permission bits let root pass
@@ -416,6 +416,12 @@ def test_minimize_force_replaces_only_a_trace(
         mod.minimize(trace, other, force=True)
     with pytest.raises(OutputError, match="not a directory"):
         mod.minimize(trace, work / "notes.txt" / "repro", force=True)
+    # a test file of the user's where the repro test would go: --force once replaced it
+    (tmp_path / "test_mine.py").write_text("# my own test\n")
+    for force in (True, False):
+        with pytest.raises(OutputError, match="not a repro test mgtrace wrote; choose another"):
+            mod.minimize(trace, tmp_path / "mine", force=force)
+    assert (tmp_path / "test_mine.py").read_text() == "# my own test\n"
     assert (work / "notes.txt").read_text() == "mine" and (other / "data.csv").exists()
     proc = run_cli("minimize", str(trace), "-o", ".", "--force", cwd=work)
     assert "current directory" in assert_one_sentence_error(proc, 2)
@@ -428,6 +434,12 @@ def test_minimize_force_replaces_only_a_trace(
     (tmp_path / "empty").mkdir()
     with pytest.raises(Replayed):
         mod.minimize(trace, tmp_path / "empty", force=True)
+    # and a repro test mgtrace wrote, with -f as with --force
+    (tmp_path / "test_mine.py").write_text(mod.TEST_TEMPLATE.split("{")[0] + "x.\n")
+    with pytest.raises(Replayed):
+        mod.minimize(trace, tmp_path / "mine", force=True)
+    proc = run_cli("minimize", str(trace), "-o", str(other), "-f")
+    assert "not an mgtrace trace" in assert_one_sentence_error(proc, 2)
 
 
 def _listing(root: Path) -> dict[str, bytes | None]:

@@ -580,9 +580,11 @@ def diff_cmd(
 @click.option("--rules", "rules_text", metavar="R=V,...", help="Rules to replay under.")
 @click.option("--signature", help="Pin this finding signature (default: the first finding's).")
 @click.option(
+    "-f",
     "--force",
     is_flag=True,
-    help="Replace an existing output that is an mgtrace trace (never another folder).",
+    help="Replace an existing output that is an mgtrace trace, and the repro test mgtrace "
+    "wrote beside it (never another folder or file).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option(

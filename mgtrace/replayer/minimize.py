@@ -428,15 +428,32 @@ def _refuse_existing_output(output: Path, force: bool) -> Path:
             f"{output} is (or holds) the current directory; write the output elsewhere"
         )
     taken = output.exists() or output.is_symlink()
+    empty = output.is_dir() and not output.is_symlink() and not any(output.iterdir())
+    # what --force would not replace is said first, so the advice is not to pass it
+    if taken and not empty and not is_trace_directory(output):
+        raise OutputError(
+            f"{output} exists and is not an mgtrace trace; choose another path (--force "
+            "replaces only a trace)"
+        )
+    if test_file.exists() and not _written_by_minimize(test_file):
+        raise OutputError(
+            f"{test_file} exists and is not a repro test mgtrace wrote; choose another "
+            "output name (--force replaces only mgtrace's own)"
+        )
     if (taken or test_file.exists()) and not force:
         raise OutputError(f"{output} (or {test_file.name}) already exists; pass --force")
-    empty = output.is_dir() and not output.is_symlink() and not any(output.iterdir())
-    if taken and not empty and not is_trace_directory(output):
-        raise OutputError(f"{output} is not an mgtrace trace; refusing to overwrite it")
-    if test_file.exists() and not test_file.is_file():
-        raise OutputError(f"{test_file} is not a file; refusing to overwrite it")
     require_writable_parent(output, str(output))
     return test_file
+
+
+def _written_by_minimize(path: Path) -> bool:
+    """Whether ``path`` is a file that starts as the tests this command writes do."""
+    head = TEST_TEMPLATE.split("{", 1)[0].encode()
+    try:
+        with path.open("rb") as fh:
+            return path.is_file() and fh.read(len(head)) == head
+    except OSError:
+        return False
 
 
 def minimize(
