@@ -43,7 +43,8 @@ def test_missing_manifest(tmp_path: Path) -> None:
 def test_corrupt_manifest(fresh_trace: Path) -> None:
     (fresh_trace / MANIFEST_NAME).write_text('{"format": "mgtrace-trace", "schema_')
     err = assert_one_sentence_error(run_cli("info", str(fresh_trace)), 3)
-    assert "is not valid JSON" in err and "Decode" not in err
+    assert "is not valid JSON" in err and "Decode" not in err and " at at " not in err
+    assert "line 1, column" in err
 
 
 @pytest.mark.parametrize("version", [99, True, 1.0, "1"])
@@ -55,6 +56,8 @@ def test_unknown_schema_version(fresh_trace: Path, version: object) -> None:
     path.write_text(json.dumps(data))
     err = assert_one_sentence_error(run_cli("sql", str(fresh_trace), "SELECT 1"), 3)
     assert f"schema version {version!r}" in err
+    # a version that is no number is not told it is the wrong number (it read '1' vs 1)
+    assert ("not a whole number" in err) == (type(version) is not int), err
 
 
 def _edit_manifest(trace: Path, edit) -> None:
@@ -78,6 +81,15 @@ def _edit_manifest(trace: Path, edit) -> None:
         (lambda m: m["run"].update(num_blocks=[4]), "run.num_blocks must be an integer or null"),
         (lambda m: m["run"].update(mamba_block_size=0), "run.mamba_block_size must be at least 1"),
         (lambda m: m["run"].update(runner="v3"), "run.runner must be v1 or v2"),
+        (lambda m: m["run"].update(row_rule="weird"), "run.row_rule must be req_slot, batch_row"),
+        (
+            lambda m: m["drops"].update(step_ranges=[[20, 25]]),
+            "drops.step_ranges[0] must be [rank, first step, last step]",
+        ),
+        (
+            lambda m: m["drops"].update(step_ranges=[[0, 9, 9], [0, 30, 20]]),
+            "drops.step_ranges[1] must be [rank, first step, last step] with first <= last",
+        ),
         # values past any engine's: a replay sized arrays by them and failed inside numpy
         (lambda m: m["run"].update(num_blocks=10**30), "run.num_blocks must be at most 2147483648"),
         (lambda m: m["run"].update(num_blocks=10**12), "not 1000000000000"),

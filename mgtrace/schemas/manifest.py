@@ -117,6 +117,8 @@ class RunMetadata:
         """The first value no engine can have, in words; None when all can be."""
         if self.runner not in ("v1", "v2"):
             return f"run.runner must be v1 or v2, not {self.runner!r}"
+        if self.row_rule not in (None, "req_slot", "batch_row"):
+            return f"run.row_rule must be req_slot, batch_row or null, not {self.row_rule!r}"
         at_least = {
             "mamba_block_size": (self.mamba_block_size, 1),
             "num_speculative_tokens": (self.num_speculative_tokens, 0),
@@ -223,7 +225,12 @@ class Manifest:
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where} is not an mgtrace manifest (no format: {FORMAT_NAME!r})")
         version = data.get("schema_version")
-        if type(version) is not int or version != SCHEMA_VERSION:  # true and 1.0 equal 1
+        if type(version) is not int:  # true and 1.0 equal 1; "1" is not a version either
+            raise SchemaVersionError(
+                f"{where} has schema version {version!r}, not a whole number; mgtrace "
+                f"writes version {SCHEMA_VERSION} as the number {SCHEMA_VERSION}"
+            )
+        if version != SCHEMA_VERSION:
             raise SchemaVersionError(
                 f"{where} has schema version {version!r}, but this mgtrace reads version "
                 f"{SCHEMA_VERSION} only; use the mgtrace release that wrote it"
@@ -234,6 +241,7 @@ class Manifest:
                 for i, p in enumerate(_list(data.get("parts", []), "parts", where))
             ]
             drops = _entry(Drops, data.get("drops", {}), where, "drops")
+            _check_step_ranges(drops.step_ranges, where)
             run = RunMetadata.from_dict(_object(data.get("run", {}), "run", where), where)
             # the top-level entries, as their annotations say (a float for a timestamp, ...)
             top = {k: data[k] for k in _TOP_LEVEL if k in data}
@@ -270,6 +278,21 @@ _TOP_LEVEL = (
     "closed_unix",
     "mgtrace_version",
 )
+
+
+def _check_step_ranges(ranges: list[Any], where: str) -> None:
+    """Each dropped range is [rank, first step, last step], none negative, first <= last."""
+    for i, r in enumerate(ranges):
+        if not (
+            isinstance(r, list)
+            and len(r) == 3
+            and all(type(x) is int and x >= 0 for x in r)
+            and r[1] <= r[2]
+        ):
+            raise ValueError(
+                f"{where}: drops.step_ranges[{i}] must be [rank, first step, last step] "
+                f"with first <= last, not {r!r:.60}"
+            )
 
 
 def _check_errors(errors: dict[str, Any], where: str) -> None:
@@ -352,7 +375,7 @@ def read_manifest_file(path: Path) -> Manifest:
         raise ManifestError(f"{path} is not text; it is not an mgtrace manifest") from None
     except json.JSONDecodeError as exc:
         raise ManifestError(
-            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+            f"{path} is not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno}); "
             "it may have been cut short"
         ) from None
     return Manifest.from_dict(data, where=str(path))
