@@ -25,6 +25,10 @@ def test_rule_set_parse_and_canonical_round_trip() -> None:
     assert rules.as_flags() == ["--bt-row-is-req=true", "--reorder-threshold=1+k"]
     assert RuleSet().canonical() == AS_RECORDED
     assert RuleSet.parse("reorder-threshold=7")["reorder_threshold"] == "7"
+    # the same value twice says one thing: no refusal (control for the repeats refused below)
+    assert RuleSet.parse("bt_row_is_req=true,bt-row-is-req=TRUE") == RuleSet.parse(
+        "bt_row_is_req=true"
+    )
 
 
 @pytest.mark.parametrize(
@@ -36,6 +40,9 @@ def test_rule_set_parse_and_canonical_round_trip() -> None:
         "reorder_threshold=\u00b2",  # a Unicode digit: isdigit() says yes, int() says no
         "accepted_source",
         "x",
+        # one rule twice, with two values (once the last one won without a word)
+        "reorder_threshold=1+k,reorder_threshold=4",
+        "reorder-threshold=1+k reorder_threshold=4",
     ],
 )
 def test_bad_rules_are_refused(text: str) -> None:

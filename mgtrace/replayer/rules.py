@@ -151,12 +151,17 @@ class RuleSet(Mapping[str, str]):
         if text in ("", AS_RECORDED):
             return cls()
         pairs = {}
+        seen: dict[str, str] = {}
         for item in re.split(r"[,\s]+", text):
             if not item:
                 continue
             name, sep, value = item.partition("=")
             if not sep:
                 raise UsageError(f"rule assignments look like name=value, not {item!r}")
+            key = name.replace("-", "_")  # as the rule set spells its names
+            if key in seen and seen[key].lower() != value.lower():
+                raise UsageError(f"{key} is given twice ({seen[key]} and {value}); give one")
+            seen[key] = value
             pairs[name] = value
         return cls(pairs)
 
