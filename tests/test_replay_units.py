@@ -50,6 +50,20 @@ def test_bad_rules_are_refused(text: str) -> None:
         RuleSet.parse(text)
 
 
+def test_list_rules_names_every_rule_as_text_and_as_json() -> None:
+    """--list-rules once printed its table whatever --json said. Control: without --json
+    the table, which is no JSON."""
+    from tests.conftest import run_cli
+
+    said = json.loads(run_cli("replay", "--list-rules", "--json").stdout)
+    assert [r["name"] for r in said] == list(RULES)
+    assert all(AS_RECORDED in r["values"] and r["flag"].startswith("--") for r in said)
+    table = run_cli("replay", "--list-rules")
+    assert table.returncode == 0 and all(r.flag in table.stdout for r in RULES.values())
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(table.stdout)
+
+
 def test_single_changes_cover_every_rule_once() -> None:
     changes = list(single_changes(RuleSet(), k=3))
     assert all(len(c.changed()) == 1 for c in changes)

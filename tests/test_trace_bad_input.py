@@ -272,6 +272,12 @@ def test_output_is_never_overwritten_without_force(fresh_trace: Path, tmp_path: 
         "sql", str(fresh_trace), "SELECT 1 AS x", "--format", "csv", "-o", str(out), "-f"
     )
     assert proc.returncode == 0 and out.read_text().splitlines() == ['"x"', "1"]
+    # a directory is no file to write, --force or not (it was once told to pass --force)
+    folder = tmp_path / "folder.csv"
+    folder.mkdir()
+    for force in ([], ["-f"]):
+        proc = run_cli("sql", str(fresh_trace), "SELECT 1 AS x", "-o", str(folder), *force)
+        assert "is a directory; give a file name" in assert_one_sentence_error(proc, 2)
 
 
 def test_failed_query_leaves_no_output_file(fresh_trace: Path, tmp_path: Path) -> None:

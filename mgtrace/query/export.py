@@ -133,10 +133,10 @@ def _write_as(fmt: str, table: pa.Table, fh: IO[bytes]) -> None:
 
 def check_output_path(path: Path, *, force: bool) -> None:
     """Refuse before any work is done, so a bad -o never costs a long query."""
+    if path.is_dir():  # said first: --force would not help
+        raise OutputError(f"{path} is a directory; give a file name")
     if path.exists() and not force:
         raise OutputError(f"{path} already exists; pass --force to overwrite it")
-    if path.exists() and path.is_dir():
-        raise OutputError(f"{path} is a directory; give a file name")
     require_writable_parent(path, str(path))  # a file or /proc above it fails here, not later
     if not path.parent.exists():
         raise OutputError(f"the directory {path.parent} does not exist")

@@ -98,6 +98,20 @@ def _rule_options(func):
     return func
 
 
+def rules_json() -> list[dict[str, object]]:
+    """The rules as --list-rules --json prints them ("N": any positive integer)."""
+    return [
+        {
+            "name": rule.name,
+            "flag": rule.flag,
+            "values": [*rule.values, AS_RECORDED],
+            "summary": rule.summary,
+            "undoes": rule.undoes,
+        }
+        for rule in RULES.values()
+    ]
+
+
 def list_rules(console: Console) -> None:
     from rich.table import Table
 
@@ -212,7 +226,10 @@ def replay(
 
     out = stdout_console()
     if show_rules:
-        list_rules(out)
+        if as_json:
+            click.echo(json.dumps(rules_json(), indent=1))
+        else:
+            list_rules(out)
         return EXIT_CLEAN
     if trace is None:
         raise UsageError("give a TRACE to replay (or --list-rules)")

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mgtrace.errors import UsageError
 from mgtrace.outputs import require_writable_parent
+from mgtrace.render import counted
 from mgtrace.shell import shell_path
 from mgtrace.sim.config import BUGS, SimConfig
 from mgtrace.sim.engine import simulate as run_simulation
@@ -143,7 +144,8 @@ def _simulate(
         )
     truth = manifest.ground_truth or {}
     err.print(
-        f"wrote {output} ({cfg.steps} steps, {manifest.source.get('num_requests')} requests)",
+        f"wrote {output} ({counted(cfg.steps, 'step')}, "
+        f"{counted(manifest.source.get('num_requests') or 0, 'request')})",
         markup=False,  # the path is printed as it is, brackets included
         highlight=False,
     )
