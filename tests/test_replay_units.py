@@ -511,6 +511,13 @@ def test_the_checkpoint_cache_outlives_saved_findings_and_damage(tmp_path) -> No
     assert json.loads(resumed.stdout)["steps"] == 100  # the window's, whatever the cache held
     assert not damaged.exists()
     assert replayed_from_300() == 400 - 192  # the next older one
+    # a file that is no archive: said in the reader's first sentence, without numpy's advice
+    # to load pickles unsafely
+    older = next(f for f in cached if f.stem.endswith("step000000191"))
+    older.write_bytes(b"\x80\x04 not a checkpoint")
+    resumed = run_cli(*base, "--from-step", "300", "--no-save")
+    assert "damaged replay checkpoint was removed" in resumed.stderr, resumed.stderr
+    assert "allow_pickle" not in resumed.stderr and not older.exists()
     # a window saves under its own id: the whole replay's findings stay as they were
     assert run_cli(*base, "--from-step", "300").returncode == 1
     after = _findings_by_replay(out)

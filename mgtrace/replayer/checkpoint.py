@@ -103,7 +103,10 @@ def restore_cached(rep: RankReplay, directory: Path, rank: int, step: int) -> in
                 done = "was removed"
             except OSError:  # a cache this user cannot write: a miss all the same
                 done = "was skipped (it cannot be removed)"
-            log.warning("mgtrace: a damaged replay checkpoint %s (%s: %s)", done, path, exc)
+            # the first sentence of the reader's reason: numpy goes on to advise loading
+            # pickles unsafely, which is no advice for a cache file mgtrace wrote
+            why = str(exc).split(". ")[0].rstrip(".")
+            log.warning("mgtrace: a damaged replay checkpoint %s (%s: %s)", done, path, why)
             continue
         return _restore_loaded(rep, cp)
     return None
