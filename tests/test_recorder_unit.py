@@ -628,6 +628,38 @@ def test_import_probe_counts_lone_surrogates_as_malformed_lines(tmp_path: Path) 
     assert con.execute("SELECT count(*) FROM steps").fetchone() == (report.steps,)
 
 
+def test_import_probe_counts_lines_of_invalid_utf8_as_malformed(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 were once replaced by U+FFFD, so two ids differing only in
+    them became one request, and the import said nothing. Now each such line is malformed,
+    and an event is counted only once it was taken. Control: the clean logs."""
+    pp, bp, _ = _probe_logs(tmp_path)
+    clean = import_probe(pp, bp, tmp_path / "clean")
+    bad_pp, bad_bp = tmp_path / "bad_probe.jsonl", tmp_path / "bad_burst.jsonl"
+    prefill = (
+        b'{"event": "prefill", "pid": 1, "step": 900, "num_reqs": 1, "rows": [["req-%s", 5, 1]]}\n'
+    )
+    bad_pp.write_bytes(pp.read_bytes() + prefill % b"\xff\xfe" + prefill % b"\xfe\xff")
+    ids = (b"\xff-a", b"\xfe-a")
+    bad_bp.write_bytes(
+        bp.read_bytes()
+        + b"".join(
+            b'{"i": %d, "req_id": "x%s", "text": "hi"}\n' % (10_000 + n, i)
+            for n, i in enumerate(ids)
+        )
+    )
+    report = import_probe(bad_pp, bad_bp, tmp_path / "bad")
+    assert report.malformed["probe_line"] == clean.malformed["probe_line"] + 2
+    assert report.malformed["burst_line"] == clean.malformed["burst_line"] + 2
+    assert (report.steps, report.requests) == (clean.steps, clean.requests)
+    assert report.events == clean.events  # the refused lines are not counted as events
+    # a line that parses but is refused is no event either
+    refused = b'{"event": "prefill", "pid": 1, "step": 0, "num_reqs": 1, "rows": []}\n'
+    (tmp_path / "refused.jsonl").write_bytes(pp.read_bytes() + refused)
+    report = import_probe(tmp_path / "refused.jsonl", bp, tmp_path / "refused")
+    assert report.malformed["probe_line"] == clean.malformed["probe_line"] + 1
+    assert report.events == clean.events
+
+
 def test_import_probe_leaves_no_trace_the_writer_cut_short(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

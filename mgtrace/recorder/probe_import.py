@@ -34,6 +34,7 @@ import json
 import re
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,17 @@ def _wall_ns(t: Any) -> int | None:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
+def _text_lines(path: Path) -> Iterator[tuple[int, str | None]]:
+    """Numbered lines of a log, as text; None for a line that is not valid UTF-8 (a
+    malformed line: replacing its bytes would merge distinct ids into one)."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield lineno, None
+
+
 def _check_unicode(line: str, obj: Any) -> None:
     """Refuse a parsed line whose strings (keys or values) are not valid Unicode."""
     if _SURROGATE_ESCAPE.search(line):
@@ -166,19 +178,23 @@ class ProbeImporter:
 
     # ------------------------------------------------------------ probe log
     def read_probe(self, path: Path) -> None:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for lineno, line in enumerate(fh, 1):
-                self.report.probe_lines += 1
-                if not line.strip():
-                    continue
-                try:
-                    ev = json.loads(line)
-                    if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
-                        raise _Malformed("not an event object")
-                    _check_unicode(line, ev)
-                    self._event(ev)
-                except _BAD_LINE as exc:
-                    self.malformed("probe_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
+        for lineno, line in _text_lines(path):
+            self.report.probe_lines += 1
+            if line is None:
+                self.malformed("probe_line", f"{path.name}:{lineno}", "not valid UTF-8")
+                continue
+            if not line.strip():
+                continue
+            try:
+                ev = json.loads(line)
+                if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
+                    raise _Malformed("not an event object")
+                _check_unicode(line, ev)
+                self._event(ev)
+                # counted once taken: a malformed line is counted as such, not as an event
+                self.report.events[ev["event"]] = self.report.events.get(ev["event"], 0) + 1
+            except _BAD_LINE as exc:
+                self.malformed("probe_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
 
     def _rank(self, ev: dict[str, Any]) -> int:
         pid = ev.get("pid")
@@ -198,7 +214,6 @@ class ProbeImporter:
 
     def _event(self, ev: dict[str, Any]) -> None:
         kind = ev["event"]
-        self.report.events[kind] = self.report.events.get(kind, 0) + 1
         if kind == "start":
             self.start = ev
             thr = ev.get("runner_reorder_batch_threshold")
@@ -315,24 +330,26 @@ class ProbeImporter:
     def read_burst(self, path: Path) -> dict[str, list[Any]]:
         cols: dict[str, list[Any]] = defaultdict(list)
         rows = []
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for lineno, line in enumerate(fh, 1):
-                self.report.burst_lines += 1
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    if not isinstance(row, dict) or _opt_int(row.get("i")) is None:
-                        raise _Malformed("not a request object with an integer i")
-                    _check_unicode(line, row)
-                    if "text" in row and not isinstance(row["text"], str):
-                        raise _Malformed("text is not a string")
-                    tokens = row.get("completion_tokens")
-                    if tokens is not None and _opt_int(tokens) is None:
-                        raise _Malformed("completion_tokens is not an integer")
-                    rows.append(row)
-                except _BAD_LINE as exc:
-                    self.malformed("burst_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
+        for lineno, line in _text_lines(path):
+            self.report.burst_lines += 1
+            if line is None:
+                self.malformed("burst_line", f"{path.name}:{lineno}", "not valid UTF-8")
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or _opt_int(row.get("i")) is None:
+                    raise _Malformed("not a request object with an integer i")
+                _check_unicode(line, row)
+                if "text" in row and not isinstance(row["text"], str):
+                    raise _Malformed("text is not a string")
+                tokens = row.get("completion_tokens")
+                if tokens is not None and _opt_int(tokens) is None:
+                    raise _Malformed("completion_tokens is not an integer")
+                rows.append(row)
+            except _BAD_LINE as exc:
+                self.malformed("burst_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
         starts = [r["t_start"] for r in rows if isinstance(r.get("t_start"), (int, float))]
         t0 = min(starts) if starts else 0.0
         seen: set[str] = set()
