@@ -937,6 +937,13 @@ def test_import_probe_command_reports_counts(tmp_path: Path, capsys: Any) -> Non
     assert code == 0
     assert "40 matched to engine ids" in captured.out
     assert "skipped 4 malformed entries" in captured.err
+    assert "no load-generator request id matches" not in captured.err  # control for below
+    empty = tmp_path / "empty_probe.jsonl"  # nothing to link the requests to steps
+    empty.write_text(json.dumps({"event": "start", "pid": 1}) + "\n")
+    code, _ = _invoke(command, [str(empty), str(bp), "-o", str(tmp_path / "unlinked")])
+    captured = capsys.readouterr()
+    assert code == 0 and "0 matched to engine ids" in captured.out
+    assert "warning: no load-generator request id matches" in captured.err
     code, text = _invoke(command, [str(pp), "-o", str(tmp_path / "t")])
     assert code == 2 and "already exists" in text
 

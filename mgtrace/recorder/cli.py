@@ -264,7 +264,7 @@ def record_command(
 
     Exit codes: 0 recorded (or stopped), 2 refused (bad option, no engine, nothing
     recorded), 130 Ctrl-C, 143/129 SIGTERM/SIGHUP; with an engine command, the engine's own
-    exit status (2 when it recorded nothing)."""
+    exit status (2 when it recorded nothing, 128+N when signal N ended it)."""
     from mgtrace.recorder import attach
 
     if stop:
@@ -519,6 +519,13 @@ def import_probe_command(probe: Path, burst: Path | None, output: Path, force: b
         click.echo(
             f"skipped {report.malformed_total} malformed entries ({detail}); "
             "counted in the manifest's errors",
+            err=True,
+        )
+    if report.requests and not report.matched_requests:
+        click.echo(
+            "warning: no load-generator request id matches an engine request of the probe "
+            "log, so the re-analysis has no step to place them by (every one would read as "
+            "clean); check that the two files come from the same run",
             err=True,
         )
     if report.requests:  # the load generator's labels: the field re-analysis is one query
