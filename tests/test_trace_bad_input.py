@@ -82,6 +82,7 @@ def _edit_manifest(trace: Path, edit) -> None:
         (lambda m: m["run"].update(mamba_block_size=0), "run.mamba_block_size must be at least 1"),
         (lambda m: m["run"].update(runner="v3"), "run.runner must be v1 or v2"),
         (lambda m: m["run"].update(row_rule="weird"), "run.row_rule must be req_slot, batch_row"),
+        (lambda m: m["parts"].append(m["parts"][0]), "twice"),
         (
             lambda m: m["drops"].update(step_ranges=[[20, 25]]),
             "drops.step_ranges[0] must be [rank, first step, last step]",

@@ -252,9 +252,13 @@ class Manifest:
             raise ManifestError(str(exc)) from None
         except TypeError as exc:
             raise ManifestError(f"{where} has a malformed entry ({exc})") from None
+        seen: set[str] = set()
         for part in parts:
             if part.table not in TABLES:
                 raise ManifestError(f"{where} lists a part of unknown table {part.table!r}")
+            if part.path in seen:  # read twice, its rows would count twice
+                raise ManifestError(f"{where} lists the part {part.path} twice")
+            seen.add(part.path)
         return cls(
             run=run,
             source=dict(top.get("source", {})),
