@@ -122,6 +122,8 @@ def _run_section(info: dict[str, Any]) -> list[str]:
         ("ranks", info["ranks"]),
         ("dropped steps", info["drops"]["steps"] + info["drops"]["malformed_steps"]),
     ]
+    for part in info.get("skipped_parts", []):  # --skip-bad-parts: what the report lacks
+        meta.append(("left-out part", f"{part['path']}: {part['reason']}"))
     rank_steps = offsets_summary(info["rank_step_offsets"])
     if rank_steps is not None:
         meta.insert(meta.index(("ranks", info["ranks"])) + 1, ("rank steps", rank_steps))

@@ -118,6 +118,9 @@ def test_report_of_a_trace_with_a_left_out_part(report: Path, tmp_path: Path) ->
     text = out.read_text()
     assert "class='verdict inconclusive'" in text and "class='warn'" in text
     assert "class='warn'" not in report.read_text()  # the control: a whole trace, no warning
+    # the run section names the part left out (it once said only "complete")
+    assert f"left-out part</td><td>{rel}: " in text, text[:3000]
+    assert "left-out part" not in report.read_text()
 
 
 def test_report_of_an_imported_probe_log(tmp_path: Path) -> None:
