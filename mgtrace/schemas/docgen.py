@@ -45,8 +45,11 @@ Readers refuse any `schema_version` other than {SCHEMA_VERSION}, a manifest entr
 does not have its field's type (or a `run` value no engine can have, such as a block size of
 0, or one past the limits below), and a part that is missing or differs from its manifest
 entry. With `--skip-bad-parts` they read the rest; a replay then treats the steps a left-out
-part held rows of as gaps (inconclusive, exit 125, unless `--allow-gaps`). Token ids and
-prompt text are never recorded.
+part held rows of as gaps. A replay stops before the first gap of a rank (the shadow
+state cannot be rebuilt across it): what it found before the gap stands (exit 1, the stop
+named), and a replay that found nothing there is inconclusive (exit 125), unless
+`--allow-gaps`; a `--to-step` window that ends before every gap is judged on its own. Token
+ids and prompt text are never recorded.
 
 Keys marked **key** are the table's natural key and are never null.
 """
