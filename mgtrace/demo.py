@@ -35,9 +35,10 @@ def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
     Exit codes: 0 when bisect finds the injected first step, 1 when it does not, 2 usage
     error."""
     from mgtrace.replayer.bisect import bisect, save_log
+    from mgtrace.replayer.cli import replay_id_for
     from mgtrace.replayer.findings import save_findings
     from mgtrace.replayer.loop import replay_trace
-    from mgtrace.replayer.rules import RuleSet
+    from mgtrace.replayer.rules import AS_RECORDED, RuleSet
     from mgtrace.schemas.reader import TraceReader
     from mgtrace.schemas.writer import refuse_unless_replaceable
     from mgtrace.sim.config import BUG_REORDER, SimConfig
@@ -76,10 +77,13 @@ def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
         out.rule("2. replay (as recorded)")
         reader = TraceReader(output)
         result = replay_trace(reader, RuleSet())
-        save_findings(output, result.findings, replay_id="demo", rules="as-recorded")
+        # under the id `mgtrace replay` gives a whole replay as recorded, which the canned
+        # queries read
+        replay_id = replay_id_for(RuleSet())
+        save_findings(output, result.findings, replay_id=replay_id, rules=AS_RECORDED)
         # a temporary trace is gone when the demo ends: no commands that query it later
         kept = scratch is None
-        render_replay(result, out, trace=output, replay_id="demo" if kept else None)
+        render_replay(result, out, trace=output, replay_id=replay_id if kept else None)
         out.rule("3. bisect")
         verdict = bisect(output)
         save_log(verdict, output / "bisect.json")

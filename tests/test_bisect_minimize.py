@@ -338,6 +338,9 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert "bisect matches the injected first step" in proc.stdout
     assert "clean under --reorder-threshold=1+k" in proc.stdout
     assert "--replay" in proc.stdout and "now removed" not in proc.stdout
+    # the canned queries read the demo's findings, saved as `mgtrace replay` saves them
+    flagged = run_cli("sql", str(tmp_path / "d"), "@findings-over-time", "--format", "csv")
+    assert flagged.returncode == 0 and len(flagged.stdout.splitlines()) > 1, flagged.stdout
     # without -o the trace is temporary: no re-check command for a path about to vanish
     proc = subprocess.run(
         [sys.executable, "-m", "mgtrace", "demo", "--steps", "800"],
