@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from mgtrace.errors import UsageError
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.schemas.reader import TraceReader
 
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
 
 
 def _rules(rules: RuleSet | str | None, values: dict[str, Any]) -> RuleSet:
+    if rules is not None and not isinstance(rules, (RuleSet, str)):
+        raise UsageError(
+            f"rules must be a RuleSet or a string such as 'bt_row_is_req=true', not {rules!r:.40}"
+        )
     base = RuleSet.parse(rules) if isinstance(rules, str) else (rules or RuleSet())
     chosen = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in values.items()}
     return base.with_(**chosen) if chosen else base
@@ -42,14 +47,21 @@ class Trace:
     """One trace directory: its metadata, its tables, and the offline analyses on it."""
 
     def __init__(self, path: str | Path, *, skip_bad_parts: bool = False) -> None:
+        if not isinstance(path, (str, Path)):
+            raise UsageError(f"a trace is opened by its path, not {path!r:.40}")
         self.path = Path(path)
         self._skip_bad_parts = skip_bad_parts
         self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
         self._con = None
 
     def __repr__(self) -> str:
+        from mgtrace.replayer.steps import ranks_of
+
         state = "complete" if self.reader.complete else "incomplete"
-        return f"Trace({str(self.path)!r}, {self.reader.rows('steps')} steps, {state})"
+        rows, ranks = self.reader.rows("steps"), len(ranks_of(self.reader))
+        # the steps table holds a row per step and rank: a PP step is one step
+        steps = f"{rows} steps" if ranks < 2 else f"{rows} step rows on {ranks} ranks"
+        return f"Trace({str(self.path)!r}, {steps}, {state})"
 
     @property
     def manifest(self) -> Manifest:
@@ -78,11 +90,25 @@ class Trace:
         from mgtrace.query.canned import named
         from mgtrace.query.views import run_query
 
+        if not isinstance(query, str):
+            raise UsageError(f"a query is a string, not {query!r:.40}")
+
         if self._con is None:
             self._con = self.reader.connect()
         return run_query(self._con, named(query, self.run.num_speculative_tokens))
 
     def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
+        from mgtrace.schemas.tables import TABLES
+
+        if columns is not None and name in TABLES:  # an unknown table: the reader says so
+            columns = [columns] if isinstance(columns, str) else list(columns)
+            known = set(TABLES[name].schema.names)
+            unknown = [c for c in columns if c not in known]
+            if unknown:
+                raise UsageError(
+                    f"table {name} has no column {', '.join(map(str, unknown))}; its columns: "
+                    f"{', '.join(sorted(known))}"
+                )
         return self.reader.table(name, columns=columns)
 
     def history(
@@ -97,8 +123,17 @@ class Trace:
         """One request's lines, as ``mgtrace history`` shows them (``request``: the id, or
         a unique part of it; ``rules=None``: findings of every saved replay; ``rank``: that
         rank's lines only)."""
+        from mgtrace.cli import check_step_window
         from mgtrace.query.history import check_rank, request_history, resolve_request
 
+        if not isinstance(request, str):
+            raise UsageError(f"a request is named by its id (a string), not {request!r:.40}")
+        for name, value in (("from_step", from_step), ("to_step", to_step)):
+            if value is not None and type(value) is not int:
+                raise UsageError(f"{name} must be a step number, not {value!r:.40}")
+        check_step_window(from_step, to_step)
+        # "any": every saved replay's findings, as `mgtrace history --rules any` says
+        rules = None if rules in (None, "any") else _rules(rules, {}).canonical()
         if rank is not None:
             check_rank(self.reader, rank, self.path)
         if self._con is None:
@@ -135,12 +170,13 @@ class Trace:
         ``allow_gaps=True`` the replay crosses dropped or left-out steps (it may mislead);
         ``ranks``: only those ranks (every rank by default).
         """
-        from mgtrace.replayer.cli import last_step_of, replay_id_for
+        from mgtrace.replayer.cli import check_replay_window, last_step_of, replay_id_for
         from mgtrace.replayer.findings import save_findings
         from mgtrace.replayer.loop import replay_trace
         from mgtrace.replayer.steps import some_ranks
 
         ruleset = _rules(rules, rule_values)
+        check_replay_window(self.reader, self.path, from_step, to_step)
         chosen = some_ranks(self.reader, ranks, self.path)
         result = replay_trace(
             self.reader,
@@ -220,7 +256,7 @@ class Trace:
             reader = other.reader if isinstance(other, Trace) else TraceReader(other)
             return diff_traces(self.reader, reader)
         if rules_b is None:
-            raise ValueError("give another trace or rules_b")
+            raise UsageError("give another trace, or rules_b to compare rule sets on this one")
         return diff_rules(self.reader, RuleSet.parse(rules_a), RuleSet.parse(rules_b))
 
 
@@ -252,7 +288,7 @@ def simulate(
         k=k,
         pp=pp,
         seed=seed,
-        bugs=tuple(bugs),
+        bugs=(bugs,) if isinstance(bugs, str) else tuple(bugs),  # one name, or several
         output=Path(output),
         overwrite=force,
         **options,

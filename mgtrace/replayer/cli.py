@@ -55,6 +55,23 @@ def replay_id_for(
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
+def check_replay_window(
+    reader: TraceReader, trace: Path, from_step: object, to_step: object
+) -> int | None:
+    """Refuse a step window no replay of ``trace`` can report on (the command line's and
+    the API's alike); returns the trace's last step."""
+    from mgtrace.cli import check_step_window
+
+    for name, value in (("--from-step", from_step), ("--to-step", to_step)):
+        if value is not None and (type(value) is not int or value < 0):
+            raise UsageError(f"{name} must be a step number (0 or more), not {value!r:.40}")
+    check_step_window(from_step, to_step)  # type: ignore[arg-type]
+    last = last_step_of(reader)
+    if from_step is not None and last is not None and from_step > last:  # type: ignore[operator]
+        raise UsageError(f"--from-step {from_step} is past the last step of {trace} ({last})")
+    return last
+
+
 def last_step_of(reader: TraceReader) -> int | None:
     """The trace's last step, from its manifest (None for a trace without steps)."""
     return max(
@@ -252,9 +269,7 @@ def replay(
 
     rules = rules_from_options(rule_values, rules_text)
     reader = TraceReader(trace, skip_bad_parts=skip_bad_parts)
-    last = last_step_of(reader)
-    if from_step is not None and last is not None and from_step > last:
-        raise UsageError(f"--from-step {from_step} is past the last step of {trace} ({last})")
+    last = check_replay_window(reader, trace, from_step, to_step)
     chosen = some_ranks(reader, ranks, trace)
     if jobs is None:
         jobs = auto_jobs(

@@ -889,7 +889,11 @@ def some_ranks(
 
 
 def _checked(have: list[int], ranks: Iterable[int], trace: str | Path) -> list[int]:
-    wanted = sorted(set(ranks))
+    given = [ranks] if isinstance(ranks, (str, bytes)) else list(ranks)
+    odd = [r for r in given if type(r) is not int]
+    if odd:  # "0" is no rank 0 (and would be told the trace has none while listing it)
+        raise UsageError(f"a rank is a whole number, not {odd[0]!r:.40}")
+    wanted = sorted(set(given))
     missing = [r for r in wanted if r not in have]
     if missing:
         listed = ", ".join(map(str, have)) or "none"
