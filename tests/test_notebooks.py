@@ -59,8 +59,10 @@ def test_notebook_runs(name: str, expect: list[str], tmp_path: Path) -> None:
         assert images >= 4
 
 
-def _run_triage_on(trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    nb = nbformat.read(NOTEBOOKS / "triage.ipynb", as_version=4)
+def _run_triage_on(
+    trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str = "triage.ipynb"
+) -> str:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     monkeypatch.setenv("MGTRACE_TRACE", str(trace))
     nbclient.NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
@@ -77,6 +79,17 @@ def test_triage_of_a_trace_that_replays_clean(tmp_path: Path, monkeypatch) -> No
     text = _run_triage_on(tmp_path / "clean.trace", tmp_path, monkeypatch)
     assert "as recorded: clean" in text and "no corrupted request to follow: clean" in text
     assert "history of" not in text
+
+
+def test_bisect_notebook_on_a_trace_that_replays_clean(tmp_path: Path, monkeypatch) -> None:
+    """The minimize cell raised on a clean recording (nothing to minimize) and the pytest
+    cell then failed on its missing result. Now both say there is nothing to minimize."""
+    import mgtrace
+
+    mgtrace.simulate(tmp_path / "clean.trace", steps=150, seed=0)
+    text = _run_triage_on(tmp_path / "clean.trace", tmp_path, monkeypatch, "bisect.ipynb")
+    assert "nothing to minimize: the bisect verdict is clean" in text
+    assert "passed" not in text
 
 
 def test_triage_of_an_imported_probe_log(tmp_path: Path, monkeypatch) -> None:
