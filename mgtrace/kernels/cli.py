@@ -46,8 +46,9 @@ def _check_kernels(against: str | None, cases: int, seed: int, device: str, as_j
     backend and (with --against vllm) vLLM's kernels on identical random inputs.
 
     Exit 0 when every backend produced the same bytes, 1 on any mismatch (each with the
-    command that reproduces it), 130 when interrupted (Ctrl-C) before the end with no
-    mismatch found so far.
+    command that reproduces it), 2 on a usage error (no GPU for --device cuda, no vLLM
+    for --against vllm), 130 when interrupted (Ctrl-C) before the end with no mismatch
+    found so far.
     """
     err = Console(stderr=True)
     with Progress(
