@@ -177,24 +177,35 @@ class ProbeImporter:
         self.first_error.setdefault(kind, f"{where}: {why}")
 
     # ------------------------------------------------------------ probe log
-    def read_probe(self, path: Path) -> None:
+    def _json_lines(self, path: Path, kind: str) -> Iterator[tuple[str, Any]]:
+        """Each non-blank line of ``path`` (counted in the report's ``{kind}s``) parsed as
+        JSON that holds valid Unicode, with where it is; one that is not is counted
+        malformed as ``kind``."""
+        lines = f"{kind}s"
         for lineno, line in _text_lines(path):
-            self.report.probe_lines += 1
+            setattr(self.report, lines, getattr(self.report, lines) + 1)
+            where = f"{path.name}:{lineno}"
             if line is None:
-                self.malformed("probe_line", f"{path.name}:{lineno}", "not valid UTF-8")
-                continue
-            if not line.strip():
-                continue
+                self.malformed(kind, where, "not valid UTF-8")
+            elif line.strip():
+                try:
+                    obj = json.loads(line)
+                    _check_unicode(line, obj)
+                except _BAD_LINE as exc:
+                    self.malformed(kind, where, str(exc) or "bad JSON")
+                else:
+                    yield where, obj
+
+    def read_probe(self, path: Path) -> None:
+        for where, ev in self._json_lines(path, "probe_line"):
             try:
-                ev = json.loads(line)
                 if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
                     raise _Malformed("not an event object")
-                _check_unicode(line, ev)
                 self._event(ev)
                 # counted once taken: a malformed line is counted as such, not as an event
                 self.report.events[ev["event"]] = self.report.events.get(ev["event"], 0) + 1
             except _BAD_LINE as exc:
-                self.malformed("probe_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
+                self.malformed("probe_line", where, str(exc) or "bad JSON")
 
     def _rank(self, ev: dict[str, Any]) -> int:
         pid = ev.get("pid")
@@ -330,18 +341,10 @@ class ProbeImporter:
     def read_burst(self, path: Path) -> dict[str, list[Any]]:
         cols: dict[str, list[Any]] = defaultdict(list)
         rows = []
-        for lineno, line in _text_lines(path):
-            self.report.burst_lines += 1
-            if line is None:
-                self.malformed("burst_line", f"{path.name}:{lineno}", "not valid UTF-8")
-                continue
-            if not line.strip():
-                continue
+        for where, row in self._json_lines(path, "burst_line"):
             try:
-                row = json.loads(line)
                 if not isinstance(row, dict) or _opt_int(row.get("i")) is None:
                     raise _Malformed("not a request object with an integer i")
-                _check_unicode(line, row)
                 if "text" in row and not isinstance(row["text"], str):
                     raise _Malformed("text is not a string")
                 tokens = row.get("completion_tokens")
@@ -349,7 +352,7 @@ class ProbeImporter:
                     raise _Malformed("completion_tokens is not an integer")
                 rows.append(row)
             except _BAD_LINE as exc:
-                self.malformed("burst_line", f"{path.name}:{lineno}", str(exc) or "bad JSON")
+                self.malformed("burst_line", where, str(exc) or "bad JSON")
         starts = [r["t_start"] for r in rows if isinstance(r.get("t_start"), (int, float))]
         t0 = min(starts) if starts else 0.0
         seen: set[str] = set()
