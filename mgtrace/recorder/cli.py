@@ -264,7 +264,8 @@ def record_command(
 
     Exit codes: 0 recorded (or stopped), 2 refused (bad option, no engine, nothing
     recorded), 130 Ctrl-C, 143/129 SIGTERM/SIGHUP; with an engine command, the engine's own
-    exit status (2 when it recorded nothing, 128+N when signal N ended it)."""
+    exit status (2 when it recorded nothing; a signal that ended it, as a shell reports
+    one)."""
     from mgtrace.recorder import attach
 
     if stop:
