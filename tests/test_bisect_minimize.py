@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -627,6 +628,37 @@ def test_replay_stops_before_a_gap_and_keeps_what_it_found(tmp_path: Path) -> No
     clean_before = _with_steps_removed(buggy, tmp_path / "before.trace", {first - 2})
     err = assert_one_sentence_error(run_cli("replay", str(clean_before), "--no-save"), 125)
     assert f"gap at step {first - 2}" in err and "found nothing before it" in err, err
+
+
+def test_a_clean_window_is_judged_by_the_steps_it_covers(tmp_path: Path) -> None:
+    """A clean replay whose window ends before a gap is clean, --allow-gaps or not; one that
+    stops at the gap having found nothing is inconclusive, and so is a window that crosses
+    the gap (the trace lacks steps it covered) or reaches the trace's end (the manifest's
+    drops may lie there)."""
+    from mgtrace.replayer.loop import Reach
+
+    clean = sim_trace(None, 1, 300, scenario="pairs", runner="v1")
+    gapped = _with_steps_removed(clean, tmp_path / "gap.trace", set(range(150, 155)))
+    for args, code in (
+        (["--to-step", "100"], 0),
+        (["--allow-gaps", "--to-step", "100"], 0),
+        ([], 125),
+    ):
+        proc = run_cli("replay", str(gapped), "--no-save", *args)
+        assert proc.returncode == code, (args, proc.stdout + proc.stderr)
+    steps = np.array([*range(150), *range(155, 300)])
+    for to_step, stop, until, whole in (
+        (100, True, 100, True),
+        (100, False, 100, True),
+        (200, True, 149, False),
+        (200, False, 200, False),  # --allow-gaps across the gap: not a whole window
+        (None, True, 149, False),
+    ):
+        reach = Reach(to_step)
+        assert reach.until(0, steps, None, stop=stop) == until, (to_step, stop)
+        assert reach.whole is whole and bool(reach.stopped) is (stop and until == 149)
+    reach = Reach(299)  # to the end: what the manifest says is missing may lie past it
+    assert reach.until(0, np.arange(300), None) == 299 and not reach.whole
 
 
 def test_minimize_replays_up_to_the_first_gap(tmp_path: Path) -> None:

@@ -1056,14 +1056,19 @@ class Reach:
         self.stopped: dict[int, tuple[int, bool]] = {}  # rank -> (gap, whether left out)
         self.whole = to_step is not None
 
-    def until(self, rank: int, steps: np.ndarray, left_out: int | None) -> int | None:
-        """The last step ``rank`` replays to (None: its end; -1: none at all)."""
+    def until(
+        self, rank: int, steps: np.ndarray, left_out: int | None, *, stop: bool = True
+    ) -> int | None:
+        """The last step ``rank`` replays to (None: its end; -1: none at all); with
+        ``stop`` False (--allow-gaps) the window, across any gap."""
         gap = first_hole(steps, left_out)
         reaches_end = not len(steps) or self.to_step is None or self.to_step >= steps.max()
         if gap is None or (self.to_step is not None and self.to_step < gap):
             self.whole = self.whole and not reaches_end
             return self.to_step
         self.whole = False
+        if not stop:
+            return self.to_step
         self.stopped[rank] = (gap, gap == left_out)
         return gap - 1
 
@@ -1146,11 +1151,9 @@ def replay_trace(
     reach = Reach(to_step)
     for rank in chosen:
         trace = RankTrace(reader, rank, ids)
-        until = to_step
-        if not allow_gaps:
-            until = reach.until(rank, trace.step_numbers, trace.first_left_out)
-            if until is not None and until < 0:
-                continue  # the rank's first step is missing: nothing of it can be replayed
+        until = reach.until(rank, trace.step_numbers, trace.first_left_out, stop=not allow_gaps)
+        if until is not None and until < 0:
+            continue  # the rank's first step is missing: nothing of it can be replayed
         rep = RankReplay(
             trace, rules, run_backend, layout, device, defer_reads=defer_reads, mirror=mirror
         )
@@ -1212,12 +1215,11 @@ def _replay_in_segments(
     repeats = steps = 0
     reach = Reach(to_step)
     for rank in ranks:
-        until = to_step
-        if not allow_gaps:
-            numbers, left_out = step_numbers(reader, rank)
-            until = reach.until(rank, np.array(numbers, dtype=np.int64), left_out)
-            if until is not None and until < 0:
-                continue  # the rank's first step is missing: nothing of it can be replayed
+        numbers, left_out = step_numbers(reader, rank)
+        steps_of_rank = np.array(numbers, dtype=np.int64)
+        until = reach.until(rank, steps_of_rank, left_out, stop=not allow_gaps)
+        if until is not None and until < 0:
+            continue  # the rank's first step is missing: nothing of it can be replayed
         outcome = replay_rank_in_segments(
             reader,
             rank,
