@@ -92,7 +92,6 @@ class Trace:
 
         if not isinstance(query, str):
             raise UsageError(f"a query is a string, not {query!r:.40}")
-
         if self._con is None:
             self._con = self.reader.connect()
         return run_query(self._con, named(query, self.run.num_speculative_tokens))
