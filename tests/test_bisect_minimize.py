@@ -630,6 +630,33 @@ def test_replay_stops_before_a_gap_and_keeps_what_it_found(tmp_path: Path) -> No
     assert f"gap at step {first - 2}" in err and "found nothing before it" in err, err
 
 
+def test_a_request_that_arrives_in_a_gap_is_not_taken_for_a_mid_run_start(
+    tmp_path: Path,
+) -> None:
+    """A request first seen after a gap (it arrived in it) made the whole rank look as if
+    the recording had begun mid-run: reads of state no step wrote went unchecked and
+    findings before the gap were lost. Control: the same steps of the trace without the
+    gap give the same findings."""
+    buggy = toggle_trace("reorder-threshold-mismatch", 0)
+    first = _truth(buggy, "reorder-threshold-mismatch")["first_step"]
+    sched = TraceReader(buggy).table("sched", columns=["step", "kind"])
+    kinds = sched.column("kind").cast(pa.string()).to_pylist()
+    arrival = next(
+        s
+        for s, k in zip(sched.column("step").to_pylist(), kinds, strict=True)
+        if k == "new" and s > first + 20
+    )
+    gapped = _with_steps_removed(
+        buggy, tmp_path / "gap.trace", set(range(arrival - 1, arrival + 3))
+    )
+    said = json.loads(run_cli("replay", str(gapped), "--no-save", "--json").stdout)
+    whole = json.loads(
+        run_cli("replay", str(buggy), "--no-save", "--json", f"--to-step={arrival - 2}").stdout
+    )
+    assert said["findings"] == whole["findings"] and said["counts"] == whole["counts"]
+    assert "mid-run" not in said["caveat"] and said["stopped_at_gap"] == {"0": arrival - 1}
+
+
 def test_a_clean_window_is_judged_by_the_steps_it_covers(tmp_path: Path) -> None:
     """A clean replay whose window ends before a gap is clean, --allow-gaps or not; one that
     stops at the gap having found nothing is inconclusive, and so is a window that crosses

@@ -14,6 +14,7 @@ from mgtrace.replayer.steps import (
     REPLAY_TABLES,
     category_codes,
     complete_steps,
+    first_gap,
     in_flight_at_start,
     spec_decodes_run_first,
 )
@@ -90,8 +91,18 @@ def mid_run_caveat(reader: Any) -> str | None:
     kinds = category_codes(sched.column("kind"), SCHED_KINDS)
     if np.any(steps[1:] < steps[:-1]):  # parts are read in step order: mostly sorted
         order = np.argsort(steps, kind="stable")
-        ranks, uids, kinds = ranks[order], uids[order], kinds[order]
-    n = max(in_flight_at_start(uids[ranks == r], kinds[ranks == r]) for r in np.unique(ranks))
+        ranks, uids, kinds, steps = ranks[order], uids[order], kinds[order], steps[order]
+    all_steps = reader.table("steps", columns=["rank", "step"])
+    step_ranks = all_steps.column("rank").to_numpy(zero_copy_only=False)
+    step_numbers = all_steps.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+
+    def in_flight(r: int) -> int:
+        # a request first seen after the rank's first gap may have arrived in it
+        hole = first_gap(np.sort(step_numbers[step_ranks == r]))
+        mine = ranks == r
+        return in_flight_at_start(uids[mine], kinds[mine], steps[mine], hole)
+
+    n = max(in_flight(int(r)) for r in np.unique(ranks))
     if not n:
         return None
     return (

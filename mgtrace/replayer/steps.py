@@ -337,7 +337,15 @@ class RankTrace:
         )
         self._sched_computed = _numpy(st.column("num_computed"), fill=0)
         self._sched_running = self._sched_kind == SCHED_KINDS.index("cached")
-        self.began_mid_run = in_flight_at_start(self._sched_uid, self._sched_kind) > 0
+        self.began_mid_run = (
+            in_flight_at_start(
+                self._sched_uid,
+                self._sched_kind,
+                self._sched.steps,
+                first_hole(self.step_numbers, self.first_left_out),
+            )
+            > 0
+        )
         processed = processed_tokens(
             self._sched_uid,
             self._sched.steps.astype(np.int64),
@@ -759,14 +767,24 @@ _KERNEL_ORDER = {
 }
 
 
-def in_flight_at_start(req_ids: np.ndarray, kinds: np.ndarray) -> int:
+def in_flight_at_start(
+    req_ids: np.ndarray,
+    kinds: np.ndarray,
+    steps: np.ndarray | None = None,
+    hole: int | None = None,
+) -> int:
     """How many requests were already running when the trace began: those whose first
     scheduler row (rows in step order) is not ``new``. A trace of an engine that started with
-    it has none; a recording attached to a busy engine has every request then in flight."""
+    it has none; a recording attached to a busy engine has every request then in flight.
+    With ``hole``, the first step the trace lacks: a request first seen after it may have
+    arrived in it, and does not count (``steps``: each row's step)."""
     if not len(req_ids):
         return 0
     _, first = np.unique(req_ids, return_index=True)
-    return int(np.count_nonzero(kinds[first] != SCHED_KINDS.index("new")))
+    running = kinds[first] != SCHED_KINDS.index("new")
+    if hole is not None and steps is not None:
+        running &= steps[first] < hole
+    return int(np.count_nonzero(running))
 
 
 def category_codes(col: pa.ChunkedArray, categories: tuple[str, ...]) -> np.ndarray:
