@@ -212,3 +212,19 @@ def test_left_out_ranges_by_rank_and_table() -> None:
     assert complete_steps(reader, 2, steps).all()  # type: ignore[arg-type]
     no_skips = _Reader([])
     assert complete_steps(no_skips, 0, steps).all()  # type: ignore[arg-type]
+
+
+def test_bisect_prints_commands_that_read_the_trace_as_it_did(buggy_trace: Path) -> None:
+    """Bisect with --skip-bad-parts printed replay commands without it, which a damaged
+    part then stopped (exit 3). Control: without the flag, the commands go without it."""
+    import shlex
+
+    from mgtrace.replayer.bisect import bisect
+
+    skipping = bisect(buggy_trace, skip_bad_parts=True)
+    assert skipping.status == "bad"
+    for side, code in (("bad", 1), ("good", 0)):
+        argv = shlex.split(skipping.commands[side])[1:]
+        assert "--skip-bad-parts" in argv and run_cli(*argv).returncode == code
+    plain = bisect(buggy_trace)
+    assert all("--skip-bad-parts" not in c for c in plain.commands.values())

@@ -162,6 +162,7 @@ class Bisector:
     ) -> None:
         self.path = Path(trace_path)
         self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
+        self.skip_bad_parts = skip_bad_parts
         require_replayable(self.reader)
         self.ranks = some_ranks(self.reader, ranks, self.path)
         all_ranks = ranks_of(self.reader)
@@ -318,6 +319,8 @@ class Bisector:
                 *rank,
                 *rules.as_flags(),
                 f"--to-step={to_step}",
+                # the trace is read as bisect read it: without, a damaged part stops it
+                *(["--skip-bad-parts"] if self.skip_bad_parts else []),
             ]
             if self.backend_name != "reference":
                 parts += [f"--backend={self.backend_name}", f"--device={self.device}"]
