@@ -630,6 +630,26 @@ def test_replay_stops_before_a_gap_and_keeps_what_it_found(tmp_path: Path) -> No
     assert f"gap at step {first - 2}" in err and "found nothing before it" in err, err
 
 
+def test_bisect_judges_the_rules_before_a_gap_within_its_horizon(tmp_path: Path) -> None:
+    """The candidate rules' replays ran across a gap within the horizon, so the findings the
+    gap made told bisect that no rule fixes the step, and its good command (to a step past
+    the gap) did not reproduce. Now every replay of bisect stops before the gap. Control: a
+    gap before the first finding is still inconclusive, and says so."""
+    buggy = toggle_trace("reorder-threshold-mismatch", 0)
+    first = _truth(buggy, "reorder-threshold-mismatch")["first_step"]
+    gapped = _with_steps_removed(buggy, tmp_path / "gap.trace", set(range(first + 15, first + 18)))
+    v = bisect(gapped)
+    assert v.status == "bad" and v.first_step == first
+    assert "reorder_threshold=1+k" in v.fixes, v.fixes
+    for side, code in (("bad", 1), ("good", 0)):
+        assert f"--to-step={first + 14}" in v.commands[side]
+        argv = shlex.split(v.commands[side])[1:]
+        assert run_cli(*argv).returncode == code, v.commands[side]
+    early = bisect(_with_steps_removed(buggy, tmp_path / "early.trace", {first - 5}))
+    assert early.status == "inconclusive" and f"gap at step {first - 5}" in early.reason
+    assert "before any finding" in early.reason, early.reason
+
+
 def test_a_request_that_arrives_in_a_gap_is_not_taken_for_a_mid_run_start(
     tmp_path: Path,
 ) -> None:

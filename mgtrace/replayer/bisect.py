@@ -199,8 +199,14 @@ class Bisector:
         for rank, trace in self.traces.items():
             rep, start = self._replay(trace, self.base)
             cps: dict[int, Checkpoint] = {}
-            # A later rank only matters if it goes bad before the earliest finding so far.
-            until = min(firsts.values()) - 1 if firsts else None
+            # A later rank only matters if it goes bad before the earliest finding so far;
+            # no rank's replay crosses its first gap (a finding past it would be the gap's)
+            ends = [min(firsts.values()) - 1] if firsts else []
+            if gaps[rank] is not None:
+                ends.append(gaps[rank] - 1)
+            until = min(ends) if ends else None
+            if until is not None and until < 0:
+                continue  # the rank's first step is missing: nothing of it can be replayed
             last = rep.run(
                 start=start, until=until, stop_on_finding=True, checkpoints=cps, every=self.every
             )
@@ -222,24 +228,30 @@ class Bisector:
             checkpoints[rank], replays[rank] = cps, rep
             if first is not None:
                 firsts[rank] = first
-        if not firsts:
-            reason = unseen_reason(self.reader, any(g is not None for g in gaps.values()))
+        first = min(firsts.values()) if firsts else None
+        # a rank whose gap comes first may have gone bad in what the trace lacks
+        gapped = [
+            (g, r) for r, g in gaps.items() if g is not None and (first is None or g <= first)
+        ]
+        if gapped:
+            gap, gap_rank = min(gapped)
+            before = f"the first finding at step {first}" if first is not None else "any finding"
+            v.status = "inconclusive"
+            v.reason = (
+                f"rank {gap_rank} has a gap at step {gap} (dropped, unrecorded or left-out "
+                f"steps) before {before}; the shadow state cannot be rebuilt across it, and "
+                "corruption may lie in what is missing"
+            )
+            v.wall_s = time.perf_counter() - t0
+            return v
+        if first is None:
+            reason = unseen_reason(self.reader)
             if reason is not None:
                 v.status, v.reason = "inconclusive", reason
             v.wall_s = time.perf_counter() - t0
             return v
-        first = min(firsts.values())
         rank = min(r for r, f in firsts.items() if f == first)
         gap = gaps[rank]
-        if gap is not None and gap <= first:
-            v.status = "inconclusive"
-            v.reason = (
-                f"rank {rank} has a gap at step {gap} (dropped, unrecorded or left-out steps) "
-                f"before the first finding at step {first}; the shadow state there cannot be "
-                "trusted"
-            )
-            v.wall_s = time.perf_counter() - t0
-            return v
         v.status, v.first_step, v.rank = "bad", first, rank
         lead = [f for f in replays[rank].oracle.findings if f.step == first]
         # in the order replay and minimize list them (step, rank, batch row), not the
@@ -255,8 +267,11 @@ class Bisector:
             }
         )
         trace = self.traces[rank]
-        # a horizon past the trace's end would name a --to-step the trace does not have
+        # a horizon past the trace's end would name a --to-step the trace does not have, and
+        # one across a gap would judge the rules by what the gap did
         end = min(first + self.horizon, int(trace.step_numbers.max()))
+        if gap is not None:
+            end = min(end, gap - 1)
         delays: dict[str, int] = {}
         for cand in single_changes(self.base, trace.run.num_speculative_tokens):
             probe = self._probe(trace, checkpoints[rank], cand, end, first)
