@@ -237,10 +237,14 @@ class Bisector:
             gap, gap_rank = min(gapped)
             before = f"the first finding at step {first}" if first is not None else "any finding"
             v.status = "inconclusive"
+            what = (
+                f"rank {gap_rank} has a gap at step {gap} (dropped, unrecorded or left-out steps)"
+            )
             v.reason = (
-                f"rank {gap_rank} has a gap at step {gap} (dropped, unrecorded or left-out "
-                f"steps) before {before}; the shadow state cannot be rebuilt across it, and "
+                f"{what} before {before}; the shadow state cannot be rebuilt across it, and "
                 "corruption may lie in what is missing"
+                if gap
+                else f"{what}: no step could be replayed, so nothing can be said about the run"
             )
             v.wall_s = time.perf_counter() - t0
             return v
