@@ -693,6 +693,12 @@ def test_a_clean_window_is_judged_by_the_steps_it_covers(tmp_path: Path) -> None
     ):
         proc = run_cli("replay", str(gapped), "--no-save", *args)
         assert proc.returncode == code, (args, proc.stdout + proc.stderr)
+    # --json says an inconclusive replay as JSON too (stdout was empty), the sentence aside
+    proc = run_cli("replay", str(gapped), "--no-save", "--json")
+    said = json.loads(proc.stdout)
+    assert proc.returncode == 125 and said["clean"] is None, proc.stdout
+    assert "found nothing before it" in said["inconclusive"]
+    assert "found nothing before it" in assert_one_sentence_error(proc, 125)
     steps = np.array([*range(150), *range(155, 300)])
     for to_step, stop, until, whole in (
         (100, True, 100, True),

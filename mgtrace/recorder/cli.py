@@ -275,7 +275,10 @@ def record_command(
             raise UsageError("--stop takes no -o, --duration, --max-steps or --force")
         return _stop_command(engine_pid)
     if command and command[0].startswith("-"):  # no program is named so
-        raise UsageError(f"no such option: {command[0]} (the engine command goes after --)")
+        raise UsageError(
+            f"no such option: {command[0]} (mgtrace's options go before the engine command, "
+            "and no engine command starts with '-')"
+        )
     if (engine_pid is None) == (not command):
         raise UsageError("give either --engine-pid PID or the engine command after --")
     if duration is not None and not (0 < duration < math.inf):  # also refuses nan

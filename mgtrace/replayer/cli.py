@@ -289,27 +289,33 @@ def replay(
     if to_step is not None:
         total = min(total, (to_step + 1) * max(1, len({p.rank for p in steps_parts})))
     columns = (TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
-        task = bar.add_task("steps", total=total)
-        result = replay_trace(
-            reader,
-            rules,
-            backend=backend,
-            device=device,
-            layout=layout,
-            from_step=from_step,
-            to_step=to_step,
-            allow_gaps=allow_gaps,
-            checkpoint_every=checkpoint_every,
-            progress=lambda n: bar.advance(task, n),
-            jobs=jobs or default_jobs(),
-            ranks=chosen,
-        )
-    if result.steps == 0:
-        raise InconclusiveError(
-            f"no step of {trace} could be replayed (all in left-out parts, or outside "
-            "--to-step), so nothing can be said about them"
-        )
+    try:
+        with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+            task = bar.add_task("steps", total=total)
+            result = replay_trace(
+                reader,
+                rules,
+                backend=backend,
+                device=device,
+                layout=layout,
+                from_step=from_step,
+                to_step=to_step,
+                allow_gaps=allow_gaps,
+                checkpoint_every=checkpoint_every,
+                progress=lambda n: bar.advance(task, n),
+                jobs=jobs or default_jobs(),
+                ranks=chosen,
+            )
+        if result.steps == 0:
+            raise InconclusiveError(
+                f"no step of {trace} could be replayed (all in left-out parts, or outside "
+                "--to-step), so nothing can be said about them"
+            )
+    except InconclusiveError as exc:
+        if as_json:  # a verdict, like a clean or a corrupt one: scripts read it as JSON
+            no_verdict = {"rules": rules.canonical(), "clean": None, "inconclusive": exc.message}
+            click.echo(json.dumps({**no_verdict, "argv": sys.argv[1:]}, indent=1))
+        raise
     # gaps a replay crosses with --allow-gaps are dropped or left-out steps, which the
     # manifest and the reader say
     unseen = None if result.findings or result.window_whole else unseen_reason(reader)
