@@ -22,7 +22,7 @@ from mgtrace.errors import InconclusiveError
 from mgtrace.query import canned, plots
 from mgtrace.query.rank_steps import offsets_summary
 from mgtrace.render import run_unknown
-from mgtrace.replayer.coverage import unseen_reason
+from mgtrace.replayer.coverage import stopped_caveat, unseen_reason
 from mgtrace.replayer.requests import is_request
 
 STYLE = """
@@ -139,6 +139,9 @@ def _findings_section(
             "<p class='warn'>The trace has dropped or left-out steps; this replay crossed "
             "them, and what it found after the first gap may mislead.</p>"
         )
+    stopped = stopped_caveat(result.stopped_at_gap)
+    if stopped is not None:  # as `mgtrace replay` says it
+        parts.append(f"<p class='warn'>{html.escape(stopped[0].upper() + stopped[1:])}.</p>")
     counts: dict[str, set[str]] = {}
     for f in result.findings:
         counts.setdefault(f.kind, set()).add(f.req_id)

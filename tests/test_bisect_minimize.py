@@ -620,6 +620,12 @@ def test_replay_stops_before_a_gap_and_keeps_what_it_found(tmp_path: Path) -> No
         assert f"rank 0 before step {gap}" in summary["caveat"] and "inconclusive" not in summary
     proc = run_cli("replay", str(gapped), "--no-save", f"--to-step={first - 1}", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["clean"], proc.stdout + proc.stderr
+    # the report says where its replay stopped, as replay does
+    html = tmp_path / "gap.html"
+    assert run_cli("report", str(gapped), "-o", str(html), "--no-bisect").returncode == 0
+    assert f"The replay stopped where the trace lacks steps (rank 0 before step {gap})" in (
+        html.read_text()
+    )
     v = bisect(gapped)
     assert v.status == "bad" and v.first_step == first
     for side, code in (("bad", 1), ("good", 0)):  # bisect's own commands reproduce

@@ -258,6 +258,7 @@ def replay(
     from mgtrace.replayer.coverage import (
         mid_run_caveat,
         rule_note,
+        stopped_caveat,
         unmodelled_writes,
         unseen_reason,
     )
@@ -332,7 +333,7 @@ def replay(
                 markup=False,
             )
     caveats = [
-        _stopped_caveat(result.stopped_at_gap),
+        stopped_caveat(result.stopped_at_gap),
         unmodelled_writes(reader.manifest.run),
         mid_run_caveat(reader),
         step_offsets_caveat(reader),
@@ -367,17 +368,6 @@ def replay(
     if result.findings:
         return EXIT_CORRUPTION
     return EXIT_CLEAN if unseen is None else EXIT_INCONCLUSIVE
-
-
-def _stopped_caveat(stopped: dict[int, int]) -> str | None:
-    """The ranks a replay ended before a gap, in words (None: none did)."""
-    if not stopped:
-        return None
-    where = ", ".join(f"rank {r} before step {g}" for r, g in sorted(stopped.items()))
-    return (
-        f"the replay stopped where the trace lacks steps ({where}): the shadow state cannot "
-        "be rebuilt across them, so nothing after them was replayed"
-    )
 
 
 def summary_json(result, replay_id: str, saved: bool) -> dict:

@@ -130,3 +130,14 @@ def rule_note(run: Any, rules: RuleSet) -> str | None:
             "steps without a spec-decode row (split by position at 1)"
         )
     return "; ".join(notes) or None
+
+
+def stopped_caveat(stopped: dict[int, int]) -> str | None:
+    """The ranks a replay ended before a gap, in words (None: none did)."""
+    if not stopped:
+        return None
+    where = ", ".join(f"rank {r} before step {g}" for r, g in sorted(stopped.items()))
+    return (
+        f"the replay stopped where the trace lacks steps ({where}): the shadow state cannot "
+        "be rebuilt across them, so nothing after them was replayed"
+    )
