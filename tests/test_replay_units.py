@@ -1018,3 +1018,18 @@ def test_a_bad_rows_finding_code_is_the_first_that_holds_and_names_its_mechanism
         "wrong_tokens",
         "wrong_tokens",
     ]
+
+
+def test_in_flight_at_start_leaves_out_arrivals_in_a_gap() -> None:
+    """A request first seen running after a gap may have arrived in it: it is no sign that
+    the recording began mid-run. A hole at the first step is a late start, which is one.
+    Control: without a hole both running requests count."""
+    from mgtrace.replayer.steps import in_flight_at_start
+    from mgtrace.schemas.tables import SCHED_KINDS
+
+    new, cached = SCHED_KINDS.index("new"), SCHED_KINDS.index("cached")
+    uids, kinds = np.array([1, 2, 3]), np.array([cached, new, cached])
+    steps = np.array([5, 5, 9])
+    assert in_flight_at_start(uids, kinds) == 2
+    assert in_flight_at_start(uids, kinds, steps, hole=7) == 1  # request 3 came after it
+    assert in_flight_at_start(uids, kinds, steps, hole=5) == 2  # no step before it: a late start

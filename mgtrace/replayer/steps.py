@@ -777,12 +777,13 @@ def in_flight_at_start(
     scheduler row (rows in step order) is not ``new``. A trace of an engine that started with
     it has none; a recording attached to a busy engine has every request then in flight.
     With ``hole``, the first step the trace lacks: a request first seen after it may have
-    arrived in it, and does not count (``steps``: each row's step)."""
+    arrived in it, and does not count (``steps``: each row's step; a hole at or before the
+    first of them is a late start, not a gap)."""
     if not len(req_ids):
         return 0
     _, first = np.unique(req_ids, return_index=True)
     running = kinds[first] != SCHED_KINDS.index("new")
-    if hole is not None and steps is not None:
+    if hole is not None and steps is not None and hole > steps.min():
         running &= steps[first] < hole
     return int(np.count_nonzero(running))
 
