@@ -112,6 +112,25 @@ def test_list_shows_every_view(sample_trace: Path, capsys) -> None:
             assert column in out
 
 
+def test_show_tables_names_the_trace_views_only(tmp_path: Path) -> None:
+    """A table with no parts was a view over a registered helper, which SHOW TABLES listed
+    beside the views (``__empty_findings``). Its view now stands alone, with the column types
+    DuckDB reads from a written part. Control: a simulated trace has no findings part."""
+    import duckdb
+
+    import mgtrace
+
+    trace = mgtrace.simulate(tmp_path / "run.trace", steps=40, seed=0)
+    assert not list((tmp_path / "run.trace" / "findings").glob("*.parquet"))
+    shown = {name for (name,) in trace.sql("SHOW TABLES").fetchall()}
+    assert shown == set(TABLES)
+    written = tmp_path / "findings.parquet"
+    pq.write_table(TABLES["findings"].schema.empty_table(), written)
+    expected = duckdb.connect().read_parquet(str(written)).types
+    assert trace.sql("SELECT * FROM findings").types == expected
+    assert trace.sql("SELECT count(*) FROM findings").fetchall() == [(0,)]
+
+
 @pytest.mark.parametrize(
     "extra", [["SELECT 1"], ["--format", "csv"], ["-o", "list.csv"]], ids=["query", "fmt", "out"]
 )

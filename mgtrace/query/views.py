@@ -34,9 +34,22 @@ def connect(
             file_list = "[" + ", ".join(_sql_str(str(f)) for f in files) + "]"
             con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM read_parquet({file_list})")
         else:
-            con.register(f"__empty_{name}", spec.schema.empty_table())
-            con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM __empty_{name}")
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {_empty_select(con, spec.schema)}")
     return con
+
+
+def _empty_select(con: duckdb.DuckDBPyConnection, schema: pa.Schema) -> str:
+    """A query of no rows with the schema's columns, typed as DuckDB reads them from
+    Parquet, standing alone: no helper table a user would see in ``SHOW TABLES``."""
+    types = con.from_arrow(schema.empty_table()).types
+    columns = ", ".join(
+        f"CAST(NULL AS {t}) AS {_sql_ident(f.name)}" for f, t in zip(schema, types, strict=True)
+    )
+    return f"SELECT {columns} LIMIT 0"
+
+
+def _sql_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 def _one_error_line(exc: duckdb.Error) -> str:
