@@ -46,3 +46,12 @@ def require_writable_parent(output: Path, what: str) -> None:
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(probe)
+
+
+def require_output_folder(output: Path, what: str) -> None:
+    """``require_writable_parent``, and the folder ``output`` goes in exists: a command
+    writes its output into a folder the user made and makes none (a typo in a folder's name
+    must not leave a new tree of folders behind)."""
+    require_writable_parent(output, what)
+    if not Path(os.path.abspath(output)).parent.is_dir():
+        raise OutputError(f"the directory {Path(output).parent} does not exist")

@@ -389,6 +389,11 @@ def test_minimize_refuses_an_existing_output_before_any_replay(
     if Path("/proc/self").is_dir():
         with pytest.raises(OutputError, match="no file can be created in /proc"):
             mod.minimize(trace, Path("/proc/r4"))
+    # a folder that is not there was made, as no other -o does
+    missing = tmp_path / "no" / "such" / "r5"
+    with pytest.raises(OutputError, match=f"the directory {missing.parent} does not exist"):
+        mod.minimize(trace, missing)
+    assert not (tmp_path / "no").exists()
     with pytest.raises(Replayed):
         mod.minimize(trace, tmp_path / "r3")
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mgtrace.errors import UsageError
+from mgtrace.errors import OutputError, UsageError
 from mgtrace.recorder import agent as agent_mod
 from mgtrace.recorder import control
 from mgtrace.recorder.capture import CaptureRing
@@ -551,6 +551,12 @@ def test_import_probe_refuses_what_it_cannot_read(tmp_path: Path) -> None:
         with pytest.raises(UsageError, match=r"no probe events and .* no requests"):
             import_probe(probe, burst, tmp_path / "t3")
         assert not (tmp_path / "t3").exists()
+    # a folder that is not there is refused before the logs are read, and none is made
+    missing = tmp_path / "no" / "such" / "t4"
+    with pytest.raises(OutputError, match=f"the directory {missing.parent} does not exist"):
+        import_probe(pp, bp, missing)
+    assert not (tmp_path / "no").exists()
+    import_probe(pp, bp, tmp_path / "t4")  # control: into a folder that is there
 
 
 def test_import_probe_counts_values_no_trace_column_holds(tmp_path: Path) -> None:

@@ -73,7 +73,8 @@ def test_an_output_in_a_missing_directory_is_refused(tmp_path: Path) -> None:
     """No directories are made, or left behind, for an output. Control: its parent made."""
     out = tmp_path / "no" / "such" / "t"
     res = _invoke("--steps", "5", "-o", str(out))
-    assert isinstance(res.exception, UsageError) and "does not exist" in res.exception.message
+    assert isinstance(res.exception, MgtraceError) and res.exception.exit_code == 2
+    assert res.exception.message == f"the directory {out.parent} does not exist"
     assert not (tmp_path / "no").exists()
     out.parent.mkdir(parents=True)
     assert _invoke("--steps", "5", "-o", str(out)).exception is None

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from mgtrace.atomic import atomic_write
 from mgtrace.errors import OutputError
-from mgtrace.outputs import require_writable_parent
+from mgtrace.outputs import require_output_folder
 
 FORMATS = ("table", "csv", "json", "parquet")
 
@@ -137,9 +137,7 @@ def check_output_path(path: Path, *, force: bool) -> None:
         raise OutputError(f"{path} is a directory; give a file name")
     if path.exists() and not force:
         raise OutputError(f"{path} already exists; pass --force to overwrite it")
-    require_writable_parent(path, str(path))  # a file or /proc above it fails here, not later
-    if not path.parent.exists():
-        raise OutputError(f"the directory {path.parent} does not exist")
+    require_output_folder(path, str(path))  # a file or /proc above it fails here, not later
 
 
 def export_table(table: pa.Table, fmt: str, output: Path | None) -> None:

@@ -32,7 +32,7 @@ from mgtrace.errors import (
     MgtraceError,
     UsageError,
 )
-from mgtrace.outputs import require_writable_parent
+from mgtrace.outputs import require_output_folder
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.coverage import unseen_reason
 from mgtrace.replayer.divergence import first_divergence
@@ -374,9 +374,7 @@ def check_log_path(path: Path, trace: Path) -> None:
     if log.exists() and not _is_bisect_log(log):
         raise UsageError(f"{path} exists and is not a bisect log; refusing to overwrite it")
     # as sql, report and history -o: a folder that cannot hold it is refused, none is made
-    require_writable_parent(log, f"the bisect log {path}")
-    if not log.parent.is_dir():
-        raise UsageError(f"the directory {Path(path).parent} does not exist")
+    require_output_folder(log, f"the bisect log {path}")
 
 
 def _is_trace(path: Path) -> bool:

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mgtrace.errors import UsageError
-from mgtrace.outputs import require_writable_parent
+from mgtrace.outputs import require_output_folder
 from mgtrace.render import counted
 from mgtrace.shell import shell_path
 from mgtrace.sim.config import BUGS, SimConfig
@@ -114,9 +114,7 @@ def _simulate(
     """
     if output is None:
         raise UsageError("missing the output trace path; pass -o TRACE")
-    require_writable_parent(output, str(output))
-    if not output.absolute().parent.is_dir():  # as sql -o and report -o: no directories made
-        raise UsageError(f"the directory {output.absolute().parent} does not exist")
+    require_output_folder(output, str(output))
     cfg = SimConfig(
         scenario=scenario,
         steps=steps,
