@@ -272,6 +272,7 @@ def history(
         check_rank,
         findings_note,
         first_finding,
+        gaps_note,
         request_history,
         request_span,
         request_summary,
@@ -313,6 +314,9 @@ def history(
     if about:
         out.print(Text(about))
     render_history(lines, out, max_rows=max_rows)
+    gaps = gaps_note(con, lines)
+    if gaps is not None:
+        out.print(Text(gaps, style="yellow"))
     if rank is None:
         from mgtrace.query.rank_steps import step_offsets_caveat
 

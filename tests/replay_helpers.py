@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE
+from mgtrace.replayer.minimize import MemoryTrace, load_memory, write_trace
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.sim.config import (
     BUG_ASYNC_RACE,
@@ -92,3 +94,20 @@ class RewritingReader:
 
     def rewrite(self, name: str, table: pa.Table) -> pa.Table:
         return table
+
+
+def with_steps_removed(src: Path, dst: Path, drop: set[int], *, complete: bool = True) -> Path:
+    """A copy of the trace at ``src`` without the rows of the ``drop`` steps (a gap, as a
+    recording that lost them has), marked complete or not."""
+    mem = load_memory(TraceReader(src))
+    tables = {}
+    for name, t in mem.tables_.items():
+        if "step" in t.column_names and name != "findings" and t.num_rows:
+            dropped = pa.array(sorted(drop), type=t.schema.field("step").type)
+            keep = pc.invert(pc.is_in(t.column("step"), value_set=dropped))
+            t = t.filter(keep)
+        tables[name] = t
+    manifest = mem.manifest
+    manifest.complete = complete
+    write_trace(MemoryTrace(manifest, tables), dst, manifest)
+    return dst

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 
 from mgtrace.errors import OutputError, TraceError
@@ -29,7 +28,7 @@ from mgtrace.replayer.minimize import (
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.schemas.reader import TraceReader
 from tests.conftest import REPO, assert_one_sentence_error, run_cli
-from tests.replay_helpers import TOGGLES, set_root, sim_trace, toggle_trace
+from tests.replay_helpers import TOGGLES, set_root, sim_trace, toggle_trace, with_steps_removed
 
 pytestmark = pytest.mark.slow
 
@@ -138,33 +137,18 @@ def test_a_copied_damaged_or_skipping_log_rechecks_as_logged(
     assert "the verdict holds" in again.stdout
 
 
-def _with_steps_removed(src: Path, dst: Path, drop: set[int], *, complete: bool = True) -> Path:
-    mem = load_memory(TraceReader(src))
-    tables = {}
-    for name, t in mem.tables_.items():
-        if "step" in t.column_names and name != "findings" and t.num_rows:
-            dropped = pa.array(sorted(drop), type=t.schema.field("step").type)
-            keep = pc.invert(pc.is_in(t.column("step"), value_set=dropped))
-            t = t.filter(keep)
-        tables[name] = t
-    manifest = mem.manifest
-    manifest.complete = complete
-    write_trace(MemoryTrace(manifest, tables), dst, manifest)
-    return dst
-
-
 def test_bisect_is_inconclusive_on_gaps_and_incomplete_traces(tmp_path: Path) -> None:
     buggy = toggle_trace("reorder-threshold-mismatch", 0)
     first = _truth(buggy, "reorder-threshold-mismatch")["first_step"]
-    gapped = _with_steps_removed(buggy, tmp_path / "gap", {first - 2})
+    gapped = with_steps_removed(buggy, tmp_path / "gap", {first - 2})
     v = bisect(gapped)
     assert v.status == "inconclusive" and v.exit_code == 125 and "gap" in v.reason
     clean = sim_trace(None, 1, 600, scenario="pairs", runner="v1")
-    cut = _with_steps_removed(clean, tmp_path / "cut", set(), complete=False)
+    cut = with_steps_removed(clean, tmp_path / "cut", set(), complete=False)
     v = bisect(cut)
     assert v.status == "inconclusive" and "did not finish" in v.reason
     # control: the same trace, complete, is clean
-    assert bisect(_with_steps_removed(clean, tmp_path / "whole", set())).status == "clean"
+    assert bisect(with_steps_removed(clean, tmp_path / "whole", set())).status == "clean"
     proc = run_cli("bisect", str(gapped))
     assert proc.returncode == 125 and "inconclusive" in proc.stdout
 
@@ -611,7 +595,7 @@ def test_replay_stops_before_a_gap_and_keeps_what_it_found(tmp_path: Path) -> No
     buggy = toggle_trace("reorder-threshold-mismatch", 0)
     first = _truth(buggy, "reorder-threshold-mismatch")["first_step"]
     gap = first + 40
-    gapped = _with_steps_removed(buggy, tmp_path / "gap.trace", set(range(gap, gap + 5)))
+    gapped = with_steps_removed(buggy, tmp_path / "gap.trace", set(range(gap, gap + 5)))
     manifest = gapped / "manifest.json"  # counted, as a recording counts what it drops
     data = json.loads(manifest.read_text())
     data["drops"] = {"steps": 5, "malformed_steps": 0, "rows": 0}
@@ -636,7 +620,7 @@ def test_replay_stops_before_a_gap_and_keeps_what_it_found(tmp_path: Path) -> No
     for side, code in (("bad", 1), ("good", 0)):  # bisect's own commands reproduce
         argv = shlex.split(v.commands[side])[1:]
         assert run_cli(*argv).returncode == code, v.commands[side]
-    clean_before = _with_steps_removed(buggy, tmp_path / "before.trace", {first - 2})
+    clean_before = with_steps_removed(buggy, tmp_path / "before.trace", {first - 2})
     err = assert_one_sentence_error(run_cli("replay", str(clean_before), "--no-save"), 125)
     assert f"gap at step {first - 2}" in err and "found nothing before it" in err, err
 
@@ -648,7 +632,7 @@ def test_bisect_judges_the_rules_before_a_gap_within_its_horizon(tmp_path: Path)
     gap before the first finding is still inconclusive, and says so."""
     buggy = toggle_trace("reorder-threshold-mismatch", 0)
     first = _truth(buggy, "reorder-threshold-mismatch")["first_step"]
-    gapped = _with_steps_removed(buggy, tmp_path / "gap.trace", set(range(first + 15, first + 18)))
+    gapped = with_steps_removed(buggy, tmp_path / "gap.trace", set(range(first + 15, first + 18)))
     v = bisect(gapped)
     assert v.status == "bad" and v.first_step == first
     assert "reorder_threshold=1+k" in v.fixes, v.fixes
@@ -656,7 +640,7 @@ def test_bisect_judges_the_rules_before_a_gap_within_its_horizon(tmp_path: Path)
         assert f"--to-step={first + 14}" in v.commands[side]
         argv = shlex.split(v.commands[side])[1:]
         assert run_cli(*argv).returncode == code, v.commands[side]
-    early = bisect(_with_steps_removed(buggy, tmp_path / "early.trace", {first - 5}))
+    early = bisect(with_steps_removed(buggy, tmp_path / "early.trace", {first - 5}))
     assert early.status == "inconclusive" and f"gap at step {first - 5}" in early.reason
     assert "before any finding" in early.reason, early.reason
 
@@ -677,9 +661,7 @@ def test_a_request_that_arrives_in_a_gap_is_not_taken_for_a_mid_run_start(
         for s, k in zip(sched.column("step").to_pylist(), kinds, strict=True)
         if k == "new" and s > first + 20
     )
-    gapped = _with_steps_removed(
-        buggy, tmp_path / "gap.trace", set(range(arrival - 1, arrival + 3))
-    )
+    gapped = with_steps_removed(buggy, tmp_path / "gap.trace", set(range(arrival - 1, arrival + 3)))
     said = json.loads(run_cli("replay", str(gapped), "--no-save", "--json").stdout)
     whole = json.loads(
         run_cli("replay", str(buggy), "--no-save", "--json", f"--to-step={arrival - 2}").stdout
@@ -696,7 +678,7 @@ def test_a_clean_window_is_judged_by_the_steps_it_covers(tmp_path: Path) -> None
     from mgtrace.replayer.loop import Reach
 
     clean = sim_trace(None, 1, 300, scenario="pairs", runner="v1")
-    gapped = _with_steps_removed(clean, tmp_path / "gap.trace", set(range(150, 155)))
+    gapped = with_steps_removed(clean, tmp_path / "gap.trace", set(range(150, 155)))
     for args, code in (
         (["--to-step", "100"], 0),
         (["--allow-gaps", "--to-step", "100"], 0),
@@ -734,10 +716,10 @@ def test_minimize_replays_up_to_the_first_gap(tmp_path: Path) -> None:
 
     buggy = toggle_trace("reorder-threshold-mismatch", 0)
     first = _truth(buggy, "reorder-threshold-mismatch")["first_step"]
-    after = _with_steps_removed(buggy, tmp_path / "after.trace", {first + 5})
+    after = with_steps_removed(buggy, tmp_path / "after.trace", {first + 5})
     result = minimize(after, tmp_path / "repro")
     assert result.original_first_step == first
-    before = _with_steps_removed(buggy, tmp_path / "before.trace", {first - 2})
+    before = with_steps_removed(buggy, tmp_path / "before.trace", {first - 2})
     with pytest.raises(InconclusiveError, match="gap at step"):
         minimize(before, tmp_path / "never")
     assert not (tmp_path / "never").exists()
@@ -797,11 +779,11 @@ def test_diff_traces_ignores_timing_and_names_missing_steps(tmp_path: Path) -> N
     a = _with_wall_clock(src, tmp_path / "a.trace", 0)
     b = _with_wall_clock(src, tmp_path / "b.trace", 7_000_000_000)
     assert diff_traces(TraceReader(a), TraceReader(b)).first_step is None
-    gapped = _with_steps_removed(a, tmp_path / "gap.trace", {40, 41})
+    gapped = with_steps_removed(a, tmp_path / "gap.trace", {40, 41})
     d = diff_traces(TraceReader(a), TraceReader(gapped))
     said = d.sentence("A", "B")
     assert d.first_step == 40 and "B lacks steps 40-41 of rank 0, which A has" in said, said
-    ended = _with_steps_removed(a, tmp_path / "end.trace", set(range(250, 300)))
+    ended = with_steps_removed(a, tmp_path / "end.trace", set(range(250, 300)))
     said = diff_traces(TraceReader(a), TraceReader(ended)).sentence("A", "B")
     assert said.endswith("only A goes on"), said
     other = sim_trace(None, 1, 300, scenario="pairs", runner="v1")
@@ -813,8 +795,8 @@ def test_diff_traces_of_an_unfinished_recording_is_inconclusive(tmp_path: Path) 
     same at every step", exit 0, though the run may go on where the recording stopped:
     exit 125, as replay and bisect say of such a trace. Control: both finished, exit 0."""
     clean = sim_trace(None, 1, 300, scenario="pairs", runner="v1")
-    whole = _with_steps_removed(clean, tmp_path / "whole.trace", set())
-    cut = _with_steps_removed(clean, tmp_path / "cut.trace", set(), complete=False)
+    whole = with_steps_removed(clean, tmp_path / "whole.trace", set())
+    cut = with_steps_removed(clean, tmp_path / "cut.trace", set(), complete=False)
     proc = run_cli("diff", str(whole), str(cut))
     assert proc.returncode == 125, proc.stdout + proc.stderr
     assert "did not finish" in proc.stdout, proc.stdout
@@ -854,7 +836,7 @@ def test_diff_rules_stops_at_a_gap(tmp_path: Path) -> None:
     same trace without the gap diverges at the injected step."""
     buggy = toggle_trace("reorder-threshold-mismatch", 0)
     first = _truth(buggy, "reorder-threshold-mismatch")["first_step"]
-    gapped = _with_steps_removed(buggy, tmp_path / "gap.trace", {first - 2})
+    gapped = with_steps_removed(buggy, tmp_path / "gap.trace", {first - 2})
     rules = RuleSet.parse("reorder_threshold=1+k")
     d = diff_rules(TraceReader(gapped), RuleSet(), rules)
     assert d.first_step is None and d.gap == (0, first - 2) and d.inconclusive
@@ -863,7 +845,7 @@ def test_diff_rules_stops_at_a_gap(tmp_path: Path) -> None:
     proc = run_cli("diff", str(gapped), "--rules-b", "reorder_threshold=1+k")
     assert proc.returncode == 125 and "gap at step" in proc.stdout, proc.stdout + proc.stderr
     clean = sim_trace(None, 1, 300, scenario="pairs", runner="v1")
-    cut = _with_steps_removed(clean, tmp_path / "cut.trace", set(), complete=False)
+    cut = with_steps_removed(clean, tmp_path / "cut.trace", set(), complete=False)
     d = diff_rules(TraceReader(cut), RuleSet(), RuleSet.parse("accepted_source=cpu"))
     assert d.first_step is None and "did not finish" in (d.inconclusive or "")
     assert diff_rules(TraceReader(buggy), RuleSet(), rules).first_step == first

@@ -260,3 +260,25 @@ def test_one_rank_of_a_pipeline_parallel_trace(tmp_path: Path) -> None:
     err = assert_one_sentence_error(run_cli("history", str(out), req, "--rank", "5"), 2)
     assert "has no rank 5; its ranks: 0, 1" in err
     assert Trace(out).history(req, rank=1).to_pylist() == [r for r in every if r["rank"] == 1]
+
+
+def test_steps_missing_from_the_trace_are_named(
+    race: tuple[Path, int, str], tmp_path: Path
+) -> None:
+    """A step the recording lost left no line, as if the request had not been scheduled
+    there. The history now names the missing steps inside the request's span. Control: the
+    trace they were cut from has no such line."""
+    from tests.replay_helpers import with_steps_removed
+
+    path, first, req = race
+    whole = run_cli("history", str(path), req, "--from-step", str(first - 6))
+    assert whole.returncode == 0 and "no record of steps" not in whole.stdout
+    drop = {first - 3, first - 2, first + 1}
+    gapped = with_steps_removed(path, tmp_path / "gap", drop, complete=False)
+    proc = run_cli("history", str(gapped), req, "--from-step", str(first - 6))
+    assert proc.returncode == 0, proc.stderr
+    said = f"the trace has no record of steps {first - 3}..{first - 2}, {first + 1}:"
+    assert said in " ".join(proc.stdout.split()), proc.stdout
+    # the lines skip them: nothing else would tell a reader
+    shown = _lines(gapped, req)
+    assert first - 3 not in shown and min(shown) < first - 3

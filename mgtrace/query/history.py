@@ -298,6 +298,40 @@ def findings_note(
     return f"no findings of a replay under {rules} ({hint}); run: {command}"
 
 
+def gaps_note(con: duckdb.DuckDBPyConnection, lines: pa.Table) -> str | None:
+    """The line ``mgtrace history`` adds when steps inside the span of its ``lines`` are
+    missing from the trace on their ranks (dropped by the recorder, or in a part left out):
+    a request can look unscheduled there when nothing is known. None when none is."""
+    if not lines.num_rows:
+        return None
+    ranks = sorted(set(lines.column("rank").to_pylist()))
+    steps = lines.column("step").to_numpy()
+    lo, hi = int(steps.min()), int(steps.max())
+    present = con.execute(
+        "SELECT rank, step FROM steps WHERE step BETWEEN $1 AND $2 AND list_contains($3, rank)",
+        [lo, hi, ranks],
+    ).fetchnumpy()
+    spans: list[str] = []
+    for rank in ranks:
+        have = np.unique(present["step"][present["rank"] == rank])
+        missing = np.setdiff1d(np.arange(lo, hi + 1), have)
+        if not len(missing):
+            continue
+        breaks = np.flatnonzero(np.diff(missing) != 1)
+        starts = missing[np.r_[0, breaks + 1]].tolist()
+        ends = missing[np.r_[breaks, len(missing) - 1]].tolist()
+        where = ", ".join(
+            f"{a}" if a == b else f"{a}..{b}" for a, b in zip(starts, ends, strict=True)
+        )
+        spans.append(where if len(ranks) == 1 else f"{where} on rank {rank}")
+    if not spans:
+        return None
+    return (
+        f"the trace has no record of steps {'; '.join(spans)}: what happened to this "
+        "request there is not known"
+    )
+
+
 def request_span(con: duckdb.DuckDBPyConnection, req_id: str) -> tuple[int, int]:
     """First and last step at which the trace mentions ``req_id``."""
     ((lo, hi),) = con.execute(
