@@ -554,9 +554,10 @@ def diff_cmd(
     skip_bad_parts: bool,
 ) -> int:
     """The first step where TRACE_A and TRACE_B differ, or where two rule sets on TRACE_A
-    lead to different shadow state (--rules-a / --rules-b). Timing columns (steps.wall_ns)
-    are not compared. Two rule sets are replayed up to the first gap (dropped or left-out
-    steps) and no further.
+    lead to different shadow state (--rules-a / --rules-b). Two traces are also compared on
+    what a replay starts from: run metadata (not vllm_version or model) and a minimized
+    repro's start state. Timing columns (steps.wall_ns) are not compared. Two rule sets are
+    replayed up to the first gap (dropped or left-out steps) and no further.
 
     Exit codes: 0 no divergence, 1 divergence found, 2 usage error, 3 unreadable trace,
     125 inconclusive (no divergence before a gap, or an incomplete recording).
@@ -590,7 +591,7 @@ def diff_cmd(
         for side in ("a", "b"):
             for f in getattr(result, f"findings_{side}", [])[:3]:
                 out.print(f"  {side}: {f['kind']}: {f['detail']}", markup=False, highlight=False)
-    if result.first_step is not None:
+    if result.first_step is not None or getattr(result, "setup", None):
         return EXIT_CORRUPTION
     return EXIT_INCONCLUSIVE if result.inconclusive is not None else EXIT_CLEAN
 

@@ -1,7 +1,9 @@
 """`mgtrace diff`: the first step where two traces, or two rule sets on one trace, diverge.
 
 Two traces are compared on their recorded inputs: per table, an order-independent hash of
-each (rank, step)'s rows; the first step whose hashes differ, and in which tables.
+each (rank, step)'s rows; the first step whose hashes differ, and in which tables. What a
+replay starts from is compared too: the run metadata it sizes and rules its pool by, and the
+start state a minimized repro carries (two repros of one trace can hold the same steps).
 
 Two rule sets on one trace are compared on their effects: both replays run in lockstep and
 the first step after which their shadow states differ, or their oracles disagree, is reported,
@@ -12,7 +14,8 @@ every block as the other side has it: the oracles tell those apart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,8 @@ from mgtrace.schemas.reader import TraceReader
 INPUT_TABLES = ("steps", "batch_rows", "launches", "block_tables", "sched", "row_moves")
 # Columns that say when, not what: two recordings of the same inputs never share them.
 TIMING_COLUMNS = {"steps": ("wall_ns",)}
+# Run metadata that names the engine and changes nothing a replay does.
+DESCRIPTIVE_RUN_FIELDS = frozenset(("vllm_version", "model"))
 
 
 @dataclass
@@ -42,11 +47,17 @@ class TraceDiff:
     # record the same inputs: the run may differ where it is missing
     missing_a: list[str] = field(default_factory=list)
     missing_b: list[str] = field(default_factory=list)
+    # what differs before the first step: run metadata fields, start states
+    setup: list[str] = field(default_factory=list)
+
+    @property
+    def differs(self) -> bool:
+        return self.first_step is not None or bool(self.setup)
 
     @property
     def inconclusive(self) -> str | None:
         """Why "the same inputs" cannot speak for the whole run: steps left uncompared."""
-        if self.first_step is not None:
+        if self.differs:
             return None
         if self.left_out_from is not None:
             return f"steps from {self.left_out_from} on are in a left-out part (not compared)"
@@ -59,6 +70,15 @@ class TraceDiff:
         return "; ".join(said) + ", so the runs may differ in what is missing"
 
     def sentence(self, a: str, b: str) -> str:
+        steps = self._steps_sentence(a, b)
+        if not self.setup:
+            return steps
+        setup = f"{a} and {b} start from different {' and '.join(self.setup)}"
+        if self.first_step is None:
+            return f"{setup}; their steps record the same inputs"
+        return f"{setup}; {steps}"
+
+    def _steps_sentence(self, a: str, b: str) -> str:
         if self.first_step is None and self.left_out_from == 0:
             return f"{a} and {b} share no step to compare: a left-out part holds rows of step 0"
         if self.first_step is None and self.left_out_from is not None:
@@ -110,9 +130,15 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
             per_table[name] = first
             if best is None or (first[1], first[0]) < (best[1], best[0]):
                 best = first
+    setup = setup_differences(a, b)
     if best is None:
         return TraceDiff(
-            None, None, left_out_from=cut, missing_a=missing_from(a), missing_b=missing_from(b)
+            None,
+            None,
+            left_out_from=cut,
+            missing_a=missing_from(a),
+            missing_b=missing_from(b),
+            setup=setup,
         )
     rank, step = best
     tables = [t for t, first in per_table.items() if first == best]
@@ -126,7 +152,54 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
     if only is not None:  # a gap in the other trace, not its end, when it goes on later
         later = [s for s in (steps_b if only == "a" else steps_a) if s > step]
         missing_to = min(later) - 1 if later else None
-    return TraceDiff(step, rank, tables, only, missing_to)
+    return TraceDiff(step, rank, tables, only, missing_to, setup=setup)
+
+
+def setup_differences(a: TraceReader, b: TraceReader) -> list[str]:
+    """What two traces' replays start from differently, in words: the run metadata fields
+    that differ (values shown), and the start states (one trace has one, or they differ)."""
+    out: list[str] = []
+    run_a, run_b = asdict(a.manifest.run), asdict(b.manifest.run)
+    changed = [k for k in run_a if k not in DESCRIPTIVE_RUN_FIELDS and run_a[k] != run_b[k]]
+    if changed:
+        shown = ", ".join(
+            f"{k} {_brief_value(run_a[k])} vs {_brief_value(run_b[k])}" for k in changed[:3]
+        )
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        out.append(f"run metadata ({shown}{more})")
+    start_a, start_b = ckpt.start_state(a), ckpt.start_state(b)
+    if (start_a is None) != (start_b is None):
+        has = "the first" if start_a is not None else "the second"
+        out.append(f"start states (only {has} trace carries one)")
+    elif start_a is not None and start_b is not None:
+        ranks = sorted(set(start_a.checkpoints) | set(start_b.checkpoints))
+        differ = [
+            r
+            for r in ranks
+            if r not in start_a.checkpoints
+            or r not in start_b.checkpoints
+            or not _same_checkpoint(start_a.checkpoints[r], start_b.checkpoints[r])
+        ]
+        if start_a.request_ids != start_b.request_ids or differ:
+            where = f" of rank {', '.join(map(str, differ))}" if differ else ""
+            out.append(f"start states{where}")
+    return out
+
+
+def _brief_value(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _same_checkpoint(a: Path | ckpt.Checkpoint, b: Path | ckpt.Checkpoint) -> bool:
+    """Whether two stored checkpoints hold the same arrays (a file's bytes could differ in
+    ways its contents do not)."""
+    if not isinstance(a, Path) or not isinstance(b, Path):
+        return a is b
+    with np.load(a) as da, np.load(b) as db:
+        if sorted(da.files) != sorted(db.files):
+            return False
+        return all(np.array_equal(da[k], db[k]) for k in da.files)
 
 
 def _first_left_out(*readers: TraceReader) -> int | None:
