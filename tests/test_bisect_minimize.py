@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -169,6 +170,25 @@ def test_bisect_costs_less_than_a_full_replay() -> None:
 
 
 # ---------------------------------------------------------------- minimize
+def _renumbered(findings: list, step: int, signature: str, shift: int) -> set[tuple]:
+    """The findings of ``signature`` at ``step`` as comparable facts, with every step they
+    name moved back by ``shift`` (a repro's steps are the original's less the cut)."""
+
+    def moved(m: re.Match[str]) -> str:
+        return f"{m[1]} step {int(m[2]) - shift}"
+
+    return {
+        (
+            f.req_id,
+            f.writer_req_id,
+            None if f.writer_step is None else f.writer_step - shift,
+            re.sub(r"(since|at) step (-?\d+)", moved, f.detail),
+        )
+        for f in findings
+        if f.step == step and f.signature == signature
+    }
+
+
 @pytest.mark.parametrize(
     ("bug", "seed", "engine"),
     [
@@ -191,6 +211,11 @@ def test_minimize_long_trace_to_a_small_repro(
     assert result.steps <= 50 and len(result.requests) <= 4
     again = replay_trace(TraceReader(out), RuleSet())
     assert pinned in {f.signature for f in again.findings if f.step == again.first_step}
+    # the steps its findings name before the cut (a writer's, an owner's since when) are
+    # in the repro's numbering: they said the original trace's
+    shift = result.original_first_step - result.first_step
+    said = _renumbered(again.findings, again.first_step, pinned, 0)
+    assert said and said <= _renumbered(first.findings, first.first_step, pinned, shift), said
     kept = TraceReader(out).table("requests").column("req_id").to_pylist()
     assert sorted(kept) == result.requests  # no request the repro does not hold
     if bug == "batch-row-block-table":  # the deferred post-process no longer holds the cut

@@ -41,6 +41,7 @@ from mgtrace.outputs import refuse_overwriting_inputs, require_output_folder
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
 from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
+from mgtrace.replayer.requests import NO_REQUEST
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import (
     REPLAY_TABLES,
@@ -341,8 +342,13 @@ def trim_prefix(trace: MemoryTrace, first: int, rules: RuleSet) -> MemoryTrace:
     for rank in ranks_of(trace):  # type: ignore[arg-type]
         rep = RankReplay(RankTrace(trace, rank, ids), rules, run_reference)  # type: ignore[arg-type]
         rep.run(start=ckpt.start_from(rep, seed), until=first - 1)
+        # what the state remembers of steps before the cut, renumbered as the steps are:
+        # a finding in the repro names its writer's step in the repro's numbering
+        rep.pool.shift_steps(-first)
         cp = rep.checkpoint(-1)
         cp.findings = 0
+        owner, since, held, retired = cp.ownership
+        cp.ownership = (owner, np.where(owner != NO_REQUEST, since - first, since), held, retired)
         cp.views = {
             s - first: replace(view, step=s - first)
             for s, view in cp.views.items()

@@ -20,6 +20,7 @@ import numpy as np
 
 from mgtrace.errors import UsageError
 from mgtrace.kernels.pool import StatePool, StateSpec
+from mgtrace.replayer.requests import NO_REQUEST
 from mgtrace.schemas.manifest import RunMetadata
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 CONV_TAG_INTS = 2  # uid, position
 TEMPORAL_TAG_INTS = 4  # uid, tokens, step, flags
+STEP_FIELD = 2  # a temporal tag's step word
 
 # settle's ring on a GPU: a slot holds one settle's writes (a step's are a few thousand
 # words, 12 bytes each with the word's index), 256 of them between waits for the device
@@ -494,6 +496,19 @@ class TagPool:
         ints = self._ints_view()
         base = self._base(state, blocks)
         return ints[base[:, None] + np.arange(TEMPORAL_TAG_INTS)[None, :]]
+
+    def shift_steps(self, delta: int) -> None:
+        """Add ``delta`` to the step of every written temporal tag: the pool of a trace whose
+        steps are renumbered (a repro cut from a later step) names its writers' steps as
+        the new numbering does. Conv tags hold no step."""
+        blocks = np.arange(self.pool.num_blocks, dtype=np.int64)
+        for index, gs in enumerate(self.groups):
+            tags = self.read_temporal(index, blocks)
+            if tags is None:
+                continue
+            written = np.flatnonzero(tags[:, 0] != NO_REQUEST)
+            at = self._base(gs.temporal, blocks[written]) + STEP_FIELD
+            self._ints[at] = tags[written, STEP_FIELD] + delta
 
     def name_words(self, base: int) -> None:
         """Set word ``i`` of the pool to ``base + i``: a placeholder that names the word it
