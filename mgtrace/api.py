@@ -124,6 +124,7 @@ class Trace:
         rank's lines only)."""
         from mgtrace.cli import check_step_window
         from mgtrace.query.history import check_rank, request_history, resolve_request
+        from mgtrace.replayer.checkpoint import start_state
 
         if not isinstance(request, str):
             raise UsageError(f"a request is named by its id (a string), not {request!r:.40}")
@@ -146,6 +147,7 @@ class Trace:
             rules=rules,
             run=self.run,
             rank=rank,
+            start=start_state(self.reader),
         )
 
     # ------------------------------------------------------------------ analyses

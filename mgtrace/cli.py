@@ -279,6 +279,7 @@ def history(
         resolve_request,
     )
     from mgtrace.render import render_history
+    from mgtrace.replayer.checkpoint import start_state
     from mgtrace.replayer.rules import RuleSet
 
     check_step_window(from_step, to_step)
@@ -298,6 +299,7 @@ def history(
         rules=wanted,
         run=reader.manifest.run,
         rank=rank,
+        start=start_state(reader),
     )
     if fmt != "table":
         export_table(lines, fmt, output)

@@ -81,6 +81,7 @@ def _histories(con: Any, trace: Trace, requests: list[str], first_bad: int, rank
     """``mgtrace history`` of each request around the first bad step, on the rank of the
     first finding (every rank of an engine runs the same batch)."""
     from mgtrace.query.history import request_history
+    from mgtrace.replayer.checkpoint import start_state
 
     out = []
     for req in requests:
@@ -91,6 +92,7 @@ def _histories(con: Any, trace: Trace, requests: list[str], first_bad: int, rank
             to_step=first_bad + HISTORY_AFTER,
             run=trace.run,
             rank=rank,
+            start=start_state(trace.reader),
         )
         names = [n for n in lines.column_names if lines[n].null_count < lines.num_rows]
         rows = [list(r.values()) for r in lines.select(names).to_pylist()]

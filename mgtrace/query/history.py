@@ -30,6 +30,7 @@ from mgtrace.schemas.writer import PART_SUFFIX
 from mgtrace.shell import path_arg
 
 if TYPE_CHECKING:
+    from mgtrace.replayer.checkpoint import StartState
     from mgtrace.schemas.reader import TraceReader
 
 # A scheduler row, a batch row, a row move, a freed state block or a finding of the request
@@ -153,11 +154,18 @@ def resolve_request(con: duckdb.DuckDBPyConnection, wanted: str) -> str:
     raise UsageError(f"{wanted!r} matches {len(ids)} requests ({shown}); give the whole id")
 
 
-def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -> pa.Table:
+def align_frees(
+    con: duckdb.DuckDBPyConnection,
+    req_id: str,
+    run: RunMetadata,
+    start: StartState | None = None,
+) -> pa.Table:
     """(rank, step, freed): where align mode frees the blocks ``req_id`` moved past (first
     Mamba group: its previous running block, a prefix hit's or a checkpoint's block), by the
     rule the replay's block ownership applies; the scheduler's deltas
-    never say so. From that step on a write onto the block no longer harms the request."""
+    never say so. From that step on a write onto the block no longer harms the request.
+    A request the trace first sees running starts from what ``start`` (a repro's start
+    state) holds of it; without one its frees are left out until it is scheduled anew."""
     rows = con.execute(
         "SELECT rank, step, kind, num_scheduled, num_computed, "
         "coalesce(new_block_ids[1], []) FROM sched WHERE req_id = $1 ORDER BY rank, step",
@@ -189,8 +197,14 @@ def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -
             spec_blocks=run.num_speculative_tokens,
         )
         one = np.ones(1, dtype=np.int64)
+        # a request the trace first sees running (a recording attached mid-run, a repro cut
+        # from a longer trace) got its earlier blocks before it: which column a block of
+        # the deltas fills is known from a start state, or once a new or resumed row gives
+        # the whole row
+        known = _adopt_saved(own, start, rank, req_id)
         for i, (_, step, kind, _, _, blocks) in enumerate(mine):
-            if kind == "cached":  # as the replay: frees first, then this step's blocks
+            known = known or kind in ("new", "resumed")
+            if kind == "cached" and known:  # as the replay: frees first, then the blocks
                 for _, _, col, block in own.retire(one, below[i : i + 1]):
                     freed.setdefault((rank, step), []).append((col, block))
             own.apply(step, [1], [kind], [[blocks]])
@@ -207,6 +221,18 @@ def align_frees(con: duckdb.DuckDBPyConnection, req_id: str, run: RunMetadata) -
     )
 
 
+def _adopt_saved(own: BlockOwnership, start: StartState | None, rank: int, req_id: str) -> bool:
+    """Give uid 1 of ``own`` what ``start`` holds of ``req_id`` on ``rank``."""
+    from mgtrace.replayer import checkpoint as ckpt
+
+    if start is None or rank not in start.checkpoints or req_id not in start.request_ids:
+        return False
+    saved = start.checkpoints[rank]
+    snapshot = (saved if isinstance(saved, ckpt.Checkpoint) else ckpt.load(saved)).ownership
+    # a start state numbers its requests 1, 2, ... in the order of its request ids
+    return own.adopt(1, snapshot, start.request_ids.index(req_id) + 1)
+
+
 def request_history(
     con: duckdb.DuckDBPyConnection,
     req_id: str,
@@ -216,9 +242,11 @@ def request_history(
     rules: str | None = AS_RECORDED,
     run: RunMetadata,
     rank: int | None = None,
+    start: StartState | None = None,
 ) -> pa.Table:
     """The lines of ``req_id`` (an exact id; see ``resolve_request``), findings of replays
-    under ``rules`` only (None: every saved replay), of ``rank`` only (None: every rank)."""
+    under ``rules`` only (None: every saved replay), of ``rank`` only (None: every rank);
+    ``start``: the trace's start state (``checkpoint.start_state``), where it has one."""
     params: list[object] = [
         req_id,
         -1 if from_step is None else from_step,
@@ -227,7 +255,7 @@ def request_history(
         "v1" if run.runner == "v1" else "source",
         rank,
     ]
-    con.register("history_frees", align_frees(con, req_id, run))
+    con.register("history_frees", align_frees(con, req_id, run, start))
     try:
         return con.sql(HISTORY_SQL, params=params).to_arrow_table()
     finally:
@@ -308,13 +336,17 @@ def gaps_note(con: duckdb.DuckDBPyConnection, lines: pa.Table) -> str | None:
     steps = lines.column("step").to_numpy()
     lo, hi = int(steps.min()), int(steps.max())
     present = con.execute(
-        "SELECT rank, step FROM steps WHERE step BETWEEN $1 AND $2 AND list_contains($3, rank)",
-        [lo, hi, ranks],
+        "SELECT rank, step FROM steps WHERE list_contains($1, rank)", [ranks]
     ).fetchnumpy()
     spans: list[str] = []
     for rank in ranks:
         have = np.unique(present["step"][present["rank"] == rank])
-        missing = np.setdiff1d(np.arange(lo, hi + 1), have)
+        if not len(have):
+            continue
+        # inside the steps the rank recorded: a repro's deferred batches sit at negative
+        # steps before its first one, and are no gap
+        within = np.arange(max(lo, int(have[0])), min(hi, int(have[-1])) + 1)
+        missing = np.setdiff1d(within, have)
         if not len(missing):
             continue
         breaks = np.flatnonzero(np.diff(missing) != 1)

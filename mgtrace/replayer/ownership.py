@@ -214,6 +214,25 @@ class BlockOwnership:
                 self._acquire(uid, step, blocks)
         return freed
 
+    def adopt(self, uid: int, snapshot: OwnershipSnapshot, saved_uid: int) -> bool:
+        """Take over, as ``uid``, the block rows, the blocks still owned and the retired
+        column that a saved ``snapshot`` (a trace's start state) holds for ``saved_uid``;
+        False when it holds none."""
+        owner, since, held, retired = snapshot
+        rows = held.get(saved_uid)
+        if rows is None:
+            return False
+        self._held[uid] = [list(r) for r in rows[: self.owner.shape[0]]]
+        self._grow(uid)
+        self._retired[uid] = int(retired[saved_uid]) if saved_uid < len(retired) else 0
+        known = min(self.num_blocks, owner.shape[1])
+        for group, row in enumerate(self._held[uid]):
+            for block in row:
+                if NULL_BLOCK < block < known and owner[group, block] == saved_uid:
+                    self.owner[group, block] = uid
+                    self.since[group, block] = since[group, block]
+        return True
+
     def retire(self, uids: np.ndarray, freed_below: np.ndarray) -> list[tuple[int, int, int, int]]:
         """Free, for each scheduled running request, the blocks at the columns its processed
         tokens passed: the scheduler frees every column below ``cdiv(processed, B) - 1``.
