@@ -19,6 +19,7 @@ from rich.console import Console
 
 from mgtrace import __version__
 from mgtrace.errors import EXIT_USAGE, MgtraceError
+from mgtrace.termination import is_query_interrupt, stop_signals_interrupt, terminated_by
 
 EXIT_INTERNAL = 70  # sysexits EX_SOFTWARE: a bug in mgtrace, not in the input
 
@@ -368,6 +369,16 @@ def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_par
     _stderr().print(f"wrote {output}", markup=False, highlight=False)
 
 
+def _interrupted(exc: BaseException) -> int:
+    """Ctrl-C (130), or SIGTERM / SIGHUP (128 + the signal's number), said in one line."""
+    by = terminated_by(exc)
+    if by is None:
+        click.echo("mgtrace: interrupted", err=True)
+        return 130
+    click.echo(f"mgtrace: stopped by {by.name}", err=True)
+    return by.exit_code
+
+
 def main(
     argv: list[str] | None = None,
     *,
@@ -380,19 +391,16 @@ def main(
         from mgtrace.pandas_probe import skip_pandas_probe
 
         skip_pandas_probe()  # inside: a Ctrl-C this early is an interruption like any other
-        rv = (command or cli).main(args=argv, prog_name=prog_name, standalone_mode=False)
+        with stop_signals_interrupt():
+            rv = (command or cli).main(args=argv, prog_name=prog_name, standalone_mode=False)
     except MgtraceError as exc:
         click.echo(f"mgtrace: error: {exc.message}", err=True)
         return exc.exit_code
-    except click.exceptions.Abort:
-        click.echo("mgtrace: interrupted", err=True)
-        return 130
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:
+        return _interrupted(exc)
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code
-    except KeyboardInterrupt:
-        click.echo("mgtrace: interrupted", err=True)
-        return 130
     except BrokenPipeError:
         # The reader of our stdout went away (e.g. `| head`): not an error of ours.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -403,6 +411,8 @@ def main(
         click.echo(f"mgtrace: error: {exc.strerror or exc}{where}", err=True)
         return EXIT_USAGE
     except Exception as exc:
+        if is_query_interrupt(exc):  # a signal ended a DuckDB query mid-way
+            return _interrupted(exc)
         if os.environ.get("MGTRACE_DEBUG"):
             raise
         click.echo(

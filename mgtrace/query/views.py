@@ -10,6 +10,7 @@ import pyarrow as pa
 
 from mgtrace.errors import UsageError
 from mgtrace.schemas.tables import TABLES
+from mgtrace.termination import interrupt_on_stop, is_query_interrupt, raise_if_stopped
 
 if TYPE_CHECKING:
     from mgtrace.schemas.reader import TraceReader
@@ -27,7 +28,7 @@ def connect(
     Tables with parts read them through ``read_parquet`` so DuckDB prunes columns and row
     groups; tables without parts become empty views with the right columns.
     """
-    con = connection if connection is not None else duckdb.connect()
+    con = interrupt_on_stop(connection if connection is not None else duckdb.connect())
     for name, spec in TABLES.items():
         files = reader.part_files(name)
         if files:
@@ -94,9 +95,12 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRela
     """Run one user query (see ``check_read_only``); a DuckDB error becomes one sentence and
     a usage exit code."""
     check_read_only(query)
+    raise_if_stopped()
     try:
         rel = con.sql(query)
     except duckdb.Error as exc:
+        if is_query_interrupt(exc):  # Ctrl-C or a stop signal, not a bad query
+            raise KeyboardInterrupt from exc
         raise UsageError(f"the query failed: {_one_error_line(exc)}") from None
     if rel is None:
         raise UsageError("the query returned no result set; mgtrace sql runs SELECT-like queries")
@@ -106,9 +110,12 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRela
 def fetch_arrow(rel: duckdb.DuckDBPyRelation, limit: int | None = None) -> pa.Table:
     """The rows of a query; an error DuckDB meets only while running it (a failed cast,
     ``error()``) becomes one sentence and a usage exit code too."""
+    raise_if_stopped()
     try:
         return (rel if limit is None else rel.limit(limit)).to_arrow_table()
     except duckdb.Error as exc:
+        if is_query_interrupt(exc):  # Ctrl-C or a stop signal, not a bad query
+            raise KeyboardInterrupt from exc
         raise UsageError(f"the query failed: {_one_error_line(exc)}") from None
 
 

@@ -1,0 +1,73 @@
+"""SIGTERM and SIGHUP end any command as Ctrl-C does: its cleanup runs, the signal is named
+in one line and the exit code is 128 + its number. Killed outright, a command once left a
+trace of no steps or a hidden half-written export behind, and said nothing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mgtrace.schemas.reader import TraceReader
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def _stopped(args: list[str], cwd: Path, after_s: float, signum: int) -> tuple[int, str, float]:
+    """Run ``mgtrace ARGS``, send ``signum`` after ``after_s``; (exit code, stderr, seconds
+    from the signal to the exit)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mgtrace", *args],
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+    time.sleep(after_s)
+    assert proc.poll() is None, "the control: the command was still running"
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err, time.monotonic() - sent
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_a_stopped_simulation_keeps_its_steps_as_ctrl_c_does(tmp_path: Path, signum: int) -> None:
+    code, err, _ = _stopped(["simulate", "--steps", "200000", "-o", "s.trace"], tmp_path, 6, signum)
+    assert code == 128 + signum, err
+    assert err.strip() == f"mgtrace: stopped by {signal.Signals(signum).name}", err
+    reader = TraceReader(tmp_path / "s.trace")
+    assert not reader.complete and reader.rows("steps") > 0
+
+
+def test_a_stopped_export_leaves_nothing_behind(tmp_path: Path) -> None:
+    import mgtrace
+
+    mgtrace.simulate(tmp_path / "t.trace", steps=400, seed=0)
+    query = "SELECT l.* FROM launches l, range(2000)"
+    code, err, _ = _stopped(["sql", "t.trace", query, "-o", "big.csv"], tmp_path, 5, signal.SIGTERM)
+    assert code == 143 and err.strip() == "mgtrace: stopped by SIGTERM", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.trace"]
+
+
+@pytest.mark.parametrize(
+    ("signum", "said"),
+    [(signal.SIGINT, "mgtrace: interrupted"), (signal.SIGTERM, "mgtrace: stopped by SIGTERM")],
+    ids=["INT", "TERM"],
+)
+def test_a_signal_ends_a_running_query_at_once(tmp_path: Path, signum: int, said: str) -> None:
+    """DuckDB ends an interrupted query with an error of its own, which was reported as an
+    internal error (exit 70, "please report it")."""
+    import mgtrace
+
+    mgtrace.simulate(tmp_path / "t.trace", steps=40, seed=0)
+    query = "SELECT sum(range) FROM range(100000000000)"  # minutes of work
+    code, err, took = _stopped(["sql", "t.trace", query], tmp_path, 4, signum)
+    assert code == 128 + signum and err.strip() == said, err
+    assert took < 30
