@@ -115,6 +115,38 @@ def test_append_table_adds_findings_part(fresh_trace: Path) -> None:
     assert reader.complete
 
 
+@pytest.mark.parametrize(
+    "failure", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["full", "ctrl-c"]
+)
+def test_a_replaced_part_whose_manifest_fails_to_save_keeps_the_old_one(
+    fresh_trace: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException
+) -> None:
+    """A replay saved again over its findings part (new findings after an upgrade) wrote the
+    new part, then failed to save the manifest (a full disk, Ctrl-C): the old manifest beside
+    the new part made every command refuse the whole trace. Control: a save that works
+    replaces the part."""
+    from mgtrace.schemas import writer
+
+    append_table(fresh_trace, "findings", _finding("r2"), tag="replay-r2")
+    part = fresh_trace / "findings" / "replay-r2.parquet"
+    old = part.read_bytes()
+    two = pa.concat_tables([_finding("r2"), _finding("r2")])
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise failure
+
+    with monkeypatch.context() as m:
+        m.setattr(writer, "save_manifest", fails)
+        with pytest.raises(type(failure)):
+            append_table(fresh_trace, "findings", two, tag="replay-r2")
+    assert part.read_bytes() == old
+    assert TraceReader(fresh_trace).table("findings").num_rows >= 1  # readable, as it was
+    assert not [p for p in part.parent.iterdir() if p.name.startswith(".")]
+    append_table(fresh_trace, "findings", two, tag="replay-r2")
+    assert part.read_bytes() != old
+    assert not [p for p in part.parent.iterdir() if p.name.startswith(".")]
+
+
 def test_append_table_leaves_no_lock_file(fresh_trace: Path) -> None:
     """The append lock is a file of its own; a finished trace holds only the trace's files."""
     append_table(fresh_trace, "findings", _finding("r2"), tag="replay-r2")

@@ -567,16 +567,28 @@ def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag
             manifest.parts = ranks.own_parts(manifest.parts)
         rel = f"{table_name}/{tag}{PART_SUFFIX}"
         listed = any(p.path == rel for p in manifest.parts)
+        # a part the manifest lists is replaced: its old bytes stay under a hidden name
+        # until the manifest that lists the new ones is saved, and come back if it is not
+        # (the old manifest beside the new part would make the whole trace unreadable)
+        kept = trace_dir / table_name / f".{tag}{PART_SUFFIX}.kept"
+        if listed:
+            kept.unlink(missing_ok=True)
+            os.link(trace_dir / rel, kept)
         try:
             info = write_part_file(trace_dir, rel, table)
             manifest.parts = [p for p in manifest.parts if p.path != rel] + [info]
             save_manifest(trace_dir, manifest)
         except BaseException:
-            if not listed:  # leave no part, nor folder, that the manifest does not list
-                with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):
+                if listed:
+                    os.replace(kept, trace_dir / rel)
+                else:  # leave no part, nor folder, that the manifest does not list
                     (trace_dir / rel).unlink(missing_ok=True)
                     (trace_dir / table_name).rmdir()  # only when empty
             raise
+        if listed:
+            with contextlib.suppress(OSError):
+                kept.unlink()
     return info
 
 
