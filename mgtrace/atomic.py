@@ -33,9 +33,16 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Call ``write`` on a new temporary file beside ``path`` and rename it over ``path``.
 
     The temporary name is unique per process and thread and opened exclusively; the file gets
-    the usual permissions (the umask applies), unlike a mkstemp file.
+    the usual permissions (the umask applies), unlike a mkstemp file. A symbolic link is
+    written through (its target is replaced, the link stays), and a device or FIFO (``-o
+    /dev/stdout``) is written in place: renaming a file over it would replace the device.
     """
     path = Path(path)
+    if is_a_stream(path):
+        _write_in_place(path, write)
+        return
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "xb") as fh:
@@ -47,6 +54,22 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         if isinstance(exc, OSError):  # named by the file asked for, not the temporary one
             raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
         raise
+
+
+def is_a_stream(path: Path) -> bool:
+    """A device, a FIFO, or a name for one of this process's open files (``/dev/stdout``,
+    ``/proc/self/fd/1``, which may lead to a regular file the shell opened)."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        return True
+    return Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",)) and path.exists()
+
+
+def _write_in_place(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    try:
+        with open(path, "wb") as fh:
+            write(fh)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def hidden_sibling(path: Path, role: str) -> Path:

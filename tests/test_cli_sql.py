@@ -533,3 +533,34 @@ def test_the_client_labels_cross_tab_is_a_canned_query(tmp_path: Path, capsys) -
     assert [list(r.values()) for r in by_name] == rows and sum(r["n"] for r in by_name) > 0
     assert [list(r) for r in trace.sql("@client-labels").fetchall()] == rows
     assert [list(r) for r in trace.sql(crosstab_sql(1)).fetchall()] != rows
+
+
+def test_an_output_that_is_a_link_or_a_fifo_is_written_through(
+    sample_trace: Path, tmp_path: Path, capsys
+) -> None:
+    """-o over a symbolic link replaced the link with a file, and over a FIFO or a device
+    (as root, /dev/null) replaced the device. A link's target is now replaced, the link
+    kept; a FIFO or device is written in place, with no --force (it holds nothing to lose).
+    Control: a regular file still needs --force."""
+    import os
+    import stat
+    import threading
+
+    target = tmp_path / "target.csv"
+    target.write_text("old\n")
+    link = tmp_path / "link.csv"
+    link.symlink_to(target.name)
+    assert main(["sql", str(sample_trace), "SELECT 7 AS n", "-o", str(link)]) == 2
+    assert main(["sql", str(sample_trace), "SELECT 7 AS n", "-o", str(link), "--force"]) == 0
+    assert link.is_symlink() and target.read_text().splitlines() == ['"n"', "7"]
+    fifo = tmp_path / "pipe.csv"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    assert (
+        main(["sql", str(sample_trace), "SELECT 8 AS n", "-o", str(fifo), "--format", "csv"]) == 0
+    )
+    reader.join(30)
+    assert got == [b'"n"\n8\n'] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    capsys.readouterr()

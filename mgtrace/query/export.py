@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from mgtrace.atomic import atomic_write
+from mgtrace.atomic import atomic_write, is_a_stream
 from mgtrace.errors import OutputError
 from mgtrace.outputs import require_output_folder
 
@@ -135,7 +135,7 @@ def check_output_path(path: Path, *, force: bool) -> None:
     """Refuse before any work is done, so a bad -o never costs a long query."""
     if path.is_dir():  # said first: --force would not help
         raise OutputError(f"{path} is a directory; give a file name")
-    if path.exists() and not force:
+    if path.is_file() and not is_a_stream(path) and not force:  # /dev/stdout loses nothing
         raise OutputError(f"{path} already exists; pass --force to overwrite it")
     require_output_folder(path, str(path))  # a file or /proc above it fails here, not later
 
