@@ -195,11 +195,14 @@ def sql(
 
     Exit codes: 0 shown, 2 usage error (bad query or option), 3 unreadable trace."""
     from mgtrace.errors import UsageError
-    from mgtrace.query.canned import NAMED, named
+    from mgtrace.query.canned import NAMED, named, unsaved_replay_note
     from mgtrace.query.export import export_table
+    from mgtrace.query.history import replay_saved
     from mgtrace.query.views import fetch_arrow, run_query
     from mgtrace.query.views import list_views as views_of
     from mgtrace.render import render_arrow, render_canned, render_views
+    from mgtrace.replayer.rules import AS_RECORDED
+    from mgtrace.shell import path_arg
 
     if not list_views and not query:
         raise UsageError('give a QUERY, e.g. "SELECT * FROM steps LIMIT 5", or --list')
@@ -215,6 +218,9 @@ def sql(
         render_canned([(f"@{name}", doc) for name, (_, doc) in NAMED.items()], _stdout())
         return
     rel = run_query(con, named(query, reader.manifest.run.num_speculative_tokens))
+    note = unsaved_replay_note(query, replay_saved(reader, AS_RECORDED), path_arg(trace))
+    if note is not None:  # stderr: a CSV or JSON on stdout stays as it is
+        click.echo(f"note: {note}", err=True)
     if fmt == "table":
         shown = fetch_arrow(rel, max_rows + 1)
         more = shown.num_rows > max_rows

@@ -564,3 +564,26 @@ def test_an_output_that_is_a_link_or_a_fifo_is_written_through(
     reader.join(30)
     assert got == [b'"n"\n8\n'] and stat.S_ISFIFO(os.stat(fifo).st_mode)
     capsys.readouterr()
+
+
+def test_a_canned_findings_query_says_when_no_replay_is_saved(tmp_path: Path, capsys) -> None:
+    """Before any replay the canned queries over findings read as if the replay had found
+    nothing ("flagged_by_replay 0" on a buggy run). They now say none is saved, and how to
+    save it. Control: once the replay is saved, and for a query not over findings, no note."""
+    import mgtrace
+
+    trace = tmp_path / "run.trace"
+    mgtrace.simulate(trace, bugs=["reorder-threshold-mismatch"], steps=300, seed=0)
+    note = "note: no replay of this trace as recorded is saved, so its findings columns are"
+    for name in ("@findings-over-time", "@first-decode-in-prefill-split"):
+        assert main(["sql", str(trace), name, "--format", "csv"]) == 0
+        out, err = capsys.readouterr()
+        assert err.startswith(note) and err.rstrip().endswith(f"run: mgtrace replay {trace}")
+        assert "note" not in out  # the CSV stays as it is
+    assert main(["sql", str(trace), "@batch-composition", "--format", "csv"]) == 0
+    assert "note" not in capsys.readouterr().err
+    assert main(["replay", str(trace)]) == 1
+    capsys.readouterr()
+    assert main(["sql", str(trace), "@findings-over-time", "--format", "csv"]) == 0
+    out, err = capsys.readouterr()
+    assert "note" not in err and len(out.splitlines()) > 1

@@ -173,3 +173,19 @@ def named(query: str, k: int | None = None) -> str:
             f"no canned query {query!r}; there are: " + ", ".join("@" + n for n in NAMED)
         )
     return found[0]
+
+
+# The canned queries that read what the as-recorded replay saved.
+READ_FINDINGS = frozenset(("findings-over-time", "first-decode-in-prefill-split"))
+
+
+def unsaved_replay_note(query: str, saved: bool, trace: str) -> str | None:
+    """The line ``mgtrace sql`` adds when ``query`` is a canned query over the findings of
+    the as-recorded replay and that replay is not ``saved``: its columns read as if the
+    replay found nothing. None otherwise."""
+    if saved or query[1:] not in READ_FINDINGS or not query.startswith("@"):
+        return None
+    return (
+        f"no replay of this trace as recorded is saved, so its findings columns are empty; "
+        f"run: mgtrace replay {trace}"
+    )
