@@ -325,3 +325,21 @@ def test_a_repro_frees_its_requests_blocks_at_the_columns_the_original_did(
     del manifest["source"]["start_state"]
     (bare / "manifest.json").write_text(json.dumps(manifest))
     assert frees(mgtrace.open(bare)) == set()
+
+
+def test_a_request_never_scheduled_is_said_to_be_so(tmp_path: Path) -> None:
+    """A request that arrived but never ran (its requests row has no first step) was "no
+    request id in the trace contains" it, though the requests view lists it. Control: an id
+    the trace does not hold at all is still said so."""
+    import mgtrace
+
+    trace = mgtrace.simulate(tmp_path / "w.trace", steps=200, seed=0, scenario="mixed",
+                             num_blocks=60)  # fmt: skip
+    waiting = trace.sql("SELECT req_id FROM requests WHERE first_step IS NULL").fetchall()
+    assert waiting, "the control: a request that never ran"
+    name = waiting[0][0]
+    for asked in (name, name.rsplit("-", 1)[1]):
+        err = assert_one_sentence_error(run_cli("history", str(trace.path), asked), 2)
+        assert f"request {name} arrived but was never scheduled in the trace" in err, err
+    err = assert_one_sentence_error(run_cli("history", str(trace.path), "nobody"), 2)
+    assert "no request id in the trace contains 'nobody'" in err

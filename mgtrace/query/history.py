@@ -146,6 +146,19 @@ def resolve_request(con: duckdb.DuckDBPyConnection, wanted: str) -> str:
     if len(ids) == 1:
         return ids[0]
     if not ids:
+        waiting = [
+            r[0]
+            for r in con.execute(
+                "SELECT DISTINCT req_id FROM requests WHERE contains(req_id, $1) ORDER BY 1",
+                [wanted],
+            ).fetchall()
+        ]
+        if wanted in waiting or len(waiting) == 1:
+            name = wanted if wanted in waiting else waiting[0]
+            raise UsageError(
+                f"request {name} arrived but was never scheduled in the trace, so it has no "
+                "history (the requests view of `mgtrace sql` has its row)"
+            )
         raise UsageError(
             f"no request id in the trace contains {wanted!r} (the requests view of "
             "`mgtrace sql` lists them)"
