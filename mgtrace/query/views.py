@@ -57,7 +57,7 @@ def _one_error_line(exc: duckdb.Error) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
 
 
-_QUERY_FORMS = "SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW or SUMMARIZE"
+_QUERY_FORMS = "SELECT, WITH, FROM, VALUES, PIVOT, DESCRIBE, SHOW or SUMMARIZE"
 # past whitespace, -- line comments and /* block comments */
 _FIRST_WORD = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*([A-Za-z]+)", re.DOTALL)
 
@@ -77,11 +77,14 @@ def check_read_only(query: str) -> None:
     if len(statements) > 1:
         raise UsageError(f"give one query at a time, not {len(statements)} statements")
     kind = statements[0].type
-    if kind != duckdb.StatementType.SELECT:
-        raise UsageError(
-            f"only a read-only query runs over a trace ({_QUERY_FORMS}), "
-            f"not {_first_keyword(statements[0].query) or kind.name}"
-        )
+    first = _first_keyword(statements[0].query)
+    # DuckDB expands a PIVOT into several statements (it makes an enum type of the
+    # pivoted values first): a query all the same
+    pivot = kind == duckdb.StatementType.MULTI and first == "PIVOT"
+    if kind != duckdb.StatementType.SELECT and not pivot:
+        # past a WITH, the statement's own type says what it does (INSERT, DELETE, ...)
+        named = kind.name if first in ("", "WITH") else first
+        raise UsageError(f"only a read-only query runs over a trace ({_QUERY_FORMS}), not {named}")
 
 
 def _first_keyword(sql: str) -> str:
