@@ -33,8 +33,8 @@ strings, a bare `pyarrow.parquet.read_table` returns them dictionary-encoded.
 A recording and the simulator name parts `<table>/r<rank>-<seq>.parquet` (per-rank tables)
 or `<table>/all-<seq>.parquet`, and a minimized repro `<table>/all-000000.parquet` (one part a
 table, whatever the ranks); a saved replay's findings are `findings/replay-<replay id>.parquet`.
-The names only inform: a reader reads the parts the manifest lists, and a per-rank table's rows
-says its rank. A part is written under a temporary `.tmp` name and
+The names only inform: a reader reads the parts the manifest lists, and the rows of a per-rank
+table carry their rank. A part is written under a temporary `.tmp` name and
 renamed when complete; the manifest is rewritten atomically after each part and lists every complete
 part with its row count, byte size and SHA-256. A reader trusts only the manifest: a `.tmp`
 file is an open part of an interrupted writer and is never read. `complete` is true only
