@@ -233,15 +233,19 @@ class Trace:
         **rule_values: Any,
     ) -> MinimizeResult:
         """The smallest trace that still shows the same first finding, and a pytest file."""
+        from mgtrace.errors import OutputError
         from mgtrace.replayer.minimize import minimize
 
-        return minimize(
-            self.path,
-            Path(output),
-            rules=_rules(rules, rule_values),
-            signature=signature,
-            force=force,
-        )
+        try:
+            return minimize(
+                self.path,
+                Path(output),
+                rules=_rules(rules, rule_values),
+                signature=signature,
+                force=force,
+            )
+        except OutputError as exc:  # said as the command line says it: say it for Python
+            raise OutputError(exc.message.replace("--force", "force=True")) from None
 
     def diff(
         self,

@@ -61,3 +61,15 @@ def test_repr_counts_a_pipeline_step_once(tmp_path: Path) -> None:
     "80 steps"."""
     pp = mgtrace.simulate(tmp_path / "pp.trace", runner="v2", pp=2, steps=40)
     assert "80 step rows on 2 ranks" in repr(pp) and pp.info()["steps"] == 40
+
+
+def test_minimize_over_an_existing_output_names_the_python_argument(
+    trace: Trace, tmp_path: Path
+) -> None:
+    """From Python, "pass --force" named a command-line flag. Control: force=True replaces."""
+    from mgtrace.errors import OutputError
+
+    trace.minimize(tmp_path / "repro")
+    with pytest.raises(OutputError, match=r"already exists; pass force=True"):
+        trace.minimize(tmp_path / "repro")
+    assert trace.minimize(tmp_path / "repro", force=True).steps > 0

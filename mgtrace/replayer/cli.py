@@ -607,7 +607,11 @@ def diff_cmd(
 )
 @_rule_options
 @click.option("--rules", "rules_text", metavar="R=V,...", help="Rules to replay under.")
-@click.option("--signature", help="Pin this finding signature (default: the first finding's).")
+@click.option(
+    "--signature",
+    help="Pin this signature, one of the findings at the first corrupt step (default: the "
+    "first finding's).",
+)
 @click.option(
     "-f",
     "--force",
