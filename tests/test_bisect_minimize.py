@@ -936,3 +936,28 @@ def test_diff_prints_paths_with_brackets_as_they_are(tmp_path: Path) -> None:
     proc = run_cli("diff", "a[bold]x", "b[bold]x", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "a[bold]x and b[bold]x record the same inputs" in proc.stdout, proc.stdout
+
+
+def test_a_bisect_log_that_cannot_be_written_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log the disk refused once the bisect had run was said twice over ("could not write
+    the bisect log X: cannot write the bisect log X: ...") across three wrapped lines.
+    Control: the verdict is still printed, and the log is said to be missing."""
+    from mgtrace.cli import main
+    from mgtrace.errors import OutputError
+    from mgtrace.schemas import manifest
+
+    trace = tmp_path / "t.trace"
+    shutil.copytree(toggle_trace("reorder-threshold-mismatch", 0), trace)
+    log = tmp_path / ("a-long-folder-name-" * 4) / "bisect.json"
+    log.parent.mkdir()
+
+    def full(path: Path, data: object) -> None:
+        raise OutputError(f"cannot write the bisect log {path}: No space left on device")
+
+    monkeypatch.setattr(manifest, "write_json_atomic", full)
+    assert main(["bisect", str(trace), "--log", str(log)]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"mgtrace: cannot write the bisect log {log}: No space left on device\n"
+    assert "corruption starts at step" in out

@@ -510,9 +510,11 @@ def bisect_cmd(
     try:
         save_log(verdict, log, skip_bad_parts=skip_bad_parts)
     except (OSError, MgtraceError) as exc:
-        Console(stderr=True).print(
-            f"mgtrace: could not write the bisect log {log}: {reason(exc)}", markup=False
-        )
+        # an MgtraceError names the log already; one line, unwrapped, on stderr
+        said = exc.message if isinstance(exc, MgtraceError) else reason(exc)
+        if not said.startswith("cannot write"):
+            said = f"could not write the bisect log {log}: {said}"
+        click.echo(f"mgtrace: {said}", err=True)
         log = None
     if as_json:
         click.echo(json.dumps(verdict.to_json(), indent=1, default=str))
