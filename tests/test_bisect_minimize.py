@@ -961,3 +961,22 @@ def test_a_bisect_log_that_cannot_be_written_is_one_line(
     out, err = capsys.readouterr()
     assert err == f"mgtrace: cannot write the bisect log {log}: No space left on device\n"
     assert "corruption starts at step" in out
+
+
+def test_a_repro_part_the_disk_refuses_is_named_where_it_was_going(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error named the hidden folder the repro is built in ("out/.m.trace.23466-0@vm.new/
+    steps/..."), a path the user never gave and that is gone once the error is read."""
+    from mgtrace.errors import OutputError
+    from mgtrace.replayer import minimize as mod
+
+    def refused(folder: Path, rel: str, table: object) -> None:
+        raise OutputError(f"cannot write {folder / rel}: File too large")
+
+    monkeypatch.setattr(mod, "write_part_file", refused)
+    out = tmp_path / "m.trace"
+    with pytest.raises(OutputError) as caught:
+        mod.minimize(toggle_trace("reorder-threshold-mismatch", 0), out)
+    assert caught.value.message.startswith(f"cannot write {out}/"), caught.value.message
+    assert ".new" not in caught.value.message and not out.exists()

@@ -695,6 +695,8 @@ def _build_trace(trace: MemoryTrace, output: Path, manifest: Manifest) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
             raise OutputError(f"cannot write {output}: {exc.strerror or exc}") from None
+        if isinstance(exc, OutputError):  # a file's own error names the hidden folder
+            raise OutputError(exc.message.replace(str(tmp), str(output))) from None
         raise
     return tmp
 
