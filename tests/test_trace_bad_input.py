@@ -40,6 +40,17 @@ def test_missing_manifest(tmp_path: Path) -> None:
     assert "no manifest.json" in assert_one_sentence_error(run_cli("info", str(tmp_path)), 3)
 
 
+def test_a_manifest_that_is_a_folder_is_damage_not_absence(fresh_trace: Path) -> None:
+    """It read "has no manifest.json; it is not an mgtrace trace" of a trace whose manifest
+    had become a folder. Control: a folder with no manifest at all is no trace."""
+    (fresh_trace / MANIFEST_NAME).unlink()
+    (fresh_trace / MANIFEST_NAME).mkdir()
+    err = assert_one_sentence_error(run_cli("info", str(fresh_trace)), 3)
+    assert err.endswith(
+        f"{fresh_trace / MANIFEST_NAME} is not a file; the trace's manifest is damaged"
+    )
+
+
 def test_corrupt_manifest(fresh_trace: Path) -> None:
     (fresh_trace / MANIFEST_NAME).write_text('{"format": "mgtrace-trace", "schema_')
     err = assert_one_sentence_error(run_cli("info", str(fresh_trace)), 3)

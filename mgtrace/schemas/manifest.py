@@ -407,6 +407,8 @@ def load_manifest(trace_dir: Path) -> Manifest:
             f"{trace_dir} holds one trace per engine ({', '.join(e.name for e in engines)}); "
             f"name one of them, e.g. {engines[0]}"
         )
+    if path.exists():  # a folder, a device: damaged, or never a trace
+        raise ManifestError(f"{path} is not a file; the trace's manifest is damaged")
     raise ManifestError(f"{trace_dir} has no {MANIFEST_NAME}; it is not an mgtrace trace")
 
 
