@@ -101,3 +101,33 @@ def test_in_flight_at_start_counts_requests_whose_first_row_is_not_new() -> None
     assert in_flight_at_start(ids, np.array([new, new, cached, new, finished])) == 0
     assert in_flight_at_start(ids, np.array([cached, new, cached, finished, new])) == 2
     assert in_flight_at_start(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == 0
+
+
+@pytest.mark.parametrize(("bug", "attach"), [(BUG_STALE_ROW, 60), (BUG_STALE_ROW, 300)])
+def test_writes_onto_blocks_of_requests_in_flight_at_the_attach_are_found(
+    tmp_path: Path, bug: str, attach: int
+) -> None:
+    """A request already running at the attach had its blocks at columns 0, 1, ... of a row
+    the replay knew nothing of, and align mode's frees released them at once: a padded row
+    writing onto its running block went unreported (1 and 4 of the whole run's
+    foreign_block_write findings after these attaches). Its row now comes from its own
+    block-table row. And nothing is reported that the whole run does not report, at that
+    step or before. Control: the whole run's findings."""
+    whole = tmp_path / "whole"
+    cfg = SimConfig(scenario="pairs", steps=1200, seed=0, bugs=(bug,), output=whole)
+    simulate(cfg.validate())
+    full = replay_trace(TraceReader(whole))
+    cut = replay_trace(TraceReader(attached_at(whole, tmp_path / "cut", attach)))
+    first_seen: dict[tuple, int] = {}
+    for f in full.findings:
+        key = (f.rank, f.req_id, f.signature)
+        first_seen[key] = min(first_seen.get(key, f.step), f.step)
+    writes = {
+        (f.rank, f.req_id, f.signature)
+        for f in full.findings
+        if f.step >= attach and f.kind == "foreign_block_write"
+    }
+    assert writes, "the control: the whole run has such writes after the attach"
+    assert writes <= {(f.rank, f.req_id, f.signature) for f in cut.findings}
+    for f in cut.findings:  # no finding the whole run has not made by then
+        assert first_seen.get((f.rank, f.req_id, f.signature), 1 << 30) <= f.step + attach, f

@@ -214,6 +214,21 @@ class BlockOwnership:
                 self._acquire(uid, step, blocks)
         return freed
 
+    def seed(self, uid: int, step: int, rows: Sequence[Sequence[int]]) -> None:
+        """Give ``uid``, a request already running when the trace began, the block ``rows``
+        (per group) it held then, and the blocks in them nobody else is known to own: a
+        runner's row keeps the ids of columns align mode freed, which another request may
+        have been given since. Its columns below the freed one go with the next ``retire``."""
+        self._held[uid] = [list(r) for r in rows[: self.owner.shape[0]]]
+        self._grow(uid)
+        self._retired[uid] = 0
+        for group, row in enumerate(self._held[uid]):
+            owner, since = self.owner[group], self.since[group]
+            for block in row:
+                if NULL_BLOCK < block < self.num_blocks and owner[block] == NO_REQUEST:
+                    owner[block] = uid
+                    since[block] = step
+
     def adopt(self, uid: int, snapshot: OwnershipSnapshot, saved_uid: int) -> bool:
         """Take over, as ``uid``, the block rows, the blocks still owned and the retired
         column that a saved ``snapshot`` (a trace's start state) holds for ``saved_uid``;

@@ -358,6 +358,7 @@ class RankTrace:
         self._batch_cols = self._batch.numpy_columns(BATCH_INT_COLUMNS)
         bt = self._batch.table
         self._batch_uid = ids.uids_of_column(bt.column("req_id"))
+        self.in_flight_rows = self._in_flight_rows(st) if self.began_mid_run else {}
         # The builder's split where it was recorded; where not, a row still prefilling its
         # prompt runs the prefill kernels and the others decode (never every row a decode:
         # a fresh prefill would read a window it has not got), and a GDN model's split is
@@ -374,6 +375,48 @@ class RankTrace:
         )
         if split.null_count and spec_decodes_run_first(self.run):
             self._derive_gdn_split(pc.is_null(split).to_numpy(zero_copy_only=False))
+
+    def _in_flight_rows(self, st: pa.Table) -> dict[int, list[tuple[int, list[list[int]]]]]:
+        """Per step, the requests the trace first sees running at it (a recording attached
+        mid-run) and, per Mamba group, the block row each had before that step's new blocks:
+        its own block-table row (``req_slot``'s) as recorded up to the step, less those
+        blocks at its end. Their block ids otherwise land at columns 0, 1, ... of a row the
+        replay knows nothing of, and align mode's frees release them at once."""
+        if not st.num_rows:
+            return {}
+        uids, first = np.unique(self._sched_uid, return_index=True)
+        cached = SCHED_KINDS.index("cached")
+        hole = first_hole(self.step_numbers, self.first_left_out)
+        own_table = "v1" if self.run.runner == "v1" else "source"
+        rows_by_key: dict[tuple[int, int], list[tuple[int, list[int]]]] = {}
+        for step, (group, table, row, ids) in zip(
+            self._tables.steps.tolist(), self._table_rows, strict=True
+        ):
+            if table == own_table:
+                rows_by_key.setdefault((int(row), int(group)), []).append((step, ids or []))
+        groups = max(1, self.run.num_mamba_groups)
+        out: dict[int, list[tuple[int, list[list[int]]]]] = {}
+        for uid, i in zip(uids.tolist(), first.tolist(), strict=True):
+            step = int(self._sched.steps[i])
+            if self._sched_kind[i] != cached or (hole is not None and step >= hole > 0):
+                continue
+            lo, hi = self._batch.bounds(step)
+            mine = np.flatnonzero(self._batch_uid[lo:hi] == uid)
+            if not len(mine):
+                continue
+            slot = int(self._batch_cols["req_slot"][lo + mine[0]])
+            pos = self._sched_pos[i]
+            new = self._sched_blocks[pos] if pos >= 0 else None
+            held = []
+            for g in range(groups):
+                recorded = [ids for s, ids in rows_by_key.get((slot, g), []) if s <= step]
+                row = list(recorded[-1]) if recorded else []
+                added = list((new[g] if new is not None and g < len(new) else None) or [])
+                if added and row[-len(added) :] == added:
+                    row = row[: -len(added)]
+                held.append(row)
+            out.setdefault(step, []).append((uid, held))
+        return out
 
     def _derive_gdn_split(self, unrecorded: np.ndarray) -> None:
         """GDN's split of the steps whose split was not recorded (an older recording, or a
