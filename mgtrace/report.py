@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import html
+import shlex
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from mgtrace.query.rank_steps import offsets_summary
 from mgtrace.render import run_unknown
 from mgtrace.replayer.coverage import stopped_caveat, unseen_reason
 from mgtrace.replayer.requests import is_request
+from mgtrace.shell import path_arg
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -118,12 +120,15 @@ def _run_section(info: dict[str, Any]) -> list[str]:
         ("async scheduling", run["async_scheduling"]),
         ("TP / PP", f"{run['tp_size']} / {run['pp_size']}"),
         ("runner reorder threshold", run["runner_reorder_threshold"]),
-        ("builder thresholds", run["builder_reorder_thresholds"]),
+        ("builder thresholds", run["builder_reorder_thresholds"] or None),
         ("steps", info["steps"]),
         ("requests", info["requests"]),
         ("ranks", info["ranks"]),
         ("dropped steps", info["drops"]["steps"] + info["drops"]["malformed_steps"]),
     ]
+    # as `mgtrace info`: a field the run does not have (a V2 runner's reorder threshold, a
+    # simulated run's vLLM version) is left out, not shown blank
+    meta = [(field, value) for field, value in meta if value is not None]
     for part in info.get("skipped_parts", []):  # --skip-bad-parts: what the report lacks
         meta.append(("left-out part", f"{part['path']}: {part['reason']}"))
     rank_steps = offsets_summary(info["rank_step_offsets"])
@@ -144,14 +149,15 @@ def _findings_section(
     stopped = stopped_caveat(result.stopped_at_gap)
     if stopped is not None:  # as `mgtrace replay` says it
         parts.append(f"<p class='warn'>{html.escape(stopped[0].upper() + stopped[1:])}.</p>")
+    if not result.findings:
+        parts.append(
+            "<p>No findings: the replay found no request reading state that is not its own.</p>"
+        )
+        return parts
     counts: dict[str, set[str]] = {}
     for f in result.findings:
         counts.setdefault(f.kind, set()).add(f.req_id)
-    parts.append(
-        _table(
-            ["kind", "requests"], [(k, len(v)) for k, v in sorted(counts.items())] or [("none", 0)]
-        )
-    )
+    parts.append(_table(["kind", "requests"], [(k, len(v)) for k, v in sorted(counts.items())]))
     first_seen: dict[tuple[str, str], int] = {}
     for f in result.findings:
         first_seen.setdefault((f.kind, f.req_id), f.step)
@@ -164,35 +170,80 @@ def _findings_section(
         )
     )
     if len(result.findings) > max_findings:
-        parts.append(
-            f"<p>{len(result.findings) - max_findings} more findings not shown "
-            "(query them with <code>mgtrace sql</code>).</p>"
-        )
-    if result.findings:
-        first_bad = result.first_step
-        first = [f for f in result.findings if f.step == first_bad]
-        chosen = sorted(
-            {f.req_id for f in first}
-            | {f.writer_req_id for f in first if is_request(f.writer_req_id)}
-        )[:4]
-        rank = min(f.rank for f in first)
-        on_rank = f" (rank {rank})" if len(result.ranks) > 1 else ""
-        parts += [
-            "<h2>Block ownership of the first requests</h2>",
-            _img(plots.block_ownership(trace, chosen), "block ownership"),
-            f"<h2>History of the first requests{on_rank}</h2>",
-            *_histories(con, trace, chosen, first_bad, rank),
-        ]
+        parts.append(_more_findings(trace, result, crossed, max_findings))
+    first_bad = result.first_step
+    first = [f for f in result.findings if f.step == first_bad]
+    chosen = sorted(
+        {f.req_id for f in first} | {f.writer_req_id for f in first if is_request(f.writer_req_id)}
+    )[:4]
+    rank = min(f.rank for f in first)
+    on_rank = f" (rank {rank})" if len(result.ranks) > 1 else ""
+    parts += [
+        "<h2>Block ownership of the first requests</h2>",
+        _img(plots.block_ownership(trace, chosen), "block ownership"),
+        f"<h2>History of the first requests{on_rank}</h2>",
+        *_histories(con, trace, chosen, first_bad, rank),
+    ]
     return parts
 
 
-def _reanalysis_section(con: Any, trace: Trace, replayed: bool) -> list[str]:
+def _more_findings(trace: Trace, result: Any, crossed: bool, shown: int) -> str:
+    """The line under a cut findings list: the command that lists them all, after the replay
+    that saves them where the trace holds none (the report's own replay saves nothing)."""
+    from mgtrace.query.history import replay_saved
+    from mgtrace.replayer.cli import replay_id_for
+
+    total = len(result.findings)
+    # a damaged trace is read as the report read it, and crossed as its replay crossed it
+    skip = ["--skip-bad-parts"] if trace.reader.skipped else []
+    sql = (
+        shlex.join(["mgtrace", "sql", path_arg(trace.path), *skip, "--format", "csv"])
+        + ' "SELECT step, rank, req_id, kind, detail FROM findings '
+        f"WHERE replay_id = '{replay_id_for(result.rules)}' "
+        'ORDER BY step, rank, batch_row NULLS FIRST"'
+    )
+    line = f"<p>{total - shown} more findings not shown"
+    if replay_saved(trace.reader, result.rules.canonical()):
+        return line + f"; all {total}: <code>{html.escape(sql)}</code></p>"
+    gaps = ["--allow-gaps"] if crossed else []
+    save = shlex.join(
+        ["mgtrace", "replay", path_arg(trace.path), *result.rules.as_flags(), *gaps, *skip]
+    )
+    return (
+        line + f". The report saves none: save them with <code>{html.escape(save)}</code>, "
+        f"then list all {total} with <code>{html.escape(sql)}</code></p>"
+    )
+
+
+def _without_drafts(trace: Trace, unknown: set[str]) -> str | None:
+    """Why no row of the trace drafted tokens, where the run says so (k = 0); None where
+    it does not (k unknown, or no row drafted though the run could have)."""
+    if "num_speculative_tokens" in unknown or trace.run.num_speculative_tokens != 0:
+        return None
+    return "no speculative decoding in this run (k = 0)"
+
+
+def _accepted_section(con: Any, trace: Trace, unknown: set[str]) -> list[str]:
+    parts = ["<h2>Accepted counts</h2>"]
+    if not con.sql(canned.ACCEPTED_DISTRIBUTION).limit(1).fetchall():  # an empty plot says nothing
+        why = _without_drafts(trace, unknown) or "no spec-decode row recorded an accepted count"
+        return [*parts, f"<p>No accepted counts to plot: {why}.</p>"]
+    return [*parts, _img(plots.accepted_distribution(trace), "accepted-count distribution")]
+
+
+def _reanalysis_section(con: Any, trace: Trace, replayed: bool, unknown: set[str]) -> list[str]:
     """The field re-analysis: first spec-decode step in the Mamba prefill split against the
     replay's findings and, where the load generator labelled requests, against what the
     client saw."""
     parts = ["<h2>Field re-analysis</h2>"]
     if replayed:
-        parts.append(_query_table(con, canned.FIRST_DECODE_IN_PREFILL_SPLIT.format(where="")))
+        split = con.sql(canned.FIRST_DECODE_IN_PREFILL_SPLIT.format(where=""))
+        rows = split.fetchall()
+        if rows:
+            parts.append(_table(split.columns, rows))
+        else:  # no request drafted, so none has a first spec-decode step
+            why = _without_drafts(trace, unknown) or "no request ran a spec-decode step"
+            parts.append(f"<p>No first spec-decode steps to cross with the findings: {why}.</p>")
     ((labelled,),) = con.sql("SELECT count(*) FROM requests WHERE corrupt IS NOT NULL").fetchall()
     if labelled:
         window = canned.label_window(trace.run.num_speculative_tokens)
@@ -212,6 +263,7 @@ def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -
     from mgtrace.replayer.steps import require_replayable
 
     info = trace.info()
+    unknown = run_unknown(info["source"])
     try:
         require_replayable(trace.reader)
         unreplayable = None
@@ -259,12 +311,11 @@ def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -
     parts += [
         "<h2>Timeline</h2>",
         _img(plots.batch_composition(trace, first_bad=first_bad), "batch composition"),
-        "<h2>Accepted counts</h2>",
-        _img(plots.accepted_distribution(trace), "accepted-count distribution"),
     ]
+    parts += _accepted_section(con, trace, unknown)
     if result is not None:
         parts += _findings_section(con, trace, result, crossed, max_findings)
-    parts += _reanalysis_section(con, trace, result is not None)
+    parts += _reanalysis_section(con, trace, result is not None, unknown)
     parts.append(
         f"<p style='color:#888'>mgtrace {__version__}, "
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p></body></html>"

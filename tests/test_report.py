@@ -169,3 +169,84 @@ def test_a_pipeline_parallel_report_shows_the_histories_of_one_rank(tmp_path: Pa
         steps = [step for _, step in rows]
         assert steps and len(steps) == len(set(steps))  # one line per step
         assert {rank for rank, _ in rows} == {heading.rstrip(")")}
+
+
+def _section(text: str, heading: str) -> str:
+    return text.split(f"<h2>{heading}</h2>")[1].split("<h2>")[0]
+
+
+def test_a_run_without_drafts_says_why_instead_of_empty_plots_and_tables(tmp_path: Path) -> None:
+    """With k = 0 no row drafts: the accepted counts were an empty plot, and the findings
+    list and the field re-analysis tables of headers alone."""
+    mgtrace.simulate(tmp_path / "k0", steps=300, seed=0, k=0)
+    out = tmp_path / "k0.html"
+    proc = run_cli("report", str(tmp_path / "k0"), "-o", str(out), "--no-bisect")
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    accepted = _section(text, "Accepted counts")
+    assert "<img" not in accepted
+    assert "no speculative decoding in this run (k = 0)" in accepted
+    assert "no speculative decoding in this run (k = 0)" in _section(text, "Field re-analysis")
+    assert "No findings:" in _section(text, "Findings (replay as recorded)")
+    assert not re.search(r"<table><tr>(<th>[^<]*</th>)*</tr></table>", text)
+
+
+def test_the_run_table_leaves_out_what_the_run_lacks_as_info_does(
+    report: Path, tmp_path: Path
+) -> None:
+    """A V2 runner has no reorder threshold of its own: `mgtrace info` leaves the row out,
+    the report showed it blank."""
+    mgtrace.simulate(tmp_path / "v2", steps=60, seed=0, runner="v2")
+    out = tmp_path / "v2.html"
+    proc = run_cli("report", str(tmp_path / "v2"), "-o", str(out), "--no-bisect")
+    assert proc.returncode == 0, proc.stderr
+    assert "runner reorder threshold" not in run_cli("info", str(tmp_path / "v2")).stdout
+    run = _section(out.read_text(), "Run")
+    assert "runner reorder threshold" not in run and "<td></td>" not in run
+    # the control: a V1 runner's threshold is shown
+    assert "<td>runner reorder threshold</td><td>1</td>" in _section(report.read_text(), "Run")
+
+
+def _footer_commands(text: str) -> tuple[str, list[list[str]]]:
+    import html
+    import shlex
+
+    footer = re.search(r"<p>\d+ more findings not shown.*?</p>", text)
+    assert footer is not None
+    commands = re.findall(r"<code>(.*?)</code>", footer.group(0))
+    return footer.group(0), [shlex.split(html.unescape(c)) for c in commands]
+
+
+def test_the_findings_footer_gives_the_commands_that_list_them(
+    report: Path, tmp_path: Path
+) -> None:
+    """It said only "query them with `mgtrace sql`": no trace, no replay id. The report saves
+    no findings, so it names the replay that saves them, then the query that lists them."""
+    shutil.copytree(report.parent / "run", tmp_path / "-a run")  # a path that needs quoting
+    proc = run_cli("report", "./-a run", "-o", "r.html", "--no-bisect", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    footer, commands = _footer_commands((tmp_path / "r.html").read_text())
+    total = int(re.search(r"list all (\d+)", footer).group(1))
+    assert [c[:3] for c in commands] == [
+        ["mgtrace", "replay", "./-a run"],
+        ["mgtrace", "sql", "./-a run"],
+    ]
+    for command in commands:
+        proc = run_cli(*command[1:], cwd=tmp_path)
+        assert proc.returncode in (0, 1), proc.stderr  # replay: 1, corruption found
+    assert len(proc.stdout.splitlines()) == total + 1  # a CSV header and every finding
+    # saved now: the query alone
+    proc = run_cli("report", "./-a run", "-o", "saved.html", "--no-bisect", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    _, commands = _footer_commands((tmp_path / "saved.html").read_text())
+    assert [c[:3] for c in commands] == [["mgtrace", "sql", "./-a run"]]
+
+
+def test_block_ownership_leaves_out_the_null_block(report: Path) -> None:
+    """Block 0 pads every request's block list: hundreds of points along y = 0."""
+    from mgtrace.api import Trace
+    from mgtrace.query import plots
+
+    fig = plots.block_ownership(Trace(report.parent / "run"), ["req-000002", "req-000003"])
+    blocks = [y for c in fig.axes[0].collections for _, y in c.get_offsets()]
+    assert blocks and min(blocks) > 0

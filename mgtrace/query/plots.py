@@ -80,6 +80,8 @@ def accepted_distribution(trace: Trace) -> Figure:
     fig = _figure(5.0, 3.0)
     ax = fig.add_subplot()
     ax.bar(t["accepted"], t["rows"], color="#4c72b0")
+    if not len(t["accepted"]):  # k = 0, or no spec-decode row recorded what it accepted
+        ax.text(0.5, 0.5, "no accepted counts", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("tokens accepted per spec-decode step")
     ax.set_ylabel("rows")
     ax.set_title("accepted-count distribution")
@@ -118,7 +120,9 @@ def corruption_onset(first: Iterable[tuple[str, str, int]]) -> Figure:
 
 def block_ownership(trace: Trace, requests: list[str]) -> Figure:
     """Which blocks the scheduler handed to the chosen requests, and when."""
-    rows = trace.sql(canned.REQUEST_BLOCKS.format(requests=canned.quoted(requests))).fetchall()
+    blocks = canned.REQUEST_BLOCKS.format(requests=canned.quoted(requests))
+    # block 0 is the null block: it pads the block lists of every request and is nobody's
+    rows = trace.sql(f"SELECT * FROM ({blocks}) WHERE block_id > 0 ORDER BY step").fetchall()
     fig = _figure(9.0, 3.0)
     ax = fig.add_subplot()
     colors = {}
