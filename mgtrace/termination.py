@@ -120,3 +120,4 @@ def stop_signals_interrupt() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        _stopping = False  # queries run after it (the Python API in the same process) run

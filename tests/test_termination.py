@@ -71,3 +71,27 @@ def test_a_signal_ends_a_running_query_at_once(tmp_path: Path, signum: int, said
     code, err, took = _stopped(["sql", "t.trace", query], tmp_path, 4, signum)
     assert code == 128 + signum and err.strip() == said, err
     assert took < 30
+
+
+def test_after_a_stopped_command_the_python_api_still_queries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In one process (a notebook that ran a command), a command stopped by SIGTERM must
+    not leave every later query interrupted. Control: the command itself says the signal."""
+    import mgtrace
+    from mgtrace import cli
+    from mgtrace.query import views
+
+    trace = mgtrace.simulate(tmp_path / "t.trace", steps=40, seed=0)
+    query = views.run_query
+
+    def stopped(con: object, text: str) -> object:
+        signal.raise_signal(signal.SIGTERM)
+        return query(con, text)
+
+    with monkeypatch.context() as m:
+        m.setattr(views, "run_query", stopped)
+        assert cli.main(["sql", str(trace.path), "SELECT 1"]) == 143
+    assert capsys.readouterr().err.strip() == "mgtrace: stopped by SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler went with it
+    assert mgtrace.open(trace.path).sql("SELECT count(*) FROM steps").fetchall() == [(40,)]
