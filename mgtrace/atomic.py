@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,18 +57,42 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
+_STANDARD_STREAMS = {"/dev/stdout": 1, "/dev/stderr": 2}
+
+
+def _own_descriptor(path: Path) -> int | None:
+    """The descriptor ``path`` names when it is one of this process's open files
+    (``/dev/stdout``, ``/dev/fd/N``, ``/proc/self/fd/N``), else None."""
+    name = os.path.abspath(path)  # not resolved: /dev/stdout leads to /proc/self/fd/1
+    if name in _STANDARD_STREAMS:
+        return _STANDARD_STREAMS[name]
+    found = re.fullmatch(rf"/dev/fd/(\d+)|/proc/(?:self|thread-self|{os.getpid()})/fd/(\d+)", name)
+    return None if found is None else int(found.group(1) or found.group(2))
+
+
 def is_a_stream(path: Path) -> bool:
     """A device, a FIFO, or a name for one of this process's open files (``/dev/stdout``,
-    ``/proc/self/fd/1``, which may lead to a regular file the shell opened)."""
-    if path.exists() and not path.is_file() and not path.is_dir():
+    which may lead to a regular file the shell opened): written in place, never replaced. A
+    regular file elsewhere under /dev or /proc (``/dev/shm``) is a file like any other."""
+    if _own_descriptor(path) is not None:
         return True
-    return Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",)) and path.exists()
+    return path.exists() and not path.is_file() and not path.is_dir()
 
 
 def _write_in_place(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write into the device or FIFO, or through the open descriptor, without truncating
+    it (a shell's ``>> file`` keeps what the file held)."""
+    fd = _own_descriptor(path)
     try:
-        with open(path, "wb") as fh:
-            write(fh)
+        if fd is not None:
+            with contextlib.suppress(Exception):  # what Python buffered goes first
+                sys.stdout.flush()
+                sys.stderr.flush()
+            with os.fdopen(os.dup(fd), "wb") as fh:
+                write(fh)
+        else:
+            with open(path, "wb") as fh:
+                write(fh)
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
 

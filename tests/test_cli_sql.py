@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -595,3 +596,34 @@ def test_a_canned_findings_query_says_when_no_replay_is_saved(tmp_path: Path, ca
     assert main(["sql", str(trace), "@findings-over-time", "--format", "csv"]) == 0
     out, err = capsys.readouterr()
     assert "note" not in err and len(out.splitlines()) > 1
+
+
+def test_a_regular_file_under_dev_is_a_file_and_stdout_is_not_truncated(
+    sample_trace: Path, tmp_path: Path
+) -> None:
+    """Every path under /dev or /proc was taken for a stream: a file in /dev/shm was
+    overwritten without --force, and written in place, not atomically. And -o /dev/stdout
+    truncated a file the shell had opened for appending. Control: /dev/stdout is written."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        mine = shm / f"mgtrace-test-{os.getpid()}.csv"
+        mine.write_text("precious\n")
+        try:
+            assert main(["sql", str(sample_trace), "SELECT 1 AS n", "-o", str(mine)]) == 2
+            assert mine.read_text() == "precious\n"
+        finally:
+            mine.unlink()
+    kept = tmp_path / "kept.csv"
+    kept.write_text("before\n")
+    argv = [sys.executable, "-m", "mgtrace", "sql", str(sample_trace), "SELECT 5 AS n"]
+    with kept.open("a") as out:
+        proc = subprocess.run(
+            [*argv, "--format", "csv", "-o", "/dev/stdout"], stdout=out, cwd=REPO, timeout=120
+        )
+    assert proc.returncode == 0
+    assert kept.read_text() == 'before\n"n"\n5\n'

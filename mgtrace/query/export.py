@@ -135,7 +135,9 @@ def check_output_path(path: Path, *, force: bool) -> None:
     """Refuse before any work is done, so a bad -o never costs a long query."""
     if path.is_dir():  # said first: --force would not help
         raise OutputError(f"{path} is a directory; give a file name")
-    if path.is_file() and not is_a_stream(path) and not force:  # /dev/stdout loses nothing
+    if is_a_stream(path):  # /dev/stdout, a FIFO: written in place, nothing to lose
+        return
+    if path.exists() and not force:
         raise OutputError(f"{path} already exists; pass --force to overwrite it")
     require_output_folder(path, str(path))  # a file or /proc above it fails here, not later
 
