@@ -147,6 +147,31 @@ def test_a_replaced_part_whose_manifest_fails_to_save_keeps_the_old_one(
     assert not [p for p in part.parent.iterdir() if p.name.startswith(".")]
 
 
+def test_a_part_is_replaced_where_it_cannot_be_linked_or_is_gone(
+    fresh_trace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keeping the old bytes by a hard link failed the whole save where the file system
+    has none, and where the part was gone already (a damaged trace read with
+    --skip-bad-parts), which the save used to repair. Control: the part is replaced."""
+    from mgtrace.schemas import writer
+
+    append_table(fresh_trace, "findings", _finding("r2"), tag="replay-r2")
+    part = fresh_trace / "findings" / "replay-r2.parquet"
+    two = pa.concat_tables([_finding("r2"), _finding("r2")])
+
+    def no_links(src: object, dst: object) -> None:
+        raise OSError(1, "Operation not permitted")
+
+    with monkeypatch.context() as m:
+        m.setattr(writer.os, "link", no_links)
+        append_table(fresh_trace, "findings", two, tag="replay-r2")
+    assert pq.read_table(part).num_rows == 2
+    part.unlink()
+    append_table(fresh_trace, "findings", _finding("r2"), tag="replay-r2")
+    assert TraceReader(fresh_trace).table("findings").num_rows >= 1  # readable again
+    assert not [p for p in part.parent.iterdir() if p.name.startswith(".")]
+
+
 def test_append_table_leaves_no_lock_file(fresh_trace: Path) -> None:
     """The append lock is a file of its own; a finished trace holds only the trace's files."""
     append_table(fresh_trace, "findings", _finding("r2"), tag="replay-r2")

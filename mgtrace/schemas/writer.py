@@ -570,26 +570,38 @@ def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag
         # a part the manifest lists is replaced: its old bytes stay under a hidden name
         # until the manifest that lists the new ones is saved, and come back if it is not
         # (the old manifest beside the new part would make the whole trace unreadable)
-        kept = trace_dir / table_name / f".{tag}{PART_SUFFIX}.kept"
-        if listed:
-            kept.unlink(missing_ok=True)
-            os.link(trace_dir / rel, kept)
+        kept = _keep_old_part(trace_dir / rel) if listed else None
         try:
             info = write_part_file(trace_dir, rel, table)
             manifest.parts = [p for p in manifest.parts if p.path != rel] + [info]
             save_manifest(trace_dir, manifest)
         except BaseException:
             with contextlib.suppress(OSError):
-                if listed:
+                if kept is not None:
                     os.replace(kept, trace_dir / rel)
-                else:  # leave no part, nor folder, that the manifest does not list
+                elif not listed:  # leave no part, nor folder, that the manifest does not list
                     (trace_dir / rel).unlink(missing_ok=True)
                     (trace_dir / table_name).rmdir()  # only when empty
             raise
-        if listed:
+        if kept is not None:
             with contextlib.suppress(OSError):
                 kept.unlink()
     return info
+
+
+def _keep_old_part(part: Path) -> Path | None:
+    """The bytes of a listed ``part`` about to be replaced, under a hidden name beside it
+    (a hard link, or a copy where the file system has none); None when the part is gone
+    already (a damaged trace, read with --skip-bad-parts), which leaves nothing to keep."""
+    if not part.is_file():
+        return None
+    kept = part.with_name(f".{part.name}.kept")
+    kept.unlink(missing_ok=True)
+    try:
+        os.link(part, kept)
+    except OSError:
+        shutil.copyfile(part, kept)
+    return kept
 
 
 def refuse_unless_replaceable(path: Path, overwrite: bool) -> bool:
