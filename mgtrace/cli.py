@@ -6,6 +6,7 @@ sentence and returns its exit code; no traceback reaches the user for bad input.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -378,11 +379,12 @@ def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_par
 def _interrupted(exc: BaseException) -> int:
     """Ctrl-C (130), or SIGTERM / SIGHUP (128 + the signal's number), said in one line."""
     by = terminated_by(exc)
-    if by is None:
-        click.echo("mgtrace: interrupted", err=True)
-        return 130
-    click.echo(f"mgtrace: stopped by {by.name}", err=True)
-    return by.exit_code
+    # a hangup may have taken the terminal, and stderr with it: the exit code still says it
+    with contextlib.suppress(OSError):
+        click.echo(
+            "mgtrace: interrupted" if by is None else f"mgtrace: stopped by {by.name}", err=True
+        )
+    return 130 if by is None else by.exit_code
 
 
 def main(
@@ -413,6 +415,8 @@ def main(
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except OSError as exc:  # the file system said no (read-only, full, permissions)
+        if terminated_by(exc) is not None:  # or a hangup took stderr while stopping
+            return _interrupted(exc)
         where = f" ({exc.filename})" if exc.filename else ""
         click.echo(f"mgtrace: error: {exc.strerror or exc}{where}", err=True)
         return EXIT_USAGE

@@ -95,3 +95,28 @@ def test_after_a_stopped_command_the_python_api_still_queries(
     assert capsys.readouterr().err.strip() == "mgtrace: stopped by SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler went with it
     assert mgtrace.open(trace.path).sql("SELECT count(*) FROM steps").fetchall() == [(40,)]
+
+
+def test_a_hangup_that_took_stderr_still_exits_129(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Closing the terminal sends SIGHUP and takes stderr: saying "stopped by SIGHUP" raised
+    EIO, and the command ended in a traceback with exit 1. Control: with stderr there, the
+    line is said."""
+    import click
+
+    from mgtrace import cli, pandas_probe
+    from mgtrace.termination import Terminated
+
+    def hung_up() -> None:
+        raise Terminated(signal.SIGHUP)
+
+    monkeypatch.setattr(pandas_probe, "skip_pandas_probe", hung_up)
+    assert cli.main(["--help"]) == 129
+    assert capsys.readouterr().err.strip() == "mgtrace: stopped by SIGHUP"
+
+    def gone(*args: object, **kwargs: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(click, "echo", gone)
+    assert cli.main(["--help"]) == 129
