@@ -80,16 +80,18 @@ def test_report_points_at_the_first_bad_byte() -> None:
     assert np.array_equal(case.pool.numpy(), case.pool.clone().numpy())
 
 
-def _interrupted_at(monkeypatch, call: int, *, corrupt: bool = False) -> None:
-    """The reference raises KeyboardInterrupt at its ``call``-th case (as Ctrl-C would),
-    and with ``corrupt`` flips one byte of each earlier case's pool."""
+def _interrupted_at(
+    monkeypatch, call: int, *, corrupt: bool = False, by: BaseException | None = None
+) -> None:
+    """The reference raises KeyboardInterrupt (or ``by``) at its ``call``-th case (as Ctrl-C
+    would), and with ``corrupt`` flips one byte of each earlier case's pool."""
     real = check_mod.run_reference
     calls = {"n": 0}
 
     def run(launch, pool, tables, **kw):
         calls["n"] += 1
         if calls["n"] == call:
-            raise KeyboardInterrupt
+            raise by or KeyboardInterrupt
         result = real(launch, pool, tables, **kw)
         if corrupt and result.validation.copies.rows.size:
             pool.numpy()[int(result.validation.copies.dst[0, 0]) * pool.page_bytes] ^= 1
@@ -105,6 +107,19 @@ def test_ctrl_c_before_the_last_case_exits_130(monkeypatch) -> None:
     result = _invoke(["--cases", "6", "--seed", "11"])
     assert result.return_value == 130
     assert "interrupted before the last case" in result.output
+
+
+def test_sigterm_before_the_last_case_exits_143_and_says_so(monkeypatch) -> None:
+    """It exited 130 and said "interrupted", as for Ctrl-C; every other command says the
+    signal and exits 128 + its number."""
+    import signal
+
+    from mgtrace.termination import Terminated
+
+    _interrupted_at(monkeypatch, 3, by=Terminated(signal.SIGTERM))
+    result = _invoke(["--cases", "6", "--seed", "11"])
+    assert result.return_value == 143
+    assert "stopped by SIGTERM before the last case" in result.output
 
 
 def test_ctrl_c_after_a_mismatch_still_exits_one(monkeypatch) -> None:

@@ -21,6 +21,7 @@ from mgtrace.kernels.pool import StatePool
 from mgtrace.kernels.reference import run_reference
 from mgtrace.kernels.runtime import load_triton_kernels
 from mgtrace.kernels.validate import find_hazards, validate_launch
+from mgtrace.termination import terminated_by
 
 
 @dataclass
@@ -47,6 +48,7 @@ class CheckReport:
     malformed_rows: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
     interrupted: bool = False
+    stopped_by: str | None = None  # the signal that interrupted it, other than Ctrl-C
     elapsed_s: float = 0.0
 
     @property
@@ -86,8 +88,10 @@ def run_check(
             report.done = i + 1
             if progress is not None:
                 progress(i + 1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         report.interrupted = True
+        by = terminated_by(exc)
+        report.stopped_by = None if by is None else by.name
     report.compared = dict(compared)
     report.skipped = dict(skipped)
     report.elapsed_s = round(time.perf_counter() - start, 3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,7 @@ def _check_kernels(against: str | None, cases: int, seed: int, device: str, as_j
     Exit 0 when every backend produced the same bytes, 1 on any mismatch (each with the
     command that reproduces it), 2 on a usage error (no GPU for --device cuda, no vLLM
     for --against vllm), 130 when interrupted (Ctrl-C) before the end with no mismatch
-    found so far.
+    found so far (143/129 stopped by SIGTERM/SIGHUP).
     """
     err = Console(stderr=True)
     with Progress(
@@ -76,8 +77,8 @@ def _check_kernels(against: str | None, cases: int, seed: int, device: str, as_j
         _print_report(report, stdout_console())
     if report.mismatches:
         return EXIT_CORRUPTION
-    if report.interrupted:
-        return EXIT_INTERRUPTED
+    if report.interrupted:  # as any command: 130 for Ctrl-C, 128 + n for SIGTERM or SIGHUP
+        return 128 + signal.Signals[report.stopped_by] if report.stopped_by else EXIT_INTERRUPTED
     return EXIT_CLEAN
 
 
@@ -97,7 +98,8 @@ def _print_report(report: CheckReport, out: Console) -> None:
     for reason, n in sorted(report.skipped.items()):
         out.print(f"  not compared with vLLM in {n} case(s): {reason}")
     if report.interrupted:
-        out.print("[yellow]interrupted before the last case[/]")
+        how = f"stopped by {report.stopped_by}" if report.stopped_by else "interrupted"
+        out.print(f"[yellow]{how} before the last case[/]")
     for m in report.mismatches:
         out.print(
             f"[red]MISMATCH[/] case {m.case} ({m.launch}): {m.backends}, {m.what}: {m.detail}\n"
