@@ -89,6 +89,10 @@ _stopping = False  # a signal came inside ``stop_signals_interrupt``
 
 def _raise(signum: int, _frame: object) -> None:
     global _stopping
+    if _stopping and signum != signal.SIGINT:
+        # a second SIGTERM (a service manager's) must not cut the cleanup of the first
+        # short; a second Ctrl-C still interrupts, as Python's own handler does
+        return
     _stopping = True
     _interrupt_queries()
     if signum == signal.SIGINT:

@@ -120,3 +120,24 @@ def test_a_hangup_that_took_stderr_still_exits_129(
 
     monkeypatch.setattr(click, "echo", gone)
     assert cli.main(["--help"]) == 129
+
+
+def test_a_second_sigterm_does_not_cut_the_cleanup_short(tmp_path: Path) -> None:
+    """A service manager's second SIGTERM, moments after the first, interrupted the
+    simulator's cleanup: its trace said "writer did not close". Control: one signal."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mgtrace", "simulate", "--steps", "200000", "-o", "s.trace"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+    time.sleep(6)
+    for _ in range(5):  # a burst while the first one's cleanup runs
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.01)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and err.strip() == "mgtrace: stopped by SIGTERM", err
+    reader = TraceReader(tmp_path / "s.trace")
+    assert reader.rows("steps") > 0 and "interrupted" in str(reader.manifest.errors), reader
