@@ -79,3 +79,36 @@ def test_run_metadata_a_replay_uses_is_compared_and_names_are_not(
     assert said["setup"] == [f"run metadata (mamba_block_size {size} vs {size * 2})"], said
     code, said = _diff(trace, copy_with("named", model="another/name"), capsys)
     assert code == 0 and said["setup"] == [], said
+
+
+def test_run_metadata_is_compared_as_a_replay_reads_it(
+    repro: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A conv layout left out (read as SD) and fields a replay does not read (an older
+    writer's manifest lacks some) made two traces "differ"; a state tensor's shape that
+    differed was shown as two identical truncated reprs. Control: the shape, named."""
+    trace, _ = repro
+
+    def copy_with(name: str, edit: object) -> Path:
+        out = shutil.copytree(trace, tmp_path / name)
+        manifest = json.loads((out / "manifest.json").read_text())
+        edit(manifest["run"])  # type: ignore[operator]
+        (out / "manifest.json").write_text(json.dumps(manifest))
+        return out
+
+    def older(run: dict) -> None:
+        for state in run["states"]:
+            state.pop("conv_layout", None)
+        run.pop("row_rule", None)
+        run.pop("max_num_batched_tokens", None)
+
+    code, said = _diff(trace, copy_with("older", older), capsys)
+    assert code == 0 and said["setup"] == [], said
+
+    def wider(run: dict) -> None:
+        run["states"][0]["shape"][0] += 1
+
+    code, said = _diff(trace, copy_with("wider", wider), capsys)
+    shape = mgtrace.open(trace).run.states[0].shape
+    wide = [shape[0] + 1, *shape[1:]]
+    assert code == 1 and said["setup"] == [f"run metadata (states[0].shape {shape} vs {wide})"]

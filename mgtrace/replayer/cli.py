@@ -557,7 +557,7 @@ def diff_cmd(
 ) -> int:
     """The first step where TRACE_A and TRACE_B differ, or where two rule sets on TRACE_A
     lead to different shadow state (--rules-a / --rules-b). Two traces are also compared on
-    what a replay starts from: run metadata (not vllm_version or model) and a minimized
+    what a replay starts from: the run metadata a replay reads, and a minimized
     repro's start state. Timing columns (steps.wall_ns) are not compared. Two rule sets are
     replayed up to the first gap (dropped or left-out steps) and no further.
 

@@ -14,7 +14,7 @@ every block as the other side has it: the oracles tell those apart.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +24,33 @@ from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.coverage import missing_from, unseen_reason
 from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.rules import RuleSet
-from mgtrace.replayer.steps import RankTrace, first_hole, ranks_of, require_replayable
+from mgtrace.replayer.steps import (
+    RankTrace,
+    first_hole,
+    ranks_of,
+    require_replayable,
+    spec_decodes_run_first,
+)
 from mgtrace.schemas.reader import TraceReader
 
 INPUT_TABLES = ("steps", "batch_rows", "launches", "block_tables", "sched", "row_moves")
 # Columns that say when, not what: two recordings of the same inputs never share them.
 TIMING_COLUMNS = {"steps": ("wall_ns",)}
-# Run metadata that names the engine and changes nothing a replay does.
-DESCRIPTIVE_RUN_FIELDS = frozenset(("vllm_version", "model"))
+# The run metadata a replay sizes its pool and takes its rules from (the rest names or
+# describes the engine); a model whose builders run spec decodes first (GDN) is read from
+# the builders' names.
+REPLAY_RUN_FIELDS = (
+    "runner",
+    "num_speculative_tokens",
+    "mamba_block_size",
+    "mamba_cache_mode",
+    "num_blocks",
+    "num_mamba_groups",
+    "pp_size",
+    "async_scheduling",
+    "prefill_checkpoint_blocks",
+    "prefill_checkpoints_recorded",
+)
 
 
 @dataclass
@@ -156,17 +175,20 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
 
 
 def setup_differences(a: TraceReader, b: TraceReader) -> list[str]:
-    """What two traces' replays start from differently, in words: the run metadata fields
-    that differ (values shown), and the start states (one trace has one, or they differ)."""
+    """What two traces' replays start from differently, in words: the run metadata a replay
+    uses that differs (values shown), and the start states (one trace has one, or they
+    differ). Values that mean the same (a conv layout left out is SD) are the same."""
     out: list[str] = []
-    run_a, run_b = asdict(a.manifest.run), asdict(b.manifest.run)
-    changed = [k for k in run_a if k not in DESCRIPTIVE_RUN_FIELDS and run_a[k] != run_b[k]]
+    run_a, run_b = _replayed_run(a.manifest.run), _replayed_run(b.manifest.run)
+    changed = [
+        f"{k} {_brief_value(run_a[k])} vs {_brief_value(run_b[k])}"
+        for k in run_a
+        if k != "states" and run_a[k] != run_b[k]
+    ]
+    changed += _state_differences(run_a["states"], run_b["states"])
     if changed:
-        shown = ", ".join(
-            f"{k} {_brief_value(run_a[k])} vs {_brief_value(run_b[k])}" for k in changed[:3]
-        )
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        out.append(f"run metadata ({shown}{more})")
+        out.append(f"run metadata ({', '.join(changed[:3])}{more})")
     start_a, start_b = ckpt.start_state(a), ckpt.start_state(b)
     if (start_a is None) != (start_b is None):
         has = "the first" if start_a is not None else "the second"
@@ -184,6 +206,35 @@ def setup_differences(a: TraceReader, b: TraceReader) -> list[str]:
             where = f" of rank {', '.join(map(str, differ))}" if differ else ""
             out.append(f"start states{where}")
     return out
+
+
+def _replayed_run(run: Any) -> dict[str, Any]:
+    """The run metadata a replay depends on, as it reads it."""
+    values = {k: getattr(run, k) for k in REPLAY_RUN_FIELDS}
+    values["spec_decodes_first"] = spec_decodes_run_first(run)
+    values["states"] = [
+        {
+            "group": st.group,
+            "layer": st.layer,
+            "kind": st.kind,
+            "shape": list(st.shape),
+            "dtype": st.dtype,
+            "conv_layout": (st.conv_layout or "SD") if st.kind == "conv" else None,
+        }
+        for st in run.states
+    ]
+    return values
+
+
+def _state_differences(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
+    """The first field in which two lists of state tensors differ, named, or their count."""
+    if len(a) != len(b):
+        return [f"state tensors {len(a)} vs {len(b)}"]
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        for field_name in x:
+            if x[field_name] != y[field_name]:
+                return [f"states[{i}].{field_name} {x[field_name]!r} vs {y[field_name]!r}"]
+    return []
 
 
 def _brief_value(value: Any) -> str:
