@@ -296,6 +296,8 @@ def test_sql_refuses_statements_that_could_change_the_trace(
     # a PIVOT, which DuckDB runs as several statements, is a query too
     pivot = "PIVOT (SELECT rank, step % 2 AS odd FROM steps) ON odd USING count(*)"
     assert Trace(fresh_trace).sql(pivot).fetchall() == [(0, 30, 30)]
+    for nested in (f"WITH t AS (SELECT 1) {pivot}", f"SELECT * FROM ({pivot})"):
+        assert Trace(fresh_trace).sql(nested).fetchall() == [(0, 30, 30)]
 
 
 def test_canned_findings_queries_read_the_as_recorded_replay_only(

@@ -57,6 +57,7 @@ def _one_error_line(exc: duckdb.Error) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
 
 
+_PIVOT = re.compile(r"\bPIVOT\b", re.IGNORECASE)  # at the top, in a WITH or a subquery
 _QUERY_FORMS = "SELECT, WITH, FROM, VALUES, PIVOT, DESCRIBE, SHOW or SUMMARIZE"
 # past whitespace, -- line comments and /* block comments */
 _FIRST_WORD = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*([A-Za-z]+)", re.DOTALL)
@@ -80,7 +81,7 @@ def check_read_only(query: str) -> None:
     first = _first_keyword(statements[0].query)
     # DuckDB expands a PIVOT into several statements (it makes an enum type of the
     # pivoted values first): a query all the same
-    pivot = kind == duckdb.StatementType.MULTI and first == "PIVOT"
+    pivot = kind == duckdb.StatementType.MULTI and _PIVOT.search(statements[0].query) is not None
     if kind != duckdb.StatementType.SELECT and not pivot:
         # past a WITH, the statement's own type says what it does (INSERT, DELETE, ...)
         named = kind.name if first in ("", "WITH") else first
