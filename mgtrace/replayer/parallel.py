@@ -54,6 +54,7 @@ from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import RankTrace, complete_steps, first_left_out
 from mgtrace.replayer.tags import TagPool
 from mgtrace.schemas.reader import TraceReader
+from mgtrace.termination import Terminated
 
 PLACEHOLDER_BASE = -(2**31)  # word i of a segment's start pool: PLACEHOLDER_BASE + i
 PLACEHOLDER_BELOW = -(2**30)  # no uid, token count, position or step is this negative
@@ -470,11 +471,11 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class _SignalStop:
-    """While the workers run, SIGTERM and SIGHUP raise in this process (the main thread's
-    handlers only), so that the workers are stopped before it exits, with 128 + the signal's
-    number as a shell reports a process killed by it. Inside ``held()`` (the pool starting
-    its threads) a signal only waits: raised inside ``Thread.start`` it would leave the
-    threading module's bookkeeping half done, and a traceback at exit."""
+    """While the workers run, SIGTERM and SIGHUP raise ``Terminated`` in this process (the
+    main thread's handlers only), so that the workers are stopped before it exits, with 128
+    + the signal's number as a shell reports a process killed by it. Inside ``held()`` (the
+    pool starting its threads) a signal only waits: raised inside ``Thread.start`` it would
+    leave the threading module's bookkeeping half done, and a traceback at exit."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -489,8 +490,7 @@ class _SignalStop:
 
     def raise_it(self) -> None:
         assert self.signum is not None
-        name = signal.Signals(self.signum).name
-        raise MgtraceError(f"the replay was stopped by {name}", exit_code=128 + self.signum)
+        raise Terminated(self.signum)  # said and exited as any command stopped by it
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
