@@ -322,8 +322,8 @@ class RankReplay:
 
     def _own(self, step: int) -> None:
         if self.oracle.unwritten_unknown:  # no start state says what came before the trace
-            for uid, rows in self.trace.in_flight_rows.get(step, ()):  # running before it
-                self.ownership.seed(uid, step, rows)
+            for uid, rows, freed_below in self.trace.in_flight_rows.get(step, ()):
+                self.ownership.seed(uid, step, rows, freed_below)  # running before it
         # align mode frees the blocks a request moved past as it schedules, before it allocates
         freed = self.ownership.retire(*self.trace.running(step))
         self._freed_now = {(group, block): uid for uid, group, _, block in freed}

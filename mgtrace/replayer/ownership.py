@@ -214,17 +214,17 @@ class BlockOwnership:
                 self._acquire(uid, step, blocks)
         return freed
 
-    def seed(self, uid: int, step: int, rows: Sequence[Sequence[int]]) -> None:
+    def seed(self, uid: int, step: int, rows: Sequence[Sequence[int]], freed_below: int) -> None:
         """Give ``uid``, a request already running when the trace began, the block ``rows``
-        (per group) it held then, and the blocks in them nobody else is known to own: a
-        runner's row keeps the ids of columns align mode freed, which another request may
-        have been given since. Its columns below the freed one go with the next ``retire``."""
+        (per group) it held then, and the blocks at its columns from ``freed_below`` on
+        that nobody else is known to own. Below that column align mode has freed its blocks:
+        a runner's row keeps their ids, which another request may have been given since."""
         self._held[uid] = [list(r) for r in rows[: self.owner.shape[0]]]
         self._grow(uid)
-        self._retired[uid] = 0
+        self._retired[uid] = max(0, freed_below)
         for group, row in enumerate(self._held[uid]):
             owner, since = self.owner[group], self.since[group]
-            for block in row:
+            for block in row[max(0, freed_below) :]:
                 if NULL_BLOCK < block < self.num_blocks and owner[block] == NO_REQUEST:
                     owner[block] = uid
                     since[block] = step

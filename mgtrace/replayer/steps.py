@@ -376,12 +376,13 @@ class RankTrace:
         if split.null_count and spec_decodes_run_first(self.run):
             self._derive_gdn_split(pc.is_null(split).to_numpy(zero_copy_only=False))
 
-    def _in_flight_rows(self, st: pa.Table) -> dict[int, list[tuple[int, list[list[int]]]]]:
+    def _in_flight_rows(self, st: pa.Table) -> dict[int, list[tuple[int, list[list[int]], int]]]:
         """Per step, the requests the trace first sees running at it (a recording attached
-        mid-run) and, per Mamba group, the block row each had before that step's new blocks:
-        its own block-table row (``req_slot``'s) as recorded up to the step, less those
-        blocks at its end. Their block ids otherwise land at columns 0, 1, ... of a row the
-        replay knows nothing of, and align mode's frees release them at once."""
+        mid-run): each one's uid, per Mamba group the block row it had before that step's
+        new blocks (its own block-table row, ``req_slot``'s, as recorded up to the step,
+        less those blocks at its end), and the column below which align mode has freed its
+        blocks. Their block ids otherwise land at columns 0, 1, ... of a row the replay
+        knows nothing of, and align mode's frees release them at once."""
         if not st.num_rows:
             return {}
         uids, first = np.unique(self._sched_uid, return_index=True)
@@ -395,7 +396,7 @@ class RankTrace:
             if table == own_table:
                 rows_by_key.setdefault((int(row), int(group)), []).append((step, ids or []))
         groups = max(1, self.run.num_mamba_groups)
-        out: dict[int, list[tuple[int, list[list[int]]]]] = {}
+        out: dict[int, list[tuple[int, list[list[int]], int]]] = {}
         for uid, i in zip(uids.tolist(), first.tolist(), strict=True):
             step = int(self._sched.steps[i])
             if self._sched_kind[i] != cached or (hole is not None and step >= hole > 0):
@@ -415,7 +416,7 @@ class RankTrace:
                 if added and row[-len(added) :] == added:
                     row = row[: -len(added)]
                 held.append(row)
-            out.setdefault(step, []).append((uid, held))
+            out.setdefault(step, []).append((uid, held, int(self._sched_freed_below[i])))
         return out
 
     def _derive_gdn_split(self, unrecorded: np.ndarray) -> None:
