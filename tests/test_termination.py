@@ -18,6 +18,13 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 
+def _default_signals() -> None:
+    """In the child: SIGHUP and SIGTERM as a shell's command has them, whatever this test
+    run inherited (under ``nohup`` SIGHUP is ignored, and mgtrace keeps it so)."""
+    for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+
+
 def _stopped(args: list[str], cwd: Path, after_s: float, signum: int) -> tuple[int, str, float]:
     """Run ``mgtrace ARGS``, send ``signum`` after ``after_s``; (exit code, stderr, seconds
     from the signal to the exit)."""
@@ -28,6 +35,7 @@ def _stopped(args: list[str], cwd: Path, after_s: float, signum: int) -> tuple[i
         stderr=subprocess.PIPE,
         text=True,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        preexec_fn=_default_signals,
     )
     time.sleep(after_s)
     assert proc.poll() is None, "the control: the command was still running"
@@ -132,6 +140,7 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_short(tmp_path: Path) -> None
         stderr=subprocess.PIPE,
         text=True,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        preexec_fn=_default_signals,
     )
     time.sleep(6)
     for _ in range(5):  # a burst while the first one's cleanup runs
