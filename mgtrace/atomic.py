@@ -35,8 +35,9 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
     The temporary name is unique per process and thread and opened exclusively; the file gets
     the usual permissions (the umask applies), unlike a mkstemp file. A symbolic link is
-    written through (its target is replaced, the link stays), and a device or FIFO (``-o
-    /dev/stdout``) is written in place: renaming a file over it would replace the device.
+    written through (its target is replaced, the link stays), and a device, a FIFO or one of
+    this process's open files (``/dev/stdout``) is written in place: renaming a file over it
+    would replace the device, or the file a shell opened.
     """
     path = Path(path)
     if is_a_stream(path):
