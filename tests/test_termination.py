@@ -25,9 +25,11 @@ def _default_signals() -> None:
         signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
 
 
-def _stopped(args: list[str], cwd: Path, after_s: float, signum: int) -> tuple[int, str, float]:
-    """Run ``mgtrace ARGS``, send ``signum`` after ``after_s``; (exit code, stderr, seconds
-    from the signal to the exit)."""
+def _stopped(
+    args: list[str], cwd: Path, after_s: float, signum: int, times: int = 1
+) -> tuple[int, str, float]:
+    """Run ``mgtrace ARGS``, send ``signum`` after ``after_s`` (``times`` times, 10 ms
+    apart); (exit code, stderr, seconds from the first signal to the exit)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "mgtrace", *args],
         cwd=cwd,
@@ -40,7 +42,9 @@ def _stopped(args: list[str], cwd: Path, after_s: float, signum: int) -> tuple[i
     time.sleep(after_s)
     assert proc.poll() is None, "the control: the command was still running"
     sent = time.monotonic()
-    proc.send_signal(signum)
+    for _ in range(times):
+        proc.send_signal(signum)
+        time.sleep(0.01)
     _, err = proc.communicate(timeout=120)
     return proc.returncode, err, time.monotonic() - sent
 
@@ -133,20 +137,8 @@ def test_a_hangup_that_took_stderr_still_exits_129(
 def test_a_second_sigterm_does_not_cut_the_cleanup_short(tmp_path: Path) -> None:
     """A service manager's second SIGTERM, moments after the first, interrupted the
     simulator's cleanup: its trace said "writer did not close". Control: one signal."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mgtrace", "simulate", "--steps", "200000", "-o", "s.trace"],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-        preexec_fn=_default_signals,
-    )
-    time.sleep(6)
-    for _ in range(5):  # a burst while the first one's cleanup runs
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.01)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and err.strip() == "mgtrace: stopped by SIGTERM", err
+    args = ["simulate", "--steps", "200000", "-o", "s.trace"]
+    code, err, _ = _stopped(args, tmp_path, 6, signal.SIGTERM, times=5)  # a burst
+    assert code == 143 and err.strip() == "mgtrace: stopped by SIGTERM", err
     reader = TraceReader(tmp_path / "s.trace")
     assert reader.rows("steps") > 0 and "interrupted" in str(reader.manifest.errors), reader
