@@ -216,6 +216,8 @@ def align_frees(
         # the whole row
         known = _adopt_saved(own, start, rank, req_id)
         for i, (_, step, kind, _, _, blocks) in enumerate(mine):
+            if step < 0:  # a repro's steps in flight at its cut: counted above, done before
+                continue
             known = known or kind in ("new", "resumed")
             if kind == "cached" and known:  # as the replay: frees first, then the blocks
                 for _, _, col, block in own.retire(one, below[i : i + 1]):
@@ -262,7 +264,7 @@ def request_history(
     ``start``: the trace's start state (``checkpoint.start_state``), where it has one."""
     params: list[object] = [
         req_id,
-        -1 if from_step is None else from_step,
+        0 if from_step is None else from_step,  # a repro's earlier steps are its context
         NO_STEP_LIMIT if to_step is None else to_step,
         rules,
         "v1" if run.runner == "v1" else "source",

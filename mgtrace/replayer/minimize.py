@@ -41,6 +41,7 @@ from mgtrace.outputs import refuse_overwriting_inputs, require_output_folder
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
 from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
+from mgtrace.replayer.ownership import steps_in_flight
 from mgtrace.replayer.requests import NO_REQUEST
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import (
@@ -329,7 +330,9 @@ def trim_prefix(trace: MemoryTrace, first: int, rules: RuleSet) -> MemoryTrace:
     """The trace from step ``first`` on, renumbered from 0, starting from the replay state
     the earlier steps left (a checkpoint per rank). A post-process that pipeline parallelism
     deferred past the cut still needs its batch: those batches' rows stay, at negative steps
-    (the state before step 0 holds their views, and a restore rebuilds them from the rows)."""
+    (the state before step 0 holds their views, and a restore rebuilds them from the rows).
+    So do the scheduler rows of the steps still in flight at the cut: align mode's frees in
+    the repro's first steps count the tokens those steps have not folded in yet."""
     launches = trace.tables_["launches"]
     oldest = first
     if launches.num_rows:
@@ -337,6 +340,7 @@ def trim_prefix(trace: MemoryTrace, first: int, rules: RuleSet) -> MemoryTrace:
         batch_steps = pc.drop_null(late.column("batch_step"))
         if len(batch_steps):
             oldest = min(oldest, pc.min(batch_steps).as_py())
+    in_flight_from = first - steps_in_flight(trace.manifest.run)
     ids, seed = ckpt.request_ids_for(trace)
     states: dict[int, Path | Checkpoint] = {}
     for rank in ranks_of(trace):  # type: ignore[arg-type]
@@ -358,7 +362,7 @@ def trim_prefix(trace: MemoryTrace, first: int, rules: RuleSet) -> MemoryTrace:
     out = {}
     for name, tab in trace.tables_.items():
         if TABLES[name].per_step and tab.num_rows:
-            keep_from = oldest if name == "batch_rows" else first
+            keep_from = {"batch_rows": oldest, "sched": in_flight_from}.get(name, first)
             tab = tab.filter(pc.greater_equal(tab.column("step"), keep_from))
             for col in ("step", "batch_step", "bt_step", "postprocess_step"):
                 if col in tab.column_names:
