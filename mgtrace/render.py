@@ -363,7 +363,12 @@ def render_verdict(v: Any, console: Console, *, log: Any) -> None:
         style="dim",
     )
     if log is not None:
-        console.print(
-            _text(f"log: {log} (re-check with: mgtrace bisect --replay {shell_path(log)})"),
-            style="dim",
+        from mgtrace.atomic import is_a_stream
+
+        # a stream's log lands wherever it leads: only the user knows the file to re-check
+        recheck = (
+            ""
+            if is_a_stream(log)
+            else f" (re-check with: mgtrace bisect --replay {shell_path(log)})"
         )
+        console.print(_text(f"log: {log}{recheck}"), style="dim")

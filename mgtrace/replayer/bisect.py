@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from mgtrace.atomic import is_a_stream
 from mgtrace.errors import (
     EXIT_CLEAN,
     EXIT_CORRUPTION,
@@ -359,7 +360,10 @@ def bisect(trace: Path, **kwargs: Any) -> Verdict:
 def check_log_path(path: Path, trace: Path) -> None:
     """Refuse a log path that would overwrite what is not a bisect log: inside a trace (the
     one bisected or any other) only ``TRACE/bisect.json`` is the log's place, and an
-    existing file must be a bisect log."""
+    existing file must be a bisect log. A device, a FIFO or ``/dev/stdout`` takes it as
+    it comes."""
+    if is_a_stream(Path(path)):
+        return
     log = Path(path).resolve()
     holders = [p for p in log.parents if p == Path(trace).resolve() or _is_trace(p)]
     if holders:
@@ -396,8 +400,12 @@ def save_log(v: Verdict, path: Path, *, skip_bad_parts: bool = False) -> None:
     data = v.to_json()
     data["skip_bad_parts"] = skip_bad_parts  # the re-check reads the trace the same way
     # the trace as seen from the log, so the log re-checks from any directory, and after
-    # the trace and its log (it sits inside by default) move together
-    data["trace_from_log"] = os.path.relpath(Path(v.trace).resolve(), Path(path).resolve().parent)
+    # the trace and its log (it sits inside by default) move together; a log written to a
+    # stream lands wherever that leads, so it names the trace's absolute path
+    where = Path(v.trace).resolve()
+    if not is_a_stream(Path(path)):
+        where = Path(os.path.relpath(where, Path(path).resolve().parent))
+    data["trace_from_log"] = str(where)
     write_json_atomic(path, data)
 
 
