@@ -266,6 +266,48 @@ def test_force_keeps_the_old_trace_when_the_new_run_fails(
     assert [p.name for p in tmp_path.iterdir()] == ["t"]
 
 
+def test_a_full_disk_is_said_once_by_the_trace_s_name_and_ends_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A disk that refused a part was said twice (the writer thread's line, then the error),
+    by the hidden folder a replacement was built in, and the simulation ran on to its last
+    step for nothing. Now one error names the part under the trace's own path, and the run
+    stops at its next look at the writer."""
+    import logging
+
+    from mgtrace.errors import OutputError
+    from mgtrace.schemas import writer as writer_module
+    from mgtrace.sim import SimConfig
+    from mgtrace.sim import engine as engine_module
+
+    out = tmp_path / "t"
+    assert _invoke("--steps", "40", "--scenario", "steady", "-o", str(out)).exception is None
+    real_write = writer_module.atomic_write
+
+    def full_disk(path: Path, write: object) -> None:
+        def refuse(fh: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        real_write(path, refuse if str(path).endswith(".parquet") else write)
+
+    class PromptWriter(writer_module.TraceWriter):  # writes a part within milliseconds
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, flush_seconds=0.01, **kwargs)  # type: ignore[arg-type]
+
+    seen: list[int] = []
+    cfg = SimConfig(scenario="steady", steps=6000, seed=1, output=out, overwrite=True)
+    with monkeypatch.context() as m, caplog.at_level(logging.ERROR):
+        m.setattr(writer_module, "atomic_write", full_disk)
+        m.setattr(engine_module, "TraceWriter", PromptWriter)
+        with pytest.raises(OutputError) as err:
+            engine_module.simulate(cfg, observe=lambda step, view: seen.append(step))
+    assert err.value.message.startswith(f"cannot write {out}/"), err.value.message
+    assert err.value.message.endswith(f"the old trace at {out} was kept"), err.value.message
+    assert not [r for r in caplog.records if r.name == "mgtrace.writer"], caplog.records
+    assert len(seen) < cfg.steps  # stopped early
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]
+
+
 def test_a_killed_forced_run_leaves_the_old_trace_and_the_next_run_works(
     tmp_path: Path,
 ) -> None:

@@ -643,7 +643,10 @@ class TraceWriter:
         rows_per_part: int = 1 << 20,
         flush_seconds: float = 2.0,
         overwrite: bool = False,
+        announce_failure: bool = True,
     ) -> None:
+        """``announce_failure=False`` leaves saying that the disk refused a part to a caller
+        that checks ``failure`` and reports it itself (the writer logs it at once, else)."""
         self.destination = Path(path)
         self.path = self.destination
         self._replacing = False  # True while self.path is a hidden sibling of destination
@@ -673,6 +676,8 @@ class TraceWriter:
         self._steps_written = 0
         self._bytes_written = 0
         self._failed: str | None = None
+        self.failure: Exception | None = None  # what stopped the writer, as raised
+        self._announce_failure = announce_failure
         self._closing = threading.Event()
         # set by a bulk item, by the WAKE_BATCH-th queued step and on close: the thread sleeps
         # until then, or until a part is due or IDLE_WAKE_S passes, instead of polling a
@@ -977,8 +982,7 @@ class TraceWriter:
             try:
                 written.append(self._write_part(rel, arrow))
             except Exception as exc:  # disk full, permissions: stop writing, say so on close
-                self._failed = f"writing {rel} failed: {exc.__class__.__name__}: {exc}"
-                log.error("mgtrace: %s; further steps are dropped and counted", self._failed)
+                self._stop_writing(f"writing {rel} failed: {exc.__class__.__name__}: {exc}", exc)
                 for info in written:
                     with contextlib.suppress(OSError):
                         (self.path / info.path).unlink()
@@ -991,8 +995,12 @@ class TraceWriter:
             try:
                 save_manifest(self.path, self.manifest)
             except Exception as exc:  # as a part that fails: stop writing, say so
-                self._failed = f"updating the manifest failed: {exc}"
-                log.error("mgtrace: %s; further steps are dropped and counted", self._failed)
+                self._stop_writing(f"updating the manifest failed: {exc}", exc)
+
+    def _stop_writing(self, why: str, exc: Exception) -> None:
+        self._failed, self.failure = why, exc
+        if self._announce_failure:
+            log.error("mgtrace: %s; further steps are dropped and counted", why)
 
     def _convert(
         self, pending: dict[tuple[str, int | None], _Pending]

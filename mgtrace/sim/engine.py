@@ -201,7 +201,11 @@ def simulate(
     engine = Engine(cfg)
     run = run_metadata(cfg, engine.runner.builder_thresholds, engine.runner.reorder_threshold)
     writer = TraceWriter(
-        Path(cfg.output), run=run, source=source_info(cfg, argv), overwrite=cfg.overwrite
+        Path(cfg.output),
+        run=run,
+        source=source_info(cfg, argv),
+        overwrite=cfg.overwrite,
+        announce_failure=False,  # said once, by the error that ends the run
     )
     buf = StepBuffer(writer, steps_per_write) if steps_per_write > 0 else None
     # a bulk queue item holds steps_per_write steps: bound the steps queued, not the items
@@ -218,6 +222,8 @@ def simulate(
                 observe(step, view)
             if step % 64 == 63:
                 _wait_for_writer(writer, high_water)
+                if writer.failure is not None:  # the disk said no: simulating on is waste
+                    break
                 if progress is not None:
                     progress(64)
         if progress is not None and cfg.steps % 64:
@@ -245,21 +251,22 @@ def simulate(
         manifest = writer.close()
     except (OSError, OutputError) as exc:
         _discard(writer, cfg, exc)
-    failed = writer.stats().failed
-    if failed is not None:  # the writer's thread met the disk's refusal
-        _discard(writer, cfg, failed)
+    if writer.failure is not None:  # the writer's thread met the disk's refusal
+        _discard(writer, cfg, writer.failure)
     return manifest
 
 
 def _discard(writer: TraceWriter, cfg: SimConfig, why: Exception | str) -> NoReturn:
     """The disk said no: a simulated trace is made again at will, and part of one is of no
     use, so none is left behind (an old trace it was to replace stays)."""
+    building = str(writer.path)  # a hidden sibling while an old trace is being replaced
     writer.discard()
     old = f"the old trace at {cfg.output} was kept" if writer.kept_old else None
     if isinstance(why, OutputError):
-        if why.message.endswith(" was kept"):  # the writer said so itself
-            raise OutputError(why.message) from None
-        raise OutputError(f"{why.message}; {old or f'nothing of {cfg.output} was kept'}") from None
+        said = why.message.replace(building, str(cfg.output))  # gone now: named where it went
+        if said.endswith(" was kept"):  # the writer said so itself
+            raise OutputError(said) from None
+        raise OutputError(f"{said}; {old or f'nothing of {cfg.output} was kept'}") from None
     if isinstance(why, Exception):
         why = reason(why)
     raise OutputError(f"cannot write {cfg.output}: {why}; {old or 'nothing was kept'}") from None
