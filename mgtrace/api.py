@@ -119,7 +119,8 @@ class Trace:
         rules: str | None = "as-recorded",
         rank: int | None = None,
     ) -> pa.Table:
-        """One request's lines, as ``mgtrace history`` shows them (``request``: the id, or
+        """One request's lines, as ``mgtrace history --format json`` gives them (numbers in
+        their own columns: ``accepted_prev_cpu``, ``prev_state_col``; ``request``: the id, or
         a unique part of it; ``rules=None``: findings of every saved replay; ``rank``: that
         rank's lines only)."""
         from mgtrace.cli import check_step_window

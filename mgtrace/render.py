@@ -232,7 +232,9 @@ _HISTORY_HEADERS = {
 def render_history(lines: pa.Table, console: Console, *, max_rows: int) -> None:
     """One request's lines; empty cells for what a step did not have, and no column that
     no line has (the rank only when there are several)."""
-    shown = lines.slice(0, max_rows)
+    from mgtrace.query.history import shown_history
+
+    shown = shown_history(lines.slice(0, max_rows))
     names = [
         n
         for n in shown.column_names

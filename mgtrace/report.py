@@ -82,19 +82,21 @@ def _query_table(con: Any, sql: str) -> str:
 def _histories(con: Any, trace: Trace, requests: list[str], first_bad: int, rank: int) -> list[str]:
     """``mgtrace history`` of each request around the first bad step, on the rank of the
     first finding (every rank of an engine runs the same batch)."""
-    from mgtrace.query.history import request_history
+    from mgtrace.query.history import request_history, shown_history
     from mgtrace.replayer.checkpoint import start_state
 
     out = []
     for req in requests:
-        lines = request_history(
-            con,
-            req,
-            from_step=max(0, first_bad - HISTORY_BEFORE),
-            to_step=first_bad + HISTORY_AFTER,
-            run=trace.run,
-            rank=rank,
-            start=start_state(trace.reader),
+        lines = shown_history(
+            request_history(
+                con,
+                req,
+                from_step=max(0, first_bad - HISTORY_BEFORE),
+                to_step=first_bad + HISTORY_AFTER,
+                run=trace.run,
+                rank=rank,
+                start=start_state(trace.reader),
+            )
         )
         names = [n for n in lines.column_names if lines[n].null_count < lines.num_rows]
         rows = [list(r.values()) for r in lines.select(names).to_pylist()]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv as csv_module
+import io
 import json
 import shutil
 from pathlib import Path
@@ -58,7 +60,7 @@ def test_the_injected_request_shows_the_move_the_stale_count_and_the_finding(
     bad = lines[first]
     # the row move that overtook the accepted-count copy, and both counts
     assert bad["row_moves"] and "carried accepted" in bad["row_moves"]
-    assert "(cpu " in bad["accepted_prev"]
+    assert bad["accepted_prev_cpu"] is not None and bad["accepted_prev_cpu"] != bad["accepted_prev"]
     assert bad["findings"] and "wrong_tokens" in bad["findings"]
     # before the bug, the request's lines carry no finding and one accepted count each
     before = [v for s, v in lines.items() if s < first and v["batch_row"] is not None]
@@ -67,8 +69,8 @@ def test_the_injected_request_shows_the_move_the_stale_count_and_the_finding(
     # column (worked out here row by row, apart from the query's as-of join)
     for v in before:
         own = _own_row(path, 0, "v1", v["req_slot"], v["step"])
-        assert v["block"] == own[int(v["state_col"].split("->")[-1])] > 0
-    assert all("cpu" not in v["accepted_prev"] for v in before)
+        assert v["block"] == own[v["state_col"]] > 0
+    assert all(v["accepted_prev_cpu"] is None for v in before)
     assert Trace(path).history(req).to_pylist() == _rows(path, req)  # the API's lines
     # its first line is its arrival, with its blocks; the scheduler says little after that
     arrival = lines[min(lines)]
@@ -82,6 +84,12 @@ def test_table_output_step_range_and_first_finding(race: tuple[Path, int, str]) 
     assert proc.returncode == 0, proc.stderr
     assert f"history of {req}" in proc.stdout and "carried accepted" in proc.stdout
     assert f"first finding at step {first} (rank 0): request {req}" in proc.stdout
+    # the table shows both accepted counts in one cell, as the CSV does in two columns
+    csv = run_cli("history", str(path), req, "--format", "csv", "--from-step", str(first))
+    cells = next(csv_module.DictReader(io.StringIO(csv.stdout)))
+    assert int(cells["accepted_prev"]) != int(cells["accepted_prev_cpu"])  # numbers, not text
+    shown_in_table = f"{cells['accepted_prev']} (cpu {cells['accepted_prev_cpu']})"
+    assert shown_in_table in proc.stdout
     shown = _lines(path, req, "--from-step", str(first - 2), "--to-step", str(first))
     assert sorted(shown) == [first - 2, first - 1, first]
     # findings of replays under other rules are not mixed in: none was saved under this one

@@ -54,14 +54,7 @@ sched_r AS (
 ),
 rows_r AS (
   SELECT rank, step, batch_row, req_slot, num_computed, num_scheduled, num_draft,
-         CAST(accepted_prev AS VARCHAR)
-           || CASE WHEN accepted_prev_cpu IS NULL THEN ''
-                   ELSE ' (cpu ' || accepted_prev_cpu || ')' END AS accepted_prev,
-         accepted,
-         CASE WHEN prev_state_col IS NULL OR prev_state_col = state_col
-              THEN CAST(state_col AS VARCHAR)
-              ELSE prev_state_col || '->' || state_col END AS state_col,
-         state_col AS col,
+         accepted_prev, accepted_prev_cpu, accepted, prev_state_col, state_col,
          mamba_split || CASE WHEN checkpoint_col IS NULL THEN ''
                              ELSE ', checkpoint ' || checkpoint_tokens || ' tokens at col '
                                   || checkpoint_col END AS mamba_split,
@@ -75,7 +68,7 @@ own_rows AS (
   WHERE "table" = $5 AND "group" = 0
 ),
 rows_b AS (
-  SELECT r.*, t.block_ids[r.col + 1] AS block
+  SELECT r.*, t.block_ids[r.state_col + 1] AS block
   FROM rows_r r ASOF LEFT JOIN own_rows t
     ON r.rank = t.rank AND r.req_slot = t."row" AND r.step >= t.step
 ),
@@ -114,7 +107,8 @@ lines AS (
   UNION SELECT rank, step FROM history_frees
 )
 SELECT l.rank, l.step, s.scheduler, r.batch_row, r.req_slot, r.num_computed,
-       r.num_scheduled, r.num_draft, r.accepted_prev, r.accepted, r.state_col, r.block,
+       r.num_scheduled, r.num_draft, r.accepted_prev, r.accepted_prev_cpu, r.accepted,
+       r.prev_state_col, r.state_col, r.block,
        a.freed, r.mamba_split, r.reorder_region, m.row_moves, f.findings
 FROM lines l
 LEFT JOIN sched_r s USING (rank, step)
@@ -275,6 +269,29 @@ def request_history(
         return con.sql(HISTORY_SQL, params=params).to_arrow_table()
     finally:
         con.unregister("history_frees")
+
+
+def shown_history(lines: pa.Table) -> pa.Table:
+    """``request_history``'s lines as a person reads them: the CPU-held accepted count
+    beside the consumed one where it differs ("1 (cpu 3)"), the running column's move
+    where the precopy moved it ("4->5"). CSV and JSON keep the numbers in their columns."""
+    if "accepted_prev_cpu" not in lines.column_names:  # already shown, or lines of a test
+        return lines
+    acc, cpu = lines.column("accepted_prev").to_pylist(), lines.column("accepted_prev_cpu")
+    prev, col = lines.column("prev_state_col").to_pylist(), lines.column("state_col")
+    accepted = [
+        None if a is None else f"{a}" if c is None else f"{a} (cpu {c})"
+        for a, c in zip(acc, cpu.to_pylist(), strict=True)
+    ]
+    running = [
+        None if c is None else f"{c}" if p is None or p == c else f"{p}->{c}"
+        for p, c in zip(prev, col.to_pylist(), strict=True)
+    ]
+    out = lines.drop_columns(["accepted_prev_cpu", "prev_state_col"])
+    for name, values in (("accepted_prev", accepted), ("state_col", running)):
+        i = out.column_names.index(name)
+        out = out.set_column(i, name, pa.array(values, pa.string()))
+    return out
 
 
 def check_rank(reader: TraceReader, rank: int, trace: str | Path) -> None:
