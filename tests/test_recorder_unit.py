@@ -607,6 +607,44 @@ def test_import_probe_survives_lines_that_break_the_json_reader_or_int64(tmp_pat
     assert reader.complete and reader.manifest.run.builder_reorder_thresholds["MambaB"] is None
 
 
+def test_import_probe_leaves_a_trace_mgtrace_reads_back_in_strict_json(tmp_path: Path) -> None:
+    """A negative reorder threshold in the probe's start event was copied into the manifest's
+    run section, which the reader then refused (the import exited 0, and every verb exited 3
+    on its trace); a NaN or an infinity in a tick or the start's mode (the JSON reader
+    accepts them) made manifest.json, and ``info --json``, non-standard JSON. Now a
+    threshold below 0 is absent, like one out of range, and such a value is null. Control:
+    the clean logs import with their thresholds."""
+    pp, _, _ = _probe_logs(tmp_path)
+    clean = tmp_path / "clean"
+    import_probe(pp, None, clean)
+    assert TraceReader(clean).manifest.run.runner_reorder_threshold == 1
+    lines = pp.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if '"event": "start"' in line)
+    start = json.loads(lines[at])
+    start["runner_reorder_batch_threshold"] = -5
+    start["builder_thresholds"] = {"Mamba2AttentionMetadataBuilder": -1, "Attn": 1}
+    lines[at] = json.dumps(start)[:-1] + ', "mode": NaN}'
+    lines.append('{"event": "tick", "step": NaN, "steps_with_event": Infinity, "early_steps": 3}')
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text("\n".join(lines) + "\n")
+    import_probe(odd, None, tmp_path / "odd")
+    reader = TraceReader(tmp_path / "odd")  # raised ManifestError: must be at least 0
+    run = reader.manifest.run
+    assert run.runner_reorder_threshold is None
+    assert run.builder_reorder_thresholds == {"Mamba2AttentionMetadataBuilder": None, "Attn": 1}
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"manifest.json holds {constant}")
+
+    manifest = json.loads((tmp_path / "odd" / "manifest.json").read_text(), parse_constant=refuse)
+    assert manifest["source"]["probe_mode"] is None
+    assert manifest["source"]["last_tick"] == {
+        "step": None,
+        "steps_with_event": None,
+        "early_steps": 3,
+    }
+
+
 def test_import_probe_counts_lone_surrogates_as_malformed_lines(tmp_path: Path) -> None:
     """JSON may escape a lone surrogate ("\\udc80"), which no UTF-8 column holds: one such
     request id once cost the whole requests table (or a step) while the import reported

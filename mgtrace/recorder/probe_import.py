@@ -146,6 +146,24 @@ def _opt_int(value: Any) -> int | None:
     return value if type(value) is int and -INT_LIMIT <= value < INT_LIMIT else None
 
 
+def _opt_threshold(value: Any) -> int | None:
+    """An optional reorder threshold (a query length: never negative); anything else is
+    absent, so that the manifest's run section stays one mgtrace can read back."""
+    value = _opt_int(value)
+    return value if value is not None and value >= 0 else None
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` where strict JSON holds it; None where it holds NaN or an infinity, which
+    the JSON reader accepts but which would make the manifest (and ``info --json``)
+    non-standard JSON."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        return None
+    return value
+
+
 def corruption(row: dict[str, Any]) -> tuple[bool, str | None]:
     """(corrupt, marker) by the field re-analysis: salad, or many tokens and almost no words."""
     text = row.get("text") or ""
@@ -228,17 +246,21 @@ class ProbeImporter:
         if kind == "start":
             self.start = ev
             thr = ev.get("runner_reorder_batch_threshold")
-            self.threshold = _opt_int(thr)
+            self.threshold = _opt_threshold(thr)
             builders = ev.get("builder_thresholds") or {}
             if isinstance(builders, dict):
                 mamba = [
-                    v for k, v in builders.items() if "Mamba" in str(k) and _opt_int(v) is not None
+                    v
+                    for k, v in builders.items()
+                    if "Mamba" in str(k) and _opt_threshold(v) is not None
                 ]
                 self.mamba_threshold = max(mamba) if mamba else None
         elif kind == "reorderfix":
-            self.threshold = _opt_int(ev.get("after"))
+            self.threshold = _opt_threshold(ev.get("after"))
         elif kind == "tick":
-            self.last_tick = {k: ev.get(k) for k in ("step", "steps_with_event", "early_steps")}
+            self.last_tick = {
+                k: _strict_json(ev.get(k)) for k in ("step", "steps_with_event", "early_steps")
+            }
         elif kind == "swap":
             swaps = ev.get("swaps")
             if not isinstance(swaps, list):
@@ -414,9 +436,9 @@ def import_probe(
         runner="v1",
         mamba_cache_mode=str(start.get("mamba_cache_mode") or "align"),
         async_scheduling=bool(start.get("async")),
-        runner_reorder_threshold=_opt_int(start.get("runner_reorder_batch_threshold")),
+        runner_reorder_threshold=_opt_threshold(start.get("runner_reorder_batch_threshold")),
         builder_reorder_thresholds={
-            str(k): _opt_int(v) for k, v in (start.get("builder_thresholds") or {}).items()
+            str(k): _opt_threshold(v) for k, v in (start.get("builder_thresholds") or {}).items()
         }
         if isinstance(start.get("builder_thresholds"), dict)
         else {},
@@ -425,7 +447,7 @@ def import_probe(
         "kind": "probe-import",
         "probe": str(probe),
         "burst": None if burst_path is None else str(burst_path),
-        "probe_mode": start.get("mode"),
+        "probe_mode": _strict_json(start.get("mode")),
         "step_offset": -1,
         # the probe log carries neither: the manifest's values are RunMetadata's defaults,
         # and info and report show these fields as unknown
