@@ -611,6 +611,32 @@ def test_force_keeps_the_old_trace_when_the_pid_is_refused(tmp_path: Path) -> No
     assert (out / "manifest.json").is_file()
 
 
+def test_a_recording_of_no_step_leaves_no_trace(
+    engine: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    """A --duration that ran out before the engine's next step began said "no step was
+    recorded" (exit 2) yet left a trace of no step, which the next run refused without
+    --force; in launch mode it even exited 0. Now nothing is left (an empty folder stays
+    empty), the message names the duration, and the next run into the same path records.
+    Control: that next run."""
+    out = tmp_path / "none"
+    proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--duration", "1e-9")
+    assert proc.returncode == 2 and "no step was recorded in the 1e-09 s of --duration" in (
+        proc.stderr
+    ), proc.stderr
+    assert not out.exists()
+    out.mkdir()
+    proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--duration", "1e-9")
+    assert proc.returncode == 2 and out.is_dir() and not any(out.iterdir()), proc.stderr
+    proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "2")
+    assert proc.returncode == 0 and TraceReader(out).rows("steps") == 2, proc.stderr
+    launched = tmp_path / "launched"
+    proc = _record_cli("-o", str(launched), "--duration", "1e-9", "--", *STANDIN, "--steps", "5")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"recorded no step in the 1e-09 s of --duration into {launched}" in proc.stderr
+    assert not launched.exists()
+
+
 def _old_trace(out: Path) -> dict[str, bytes]:
     """A small simulated trace at ``out``; returns its files' bytes."""
     from mgtrace.sim.config import SimConfig

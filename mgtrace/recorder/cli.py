@@ -60,7 +60,7 @@ class _OldTrace:
         aside, self.aside = self.aside, None
         if aside is None:
             return
-        if any(self.out.glob("**/steps/*.parquet")):
+        if _holds_a_step(self.out):
             remove_tree(aside)
             return
         try:
@@ -141,7 +141,7 @@ def _named(proc: Proc) -> str:
     return f"process {proc.pid}" + (f" ({proc.role})" if proc.role != "other" else "")
 
 
-def _summary(targets: list, not_recorded: list[str]) -> int:
+def _summary(targets: list, not_recorded: list[str], duration: float | None = None) -> int:
     """What each process recorded, on stdout; on stderr, each process of the engine that
     could not be reached (the trace lacks its part, as its manifest says too)."""
     for sentence in not_recorded:
@@ -198,7 +198,9 @@ def _summary(targets: list, not_recorded: list[str]) -> int:
             )
         raise MgtraceError(f"process {t.proc.pid} went away before a step was recorded")
     if not written:
-        raise MgtraceError("no step was recorded (was the engine serving requests?)")
+        raise _NothingRecorded(
+            f"no step was recorded{_within(duration)} (was the engine serving requests?)"
+        )
     return 0
 
 
@@ -296,11 +298,41 @@ def record_command(
     replace = _check_output(output, force)
     _check_writable(output, replace)
     old = _OldTrace(output) if replace else None
+    made = not output.exists()
     try:
         return _record(engine_pid, output, duration, max_steps, command, old)
+    except _NothingRecorded:
+        if old is None and not _holds_a_step(output):
+            # a recording of nothing leaves nothing (the folder as it was: absent or empty),
+            # so that the next run needs no --force
+            _empty_out(output, remove=made)
+        raise
     finally:
         if old is not None:
             old.settle()
+
+
+class _NothingRecorded(MgtraceError):
+    """Every process of the engine has ended its recording, and none holds a step."""
+
+
+def _holds_a_step(out: Path) -> bool:
+    return any(out.glob("**/steps/*.parquet"))
+
+
+def _empty_out(out: Path, *, remove: bool) -> None:
+    if remove:
+        remove_tree(out)
+        return
+    for entry in out.iterdir() if out.is_dir() else ():
+        if entry.is_dir() and not entry.is_symlink():
+            remove_tree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def _within(duration: float | None) -> str:
+    return "" if duration is None else f" in the {duration:g} s of --duration"
 
 
 def _record(
@@ -356,7 +388,7 @@ def _record(
                 click.echo(f"mgtrace: stopped by {_signal_name(received[0])}", err=True)
                 return 128 + received[0]
         if not received:
-            return _summary(targets, not_recorded)
+            return _summary(targets, not_recorded, duration)
         # stopped by Ctrl-C, SIGTERM or SIGHUP: what was recorded is reported, the exit
         # says why
         click.echo(f"mgtrace: stopped by {_signal_name(received[0])}", err=True)
@@ -377,7 +409,7 @@ def _record(
         on_poll=_EndNotice() if ends_early else None,
         refusals=refusals,
     )
-    click.echo(_launch_outcome(output, rc, refusals))
+    click.echo(_launch_outcome(output, rc, refusals, duration))
     # a signal's death is reported as a shell does: 128 + its number
     return 128 - rc if rc < 0 else rc
 
@@ -444,9 +476,14 @@ def _lift_single_engine(out: Path) -> list[Path]:
     return [out]
 
 
-def _launch_outcome(output: Path, rc: int, refusals: dict[int, str] | None = None) -> str:
-    """What a launched command left in ``output``, in words; refuses when it left nothing,
-    naming an agent's refusal where one refused."""
+def _launch_outcome(
+    output: Path,
+    rc: int,
+    refusals: dict[int, str] | None = None,
+    duration: float | None = None,
+) -> str:
+    """What a launched command left in ``output``, in words; refuses when it left nothing
+    or traces of no step, naming an agent's refusal where one refused."""
     if not output.exists() or not any(output.iterdir()):
         why = (
             "no vLLM engine step ran, or its Python environment lacks mgtrace (the vLLM "
@@ -455,13 +492,18 @@ def _launch_outcome(output: Path, rc: int, refusals: dict[int, str] | None = Non
         if refusals:
             pid, reason = min(refusals.items())
             why = f"mgtrace's agent in process {pid} refused to record: {reason.rstrip('.')}"
-        raise MgtraceError(
+        raise _NothingRecorded(
             f"the engine {_ended(rc)} and recorded nothing into {output}: {why}",
             # a signal's death keeps its status: it says more than a usage error's 2
             exit_code=128 - rc if rc < 0 else None,
         )
     traces = _lift_single_engine(output)
     still_written = len(traces) == 1 and traces != [output]
+    if not still_written and not _holds_a_step(output):
+        raise _NothingRecorded(
+            f"the engine {_ended(rc)} and recorded no step{_within(duration)} into {output}",
+            exit_code=128 - rc if rc < 0 else None,
+        )
     traces = _each_trace(traces)  # an engine of several DP ranks: a trace per rank
     if len(traces) > 1:
         return f"the command {_ended(rc)}; it ran {len(traces)} engines, each with a trace of " + (
