@@ -441,3 +441,17 @@ def test_block_tables_too_large_to_allocate_are_one_sentence() -> None:
     with pytest.raises(UsageError, match=r"the block tables .* cannot be allocated here"):
         TableStore(("v1",), 1, 2**40, 2**30)
     assert TableStore(("v1",), 1, 4, 8).rows == 4  # the control
+
+
+def test_a_trace_of_no_step_is_said_to_hold_none(tmp_path: Path) -> None:
+    """A recording that ended before its first step was written replayed as "the trace
+    holds no align-kernel launches", as if it were a probe import. Control: a trace with
+    steps replays."""
+    from mgtrace.schemas.manifest import RunMetadata
+    from mgtrace.schemas.writer import TraceWriter
+
+    TraceWriter(tmp_path / "empty", run=RunMetadata(num_blocks=64)).close()
+    err = assert_one_sentence_error(run_cli("replay", str(tmp_path / "empty")), 2)
+    assert "the trace holds no step" in err, err
+    assert run_cli("simulate", "--steps", "20", "-o", str(tmp_path / "t")).returncode == 0
+    assert run_cli("replay", str(tmp_path / "t")).returncode == 0

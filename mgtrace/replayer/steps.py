@@ -911,7 +911,13 @@ def require_replayable(reader: TraceReader) -> None:
     launch (a probe import, say), or no pool size to hold the states in."""
     imported = (reader.manifest.source or {}).get("kind") == "probe-import"
     origin = " (it was imported from a probe log)" if imported else ""
-    left_out = any(s.table == "launches" for s in getattr(reader, "skipped", ()))
+    skipped = {s.table for s in getattr(reader, "skipped", ())}
+    if not reader.rows("steps") and "steps" not in skipped:
+        raise UsageError(
+            "the trace holds no step (its recording ended before the first one was "
+            "written), so there is nothing to replay"
+        )
+    left_out = "launches" in skipped
     if not reader.rows("launches") and not left_out:  # a left-out part is a gap, said later
         raise UsageError(
             f"the trace holds no align-kernel launches{origin}, so there is nothing to "
