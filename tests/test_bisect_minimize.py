@@ -762,6 +762,22 @@ def test_a_clean_window_is_judged_by_the_steps_it_covers(tmp_path: Path) -> None
     assert reach.until(0, np.arange(300), None) == 299 and not reach.whole
 
 
+def test_a_replay_across_a_gap_says_so(tmp_path: Path) -> None:
+    """``--allow-gaps`` replayed across missing steps and reported what it found there
+    (a clean run's requests, read against state the missing steps would have written) with
+    no caveat, in text or JSON. Now the caveat names the gap it crossed. Control: a window
+    that ends before the gap crosses none, and says nothing of it."""
+    clean = sim_trace(None, 1, 300, scenario="pairs", runner="v1")
+    gapped = with_steps_removed(clean, tmp_path / "gap.trace", set(range(150, 155)))
+    said = "crossed steps the trace lacks (rank 0 at step 150)"
+    proc = run_cli("replay", str(gapped), "--no-save", "--allow-gaps", "--json")
+    assert said in (json.loads(proc.stdout).get("caveat") or ""), proc.stdout
+    proc = run_cli("replay", str(gapped), "--no-save", "--allow-gaps", "--jobs", "2")
+    assert said in " ".join(proc.stdout.split()), proc.stdout
+    proc = run_cli("replay", str(gapped), "--no-save", "--allow-gaps", "--to-step", "100")
+    assert proc.returncode == 0 and "crossed" not in proc.stdout, proc.stdout
+
+
 def test_minimize_replays_up_to_the_first_gap(tmp_path: Path) -> None:
     """A gap after the first finding once refused the whole trace (its baseline replay ran
     across it), though bisect gives a verdict on it. Now only a gap before the first

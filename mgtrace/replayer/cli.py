@@ -256,6 +256,7 @@ def replay(
     check_step_window(from_step, to_step)
     from mgtrace.query.rank_steps import step_offsets_caveat
     from mgtrace.replayer.coverage import (
+        crossed_caveat,
         mid_run_caveat,
         rule_note,
         stopped_caveat,
@@ -334,6 +335,7 @@ def replay(
             )
     caveats = [
         stopped_caveat(result.stopped_at_gap),
+        crossed_caveat(result.crossed_gaps, result.first_step),
         unmodelled_writes(reader.manifest.run),
         mid_run_caveat(reader),
         step_offsets_caveat(reader),

@@ -141,3 +141,20 @@ def stopped_caveat(stopped: dict[int, int]) -> str | None:
         f"the replay stopped where the trace lacks steps ({where}): the shadow state cannot "
         "be rebuilt across them, so nothing after them was replayed"
     )
+
+
+def crossed_caveat(crossed: dict[int, int], first_step: int | None) -> str | None:
+    """The gaps a replay crossed (--allow-gaps), in words (None: it crossed none)."""
+    if not crossed:
+        return None
+    where = ", ".join(f"rank {r} at step {g}" for r, g in sorted(crossed.items()))
+    before = (
+        f" (its first finding, at step {first_step}, lies before them)"
+        if first_step is not None and first_step < min(crossed.values())
+        else ""
+    )
+    return (
+        f"the replay crossed steps the trace lacks ({where}): the shadow state was not "
+        "rebuilt across them, so what it found from there on may come from the missing "
+        f"steps rather than from the run{before}"
+    )

@@ -1013,6 +1013,9 @@ class ReplayResult:
     # --to-step ended the replay inside the recorded steps of every rank, before any of
     # them is missing: what the trace lacks later says nothing about the window
     window_whole: bool = False
+    # rank -> the first step missing from the trace that the replay crossed (--allow-gaps):
+    # the shadow state was not rebuilt across it
+    crossed_gaps: dict[int, int] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
@@ -1045,6 +1048,7 @@ class ReplayResult:
             repeats=repeats,
             stopped_at_gap={r: g for r, (g, _) in reach.stopped.items()},
             window_whole=reach.whole,
+            crossed_gaps=dict(reach.crossed),
         )
 
 
@@ -1057,6 +1061,7 @@ class Reach:
     def __init__(self, to_step: int | None) -> None:
         self.to_step = to_step
         self.stopped: dict[int, tuple[int, bool]] = {}  # rank -> (gap, whether left out)
+        self.crossed: dict[int, int] = {}  # rank -> the first gap --allow-gaps crossed
         self.whole = to_step is not None
 
     def until(
@@ -1071,6 +1076,7 @@ class Reach:
             return self.to_step
         self.whole = False
         if not stop:
+            self.crossed[rank] = gap
             return self.to_step
         self.stopped[rank] = (gap, gap == left_out)
         return gap - 1
