@@ -177,6 +177,12 @@ def test_a_left_out_part_of_one_rank_leaves_the_other_rank(pp_trace: Path, tmp_p
     # clean where it could look, but rank 1's launches are missing: no clean verdict
     assert proc.returncode == 125 and "left-out steps" in summary["inconclusive"]
     assert summary["inconclusive"].startswith("the replay is clean, but")  # it replayed some
+    # bisect said "no step could be replayed" beside "60 steps replayed": rank 0's were
+    proc = run_cli("bisect", str(trace), "--skip-bad-parts")
+    assert proc.returncode == 125, proc.stdout + proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "rank 1 has a gap at step 0" in text and "before any finding" in text, text
+    assert "no step could be replayed" not in text
 
 
 def test_a_pp_summary_counts_steps_per_rank(pp_trace: Path, buggy_trace: Path) -> None:

@@ -244,7 +244,7 @@ class Bisector:
             v.reason = (
                 f"{what} before {before}; the shadow state cannot be rebuilt across it, and "
                 "corruption may lie in what is missing"
-                if gap
+                if gap or v.steps_replayed  # another rank's steps were replayed
                 else f"{what}: no step could be replayed, so nothing can be said about the run"
             )
             v.wall_s = time.perf_counter() - t0
