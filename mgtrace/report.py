@@ -93,6 +93,7 @@ def _histories(con: Any, trace: Trace, requests: list[str], first_bad: int, rank
                 req,
                 from_step=max(0, first_bad - HISTORY_BEFORE),
                 to_step=first_bad + HISTORY_AFTER,
+                rules=None,  # the view holds the report's own replay only
                 run=trace.run,
                 rank=rank,
                 start=start_state(trace.reader),

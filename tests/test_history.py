@@ -351,3 +351,28 @@ def test_a_request_never_scheduled_is_said_to_be_so(tmp_path: Path) -> None:
         assert f"request {name} arrived but was never scheduled in the trace" in err, err
     err = assert_one_sentence_error(run_cli("history", str(trace.path), "nobody"), 2)
     assert "no request id in the trace contains 'nobody'" in err
+
+
+def test_a_windowed_replay_is_not_the_whole_traces(tmp_path: Path) -> None:
+    """A replay of a window (`--from-step`) is saved under its own replay id, with the same
+    rules; its findings are each request's first in the window, not what the run did.
+    history read every saved replay with the rules: with only a window saved that starts
+    after a request's first bad step (and finds other requests), it said the saved replay
+    under as-recorded found nothing for that request."""
+    path = tmp_path / "race"
+    sim = ["simulate", "--steps", "600", "--seed", "0", "--bug", "async-accepted-race"]
+    assert run_cli(*sim, "-o", str(path)).returncode == 0
+    truth = TraceReader(path).manifest.ground_truth["bugs"]["async-accepted-race"]
+    first, req = truth["first_step"], truth["first_requests"][0]
+    proc = run_cli("replay", str(path), "--from-step", str(first + 1), "--json")
+    assert proc.returncode == 1, proc.stderr  # the window finds later requests
+    assert req not in json.loads(proc.stdout)["first_requests"]
+    proc = run_cli("history", str(path), req)
+    assert proc.returncode == 0, proc.stderr
+    assert "found nothing for this request" not in proc.stdout
+    assert f"run: mgtrace replay {path}" in proc.stdout
+    # the control: once the whole trace's replay is saved, history reads it
+    assert run_cli("replay", str(path)).returncode == 1
+    assert _lines(path, req)[first]["findings"]
+    proc = run_cli("history", str(path), req)
+    assert f"first finding at step {first} (rank 0)" in proc.stdout

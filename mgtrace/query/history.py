@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from mgtrace.schemas.reader import TraceReader
 
 # A scheduler row, a batch row, a row move, a freed state block or a finding of the request
-# makes a line. Parameters: $1 the request id, $2..$3 the step range, $4 the replays' rules,
+# makes a line. Parameters: $1 the request id, $2..$3 the step range, $4 the replay id of the
+# whole-trace replay whose findings show (null: every saved replay),
 # $5 the block table that holds a request's own row (v1: InputBatch rows; V2: per-slot source
 # tables), $6 one rank (null: every rank). ``history_frees`` (rank, step, freed) is registered
 # beside the trace's views.
@@ -87,7 +88,7 @@ moves_r AS (
 ),
 found AS (
   SELECT DISTINCT rank, step, rules, signature, req_id, writer_req_id, batch_row, block_id
-  FROM findings WHERE (req_id = $1 OR writer_req_id = $1) AND ($4 IS NULL OR rules = $4)
+  FROM findings WHERE (req_id = $1 OR writer_req_id = $1) AND ($4 IS NULL OR replay_id = $4)
 ),
 found_r AS (
   -- one text per finding, joined in a fixed order (a line reads the same on every run)
@@ -260,7 +261,7 @@ def request_history(
         req_id,
         0 if from_step is None else from_step,  # a repro's earlier steps are its context
         NO_STEP_LIMIT if to_step is None else to_step,
-        rules,
+        whole_replay_id(rules),
         "v1" if run.runner == "v1" else "source",
         rank,
     ]
@@ -308,21 +309,33 @@ def first_finding(
     rules: str | None = AS_RECORDED,
     rank: int | None = None,
 ) -> tuple[int, int, str] | None:
-    """(step, rank, sentence) of the earliest saved finding that involves ``req_id`` (on
-    ``rank`` only, unless None)."""
+    """(step, rank, sentence) of the earliest finding that involves ``req_id`` (on ``rank``
+    only, unless None) saved by the whole-trace replay under ``rules`` (None: any replay)."""
     row = con.execute(
         "SELECT step, rank, detail FROM findings WHERE (req_id = $1 OR writer_req_id = $1) "
-        "AND ($2 IS NULL OR rules = $2) AND ($3 IS NULL OR rank = $3) "
+        "AND ($2 IS NULL OR replay_id = $2) AND ($3 IS NULL OR rank = $3) "
         "ORDER BY step, rank, req_id <> $1 LIMIT 1",
-        [req_id, rules, rank],
+        [req_id, whole_replay_id(rules), rank],
     ).fetchall()
     return (int(row[0][0]), int(row[0][1]), str(row[0][2])) if row else None
 
 
+def whole_replay_id(rules: str | None) -> str | None:
+    """The replay id of the whole-trace replay under ``rules`` (canonical), as ``replay``
+    saves it: a replay of a window or of some ranks is saved under another id, and its
+    findings (each request's first in the window) are not what the run did. None: None."""
+    if rules is None:
+        return None
+    from mgtrace.replayer.cli import replay_id_for
+
+    return replay_id_for(RuleSet.parse(rules))
+
+
 def saved_rules(con: duckdb.DuckDBPyConnection) -> list[str]:
-    """The rule sets of the replays saved in the trace that found something (a replay that
-    found nothing saves a part without rows: see ``replay_saved``)."""
-    return [r[0] for r in con.execute("SELECT DISTINCT rules FROM findings ORDER BY 1").fetchall()]
+    """The rule sets of the whole-trace replays saved in the trace that found something (a
+    replay that found nothing saves a part without rows: see ``replay_saved``)."""
+    pairs = con.execute("SELECT DISTINCT rules, replay_id FROM findings ORDER BY 1").fetchall()
+    return sorted({r for r, rid in pairs if whole_replay_id(r) == rid})
 
 
 def replay_saved(reader: TraceReader, rules: str) -> bool:
