@@ -43,12 +43,34 @@ def _rules(rules: RuleSet | str | None, values: dict[str, Any]) -> RuleSet:
     return base.with_(**chosen) if chosen else base
 
 
+def _flag(name: str, value: object) -> bool:
+    """A yes/no argument: ``save="no"`` must not save (a non-empty string is truthy)."""
+    if type(value) is not bool:
+        raise UsageError(f"{name} must be True or False, not {value!r:.40}")
+    return value
+
+
+def _path(what: str, value: object) -> Path:
+    if not isinstance(value, (str, Path)):
+        raise UsageError(f"{what} is a path (a string or a Path), not {value!r:.40}")
+    return Path(value)
+
+
+def _rule_text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise UsageError(
+            f"{name} must be a string such as 'reorder_threshold=1+k', not {value!r:.40}"
+        )
+    return value
+
+
 class Trace:
     """One trace directory: its metadata, its tables, and the offline analyses on it."""
 
     def __init__(self, path: str | Path, *, skip_bad_parts: bool = False) -> None:
         if not isinstance(path, (str, Path)):
             raise UsageError(f"a trace is opened by its path, not {path!r:.40}")
+        _flag("skip_bad_parts", skip_bad_parts)
         self.path = Path(path)
         self._skip_bad_parts = skip_bad_parts
         self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
@@ -99,6 +121,8 @@ class Trace:
     def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
         from mgtrace.schemas.tables import TABLES
 
+        if columns is not None and not isinstance(columns, (str, list, tuple)):
+            raise UsageError(f"columns is a list of column names, not {columns!r:.40}")
         if columns is not None and name in TABLES:  # an unknown table: the reader says so
             columns = [columns] if isinstance(columns, str) else list(columns)
             known = set(TABLES[name].schema.names)
@@ -130,8 +154,8 @@ class Trace:
         if not isinstance(request, str):
             raise UsageError(f"a request is named by its id (a string), not {request!r:.40}")
         for name, value in (("from_step", from_step), ("to_step", to_step)):
-            if value is not None and type(value) is not int:
-                raise UsageError(f"{name} must be a step number, not {value!r:.40}")
+            if value is not None and (type(value) is not int or value < 0):
+                raise UsageError(f"{name} must be a step number (0 or more), not {value!r:.40}")
         check_step_window(from_step, to_step)
         # "any": every saved replay's findings, as `mgtrace history --rules any` says
         rules = None if rules in (None, "any") else _rules(rules, {}).canonical()
@@ -178,6 +202,10 @@ class Trace:
         from mgtrace.replayer.steps import some_ranks
 
         ruleset = _rules(rules, rule_values)
+        _flag("save", save)
+        _flag("allow_gaps", allow_gaps)
+        if isinstance(ranks, int):  # ranks=0 once replayed every rank, ranks=1 a TypeError
+            raise UsageError(f"ranks is a list of rank numbers such as [{ranks}], not {ranks!r}")
         check_replay_window(self.reader, self.path, from_step, to_step)
         chosen = some_ranks(self.reader, ranks, self.path)
         result = replay_trace(
@@ -215,6 +243,12 @@ class Trace:
         """The first bad step, its requests, and the rule change that makes it good."""
         from mgtrace.replayer.bisect import bisect
 
+        # as --horizon's x>=1: a horizon below 1 ends the "good" replay before the first bad
+        # step, so every rule looks like a fix
+        if type(horizon) is not int or horizon < 1:
+            raise UsageError(
+                f"horizon must be a whole number of steps, 1 or more, not {horizon!r:.40}"
+            )
         return bisect(
             self.path,
             base=_rules(rules, rule_values),
@@ -237,13 +271,16 @@ class Trace:
         from mgtrace.errors import OutputError
         from mgtrace.replayer.minimize import minimize
 
+        output = _path("the minimized trace", output)
+        _flag("force", force)
         try:
             return minimize(
                 self.path,
-                Path(output),
+                output,
                 rules=_rules(rules, rule_values),
                 signature=signature,
                 force=force,
+                skip_bad_parts=self._skip_bad_parts,
             )
         except OutputError as exc:  # said as the command line says it: say it for Python
             raise OutputError(exc.message.replace("--force", "force=True")) from None
@@ -258,7 +295,14 @@ class Trace:
         """The first step where another trace, or another rule set on this one, diverges."""
         from mgtrace.replayer.diff import diff_rules, diff_traces
 
+        _rule_text("rules_a", rules_a)
+        if rules_b is not None:
+            _rule_text("rules_b", rules_b)
         if other is not None:
+            if rules_b is not None or rules_a != "as-recorded":  # as `mgtrace diff` refuses it
+                raise UsageError("compare two traces or two rule sets, not both")
+            if not isinstance(other, Trace):
+                other = _path("the other trace", other)
             reader = other.reader if isinstance(other, Trace) else TraceReader(other)
             return diff_traces(self.reader, reader)
         if rules_b is None:
@@ -284,9 +328,40 @@ def simulate(
     **options: Any,
 ) -> Trace:
     """Run the engine simulator into ``output`` and open the trace it wrote."""
+    import dataclasses
+
+    from mgtrace.errors import OutputError
+    from mgtrace.outputs import require_output_folder
     from mgtrace.sim.config import SimConfig
     from mgtrace.sim.engine import simulate as run
 
+    output = _path("the output trace", output)
+    _flag("force", force)
+    if isinstance(bugs, str):
+        bugs = (bugs,)  # one name, or several
+    elif not isinstance(bugs, Iterable):
+        raise UsageError(f"bugs is a list of bug names, not {bugs!r:.40}")
+    bugs = tuple(bugs)
+    fields = {f.name: f for f in dataclasses.fields(SimConfig)}
+    for name in options:
+        if name not in fields or name in ("output", "overwrite"):
+            known = sorted(
+                set(fields)
+                - {"output", "overwrite", "bugs", "scenario", "steps", "runner", "k", "pp", "seed"}
+            )
+            raise UsageError(f"simulate has no option {name!r}; its options: {', '.join(known)}")
+    given = {"steps": steps, "k": k, "pp": pp, "seed": seed, **options}
+    for name, value in given.items():
+        kind = fields[name].type
+        if value is None and "None" in kind:
+            continue
+        if kind.startswith("int") and type(value) is not int:
+            raise UsageError(f"{name} must be a whole number, not {value!r:.40}")
+        if kind.startswith("float") and (type(value) not in (int, float)):
+            raise UsageError(f"{name} must be a number, not {value!r:.40}")
+        if kind.startswith("bool"):
+            _flag(name, value)
+    require_output_folder(output, str(output))  # as `mgtrace simulate -o`: no folder made
     cfg = SimConfig(
         scenario=scenario,
         steps=steps,
@@ -294,10 +369,13 @@ def simulate(
         k=k,
         pp=pp,
         seed=seed,
-        bugs=(bugs,) if isinstance(bugs, str) else tuple(bugs),  # one name, or several
-        output=Path(output),
+        bugs=bugs,
+        output=output,
         overwrite=force,
         **options,
     )
-    run(cfg.validate())
+    try:
+        run(cfg.validate())
+    except OutputError as exc:  # said as the command line says it: say it for Python
+        raise OutputError(exc.message.replace("--force", "force=True")) from None
     return Trace(output)

@@ -73,3 +73,82 @@ def test_minimize_over_an_existing_output_names_the_python_argument(
     with pytest.raises(OutputError, match=r"already exists; pass force=True"):
         trace.minimize(tmp_path / "repro")
     assert trace.minimize(tmp_path / "repro", force=True).steps > 0
+
+
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (lambda t: t.bisect(horizon=-1), "horizon must be a whole number"),
+        (lambda t: t.bisect(horizon=0), "horizon must be a whole number"),
+        (lambda t: t.bisect(horizon="5"), "horizon must be a whole number"),
+        (lambda t: t.replay(save="no"), "save must be True or False"),
+        (lambda t: t.replay(allow_gaps="no"), "allow_gaps must be True or False"),
+        (lambda t: t.replay(ranks=0), r"ranks is a list of rank numbers such as \[0\]"),
+        (lambda t: t.replay(ranks=1), r"ranks is a list of rank numbers such as \[1\]"),
+        (lambda t: t.table("steps", columns=5), "columns is a list of column names"),
+        (lambda t: t.history("req-000002", from_step=-1), "from_step must be a step number"),
+        (lambda t: t.diff(5), "the other trace is a path"),
+        (lambda t: t.diff(rules_b=5), "rules_b must be a string"),
+        (lambda t: t.diff(t, rules_b="reorder_threshold=1+k"), "not both"),
+        (lambda t: t.minimize(None), "the minimized trace is a path"),
+        (lambda t: t.minimize(t.path.parent / "m", force="no"), "force must be True or False"),
+        (lambda t: mgtrace.open(t.path, skip_bad_parts="yes"), "skip_bad_parts must be True"),
+    ],
+)
+def test_more_misuse_is_one_usage_error(trace: Trace, call: Any, said: str) -> None:
+    """Each was a bare TypeError/AttributeError, or silently taken: bisect(horizon=-1) named
+    rules that fix nothing (its "good" replay ended before the first bad step) and printed
+    --to-step=-33; replay(save="no") saved; replay(ranks=0) replayed every rank."""
+    before = trace.reload().info()["replays"]
+    with pytest.raises(UsageError, match=said):
+        call(trace)
+    assert trace.reload().info()["replays"] == before  # nothing was saved on the way
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"bugs": 5}, "bugs is a list of bug names"),
+        ({"bugs": None}, "bugs is a list of bug names"),
+        ({"steps": "20"}, "steps must be a whole number"),
+        ({"steps": 20.5}, "steps must be a whole number"),
+        ({"seed": 1.5}, "seed must be a whole number"),
+        ({"k": "3"}, "k must be a whole number"),
+        ({"acceptance_rate": "x"}, "acceptance_rate must be a number"),
+        ({"nope": 1}, "simulate has no option 'nope'"),
+        ({"overwrite": True}, "simulate has no option 'overwrite'"),
+        ({"force": "no"}, "force must be True or False"),
+    ],
+)
+def test_simulate_misuse_is_one_usage_error(
+    tmp_path: Path, options: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(UsageError, match=said):
+        mgtrace.simulate(tmp_path / "s.trace", **{"steps": 20, **options})
+    assert not (tmp_path / "s.trace").exists()
+
+
+def test_simulate_writes_no_folders_and_names_force(trace: Trace, tmp_path: Path) -> None:
+    """As `mgtrace simulate -o`: a mistyped folder leaves no tree of folders behind (the
+    API made them); an existing output names force=True, not --force."""
+    from mgtrace.errors import OutputError
+
+    with pytest.raises(OutputError, match="does not exist"):
+        mgtrace.simulate(tmp_path / "typo" / "sub" / "s.trace", steps=20)
+    assert not (tmp_path / "typo").exists()
+    with pytest.raises(OutputError, match="pass force=True"):
+        mgtrace.simulate(trace.path, steps=20)
+
+
+def test_minimize_reads_a_damaged_trace_as_it_was_opened(tmp_path: Path) -> None:
+    """mgtrace.open(..., skip_bad_parts=True).minimize() read the trace again without it:
+    PartError "pass --skip-bad-parts", where `mgtrace minimize --skip-bad-parts` answers."""
+    from mgtrace.errors import InconclusiveError
+
+    path = tmp_path / "pp.trace"
+    mgtrace.simulate(path, runner="v2", pp=2, steps=60, bugs="batch-row-block-table")
+    part = next((path / "batch_rows").glob("r001-*.parquet"))
+    part.write_bytes(part.read_bytes()[:1000])
+    t = mgtrace.open(path, skip_bad_parts=True)
+    with pytest.raises(InconclusiveError, match="gap"):  # as the command line: exit 125
+        t.minimize(tmp_path / "repro")
