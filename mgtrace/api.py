@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from mgtrace.errors import UsageError
+from mgtrace.errors import TraceError, UsageError
 from mgtrace.replayer.rules import RuleSet
+from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.reader import TraceReader
 
 if TYPE_CHECKING:
@@ -75,9 +76,16 @@ class Trace:
         self._skip_bad_parts = skip_bad_parts
         self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
         self._con = None
+        self._stamp = self._manifest_stamp()
 
     def __repr__(self) -> str:
+        from mgtrace.errors import MgtraceError
         from mgtrace.replayer.steps import ranks_of
+
+        try:
+            self._fresh()
+        except MgtraceError:  # a repr never raises: it says what became of the trace
+            return f"Trace({str(self.path)!r}, removed or replaced since it was opened)"
 
         state = "complete" if self.reader.complete else "incomplete"
         rows, ranks = self.reader.rows("steps"), len(ranks_of(self.reader))
@@ -94,14 +102,42 @@ class Trace:
         return self.reader.manifest.run
 
     def reload(self) -> Trace:
-        """Read the manifest again (after a replay added findings, say)."""
+        """Read the manifest again: the trace as it is now, also where another trace has
+        replaced it (every method reads again by itself what replays added)."""
         self.reader = TraceReader(self.path, skip_bad_parts=self._skip_bad_parts)
         self._con = None
+        self._stamp = self._manifest_stamp()
         return self
+
+    def _manifest_stamp(self) -> int | None:
+        try:
+            return (self.path / MANIFEST_NAME).stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def _fresh(self) -> None:
+        """Read the trace again where its manifest changed since (a replay, here or from the
+        command line, saved findings into it); one sentence where the trace was removed or
+        replaced by another since it was opened, rather than a pyarrow or DuckDB error, or
+        answers that mix two runs."""
+        stamp = self._manifest_stamp()
+        if stamp == self._stamp:
+            return
+        where = f"the trace at {self.path}"
+        if stamp is None:
+            raise TraceError(f"{where} was removed since it was opened")
+        now = TraceReader(self.path, skip_bad_parts=self._skip_bad_parts)
+        if now.manifest.created_unix != self.reader.manifest.created_unix:
+            raise TraceError(
+                f"{where} was replaced by another since it was opened; call reload() or "
+                "mgtrace.open it again"
+            )
+        self.reader, self._con, self._stamp = now, None, stamp
 
     # ------------------------------------------------------------------ data
     def info(self) -> dict[str, Any]:
         """Run metadata, steps, requests, ranks, size, completeness and drops."""
+        self._fresh()
         from mgtrace.query.info import trace_info
 
         return trace_info(self.reader)
@@ -109,6 +145,7 @@ class Trace:
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
         """A DuckDB relation over the trace views; call .df(), .arrow(), .fetchall(), .show().
         ``query`` may name a canned query as ``@NAME``, as ``mgtrace sql`` does."""
+        self._fresh()
         from mgtrace.query.canned import named
         from mgtrace.query.views import run_query
 
@@ -119,6 +156,7 @@ class Trace:
         return run_query(self._con, named(query, self.run.num_speculative_tokens))
 
     def table(self, name: str, *, columns: list[str] | None = None) -> pa.Table:
+        self._fresh()
         from mgtrace.schemas.tables import TABLES
 
         if columns is not None and not isinstance(columns, (str, list, tuple)):
@@ -147,6 +185,7 @@ class Trace:
         their own columns: ``accepted_prev_cpu``, ``prev_state_col``; ``request``: the id, or
         a unique part of it; ``rules=None``: findings of every saved replay; ``rank``: that
         rank's lines only)."""
+        self._fresh()
         from mgtrace.cli import check_step_window
         from mgtrace.query.history import check_rank, request_history, resolve_request
         from mgtrace.replayer.checkpoint import start_state
@@ -196,6 +235,7 @@ class Trace:
         ``allow_gaps=True`` the replay crosses dropped or left-out steps (it may mislead);
         ``ranks``: only those ranks (every rank by default).
         """
+        self._fresh()
         from mgtrace.replayer.cli import check_replay_window, last_step_of, replay_id_for
         from mgtrace.replayer.findings import save_findings
         from mgtrace.replayer.loop import replay_trace
@@ -241,6 +281,7 @@ class Trace:
         **rule_values: Any,
     ) -> Verdict:
         """The first bad step, its requests, and the rule change that makes it good."""
+        self._fresh()
         from mgtrace.replayer.bisect import bisect
 
         # as --horizon's x>=1: a horizon below 1 ends the "good" replay before the first bad
@@ -268,6 +309,7 @@ class Trace:
         **rule_values: Any,
     ) -> MinimizeResult:
         """The smallest trace that still shows the same first finding, and a pytest file."""
+        self._fresh()
         from mgtrace.errors import OutputError
         from mgtrace.replayer.minimize import minimize
 
@@ -293,6 +335,7 @@ class Trace:
         rules_b: str | None = None,
     ) -> TraceDiff | RulesDiff:
         """The first step where another trace, or another rule set on this one, diverges."""
+        self._fresh()
         from mgtrace.replayer.diff import diff_rules, diff_traces
 
         _rule_text("rules_a", rules_a)

@@ -152,3 +152,32 @@ def test_minimize_reads_a_damaged_trace_as_it_was_opened(tmp_path: Path) -> None
     t = mgtrace.open(path, skip_bad_parts=True)
     with pytest.raises(InconclusiveError, match="gap"):  # as the command line: exit 125
         t.minimize(tmp_path / "repro")
+
+
+def test_a_trace_removed_or_replaced_since_it_was_opened_is_said_so(tmp_path: Path) -> None:
+    """A Trace whose folder was removed raised pyarrow's FileNotFoundError or DuckDB's
+    IOException; one that ``simulate(force=True)`` replaced answered with a mix of both runs
+    (the new steps, the old ground truth). Now each is one sentence; a replay saved from the
+    command line is read at once, with no reload(). Control: reload() reads the new trace."""
+    import shutil
+    import subprocess
+    import sys
+
+    from mgtrace.errors import TraceError
+
+    path = tmp_path / "t.trace"
+    t = mgtrace.simulate(path, steps=100, bugs=["reorder-threshold-mismatch"])
+    assert t.sql("SELECT count(*) FROM findings").fetchall() == [(0,)]
+    subprocess.run([sys.executable, "-m", "mgtrace", "replay", str(path)], check=False)
+    assert t.sql("SELECT count(*) FROM findings").fetchall()[0][0] > 0  # read at once
+    mgtrace.simulate(path, steps=150, force=True)
+    for call in (t.info, lambda: t.table("steps"), lambda: t.history("req-000002")):
+        with pytest.raises(TraceError, match="was replaced by another since it was opened"):
+            call()
+    assert t.reload().info()["steps"] == 150  # the control
+    shutil.rmtree(path)
+    gone = (t.info, t.replay, lambda: t.sql("SELECT 1"), lambda: t.diff(rules_b="x=1"))
+    for call in gone:
+        with pytest.raises(TraceError, match="was removed since it was opened"):
+            call()
+    assert "removed or replaced since it was opened" in repr(t)
