@@ -630,6 +630,11 @@ def test_a_recording_of_no_step_leaves_no_trace(
     assert proc.returncode == 2 and out.is_dir() and not any(out.iterdir()), proc.stderr
     proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(out), "--max-steps", "2")
     assert proc.returncode == 0 and TraceReader(out).rows("steps") == 2, proc.stderr
+    # a link to a folder still to be made: the link stays, and so does nothing where it leads
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "target")
+    proc = _record_cli("--engine-pid", str(engine.pid), "-o", str(link), "--duration", "1e-9")
+    assert proc.returncode == 2 and link.is_symlink() and not link.exists(), proc.stderr
     launched = tmp_path / "launched"
     proc = _record_cli("-o", str(launched), "--duration", "1e-9", "--", *STANDIN, "--steps", "5")
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -1398,3 +1398,28 @@ def test_an_injected_agent_that_never_starts_is_not_blamed_on_ptrace(
     assert "ptrace" not in caught.value.message
     with pytest.raises(attach.AttachError, match="ptrace_scope"):
         attach.connect(proc, allow_inject=False)
+
+
+def test_a_recording_of_no_step_removes_only_its_own_closed_traces(tmp_path: Path) -> None:
+    """The tidy after a recording of no step once emptied the whole output folder (a file
+    another program put there went too) and removed traces still open for writing. Now it
+    removes only the files of traces of no step whose writer has closed. Control: a closed
+    trace of no step goes, and an output the recording made goes with it."""
+    from mgtrace.recorder.cli import _discard_traces_of_no_step
+    from mgtrace.schemas.manifest import RunMetadata
+    from mgtrace.schemas.writer import TraceWriter
+
+    out = tmp_path / "out"
+    out.mkdir()
+    TraceWriter(out / "engine-11", run=RunMetadata()).close()
+    still = TraceWriter(out / "engine-12", run=RunMetadata())  # an engine still writing
+    (out / "notes.txt").write_text("mine")
+    try:
+        _discard_traces_of_no_step(out, made=True)
+        assert sorted(p.name for p in out.iterdir()) == ["engine-12", "notes.txt"]
+        assert (out / "engine-12" / "manifest.json").is_file()
+    finally:
+        still.close()
+    (out / "notes.txt").unlink()
+    _discard_traces_of_no_step(out, made=True)
+    assert not out.exists()

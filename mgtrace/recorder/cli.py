@@ -15,7 +15,7 @@ import click
 from mgtrace.atomic import clear_stale_siblings, hidden_sibling, remove_tree
 from mgtrace.errors import MgtraceError, OutputError, UsageError
 from mgtrace.outputs import require_writable_parent
-from mgtrace.schemas.manifest import is_trace_directory
+from mgtrace.schemas.manifest import MANIFEST_NAME, is_trace_directory
 from mgtrace.schemas.ranks import ENGINE_DIR, engine_directories
 from mgtrace.shell import shell_path
 
@@ -198,7 +198,7 @@ def _summary(targets: list, not_recorded: list[str], duration: float | None = No
             )
         raise MgtraceError(f"process {t.proc.pid} went away before a step was recorded")
     if not written:
-        raise _NothingRecorded(
+        raise MgtraceError(
             f"no step was recorded{_within(duration)} (was the engine serving requests?)"
         )
     return 0
@@ -298,37 +298,53 @@ def record_command(
     replace = _check_output(output, force)
     _check_writable(output, replace)
     old = _OldTrace(output) if replace else None
-    made = not output.exists()
+    made = not output.resolve().exists()  # the agents write where a link leads
     try:
         return _record(engine_pid, output, duration, max_steps, command, old)
-    except _NothingRecorded:
-        if old is None and not _holds_a_step(output):
-            # a recording of nothing leaves nothing (the folder as it was: absent or empty),
-            # so that the next run needs no --force
-            _empty_out(output, remove=made)
-        raise
     finally:
         if old is not None:
             old.settle()
-
-
-class _NothingRecorded(MgtraceError):
-    """Every process of the engine has ended its recording, and none holds a step."""
+        elif not _holds_a_step(output):
+            # a recording of nothing (however it ended) leaves nothing: the folder as it
+            # was, absent or empty, so that the next run needs no --force
+            _discard_traces_of_no_step(output.resolve(), made=made)
 
 
 def _holds_a_step(out: Path) -> bool:
     return any(out.glob("**/steps/*.parquet"))
 
 
-def _empty_out(out: Path, *, remove: bool) -> None:
-    if remove:
-        remove_tree(out)
-        return
-    for entry in out.iterdir() if out.is_dir() else ():
-        if entry.is_dir() and not entry.is_symlink():
-            remove_tree(entry)
-        else:
-            entry.unlink(missing_ok=True)
+def _discard_traces_of_no_step(out: Path, *, made: bool) -> None:
+    """Remove the traces of no step the recording left at ``out`` (the folder itself, or its
+    engine and rank traces), each only once no writer holds it open, and only their own
+    files; then ``out`` itself where the recording made it and nothing else is in it."""
+    from mgtrace.schemas.ranks import rank_directories
+    from mgtrace.schemas.tables import TABLES
+    from mgtrace.schemas.writer import WRITING_LOCK, writer_is_open
+
+    def traces(folder: Path) -> list[Path]:
+        if is_trace_directory(folder):
+            return [folder]
+        nested = [*engine_directories(folder), *rank_directories(folder).values()]
+        return [t for f in nested for t in traces(f)]
+
+    for trace in traces(out):
+        if writer_is_open(trace) or _holds_a_step(trace):
+            continue
+        for name in TABLES:
+            if (trace / name).is_dir() and not (trace / name).is_symlink():
+                remove_tree(trace / name)
+        for name in (WRITING_LOCK, MANIFEST_NAME):
+            with contextlib.suppress(OSError):
+                (trace / name).unlink()
+        if trace != out:
+            with contextlib.suppress(OSError):  # not empty: something else is in it
+                trace.rmdir()
+                if trace.parent != out:  # an engine's folder that held rank traces
+                    trace.parent.rmdir()
+    if made:
+        with contextlib.suppress(OSError):
+            out.rmdir()
 
 
 def _within(duration: float | None) -> str:
@@ -492,7 +508,7 @@ def _launch_outcome(
         if refusals:
             pid, reason = min(refusals.items())
             why = f"mgtrace's agent in process {pid} refused to record: {reason.rstrip('.')}"
-        raise _NothingRecorded(
+        raise MgtraceError(
             f"the engine {_ended(rc)} and recorded nothing into {output}: {why}",
             # a signal's death keeps its status: it says more than a usage error's 2
             exit_code=128 - rc if rc < 0 else None,
@@ -500,7 +516,7 @@ def _launch_outcome(
     traces = _lift_single_engine(output)
     still_written = len(traces) == 1 and traces != [output]
     if not still_written and not _holds_a_step(output):
-        raise _NothingRecorded(
+        raise MgtraceError(
             f"the engine {_ended(rc)} and recorded no step{_within(duration)} into {output}",
             exit_code=128 - rc if rc < 0 else None,
         )
