@@ -144,6 +144,9 @@ def _findings_section(
     con: Any, trace: Trace, result: Any, crossed: bool, max_findings: int
 ) -> list[str]:
     parts = ["<h2>Findings (replay as recorded)</h2>"]
+    if not result.steps:  # "no findings" would read as a clean run
+        parts.append("<p>No step could be replayed, so there are no findings to show.</p>")
+        return parts
     if crossed:
         parts.append(
             "<p class='warn'>The trace has dropped or left-out steps; this replay crossed "
@@ -219,8 +222,11 @@ def _more_findings(trace: Trace, result: Any, crossed: bool, shown: int) -> str:
 
 
 def _without_drafts(trace: Trace, unknown: set[str]) -> str | None:
-    """Why no row of the trace drafted tokens, where the run says so (k = 0); None where
-    it does not (k unknown, or no row drafted though the run could have)."""
+    """Why no row of the trace drafted tokens, where the trace says so (k = 0, or the rows
+    are in a part left out); None where it does not (k unknown, or no row drafted though
+    the run could have)."""
+    if any(part.table == "batch_rows" for part in getattr(trace.reader, "skipped", ())):
+        return "rows of the batch lie in a part that --skip-bad-parts left out"
     if "num_speculative_tokens" in unknown or trace.run.num_speculative_tokens != 0:
         return None
     return "no speculative decoding in this run (k = 0)"

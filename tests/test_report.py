@@ -116,11 +116,21 @@ def test_report_of_a_trace_with_a_left_out_part(report: Path, tmp_path: Path) ->
     proc = run_cli("report", str(trace), "--skip-bad-parts", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
-    assert "class='verdict inconclusive'" in text and "class='warn'" in text
-    assert "class='warn'" not in report.read_text()  # the control: a whole trace, no warning
+    # the only block-table part: no step can be replayed, as `replay` says
+    assert "class='verdict inconclusive'" in text and "No step could be replayed" in text
     # the run section names the part left out (it once said only "complete")
     assert f"left-out part</td><td>{rel}: " in text, text[:3000]
     assert "left-out part" not in report.read_text()
+    # dropped steps before the first finding: the replay across them shows its findings
+    from tests.replay_helpers import with_steps_removed
+
+    gapped = with_steps_removed(report.parent / "run", tmp_path / "gapped", {3, 4})
+    proc = run_cli("report", str(gapped), "-o", str(tmp_path / "dropped.html"))
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "dropped.html").read_text()
+    assert "class='verdict inconclusive'" in text and "class='warn'" in text
+    assert "corruption starts" not in text and "<h2>Findings (replay as recorded)</h2>" in text
+    assert "class='warn'" not in report.read_text()  # the control: a whole trace, no warning
 
 
 def test_report_of_an_imported_probe_log(tmp_path: Path) -> None:
@@ -250,3 +260,26 @@ def test_block_ownership_leaves_out_the_null_block(report: Path) -> None:
     fig = plots.block_ownership(Trace(report.parent / "run"), ["req-000002", "req-000003"])
     blocks = [y for c in fig.axes[0].collections for _, y in c.get_offsets()]
     assert blocks and min(blocks) > 0
+
+
+def test_a_report_that_replayed_no_step_claims_no_clean_run(report: Path, tmp_path: Path) -> None:
+    """With the batch rows' only part left out the verdict was "no step could be replayed",
+    yet the findings said "No findings: the replay found no request reading state that is
+    not its own", and the accepted counts and re-analysis blamed the run ("no spec-decode
+    row recorded an accepted count"). Now each says what the trace lacks. Control: the
+    whole trace's report plots its accepted counts."""
+    import json
+
+    trace = tmp_path / "run"
+    shutil.copytree(report.parent / "run", trace)
+    parts = json.loads((trace / "manifest.json").read_text())["parts"]
+    (rel,) = [p["path"] for p in parts if p["table"] == "batch_rows"]
+    (trace / rel).write_bytes(b"PAR1 garbage")
+    out = tmp_path / "lacking.html"
+    proc = run_cli("report", str(trace), "--skip-bad-parts", "--no-bisect", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "No findings" not in text and "No step could be replayed" in text
+    assert "no spec-decode row recorded" not in text and "no request ran a spec-decode" not in text
+    assert text.count("a part that --skip-bad-parts left out") == 2
+    assert "No accepted counts to plot" not in report.read_text()  # the control
