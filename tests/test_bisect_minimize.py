@@ -614,31 +614,30 @@ def test_bisect_log_never_overwrites_what_is_not_a_bisect_log(tmp_path: Path) ->
 def test_a_bisect_log_goes_to_a_stream_and_rechecks_from_where_it_lands(tmp_path: Path) -> None:
     """``--log /dev/stdout`` (and a FIFO, ``/dev/null``) was refused as "a file that is not
     a bisect log". Now the log is written to the stream, names the trace by its absolute
-    path, and rechecks from the file it was redirected to, from another directory."""
+    path, and is alone on stdout (the verdict goes to stderr), so the file stdout was
+    redirected to rechecks, from another directory; with --json the two would share stdout,
+    and that is refused."""
     trace = tmp_path / "t.trace"
     shutil.copytree(toggle_trace("reorder-threshold-mismatch", 0), trace)
-    piped = tmp_path / "piped.txt"
-    with open(piped, "w") as out:
-        proc = subprocess.run(
-            [sys.executable, "-m", "mgtrace", "bisect", "t.trace", "--log", "/dev/stdout"],
-            stdout=out,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-            timeout=120,
-        )
-    assert proc.returncode == 1, proc.stderr
-    text = piped.read_text()
-    log_text = text[: text.index("\n}\n") + 3]  # the log, then the verdict
-    assert "re-check with" not in text  # only the user knows which file the stream led to
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    (elsewhere / "log.json").write_text(log_text)
-    assert json.loads(log_text)["trace_from_log"] == str(trace.resolve())
+    with open(elsewhere / "log.json", "w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mgtrace", "bisect", "t.trace", "--log", "/dev/stdout"],
+            stdout=out, stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "corruption starts at step" in proc.stderr and "re-check with" not in proc.stderr
+    logged = json.loads((elsewhere / "log.json").read_text())  # the log alone
+    assert logged["trace_from_log"] == str(trace.resolve())
     proc = run_cli("bisect", "--replay", "log.json", cwd=elsewhere)
     assert "the verdict holds" in proc.stdout, (proc.stdout, proc.stderr)
     proc = run_cli("bisect", str(trace), "--log", "/dev/null")
     assert proc.returncode == 1 and "log: /dev/null" in proc.stdout, proc.stderr
+    err = assert_one_sentence_error(
+        run_cli("bisect", str(trace), "--log", "/dev/stdout", "--json"), 2
+    )
+    assert "two documents" in err
 
 
 def test_replay_stops_before_a_gap_and_keeps_what_it_found(tmp_path: Path) -> None:

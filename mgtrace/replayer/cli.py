@@ -32,6 +32,17 @@ if TYPE_CHECKING:
     from mgtrace.schemas.reader import TraceReader
 
 
+def _is_stdout(path: Path) -> bool:
+    """Whether ``path`` names this process's standard output (``/dev/stdout``, ``/dev/fd/1``,
+    or the file or pipe it is)."""
+    import os
+
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(1))
+    except (OSError, ValueError):
+        return False
+
+
 def replay_id_for(
     rules: RuleSet,
     from_step: int | None = None,
@@ -499,6 +510,14 @@ def bisect_cmd(
     base = rules_from_options(rule_values, rules_text)
     if log_path is not None:  # refused before the replays, not after them
         check_log_path(log_path, trace)
+        if _is_stdout(log_path):
+            # the log alone on stdout, so that the file it is redirected to re-checks
+            if as_json:
+                raise UsageError(
+                    "--json and --log to standard output would write two documents there; "
+                    "give the log a file, or leave out --json"
+                )
+            out = Console(stderr=True)
     verdict = bisect(
         trace,
         base=base,
