@@ -912,7 +912,7 @@ def require_replayable(reader: TraceReader) -> None:
     imported = (reader.manifest.source or {}).get("kind") == "probe-import"
     origin = " (it was imported from a probe log)" if imported else ""
     skipped = {s.table for s in getattr(reader, "skipped", ())}
-    if not reader.rows("steps") and "steps" not in skipped:
+    if not reader.rows("steps") and "steps" not in skipped and not imported:
         raise UsageError(
             "the trace holds no step (its recording ended before the first one was "
             "written), so there is nothing to replay"
