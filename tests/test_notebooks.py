@@ -81,6 +81,20 @@ def test_triage_of_a_trace_that_replays_clean(tmp_path: Path, monkeypatch) -> No
     assert "history of" not in text
 
 
+def test_triage_of_another_mechanism_says_the_threshold_is_not_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """On a trace of another bug the Replay cell printed a bare "still corrupt", which read
+    as the fix having failed. Now it says the threshold is not the mechanism and where the
+    rule that undoes it is found."""
+    import mgtrace
+
+    trace = tmp_path / "race.trace"
+    mgtrace.simulate(trace, steps=300, seed=12, bugs=["async-accepted-race"])
+    text = _run_triage_on(trace, tmp_path, monkeypatch)
+    assert "--reorder-threshold=1+k: still corrupt, so not the threshold mismatch" in text
+
+
 def test_bisect_notebook_on_a_trace_that_replays_clean(tmp_path: Path, monkeypatch) -> None:
     """The minimize cell raised on a clean recording (nothing to minimize) and the pytest
     cell then failed on its missing result. Now both say there is nothing to minimize."""
