@@ -13,13 +13,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from mgtrace.errors import TraceError, UsageError
+from mgtrace.errors import MgtraceError, TraceError, UsageError
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.reader import TraceReader
@@ -65,6 +66,29 @@ def _rule_text(name: str, value: object) -> str:
     return value
 
 
+# the command line's words in the sentences of the checks the API shares with it
+_PYTHON_WORDS = {
+    "--from-step": "from_step",
+    "--to-step": "to_step",
+    "--skip-bad-parts": "skip_bad_parts=True",
+}
+
+
+@contextlib.contextmanager
+def _said_for_python() -> Iterator[None]:
+    """Re-raise the shared checks' errors in the API's words (``from_step``, not
+    ``--from-step``); only around checks whose sentences hold no shell command."""
+    try:
+        yield
+    except MgtraceError as exc:
+        said = exc.message
+        for flag, word in _PYTHON_WORDS.items():
+            said = said.replace(flag, word)
+        if said == exc.message:
+            raise
+        raise type(exc)(said, exit_code=exc.exit_code) from None
+
+
 class Trace:
     """One trace directory: its metadata, its tables, and the offline analyses on it."""
 
@@ -74,7 +98,8 @@ class Trace:
         _flag("skip_bad_parts", skip_bad_parts)
         self.path = Path(path)
         self._skip_bad_parts = skip_bad_parts
-        self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
+        with _said_for_python():
+            self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
         self._con = None
         self._stamp = self._manifest_stamp()
 
@@ -104,7 +129,8 @@ class Trace:
     def reload(self) -> Trace:
         """Read the manifest again: the trace as it is now, also where another trace has
         replaced it (every method reads again by itself what replays added)."""
-        self.reader = TraceReader(self.path, skip_bad_parts=self._skip_bad_parts)
+        with _said_for_python():
+            self.reader = TraceReader(self.path, skip_bad_parts=self._skip_bad_parts)
         self._con = None
         self._stamp = self._manifest_stamp()
         return self
@@ -126,7 +152,8 @@ class Trace:
         where = f"the trace at {self.path}"
         if stamp is None:
             raise TraceError(f"{where} was removed since it was opened")
-        now = TraceReader(self.path, skip_bad_parts=self._skip_bad_parts)
+        with _said_for_python():
+            now = TraceReader(self.path, skip_bad_parts=self._skip_bad_parts)
         if now.manifest.created_unix != self.reader.manifest.created_unix:
             raise TraceError(
                 f"{where} was replaced by another since it was opened; call reload() or "
@@ -195,7 +222,8 @@ class Trace:
         for name, value in (("from_step", from_step), ("to_step", to_step)):
             if value is not None and (type(value) is not int or value < 0):
                 raise UsageError(f"{name} must be a step number (0 or more), not {value!r:.40}")
-        check_step_window(from_step, to_step)
+        with _said_for_python():
+            check_step_window(from_step, to_step)
         # "any": every saved replay's findings, as `mgtrace history --rules any` says
         rules = None if rules in (None, "any") else _rules(rules, {}).canonical()
         if rank is not None:
@@ -246,7 +274,8 @@ class Trace:
         _flag("allow_gaps", allow_gaps)
         if isinstance(ranks, int):  # ranks=0 once replayed every rank, ranks=1 a TypeError
             raise UsageError(f"ranks is a list of rank numbers such as [{ranks}], not {ranks!r}")
-        check_replay_window(self.reader, self.path, from_step, to_step)
+        with _said_for_python():
+            check_replay_window(self.reader, self.path, from_step, to_step)
         chosen = some_ranks(self.reader, ranks, self.path)
         result = replay_trace(
             self.reader,

@@ -181,3 +181,26 @@ def test_a_trace_removed_or_replaced_since_it_was_opened_is_said_so(tmp_path: Pa
         with pytest.raises(TraceError, match="was removed since it was opened"):
             call()
     assert "removed or replaced since it was opened" in repr(t)
+
+
+def test_the_shared_checks_speak_python(trace: Trace, tmp_path: Path) -> None:
+    """Checks the API shares with the command line named its flags ("--from-step 9 comes
+    after --to-step 3", "pass --skip-bad-parts"). Control: the command line keeps them."""
+    from mgtrace.errors import PartError
+    from tests.conftest import run_cli
+
+    with pytest.raises(UsageError, match="from_step 9 comes after to_step 3"):
+        trace.replay(from_step=9, to_step=3)
+    with pytest.raises(UsageError, match="from_step 9 comes after to_step 3"):
+        trace.history("req-000002", from_step=9, to_step=3)
+    import shutil
+
+    damaged = tmp_path / "d.trace"
+    shutil.copytree(trace.path, damaged)
+    part = next((damaged / "steps").glob("*.parquet"))
+    part.write_bytes(b"PAR1 garbage")
+    with pytest.raises(PartError, match="pass skip_bad_parts=True") as err:
+        mgtrace.open(damaged)
+    assert "--" not in err.value.message
+    proc = run_cli("replay", str(trace.path), "--from-step", "9", "--to-step", "3")
+    assert "--from-step 9 comes after --to-step 3" in proc.stderr  # the control
