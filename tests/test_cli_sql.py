@@ -258,13 +258,27 @@ WRITES = [
     "SELECT 1; COPY (SELECT 1 AS x) TO '{part}' (FORMAT parquet)",
     "EXPLAIN ANALYZE COPY (SELECT 1 AS x) TO '{part}' (FORMAT parquet)",
     "WITH a AS (SELECT 1) INSERT INTO steps SELECT * FROM steps",
+    # DuckDB types a statement around a PIVOT as MULTI, as it types a PIVOT query
+    "COPY (PIVOT (SELECT 1 AS a, 'x' AS b) ON b USING count(*)) TO '{part}' (FORMAT parquet)",
+    "WITH p AS (PIVOT (SELECT 1 AS a, 'x' AS b) ON b USING count(*)) INSERT INTO t FROM p",
 ]
 
 
 @pytest.mark.parametrize(
     "query",
     WRITES,
-    ids=["copy", "create", "drop", "attach", "install", "two", "explain", "with-insert"],
+    ids=[
+        "copy",
+        "create",
+        "drop",
+        "attach",
+        "install",
+        "two",
+        "explain",
+        "with-insert",
+        "copy-pivot",
+        "with-pivot-insert",
+    ],
 )
 def test_sql_refuses_statements_that_could_change_the_trace(
     fresh_trace: Path, query: str, capsys
@@ -281,7 +295,7 @@ def test_sql_refuses_statements_that_could_change_the_trace(
     assert main(["sql", str(fresh_trace), text]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mgtrace: error: ") and len(err.splitlines()) == 1, err
-    if query != WRITES[-3]:  # a second statement is named by its count
+    if query != WRITES[5]:  # a second statement is named by its count
         # the word the user typed, not DuckDB's statement type (INSTALL was named LOAD);
         # past a WITH, what the statement does (it was named WITH)
         word = "INSERT" if query.startswith("WITH") else query.split()[0]
@@ -296,8 +310,29 @@ def test_sql_refuses_statements_that_could_change_the_trace(
     # a PIVOT, which DuckDB runs as several statements, is a query too
     pivot = "PIVOT (SELECT rank, step % 2 AS odd FROM steps) ON odd USING count(*)"
     assert Trace(fresh_trace).sql(pivot).fetchall() == [(0, 30, 30)]
-    for nested in (f"WITH t AS (SELECT 1) {pivot}", f"SELECT * FROM ({pivot})"):
+    for nested in (
+        f"WITH t AS (SELECT 1) {pivot}",
+        f"SELECT * FROM ({pivot})",
+        f"WITH t AS ({pivot}) FROM t",
+        f"/* a */ ({pivot}) -- b",
+    ):
         assert Trace(fresh_trace).sql(nested).fetchall() == [(0, 30, 30)]
+
+
+@pytest.mark.parametrize("tail", [";", "; -- a note", "; /* a note */", ";;\n-- a note\n"])
+def test_a_semicolon_and_a_comment_after_the_query_are_no_syntax_error(
+    sample_trace: Path, tail: str, capsys
+) -> None:
+    """The table format takes the first rows through a LIMIT around the query, where
+    `SELECT ...; -- note` was a syntax error (exit 2) while --format csv ran it. Control:
+    the same query without the tail."""
+    query = "SELECT step FROM steps ORDER BY step LIMIT 3"
+    for text in (query, query + tail):
+        assert main(["sql", str(sample_trace), text, "--max-rows", "2"]) == 0, text
+        out = capsys.readouterr().out
+        assert "2 of 3 rows shown" in out, out
+    assert main(["sql", str(sample_trace), "SELECT ';' AS s; -- x", "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines() == ['"s"', '";"']
 
 
 def test_canned_findings_queries_read_the_as_recorded_replay_only(
@@ -629,3 +664,20 @@ def test_a_regular_file_under_dev_is_a_file_and_stdout_is_not_truncated(
         )
     assert proc.returncode == 0
     assert kept.read_text() == 'before\n"n"\n5\n'
+
+
+def test_an_error_met_only_while_counting_the_rows_is_a_usage_error(
+    sample_trace: Path, capsys
+) -> None:
+    """The table format counts the rows when it leaves some out: an error DuckDB meets only
+    past the rows shown was an internal error (exit 70). Control: the same query failing
+    in its first rows, exit 2 already."""
+    late = (
+        "SELECT range FROM range(1000000) "
+        "WHERE CASE WHEN range < 500000 THEN true ELSE error('late failure') END"
+    )
+    early = late.replace("500000", "0")
+    for query in (early, late):
+        assert main(["sql", str(sample_trace), query, "--max-rows", "3"]) == 2, query
+        err = capsys.readouterr().err.strip()
+        assert err == "mgtrace: error: the query failed: Invalid Input Error: late failure", err

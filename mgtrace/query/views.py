@@ -79,13 +79,72 @@ def check_read_only(query: str) -> None:
         raise UsageError(f"give one query at a time, not {len(statements)} statements")
     kind = statements[0].type
     first = _first_keyword(statements[0].query)
+    multi = kind == duckdb.StatementType.MULTI
     # DuckDB expands a PIVOT into several statements (it makes an enum type of the
-    # pivoted values first): a query all the same
-    pivot = kind == duckdb.StatementType.MULTI and _PIVOT.search(statements[0].query) is not None
+    # pivoted values first): a query all the same, but only where the statement around the
+    # PIVOT is a query (a COPY or INSERT of a PIVOT is typed MULTI as well)
+    main = _main_keyword(statements[0].query) if multi else ""
+    pivot = multi and _PIVOT.search(statements[0].query) is not None and main in _READ_WORDS
     if kind != duckdb.StatementType.SELECT and not pivot:
         # past a WITH, the statement's own type says what it does (INSERT, DELETE, ...)
-        named = kind.name if first in ("", "WITH") else first
+        named = (main or kind.name) if first in ("", "WITH") else first
         raise UsageError(f"only a read-only query runs over a trace ({_QUERY_FORMS}), not {named}")
+
+
+_READ_WORDS = frozenset(
+    ("SELECT", "FROM", "VALUES", "PIVOT", "UNPIVOT", "DESCRIBE", "SHOW", "SUMMARIZE", "TABLE")
+)
+_CTE_WORDS = frozenset(("WITH", "RECURSIVE", "AS", "NOT", "MATERIALIZED", "USING", "KEY"))
+
+
+def _tokens(sql: str) -> list[tuple[str, duckdb.token_type, int]]:
+    """DuckDB's tokens of ``sql``: each one's stripped text, type, and where the next
+    token starts."""
+    found = duckdb.tokenize(sql)
+    ends = [pos for pos, _ in found[1:]] + [len(sql)]
+    return [(sql[pos:end].strip(), kind, end) for (pos, kind), end in zip(found, ends, strict=True)]
+
+
+def _main_keyword(sql: str) -> str:
+    """The keyword that says what the statement does, past comments, opening parentheses
+    and a WITH's common table expressions (``WITH a AS (...) INSERT`` inserts); "" when
+    there is none."""
+    depth, in_with, leading = 0, False, True
+    for text, kind, _ in _tokens(sql):
+        if kind == duckdb.token_type.comment:
+            continue
+        if kind == duckdb.token_type.operator:
+            if not leading:  # `(SELECT ...)` is a query: its opening parentheses are not
+                depth = max(0, depth + text.count("(") - text.count(")"))
+            continue
+        leading = False
+        if depth:
+            continue
+        word = text.upper()
+        if kind == duckdb.token_type.keyword and (
+            word == "WITH" or (in_with and word in _CTE_WORDS)
+        ):
+            in_with = True
+            continue
+        if kind == duckdb.token_type.keyword:
+            return word
+        if not in_with:  # a CTE's name is an identifier; anything else starts no query
+            return ""
+    return ""
+
+
+def _without_terminator(sql: str) -> str:
+    """``sql`` without the semicolons and comments after its last token: the relation
+    wraps the query in a subquery for a LIMIT or a count, where ``SELECT 1; -- note``
+    was a syntax error."""
+    end = None
+    for text, kind, stop in _tokens(sql):
+        if kind == duckdb.token_type.comment or (
+            kind == duckdb.token_type.operator and text and set(text) <= {";"}
+        ):
+            continue
+        end = stop
+    return sql if end is None else sql[:end].rstrip()
 
 
 def _first_keyword(sql: str) -> str:
@@ -101,7 +160,7 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRela
     check_read_only(query)
     raise_if_stopped()
     try:
-        rel = con.sql(query)
+        rel = con.sql(_without_terminator(query))
     except duckdb.Error as exc:
         if is_query_interrupt(exc):  # Ctrl-C or a stop signal, not a bad query
             raise KeyboardInterrupt from exc
