@@ -194,6 +194,21 @@ def test_demo_refuses_an_existing_output_before_printing_anything(tmp_path: Path
     assert res.output == "" and (out / "notes.txt").read_text() == "mine"
 
 
+def test_demo_makes_no_folder_for_its_output(tmp_path: Path) -> None:
+    """`demo -o a/b/trace` made the missing folders a and b, where simulate (and every -o
+    but record's) refuses. Control: the folder made, the demo writes its trace."""
+    from mgtrace.demo import demo
+
+    out = tmp_path / "no" / "such" / "d"
+    res = CliRunner().invoke(demo, ["-o", str(out), "--steps", "100"], standalone_mode=False)
+    assert isinstance(res.exception, MgtraceError) and res.exception.exit_code == 2
+    assert res.exception.message == f"the directory {out.parent} does not exist"
+    assert res.output == "" and not (tmp_path / "no").exists()
+    out.parent.mkdir(parents=True)
+    res = CliRunner().invoke(demo, ["-o", str(out), "--steps", "100"], standalone_mode=False)
+    assert res.exception is None and (out / "manifest.json").is_file()
+
+
 def test_simulate_prints_a_path_with_brackets_as_it_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
