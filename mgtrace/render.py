@@ -186,13 +186,14 @@ def render_arrow(
 ) -> None:
     """``table``, the rows shown; ``more``: the result has more rows, ``total`` of them in
     all where the caller knows (counting them runs the query again)."""
-    from mgtrace.query.export import intervals_as_text
+    from mgtrace.query.export import intervals_as_text, python_rows
 
     table = intervals_as_text(table)
+    rows = python_rows(table, "a table")
     t = Table(show_lines=False)
     for name in table.column_names:
         t.add_column(_text(name), overflow="fold")
-    for row in table.to_pylist():
+    for row in rows:
         t.add_row(*(_text(v, "NULL") for v in row.values()))
     console.print(t)
     note = counted(table.num_rows, "row")

@@ -11,6 +11,7 @@ import pytest
 
 from mgtrace.cli import main
 from mgtrace.schemas.tables import TABLES
+from tests.conftest import assert_one_sentence_error, run_cli
 
 pytestmark = pytest.mark.unit
 
@@ -681,3 +682,27 @@ def test_an_error_met_only_while_counting_the_rows_is_a_usage_error(
         assert main(["sql", str(sample_trace), query, "--max-rows", "3"]) == 2, query
         err = capsys.readouterr().err.strip()
         assert err == "mgtrace: error: the query failed: Invalid Input Error: late failure", err
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "make_timestamp_ns(1704067200123456789)",
+        "'infinity'::TIMESTAMP",
+        "'infinity'::DATE",
+        "DATE '-4000-01-01'",
+    ],
+)
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_a_value_python_cannot_hold_is_one_sentence(
+    sample_trace: Path, value: str, fmt: str
+) -> None:
+    """Such values were an internal error (exit 70): Python has no datetime for them (in
+    a process without pandas, as the command runs). Control: an ordinary timestamp."""
+    proc = run_cli("sql", str(sample_trace), f"SELECT {value} AS t", "--format", fmt)
+    err = assert_one_sentence_error(proc, 2)
+    assert err.startswith("mgtrace: error: a value of the result cannot be shown as"), err
+    assert err.endswith("CAST that column to VARCHAR in the query")
+    query = "SELECT TIMESTAMP '2024-01-01 10:00:00' AS t"
+    proc = run_cli("sql", str(sample_trace), query, "--format", fmt)
+    assert proc.returncode == 0 and "2024-01-01" in proc.stdout, proc.stderr

@@ -100,10 +100,22 @@ def _write_csv(table: pa.Table, fh: IO[bytes]) -> None:
     pacsv.write_csv(pa.Table.from_arrays(columns, names=table.column_names), fh)
 
 
+def python_rows(table: pa.Table, shown_as: str) -> list[dict]:
+    """``table``'s rows as Python values; one sentence where a value has none (a timestamp
+    in nanoseconds, an infinite date, a year before 1)."""
+    try:
+        return table.to_pylist()
+    except (ValueError, OverflowError) as exc:  # ArrowInvalid is a ValueError too
+        raise OutputError(
+            f"a value of the result cannot be shown as {shown_as} ({str(exc).split('. ')[0]}); "
+            "CAST that column to VARCHAR in the query"
+        ) from None
+
+
 def _write_json(table: pa.Table, fh: IO[bytes]) -> None:
     table = intervals_as_text(table)
     table = table.rename_columns(unique_names(table.column_names))
-    fh.write(_json_text(table.to_pylist(), indent=1).encode() + b"\n")
+    fh.write(_json_text(python_rows(table, "json"), indent=1).encode() + b"\n")
 
 
 def _write_parquet(table: pa.Table, fh: IO[bytes]) -> None:
