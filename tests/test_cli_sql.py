@@ -66,6 +66,26 @@ def test_an_interval_column_is_text_in_every_format(
     assert pq.read_table(out).to_pylist() == [{"c": "P0M1DT5400S", "x": 1}]
 
 
+def test_intervals_inside_lists_and_blobs_are_text_in_csv_and_json(
+    sample_trace: Path, capsys
+) -> None:
+    """An interval inside a list or struct came out as [0, 1, 0]; a BLOB in CSV was written
+    when its bytes were UTF-8 and refused when not. Now an interval is ISO 8601 text at any
+    depth and a BLOB hex in both. Control: a top-level interval, as before."""
+    query = (
+        "SELECT [INTERVAL 90 MINUTE] AS l, {'a': INTERVAL 1 DAY} AS s, "
+        "'\\x00\\xFF'::BLOB AS b, INTERVAL 1 DAY AS c"
+    )
+    assert main(["sql", str(sample_trace), query, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [
+        {"l": ["P0M0DT5400S"], "s": {"a": "P0M1DT0S"}, "b": "00ff", "c": "P0M1DT0S"}
+    ]
+    assert main(["sql", str(sample_trace), query, "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        '"[""P0M0DT5400S""]","{""a"": ""P0M1DT0S""}","00ff","P0M1DT0S"'
+    )
+
+
 def test_json_is_strict_and_keeps_every_column(sample_trace: Path, capsys) -> None:
     """A repeated column name dropped a column ([{"a": 2}]), NaN and Infinity made invalid
     JSON and a BLOB came out as "b'ab'". Now: a, a_1; null; hex, nested values alike.

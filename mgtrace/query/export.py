@@ -1,7 +1,8 @@
 """Writing query results as CSV, JSON or Parquet: whole files or nothing.
 
-JSON is strict JSON: NaN and infinities become null, a BLOB becomes its bytes in hex, and a
-column name that repeats gets a suffix (a, a_1), since an object holds a key once.
+JSON is strict JSON: NaN and infinities become null, and a column name that repeats gets a
+suffix (a, a_1), since an object holds a key once. A BLOB is its bytes in hex in JSON and
+CSV, an interval ISO 8601 text (inside lists and structs too).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def _json_value(value: Any) -> Any:
         return value if math.isfinite(value) else None
     if isinstance(value, (bytes, bytearray)):
         return value.hex()
+    if isinstance(value, pa.MonthDayNano):  # a tuple, but an interval: ISO 8601 as on top
+        return _iso_duration(value)
     if isinstance(value, dict):
         return {k: _json_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -65,7 +68,10 @@ def unique_names(names: list[str]) -> list[str]:
 
 def _flat(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
     """A list, struct or map column as JSON text (CSV has no cell for nested values, e.g.
-    ``sched.new_block_ids``); any other column as it is."""
+    ``sched.new_block_ids``), a BLOB as hex (as in JSON: its bytes need not be text); any
+    other column as it is."""
+    if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+        return pa.array([None if v is None else v.hex() for v in column.to_pylist()], pa.string())
     if not pa.types.is_nested(column.type):
         return column
     return pa.array(
@@ -77,12 +83,12 @@ def _flat(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
 def _interval_text(column: pa.ChunkedArray) -> pa.Array:
     """An interval column as ISO 8601 durations (P1M2DT3.5S): one text in CSV and JSON."""
     return pa.array(
-        [
-            None if v is None else f"P{v.months}M{v.days}DT{v.nanoseconds / 1e9:g}S"
-            for v in column.to_pylist()
-        ],
-        pa.string(),
+        [None if v is None else _iso_duration(v) for v in column.to_pylist()], pa.string()
     )
+
+
+def _iso_duration(v: pa.MonthDayNano) -> str:
+    return f"P{v.months}M{v.days}DT{v.nanoseconds / 1e9:g}S"
 
 
 def intervals_as_text(table: pa.Table) -> pa.Table:
