@@ -104,7 +104,6 @@ class Trace:
         self._stamp = self._manifest_stamp()
 
     def __repr__(self) -> str:
-        from mgtrace.errors import MgtraceError
         from mgtrace.replayer.steps import ranks_of
 
         try:
@@ -424,7 +423,7 @@ def simulate(
             raise UsageError(f"simulate has no option {name!r}; its options: {', '.join(known)}")
     given = {"steps": steps, "k": k, "pp": pp, "seed": seed, **options}
     for name, value in given.items():
-        kind = fields[name].type
+        kind = str(fields[name].type)  # the annotation's text (postponed annotations)
         if value is None and "None" in kind:
             continue
         if kind.startswith("int") and type(value) is not int:
