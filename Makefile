@@ -39,6 +39,7 @@ $(PEER_NEXT)/.installed: $(VENV)/.peer
 	touch $@
 
 demo: $(VENV)/.installed
+	mkdir -p $(dir $(DEMO_DIR))
 	$(VENV)/bin/mgtrace demo -o $(DEMO_DIR) --force
 	$(VENV)/bin/mgtrace sql $(DEMO_DIR) "SELECT mamba_split, reorder_region, count(*) AS rows \
 		FROM batch_rows WHERE num_draft > 0 GROUP BY ALL ORDER BY rows DESC"

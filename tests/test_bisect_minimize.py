@@ -336,6 +336,19 @@ def test_replay_cli_exit_codes_and_saved_findings() -> None:
     assert "unknown rule" in err
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_demo_makes_the_folder_its_output_goes_in(tmp_path: Path) -> None:
+    """`demo -o` makes no missing folders, as no -o but record's does; `make demo` writes
+    into out/demo, which a fresh clone lacks: its recipe makes the folder first."""
+    target = tmp_path / "a" / "b" / "demo"
+    proc = subprocess.run(
+        ["make", "-n", "demo", f"DEMO_DIR={target}"], cwd=REPO, capture_output=True, text=True
+    )
+    lines = proc.stdout.splitlines()
+    demo = next(i for i, line in enumerate(lines) if f"demo -o {target}" in line)
+    assert f"mkdir -p {target.parent}/" in lines[:demo], proc.stdout
+
+
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "mgtrace", "demo", "--steps", "800", "-o", str(tmp_path / "d")],
