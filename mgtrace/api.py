@@ -295,6 +295,8 @@ class Trace:
                     ruleset, from_step, to_step, last_step_of(self.reader), chosen
                 ),
                 rules=ruleset.canonical(),
+                stopped_at_gap=result.stopped_at_gap,
+                crossed_gaps=result.crossed_gaps,
             )
             self.reload()
         return result

@@ -20,11 +20,12 @@ from rich.console import Console
 
 from mgtrace import __version__
 from mgtrace.errors import EXIT_USAGE, MgtraceError
+from mgtrace.params import PATH
 from mgtrace.termination import is_query_interrupt, stop_signals_interrupt, terminated_by
 
 EXIT_INTERNAL = 70  # sysexits EX_SOFTWARE: a bug in mgtrace, not in the input
 
-TRACE = click.Path(path_type=Path)
+TRACE = PATH
 # More rows than any terminal shows, and few enough that a SQL LIMIT (an int64) takes one more.
 MAX_ROWS_SHOWN = 2**62
 SKIP_BAD_PARTS = click.option(
@@ -45,7 +46,7 @@ def tabular_output(max_rows: int, noun: str) -> Callable[[Callable[..., Any]], C
         click.option(
             "-o",
             "--output",
-            type=click.Path(path_type=Path),
+            type=PATH,
             help=f"Write the {noun.lower()} here (format from .csv, .json, .parquet).",
         ),
         click.option(
@@ -282,6 +283,7 @@ def history(
         findings_note,
         first_finding,
         gaps_note,
+        reach_note,
         request_history,
         request_span,
         request_summary,
@@ -348,16 +350,17 @@ def history(
                     style="dim",
                 )
             )
-    note = findings_note(reader, con, req_id, wanted, trace)
+    note = findings_note(reader, con, req_id, wanted, trace, rank=rank)
     if note is not None:
         out.print(Text(note, style="dim"))
+    reach = reach_note(reader, con, req_id, wanted, rank=rank)
+    if reach is not None:
+        out.print(Text(reach, style="yellow"))
 
 
 @cli.command()
 @click.argument("trace", type=TRACE)
-@click.option(
-    "-o", "--output", type=click.Path(path_type=Path), required=True, help="The HTML file to write."
-)
+@click.option("-o", "--output", type=PATH, required=True, help="The HTML file to write.")
 @click.option("--no-bisect", is_flag=True, help="Leave the bisect verdict out (faster).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
 @SKIP_BAD_PARTS

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from mgtrace.errors import EXIT_CORRUPTION
+from mgtrace.params import PATH
 from mgtrace.render import render_replay, render_verdict, stdout_console
 from mgtrace.shell import shell_path
 
@@ -23,7 +24,7 @@ from mgtrace.shell import shell_path
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     help="Keep the demo trace here (default: a temporary directory, removed).",
 )
 @click.option("--steps", type=click.IntRange(min=100), default=3000, show_default=True)

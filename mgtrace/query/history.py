@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from mgtrace.errors import UsageError
+from mgtrace.replayer.findings import saved_reach
 from mgtrace.replayer.ownership import (
     BlockOwnership,
     freed_below,
@@ -338,13 +339,35 @@ def saved_rules(con: duckdb.DuckDBPyConnection) -> list[str]:
     return sorted({r for r, rid in pairs if whole_replay_id(r) == rid})
 
 
-def replay_saved(reader: TraceReader, rules: str) -> bool:
-    """Whether the whole-trace replay under ``rules`` is saved, clean ones included: every
-    saved replay is a findings part named after its replay id, rows or none."""
-    from mgtrace.replayer.cli import replay_id_for
+def saved_replay_part(reader: TraceReader, rules: str) -> Path | None:
+    """The findings part of the whole-trace replay under ``rules``, clean ones included:
+    every saved replay is a findings part named after its replay id, rows or none."""
+    name = f"replay-{whole_replay_id(rules)}{PART_SUFFIX}"
+    return next((p for p in reader.part_files("findings") if p.name == name), None)
 
-    name = f"replay-{replay_id_for(RuleSet.parse(rules))}{PART_SUFFIX}"
-    return any(p.name == name for p in reader.part_files("findings"))
+
+def replay_saved(reader: TraceReader, rules: str) -> bool:
+    """Whether the whole-trace replay under ``rules`` is saved, clean ones included."""
+    return saved_replay_part(reader, rules) is not None
+
+
+def _reach_within(
+    reader: TraceReader, rules: str, last_step: int, rank: int | None
+) -> tuple[dict[int, int], dict[int, int]]:
+    """The gaps the saved replay under ``rules`` stopped before and crossed, per rank, at
+    or before ``last_step`` (on ``rank`` only, unless None)."""
+    part = saved_replay_part(reader, rules)
+    if part is None:
+        return {}, {}
+    reach = saved_reach(part)
+    return tuple(  # type: ignore[return-value]
+        {r: g for r, g in gaps.items() if g <= last_step and rank in (None, r)}
+        for gaps in (reach.stopped_at_gap, reach.crossed_gaps)
+    )
+
+
+def _ranks_at(gaps: dict[int, int], word: str) -> str:
+    return ", ".join(f"rank {r} {word} step {g}" for r, g in sorted(gaps.items()))
 
 
 def findings_note(
@@ -353,22 +376,70 @@ def findings_note(
     req_id: str,
     rules: str | None,
     trace: str | Path,
+    *,
+    rank: int | None = None,
 ) -> str | None:
     """The line ``mgtrace history`` ends with when the replay under ``rules`` (canonical; None:
-    any replay) found nothing about ``req_id``: that the saved replay found nothing, or that
-    none is saved and the command, rule flags included, that saves it. None when there is
-    nothing to say (a finding, no rules asked for, or a trace without kernel launches, which
-    no replay reads)."""
+    any replay) found nothing about ``req_id``: that the saved replay found nothing (before
+    the gap it stopped at, where it stopped within the request's steps), or that none is
+    saved and the command, rule flags included, that saves it. None when there is nothing
+    to say (a finding, no rules asked for, or a trace without kernel launches, which no
+    replay reads)."""
     if rules is None or not reader.rows("launches"):
         return None
     if first_finding(con, req_id, rules=rules) is not None:
         return None
     saved = saved_rules(con)
     if rules in saved or replay_saved(reader, rules):
-        return f"the saved replay under {rules} found nothing for this request"
+        first, last = request_span(con, req_id)
+        stopped, _ = _reach_within(reader, rules, last, rank)
+        if not stopped:
+            return f"the saved replay under {rules} found nothing for this request"
+        said = (
+            "before this request's first step: it says nothing about this request"
+            if min(stopped.values()) <= first
+            else "and found nothing for this request before then"
+        )
+        return (
+            f"the saved replay under {rules} stopped where the trace lacks steps "
+            f"({_ranks_at(stopped, 'before')}), {said}; --allow-gaps replays past them"
+        )
     hint = f"saved replays: {', '.join(saved)}" if saved else "no replay is saved yet"
     command = shlex.join(["mgtrace", "replay", path_arg(trace), *RuleSet.parse(rules).as_flags()])
     return f"no findings of a replay under {rules} ({hint}); run: {command}"
+
+
+def reach_note(
+    reader: TraceReader,
+    con: duckdb.DuckDBPyConnection,
+    req_id: str,
+    rules: str | None,
+    *,
+    rank: int | None = None,
+) -> str | None:
+    """The line ``mgtrace history`` adds when the saved replay under ``rules`` did not
+    replay all of ``req_id``'s steps as recorded: it stopped before a gap (nothing after it
+    was replayed; said by ``findings_note`` where it found nothing about the request) or
+    crossed one (``--allow-gaps``: what it found, or did not, after it may come from the
+    missing steps). None when it replayed them all."""
+    if rules is None:
+        return None
+    _, last = request_span(con, req_id)
+    stopped, crossed = _reach_within(reader, rules, last, rank)
+    said = []
+    if stopped and first_finding(con, req_id, rules=rules) is not None:
+        said.append(
+            f"the saved replay under {rules} stopped where the trace lacks steps "
+            f"({_ranks_at(stopped, 'before')}): this request's steps from there on were not "
+            "replayed"
+        )
+    if crossed:
+        said.append(
+            f"the saved replay under {rules} crossed steps the trace lacks "
+            f"({_ranks_at(crossed, 'at')}): what it found for this request from there on, or "
+            "did not, may come from the missing steps rather than from the run"
+        )
+    return "; ".join(said) or None
 
 
 def gaps_note(con: duckdb.DuckDBPyConnection, lines: pa.Table) -> str | None:

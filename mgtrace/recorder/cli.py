@@ -15,6 +15,7 @@ import click
 from mgtrace.atomic import clear_stale_siblings, hidden_sibling, remove_tree
 from mgtrace.errors import MgtraceError, OutputError, UsageError
 from mgtrace.outputs import require_writable_parent
+from mgtrace.params import PATH
 from mgtrace.schemas.manifest import MANIFEST_NAME, is_trace_directory
 from mgtrace.schemas.ranks import ENGINE_DIR, engine_directories
 from mgtrace.shell import shell_path
@@ -605,7 +606,7 @@ record = click.command(
         click.option(
             "-o",
             "--output",
-            type=click.Path(path_type=Path),
+            type=PATH,
             help="Trace directory (per rank: DIR/rank-NNN when there are several; per "
             "engine: DIR/engine-PID when --engine-pid is above several engines, or the "
             "command starts several); "
@@ -634,13 +635,13 @@ record = click.command(
 )
 
 import_probe = click.command("import-probe")(
-    click.argument("probe", type=click.Path(path_type=Path))(
-        click.argument("burst", required=False, type=click.Path(path_type=Path))(
+    click.argument("probe", type=PATH)(
+        click.argument("burst", required=False, type=PATH)(
             click.option(
                 "-o",
                 "--output",
                 required=True,
-                type=click.Path(path_type=Path),
+                type=PATH,
                 help="Trace directory to write.",
             )(
                 click.option("-f", "--force", is_flag=True, help="Overwrite an existing trace.")(

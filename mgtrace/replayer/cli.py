@@ -25,6 +25,7 @@ from mgtrace.errors import (
     UsageError,
     reason,
 )
+from mgtrace.params import PATH
 from mgtrace.replayer.rules import AS_RECORDED, RULES, RuleSet
 from mgtrace.shell import shell_path
 
@@ -172,7 +173,7 @@ DEVICE_OPTION = click.option(
 
 
 @click.command("replay")
-@click.argument("trace", type=click.Path(path_type=Path), required=False)
+@click.argument("trace", type=PATH, required=False)
 @_rule_options
 @click.option("--rules", "rules_text", metavar="R=V,...", help="Rules in canonical form.")
 @click.option(
@@ -336,7 +337,14 @@ def replay(
     saved = False
     if not no_save:
         try:
-            save_findings(trace, result.findings, replay_id=replay_id, rules=rules.canonical())
+            save_findings(
+                trace,
+                result.findings,
+                replay_id=replay_id,
+                rules=rules.canonical(),
+                stopped_at_gap=result.stopped_at_gap,
+                crossed_gaps=result.crossed_gaps,
+            )
             saved = True
         except (OSError, OutputError) as exc:
             err.print(
@@ -418,7 +426,7 @@ def _counts(findings) -> dict[str, int]:
 
 
 @click.command("bisect")
-@click.argument("trace", type=click.Path(path_type=Path), required=False)
+@click.argument("trace", type=PATH, required=False)
 @_rule_options
 @click.option("--rules", "rules_text", metavar="R=V,...", help="Base rules (default: as recorded).")
 @click.option(
@@ -435,14 +443,14 @@ def _counts(findings) -> dict[str, int]:
 @click.option(
     "--log",
     "log_path",
-    type=click.Path(path_type=Path),
+    type=PATH,
     help="Write the bisect log here (default: TRACE/bisect.json); never over a file that "
     "is not a bisect log, nor elsewhere inside a trace.",
 )
 @click.option(
     "--replay",
     "replay_log",
-    type=click.Path(path_type=Path),
+    type=PATH,
     help="Re-check a bisect log: run it again and compare.",
 )
 @RANK_OPTION
@@ -551,8 +559,8 @@ def bisect_cmd(
 
 
 @click.command("diff")
-@click.argument("trace_a", type=click.Path(path_type=Path))
-@click.argument("trace_b", type=click.Path(path_type=Path), required=False)
+@click.argument("trace_a", type=PATH)
+@click.argument("trace_b", type=PATH, required=False)
 @click.option(
     "--rules-a",
     default=None,
@@ -620,11 +628,11 @@ def diff_cmd(
 
 
 @click.command("minimize")
-@click.argument("trace", type=click.Path(path_type=Path))
+@click.argument("trace", type=PATH)
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     required=True,
     help="The minimized trace; test_<name>.py is written beside it.",
 )

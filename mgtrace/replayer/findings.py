@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from mgtrace.schemas.tables import FINDINGS
 from mgtrace.schemas.writer import append_table
@@ -17,6 +19,8 @@ WRONG_TOKENS = "wrong_tokens"
 FOREIGN_BLOCK_WRITE = "foreign_block_write"
 BLOCK_COLLISION = "block_collision"
 MALFORMED = "malformed"
+# the footer entry of a saved replay's part that says how far the replay went
+REACH_KEY = b"mgtrace.replay_reach"
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,54 @@ def findings_table(findings: list[Finding], *, replay_id: str, rules: str) -> pa
     return pa.table(columns, schema=FINDINGS.schema)
 
 
-def save_findings(trace: Path, findings: list[Finding], *, replay_id: str, rules: str) -> None:
-    """Add this replay's findings to the trace (replacing an earlier replay of the same id)."""
+def save_findings(
+    trace: Path,
+    findings: list[Finding],
+    *,
+    replay_id: str,
+    rules: str,
+    stopped_at_gap: dict[int, int] | None = None,
+    crossed_gaps: dict[int, int] | None = None,
+) -> None:
+    """Add this replay's findings to the trace (replacing an earlier replay of the same id),
+    with how far it went: per rank, the gap it stopped before or the first it crossed
+    (``--allow-gaps``), so that whoever reads the findings later can say so."""
     table = findings_table(findings, replay_id=replay_id, rules=rules)
-    append_table(trace, "findings", table, tag=f"replay-{replay_id}")
+    reach = {
+        "stopped_at_gap": {str(r): g for r, g in (stopped_at_gap or {}).items()},
+        "crossed_gaps": {str(r): g for r, g in (crossed_gaps or {}).items()},
+    }
+    append_table(
+        trace,
+        "findings",
+        table,
+        tag=f"replay-{replay_id}",
+        metadata={REACH_KEY: json.dumps(reach).encode()},
+    )
+
+
+@dataclass(frozen=True)
+class SavedReach:
+    """How far a saved replay went on each rank (empty: to the end of its window)."""
+
+    stopped_at_gap: dict[int, int]
+    crossed_gaps: dict[int, int]
+
+
+def saved_reach(part: Path) -> SavedReach:
+    """What a saved replay's part says of its reach; nothing for a part saved before the
+    reach was kept, or whose note cannot be read (the findings themselves stand)."""
+    try:
+        raw = (pq.read_schema(part).metadata or {}).get(REACH_KEY)
+        said = json.loads(raw) if raw else {}
+        return SavedReach(
+            *(
+                {int(r): int(g) for r, g in said.get(key, {}).items()}
+                for key in ("stopped_at_gap", "crossed_gaps")
+            )
+        )
+    except (OSError, ValueError, TypeError, AttributeError, pa.ArrowException):
+        return SavedReach({}, {})
 
 
 def summarize(findings: list[Finding]) -> dict[str, int]:

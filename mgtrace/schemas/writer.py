@@ -549,8 +549,16 @@ def writer_is_open(trace_dir: Path) -> bool:
     return False
 
 
-def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag: str) -> PartInfo:
-    """Add one part to an existing, closed trace (replay findings) and update its manifest.
+def append_table(
+    trace_dir: str | Path,
+    table_name: str,
+    table: pa.Table,
+    *,
+    tag: str,
+    metadata: dict[bytes, bytes] | None = None,
+) -> PartInfo:
+    """Add one part to an existing, closed trace (replay findings) and update its manifest;
+    ``metadata``: key-value pairs kept in the part's footer (what the columns cannot say).
 
     Raises OutputError while the trace's writer is still open: it rewrites the manifest from
     its own copy after every part and on close, which would drop this part's entry.
@@ -558,6 +566,8 @@ def append_table(trace_dir: str | Path, table_name: str, table: pa.Table, *, tag
     trace_dir = Path(trace_dir)
     spec = TABLES[table_name]
     table = table.cast(spec.schema)
+    if metadata:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
     load_manifest(trace_dir)  # a directory that is no trace is refused before the lock file
     with _appending(trace_dir):
         if writer_is_open(trace_dir):

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mgtrace.errors import UsageError
 from mgtrace.outputs import require_output_folder
+from mgtrace.params import PATH
 from mgtrace.render import counted
 from mgtrace.shell import shell_path
 from mgtrace.sim.config import BUGS, SimConfig
@@ -79,7 +80,7 @@ from mgtrace.sim.engine import simulate as run_simulation
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="Trace directory to write (required).",
 )
