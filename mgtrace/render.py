@@ -186,7 +186,7 @@ def render_arrow(
 ) -> None:
     """``table``, the rows shown; ``more``: the result has more rows, ``total`` of them in
     all where the caller knows (counting them runs the query again)."""
-    from mgtrace.query.export import intervals_as_text, python_rows
+    from mgtrace.query.export import intervals_as_text, python_rows, with_iso_intervals
 
     table = intervals_as_text(table)
     rows = python_rows(table, "a table")
@@ -194,7 +194,7 @@ def render_arrow(
     for name in table.column_names:
         t.add_column(_text(name), overflow="fold")
     for row in rows:
-        t.add_row(*(_text(v, "NULL") for v in row.values()))
+        t.add_row(*(_text(with_iso_intervals(v), "NULL") for v in row.values()))
     console.print(t)
     note = counted(table.num_rows, "row")
     if more and total is not None:

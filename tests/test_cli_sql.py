@@ -71,7 +71,8 @@ def test_intervals_inside_lists_and_blobs_are_text_in_csv_and_json(
 ) -> None:
     """An interval inside a list or struct came out as [0, 1, 0]; a BLOB in CSV was written
     when its bytes were UTF-8 and refused when not. Now an interval is ISO 8601 text at any
-    depth and a BLOB hex in both. Control: a top-level interval, as before."""
+    depth and a BLOB hex in both, and the terminal table shows nested intervals alike.
+    Control: a top-level interval, as before."""
     query = (
         "SELECT [INTERVAL 90 MINUTE] AS l, {'a': INTERVAL 1 DAY} AS s, "
         "'\\x00\\xFF'::BLOB AS b, INTERVAL 1 DAY AS c"
@@ -84,6 +85,11 @@ def test_intervals_inside_lists_and_blobs_are_text_in_csv_and_json(
     assert capsys.readouterr().out.splitlines()[1] == (
         '"[""P0M0DT5400S""]","{""a"": ""P0M1DT0S""}","00ff","P0M1DT0S"'
     )
+    # the terminal table too (it showed MonthDayNano(months=0, ...) inside them)
+    assert main(["sql", str(sample_trace), query]) == 0
+    shown = capsys.readouterr().out
+    assert "['P0M0DT5400S']" in shown and "{'a': 'P0M1DT0S'}" in shown, shown
+    assert "MonthDayNano" not in shown
 
 
 def test_json_is_strict_and_keeps_every_column(sample_trace: Path, capsys) -> None:

@@ -87,6 +87,18 @@ def _interval_text(column: pa.ChunkedArray) -> pa.Array:
     )
 
 
+def with_iso_intervals(value: Any) -> Any:
+    """``value`` with the intervals inside its lists and structs as ISO 8601 text, for a
+    terminal cell (Python would show each as ``MonthDayNano(months=...)``)."""
+    if isinstance(value, pa.MonthDayNano):
+        return _iso_duration(value)
+    if isinstance(value, dict):
+        return {k: with_iso_intervals(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [with_iso_intervals(v) for v in value]
+    return value
+
+
 def _iso_duration(v: pa.MonthDayNano) -> str:
     return f"P{v.months}M{v.days}DT{v.nanoseconds / 1e9:g}S"
 
