@@ -160,8 +160,8 @@ def render_info(info: dict[str, Any], console: Console) -> None:
         if first is not None:
             text += f" (first corrupt step {first})"
         t.add_row("injected bugs", _text(text))
-    if info["replays"]:
-        t.add_row("replays with findings", str(info["replays"]))
+    for replay in info["saved_replays"]:
+        t.add_row("saved replay", _text(saved_replay_line(replay)))
     for s in info["skipped_parts"]:
         t.add_row("[yellow]skipped part[/]", _text(f"{s['path']}: {s['reason']}"))
     for p in info["open_parts_left"]:
@@ -179,6 +179,26 @@ def render_info(info: dict[str, Any], console: Console) -> None:
     for name, n in info["rows"].items():
         rows.add_row(name, f"{n:,}")
     console.print(rows)
+
+
+def saved_replay_line(replay: dict[str, Any]) -> str:
+    """One saved replay, as `info` lists it: rules, findings, and how far it went."""
+    rules = replay["rules"] or f"rules unknown (id {replay['replay_id']})"
+    if replay["whole"] is False:
+        rules += " (a window or some ranks)"
+    n = replay["findings"]
+    text = f"{rules}: " + (
+        f"{counted(n, 'finding')} from step {replay['first_step']}" if n else "clean"
+    )
+    for key, word, verb in (
+        ("stopped_at_gap", "before", "stopped"),
+        ("crossed_gaps", "at", "crossed"),
+    ):
+        gaps = replay[key]
+        if gaps:
+            where = ", ".join(f"rank {r} {word} step {g}" for r, g in sorted(gaps.items()))
+            text += f"; {verb} where the trace lacks steps ({where})"
+    return text
 
 
 def render_arrow(

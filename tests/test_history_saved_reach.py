@@ -5,6 +5,7 @@ past the gap with no word of it."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from mgtrace.api import Trace
 from mgtrace.query.history import saved_replay_part
-from mgtrace.replayer.findings import SavedReach, saved_reach
+from mgtrace.replayer.findings import SavedReplay, saved_replay
 from mgtrace.schemas.reader import TraceReader
 from tests.conftest import run_cli
 from tests.replay_helpers import set_root, toggle_trace, with_steps_removed
@@ -80,14 +81,36 @@ def test_history_says_where_the_saved_replay_stopped_or_crossed(
         assert "lacks steps" not in said and "crossed" not in said
 
 
-def test_the_reach_is_kept_in_the_saved_part(traces: tuple[Path, Path]) -> None:
+def test_the_rules_and_reach_are_kept_in_the_saved_part(traces: tuple[Path, Path]) -> None:
     _, gapped = traces
     trace = Trace(gapped)
     trace.replay(allow_gaps=True, save=True)
     part = saved_replay_part(trace.reader, "as-recorded")
     assert part is not None
-    assert saved_reach(part) == SavedReach(stopped_at_gap={}, crossed_gaps={0: GAP[0]})
+    assert saved_replay(part) == SavedReplay("as-recorded", {}, {0: GAP[0]})
     trace.replay(save=True)
-    assert saved_reach(part) == SavedReach(stopped_at_gap={0: GAP[0]}, crossed_gaps={})
+    assert saved_replay(part) == SavedReplay("as-recorded", {0: GAP[0]}, {})
     # a part without the note (saved before it was kept, or no part at all) says nothing
-    assert saved_reach(part.with_name("none.parquet")) == SavedReach({}, {})
+    assert saved_replay(part.with_name("none.parquet")) == SavedReplay(None, {}, {})
+
+
+def test_info_lists_every_saved_replay_with_its_reach(traces: tuple[Path, Path]) -> None:
+    """`info` counted the replays that found something; a clean one, a window, and a replay
+    that crossed a gap looked alike or were not there. Control: the whole trace's replay
+    went to its end, and says nothing of gaps."""
+    whole, gapped = traces
+    assert run_cli("replay", str(gapped), "--allow-gaps").returncode == 1
+    assert run_cli("replay", str(gapped), "--to-step", "14").returncode == 0  # before step 15
+    listed = json.loads(run_cli("info", str(gapped), "--json").stdout)["saved_replays"]
+    by_whole = {r["whole"]: r for r in listed if r["rules"] == "as-recorded"}
+    assert by_whole[True]["crossed_gaps"] == {"0": GAP[0]} and by_whole[True]["findings"] > 0
+    assert by_whole[False]["findings"] == 0 and not by_whole[False]["crossed_gaps"]
+    shown = " ".join(run_cli("info", str(gapped)).stdout.split())
+    assert f"crossed where the trace lacks steps (rank 0 at step {GAP[0]})" in shown
+    assert "as-recorded (a window or some ranks): clean" in shown
+
+    assert run_cli("replay", str(whole)).returncode == 1
+    (replay,) = json.loads(run_cli("info", str(whole), "--json").stdout)["saved_replays"]
+    assert replay["whole"] and replay["first_step"] == 15
+    assert not replay["stopped_at_gap"] and not replay["crossed_gaps"]
+    assert "lacks steps" not in run_cli("info", str(whole)).stdout

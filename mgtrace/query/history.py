@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from mgtrace.errors import UsageError
-from mgtrace.replayer.findings import saved_reach
+from mgtrace.replayer.findings import REPLAY_PART_PREFIX, saved_replay
 from mgtrace.replayer.ownership import (
     BlockOwnership,
     freed_below,
@@ -342,7 +342,7 @@ def saved_rules(con: duckdb.DuckDBPyConnection) -> list[str]:
 def saved_replay_part(reader: TraceReader, rules: str) -> Path | None:
     """The findings part of the whole-trace replay under ``rules``, clean ones included:
     every saved replay is a findings part named after its replay id, rows or none."""
-    name = f"replay-{whole_replay_id(rules)}{PART_SUFFIX}"
+    name = f"{REPLAY_PART_PREFIX}{whole_replay_id(rules)}{PART_SUFFIX}"
     return next((p for p in reader.part_files("findings") if p.name == name), None)
 
 
@@ -359,7 +359,7 @@ def _reach_within(
     part = saved_replay_part(reader, rules)
     if part is None:
         return {}, {}
-    reach = saved_reach(part)
+    reach = saved_replay(part)
     return tuple(  # type: ignore[return-value]
         {r: g for r, g in gaps.items() if g <= last_step and rank in (None, r)}
         for gaps in (reach.stopped_at_gap, reach.crossed_gaps)

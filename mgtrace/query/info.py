@@ -5,9 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+import duckdb
+
+from mgtrace.query.history import whole_replay_id
 from mgtrace.query.rank_steps import rank_step_offsets
+from mgtrace.replayer.findings import REPLAY_PART_PREFIX, saved_replay
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
+from mgtrace.schemas.writer import PART_SUFFIX
 
 
 def trace_info(reader: TraceReader) -> dict[str, Any]:
@@ -44,7 +49,40 @@ def trace_info(reader: TraceReader) -> dict[str, Any]:
         "errors": m.errors,
         "ground_truth": m.ground_truth,
         "replays": int(replays),
+        "saved_replays": saved_replays(reader, con),
         "skipped_parts": [asdict(s) for s in reader.skipped],
         "open_parts_left": reader.open_parts_left(),
         "unlisted_parts": reader.unlisted_parts(),
     }
+
+
+def saved_replays(reader: TraceReader, con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    """Each replay saved in the trace, clean ones included: its id, rules, whether it covers
+    the whole trace (not a window or some ranks), its findings and first step, and the gaps
+    it stopped before or crossed, per rank."""
+    counted = {
+        rid: (rules, int(n), first)
+        for rid, rules, n, first in con.execute(
+            "SELECT replay_id, any_value(rules), count(*), min(step) FROM findings GROUP BY ALL"
+        ).fetchall()
+    }
+    out = []
+    for part in reader.part_files("findings"):
+        if not (part.name.startswith(REPLAY_PART_PREFIX) and part.name.endswith(PART_SUFFIX)):
+            continue
+        replay_id = part.name[len(REPLAY_PART_PREFIX) : -len(PART_SUFFIX)]
+        said = saved_replay(part)
+        rules_of_rows, findings, first = counted.get(replay_id, (None, 0, None))
+        rules = said.rules or rules_of_rows
+        out.append(
+            {
+                "replay_id": replay_id,
+                "rules": rules,
+                "whole": None if rules is None else whole_replay_id(rules) == replay_id,
+                "findings": findings,
+                "first_step": first,
+                "stopped_at_gap": {str(r): g for r, g in said.stopped_at_gap.items()},
+                "crossed_gaps": {str(r): g for r, g in said.crossed_gaps.items()},
+            }
+        )
+    return out

@@ -19,8 +19,10 @@ WRONG_TOKENS = "wrong_tokens"
 FOREIGN_BLOCK_WRITE = "foreign_block_write"
 BLOCK_COLLISION = "block_collision"
 MALFORMED = "malformed"
-# the footer entry of a saved replay's part that says how far the replay went
-REACH_KEY = b"mgtrace.replay_reach"
+# a saved replay's part: its name's prefix (the replay id follows), and the footer entry
+# that says what its rows cannot
+REPLAY_PART_PREFIX = "replay-"
+REPLAY_KEY = b"mgtrace.replay"
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,12 @@ def save_findings(
     crossed_gaps: dict[int, int] | None = None,
 ) -> None:
     """Add this replay's findings to the trace (replacing an earlier replay of the same id),
-    with how far it went: per rank, the gap it stopped before or the first it crossed
-    (``--allow-gaps``), so that whoever reads the findings later can say so."""
+    with its rules (a clean replay has no row to hold them) and how far it went: per rank,
+    the gap it stopped before or the first it crossed (``--allow-gaps``), so that whoever
+    reads the findings later can say so."""
     table = findings_table(findings, replay_id=replay_id, rules=rules)
-    reach = {
+    note = {
+        "rules": rules,
         "stopped_at_gap": {str(r): g for r, g in (stopped_at_gap or {}).items()},
         "crossed_gaps": {str(r): g for r, g in (crossed_gaps or {}).items()},
     }
@@ -86,33 +90,37 @@ def save_findings(
         trace,
         "findings",
         table,
-        tag=f"replay-{replay_id}",
-        metadata={REACH_KEY: json.dumps(reach).encode()},
+        tag=f"{REPLAY_PART_PREFIX}{replay_id}",
+        metadata={REPLAY_KEY: json.dumps(note).encode()},
     )
 
 
 @dataclass(frozen=True)
-class SavedReach:
-    """How far a saved replay went on each rank (empty: to the end of its window)."""
+class SavedReplay:
+    """What a saved replay's part says of it beyond its rows: its rules (None where the part
+    does not say) and how far it went on each rank (empty: to the end of its window)."""
 
+    rules: str | None
     stopped_at_gap: dict[int, int]
     crossed_gaps: dict[int, int]
 
 
-def saved_reach(part: Path) -> SavedReach:
-    """What a saved replay's part says of its reach; nothing for a part saved before the
-    reach was kept, or whose note cannot be read (the findings themselves stand)."""
+def saved_replay(part: Path) -> SavedReplay:
+    """What a saved replay's part says of it; nothing for a part saved before this was
+    kept, or whose note cannot be read (the findings themselves stand)."""
     try:
-        raw = (pq.read_schema(part).metadata or {}).get(REACH_KEY)
+        raw = (pq.read_schema(part).metadata or {}).get(REPLAY_KEY)
         said = json.loads(raw) if raw else {}
-        return SavedReach(
+        rules = said.get("rules")
+        return SavedReplay(
+            rules if isinstance(rules, str) else None,
             *(
                 {int(r): int(g) for r, g in said.get(key, {}).items()}
                 for key in ("stopped_at_gap", "crossed_gaps")
-            )
+            ),
         )
     except (OSError, ValueError, TypeError, AttributeError, pa.ArrowException):
-        return SavedReach({}, {})
+        return SavedReplay(None, {}, {})
 
 
 def summarize(findings: list[Finding]) -> dict[str, int]:

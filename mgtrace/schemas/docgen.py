@@ -33,8 +33,9 @@ strings, a bare `pyarrow.parquet.read_table` returns them dictionary-encoded.
 A recording and the simulator name parts `<table>/r<rank>-<seq>.parquet` (per-rank tables)
 or `<table>/all-<seq>.parquet`, and a minimized repro `<table>/all-000000.parquet` (one part a
 table, whatever the ranks); a saved replay's findings are `findings/replay-<replay id>.parquet`,
-whose footer entry `mgtrace.replay_reach` (JSON) names, per rank, the gap the replay stopped
-before (`stopped_at_gap`) or the first it crossed with `--allow-gaps` (`crossed_gaps`).
+whose footer entry `mgtrace.replay` (JSON) holds its `rules` (a clean replay has no row to
+hold them) and, per rank, the gap it stopped before (`stopped_at_gap`) or the first it
+crossed with `--allow-gaps` (`crossed_gaps`).
 The names only inform: a reader reads the parts the manifest lists, and the rows of a per-rank
 table carry their rank. A part is written under a temporary `.tmp` name and
 renamed when complete; the manifest is rewritten atomically after each part and lists every complete
