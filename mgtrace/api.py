@@ -404,7 +404,7 @@ def simulate(
     import dataclasses
 
     from mgtrace.errors import OutputError
-    from mgtrace.outputs import require_output_folder
+    from mgtrace.outputs import refuse_a_trace_inside_a_trace, require_output_folder
     from mgtrace.sim.config import SimConfig
     from mgtrace.sim.engine import simulate as run
 
@@ -435,6 +435,7 @@ def simulate(
         if kind.startswith("bool"):
             _flag(name, value)
     require_output_folder(output, str(output))  # as `mgtrace simulate -o`: no folder made
+    refuse_a_trace_inside_a_trace(output)
     cfg = SimConfig(
         scenario=scenario,
         steps=steps,

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -102,8 +103,32 @@ def hidden_sibling(path: Path, role: str) -> Path:
     """``.NAME.PID-N@HOST.ROLE`` beside ``path``: unique to this process, so that what a
     killed run left under such a name never stands in the way of the next run. The host
     says where PID means something: a folder on a shared file system is seen from several."""
+    path = _named(path)
+    stem = _sibling_stem(path.name)
+    return path.with_name(f".{stem}.{os.getpid()}-{next(_sibling_seq)}@{_host()}.{role}")
+
+
+SIBLING_STEM_BYTES = 120  # leaves room for ".PID-N@HOST.ROLE" within a 255-byte file name
+
+
+def _sibling_stem(name: str) -> str:
+    """``name`` as its hidden siblings carry it: whole when short, else cut and told apart
+    by a digest of the whole (a sibling's name has to fit where ``name`` just fits)."""
+    raw = name.encode(errors="surrogateescape")
+    if len(raw) <= SIBLING_STEM_BYTES:
+        return name
+    cut = raw[: SIBLING_STEM_BYTES - 11].decode(errors="ignore")
+    return f"{cut}~{hashlib.sha1(raw).hexdigest()[:10]}"
+
+
+def _named(path: Path) -> Path:
+    """``path`` as one whose last part names it: ``.``, ``..`` or ``x/..`` (a name the kernel
+    renames nothing onto, and ``.`` none at all) made absolute, so that its siblings lie
+    beside the directory it stands for."""
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}-{next(_sibling_seq)}@{_host()}.{role}")
+    if path.name in ("", ".."):
+        return Path(os.path.abspath(path))
+    return path
 
 
 @functools.cache
@@ -121,9 +146,9 @@ def clear_stale_siblings(path: Path) -> list[Path]:
     still runs are left alone, and so are those of another host, whose pid cannot be
     checked from here: they are named in one sentence, and returned. A name without a host
     (an older mgtrace's) is judged by its pid."""
-    path = Path(path)
+    path = _named(path)
     pattern = re.compile(
-        rf"\.{re.escape(path.name)}\.(\d+)-\d+(?:@([A-Za-z0-9_-]+))?\.(new|old|lift)"
+        rf"\.{re.escape(_sibling_stem(path.name))}\.(\d+)-\d+(?:@([A-Za-z0-9_-]+))?\.(new|old|lift)"
     )
     foreign: list[Path] = []
     try:
@@ -176,7 +201,7 @@ def replacing_directory(new: Path, dest: Path) -> Iterator[None]:
     names one of them; elsewhere the old one is renamed aside first, and a run killed
     between the two renames leaves it under a ``.old`` name that ``clear_stale_siblings``
     puts back."""
-    new, dest = Path(new), Path(dest)
+    new, dest = Path(new), _named(dest)
     old: Path | None = None  # where the old directory is while the body runs
     if dest.exists() or dest.is_symlink():
         if _exchange(new, dest):

@@ -35,7 +35,7 @@ def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
 
     Exit codes: 0 when bisect finds the injected first step, 1 when it does not, 2 usage
     error."""
-    from mgtrace.outputs import require_output_folder
+    from mgtrace.outputs import refuse_a_trace_inside_a_trace, require_output_folder
     from mgtrace.replayer.bisect import bisect, save_log
     from mgtrace.replayer.cli import replay_id_for
     from mgtrace.replayer.findings import save_findings
@@ -65,6 +65,7 @@ def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:
         ).validate()
         if scratch is None:  # as `mgtrace simulate -o`: no folder made
             require_output_folder(output, str(output))
+            refuse_a_trace_inside_a_trace(output)
         refuse_unless_replaceable(output, force)  # before the first line of the demo
         out.rule("1. simulate")
         out.print(

@@ -55,3 +55,15 @@ def require_output_folder(output: Path, what: str) -> None:
     require_writable_parent(output, what)
     if not Path(os.path.abspath(output)).parent.is_dir():
         raise OutputError(f"the directory {Path(output).parent} does not exist")
+
+
+def refuse_a_trace_inside_a_trace(output: Path) -> None:
+    """Refuse to write a trace into another trace's folder: the outer trace's readers never
+    see it, and replacing the outer one (--force) would remove it without a word."""
+    from mgtrace.schemas.manifest import is_trace_directory
+
+    for above in Path(os.path.abspath(output)).parents:
+        if is_trace_directory(above):
+            raise UsageError(
+                f"{output} lies inside the trace {above}; write the new trace elsewhere"
+            )

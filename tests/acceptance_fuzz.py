@@ -120,9 +120,9 @@ def check(case: Case, out: Path) -> list[str] | None:
         problems.append(f"first finding at step {recorded.first_step}, injected at {first}")
     elif len(case.bugs) == 1:
         wanted = set(fired[case.bugs[0]]["first_requests"])
-        missing = wanted - involved(recorded.findings, first)
-        if missing:
-            problems.append(f"step {first} does not name {sorted(missing)}")
+        named = involved(recorded.findings, first)
+        if named != wanted:
+            problems.append(f"step {first} names {sorted(named)}, injected {sorted(wanted)}")
     undo = RuleSet.parse(",".join(TOGGLES[b][1] for b in case.bugs))
     undone = replay_trace(reader, undo)
     problems += [f"under {undo.canonical()}: {f.detail}" for f in undone.findings[:3]]

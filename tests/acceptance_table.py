@@ -71,7 +71,7 @@ def toggle_row(
         else set()
     )
     agree = (
-        recorded.first_step == injected and wanted <= named and undone.clean
+        recorded.first_step == injected and wanted == named and undone.clean
         if injected is not None
         else recorded.clean
     )
@@ -84,7 +84,9 @@ def toggle_row(
         "injected_step": injected,
         "injected_requests": sorted(wanted),
         "found_step": recorded.first_step,
-        "found_names_injected": wanted <= named if injected is not None else None,
+        "found_requests": sorted(named),
+        # the first step's findings name exactly the requests injected, no more, no fewer
+        "found_names_injected": wanted == named if injected is not None else None,
         "first_kinds": sorted({f.kind for f in recorded.findings if f.step == recorded.first_step}),
         "undo_rule": undo.canonical(),
         "undone_clean": undone.clean,

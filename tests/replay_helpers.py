@@ -11,6 +11,7 @@ import pyarrow.compute as pc
 
 from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE
 from mgtrace.replayer.minimize import MemoryTrace, load_memory, write_trace
+from mgtrace.replayer.requests import is_request
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.sim.config import (
     BUG_ASYNC_RACE,
@@ -74,8 +75,8 @@ def involved(findings, step: int) -> set[str]:
     for f in findings:
         if f.step == step:
             out.add(f.req_id)
-            if f.kind == FOREIGN_BLOCK_WRITE and f.writer_req_id:
-                out.add(f.writer_req_id)
+            if f.kind == FOREIGN_BLOCK_WRITE and is_request(f.writer_req_id):
+                out.add(f.writer_req_id)  # a request, not a stand-in such as a padded row
     return out
 
 

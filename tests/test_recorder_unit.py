@@ -1423,3 +1423,20 @@ def test_a_recording_of_no_step_removes_only_its_own_closed_traces(tmp_path: Pat
     (out / "notes.txt").unlink()
     _discard_traces_of_no_step(out, made=True)
     assert not out.exists()
+
+
+def test_a_long_name_s_leftover_is_put_back_too(tmp_path: Path) -> None:
+    """A long trace name's hidden siblings carry a cut of it (the whole name left no room
+    for the rest of theirs): what a killed run left under such a name is still found and
+    put back. Control: a short name's siblings carry it whole."""
+    from mgtrace.atomic import clear_stale_siblings, hidden_sibling
+
+    dead = 2**31 - 2  # no process has this id
+    out = tmp_path / ("y" * 250)
+    sibling = hidden_sibling(out, "old")
+    assert len(sibling.name.encode()) < 255 and out.name not in sibling.name
+    left = sibling.with_name(re.sub(r"\.\d+-\d+@", f".{dead}-0@", sibling.name))
+    left.mkdir()
+    clear_stale_siblings(out)
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    assert hidden_sibling(tmp_path / "t", "new").name.startswith(".t.")

@@ -1033,3 +1033,25 @@ def test_in_flight_at_start_leaves_out_arrivals_in_a_gap() -> None:
     assert in_flight_at_start(uids, kinds) == 2
     assert in_flight_at_start(uids, kinds, steps, hole=7) == 1  # request 3 came after it
     assert in_flight_at_start(uids, kinds, steps, hole=5) == 2  # no step before it: a late start
+
+
+def test_a_verdict_names_a_stand_in_writer_as_the_replay_does() -> None:
+    """A foreign read whose writer was a padded row made the verdict say "written by request
+    <padded row>" (the replay says "a padded row"). Control: a request writer is named as a
+    request, and a foreign write keeps its wording."""
+    from mgtrace.replayer.bisect import _describe
+    from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, FOREIGN_STATE
+    from mgtrace.replayer.requests import PADDED_ROW, SCHEDULER
+
+    read = {"kind": FOREIGN_STATE, "req_id": "req-7", "writer_step": 115}
+    said = _describe({**read, "writer_req_id": PADDED_ROW})
+    assert said == "request req-7 reads state written by a padded row at step 115"
+    said = _describe({**read, "writer_req_id": "req-3"})
+    assert said == "request req-7 reads state written by request req-3 at step 115"
+    write = {"kind": FOREIGN_BLOCK_WRITE, "req_id": "req-7"}
+    assert _describe({**write, "writer_req_id": SCHEDULER}) == (
+        "the scheduler writes a block of request req-7"
+    )
+    assert _describe({**write, "writer_req_id": PADDED_ROW}) == (
+        "a padded row writes a block of request req-7"
+    )

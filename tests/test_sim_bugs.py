@@ -169,28 +169,38 @@ def test_toggle_off_runs_never_show_a_symptom(
 
 
 FIXED_RUNS = {
-    # id: (toggle, extra shape, first corrupted step, first request) for
+    # id: (toggle, extra shape, first corrupted step, the request that consumed the wrong
+    # inputs first, the requests whose state block it wrote over) for
     # `--scenario pairs --steps 2000 --seed 0` (docs/simulator.md quotes these)
-    "reorder": (BUG_REORDER, {}, 15, "req-000002"),
-    "async-race": (BUG_ASYNC_RACE, {}, 116, "req-000020"),
-    "stale-row": (BUG_STALE_ROW, {}, 165, "req-000028"),
-    "batch-row-async-pp2": (BUG_BATCH_ROW, {"runner": "v2", "pp": 2}, 25, "req-000001"),
+    "reorder": (BUG_REORDER, {}, 15, "req-000002", ()),
+    "async-race": (BUG_ASYNC_RACE, {}, 116, "req-000020", ()),
+    "stale-row": (BUG_STALE_ROW, {}, 165, "req-000028", ()),
+    "batch-row-async-pp2": (
+        BUG_BATCH_ROW,
+        {"runner": "v2", "pp": 2},
+        25,
+        "req-000001",
+        ("req-000000",),
+    ),
     "batch-row-sync-pp2": (
         BUG_BATCH_ROW,
         {"runner": "v2", "pp": 2, "async_scheduling": False},
         25,
         "req-000001",
+        ("req-000000",),
     ),
 }
 
 
 @pytest.mark.parametrize("run", list(FIXED_RUNS))
 def test_fixed_seed_first_corrupt_step(tmp_path: Path, run: str) -> None:
-    bug, shape, step, req = FIXED_RUNS[run]
+    bug, shape, step, req, overwritten = FIXED_RUNS[run]
     out = tmp_path / "fixed"
     manifest = simulate(
         SimConfig(scenario="pairs", steps=step + 1, seed=0, bugs=(bug,), output=out, **shape)
     )
     truth = manifest.ground_truth["bugs"][bug]
-    assert (truth["first_step"], truth["first_requests"][0]) == (step, req)
+    assert truth["first_step"] == step
+    assert truth["first_requests"] == sorted([req, *overwritten])
+    assert set(overwritten) <= set(truth["affected_requests"])
     assert detect(out)[bug][0] == (step, req)

@@ -79,7 +79,10 @@ def test_interrupted_bulk_trace_keeps_the_buffered_steps(tmp_path: Path) -> None
     single, bulk = run("single", 0), run("bulk", 64)
     assert bulk == single
     assert max(r["step"] for r in bulk["steps"]) == 100  # steps 64..100 were still buffered
-    assert TraceReader(tmp_path / "bulk").manifest.source["interrupted_at_step"] == 100
+    reader = TraceReader(tmp_path / "bulk")
+    assert reader.manifest.source["interrupted_at_step"] == 100
+    # the requests it had, as many as the manifest counts (once none were kept)
+    assert reader.rows("requests") == reader.manifest.source["num_requests"] > 0
 
 
 def test_buffer_joins_every_column_form(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from mgtrace.errors import MgtraceError, UsageError
 from mgtrace.sim.cli import simulate
-from tests.conftest import run_cli
+from tests.conftest import assert_one_sentence_error, run_cli
 
 pytestmark = pytest.mark.unit
 
@@ -379,3 +379,49 @@ def test_demo_force_keeps_the_old_trace_when_the_simulation_fails(
     res = CliRunner().invoke(demo, ["-o", str(out), "--steps", "100", "-f"], standalone_mode=False)
     assert isinstance(res.exception, RuntimeError)
     assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("inside", [".", "steps/.."])
+def test_force_over_the_trace_named_by_dot_or_dotdot_replaces_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inside: str
+) -> None:
+    """`-o . --force` from inside a trace was an internal error (exit 70: "PosixPath('.')
+    has an empty name"), and `-o TRACE/steps/.. --force` was refused with "Device or
+    resource busy": both name an existing trace, which --force replaces."""
+    trace = tmp_path / "t"
+    assert _invoke("--steps", "20", "-o", str(trace)).exception is None
+    monkeypatch.chdir(trace)
+    res = _invoke("--steps", "30", "--seed", "1", "-o", inside, "--force")
+    assert res.exception is None, repr(res.exception)
+    manifest = json.loads((trace / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["source"]["config"]["steps"] == 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]  # no sibling left behind
+
+
+def test_force_replaces_a_trace_whose_name_just_fits(tmp_path: Path) -> None:
+    """A 250-byte trace name is a valid name, but its hidden sibling (.NAME.PID-N@HOST.new)
+    was not: --force failed with "File name too long" and named that sibling. Now a long
+    name's siblings carry a cut of it. Control: a second run over the same name works, and
+    nothing is left beside it."""
+    trace = tmp_path / ("y" * 250)
+    assert _invoke("--steps", "20", "-o", str(trace)).exception is None
+    res = _invoke("--steps", "30", "--seed", "1", "-o", str(trace), "--force")
+    assert res.exception is None, repr(res.exception)
+    manifest = json.loads((trace / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["source"]["config"]["steps"] == 30
+    assert [p.name for p in tmp_path.iterdir()] == [trace.name]
+
+
+@pytest.mark.parametrize("inside", ["inner", "steps/x.parquet"])
+def test_a_trace_inside_another_trace_is_refused(tmp_path: Path, inside: str) -> None:
+    """`-o TRACE/inner` wrote a whole trace into another one's folders, which the outer
+    trace's readers never see and replacing it (--force) removed without a word. Control:
+    the trace itself, with --force, is replaced as before."""
+    trace = tmp_path / "t"
+    assert _invoke("--steps", "20", "-o", str(trace)).exception is None
+    before = sorted(p.relative_to(trace) for p in trace.rglob("*"))
+    proc = run_cli("simulate", "--steps", "20", "-o", str(trace / inside))
+    err = assert_one_sentence_error(proc, 2)
+    assert f"lies inside the trace {trace}" in err, err
+    assert sorted(p.relative_to(trace) for p in trace.rglob("*")) == before
+    assert _invoke("--steps", "30", "-o", str(trace), "--force").exception is None

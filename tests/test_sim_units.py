@@ -218,8 +218,11 @@ def test_workload_is_seeded() -> None:
         ({"scenario": "burst"}, "unknown scenario"),
         ({"runner": "v3"}, "unknown runner"),
         ({"steps": 0}, "--steps"),
+        ({"steps": 10**20}, "at most"),  # once ran until interrupted, past int64's steps
         ({"bugs": ("nope",)}, "unknown bug"),
         ({"bugs": ("batch-row-block-table",)}, "needs --runner v2"),
+        # once accepted, and inert: without drafts the late post-process copies nothing
+        ({"bugs": ("batch-row-block-table",), "runner": "v2", "pp": 2, "k": 0}, "--k 1"),
         ({"runner": "v1", "pp": 2}, "V1 runner does not support"),
         ({"mamba_block_size": 3}, "must exceed --k"),
         ({"bugs": ("async-accepted-race",), "async_scheduling": False}, "async"),

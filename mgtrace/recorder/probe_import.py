@@ -42,7 +42,11 @@ from typing import Any
 import numpy as np
 
 from mgtrace.errors import OutputError, UsageError
-from mgtrace.outputs import refuse_overwriting_inputs, require_output_folder
+from mgtrace.outputs import (
+    refuse_a_trace_inside_a_trace,
+    refuse_overwriting_inputs,
+    require_output_folder,
+)
 from mgtrace.query.canned import crosstab_sql
 from mgtrace.schemas.manifest import Drops, RunMetadata
 from mgtrace.schemas.tables import MAMBA_SPLITS, ROW_MOVE_OPS
@@ -418,6 +422,7 @@ def import_probe(
             raise UsageError(f"{p} does not exist or is not a file")
     refuse_overwriting_inputs(Path(out), probe, burst_path)
     require_output_folder(Path(out), str(out))  # before a long log is read
+    refuse_a_trace_inside_a_trace(Path(out))
     imp = ProbeImporter()
     try:
         imp.read_probe(probe)

@@ -39,7 +39,7 @@ from mgtrace.replayer.coverage import unseen_reason
 from mgtrace.replayer.divergence import first_divergence
 from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, FOREIGN_STATE, Finding
 from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
-from mgtrace.replayer.requests import is_request
+from mgtrace.replayer.requests import is_request, named_writer
 from mgtrace.replayer.rules import RuleSet, single_changes
 from mgtrace.replayer.steps import (
     RankTrace,
@@ -99,7 +99,13 @@ class Verdict:
         if self.status == "inconclusive":
             return f"inconclusive: {self.reason}"
         if self.status == "clean":
-            return f"clean: no request reads state that is not its own under {self.base_rules}"
+            # of a run's ranks only those asked for (--rank) were replayed: the verdict says
+            # so, as the replay's does, since the others may well be corrupt
+            on = ""
+            if self.ranks:
+                listed = ", ".join(map(str, self.ranks))
+                on = f" on rank{'s' if len(self.ranks) > 1 else ''} {listed}"
+            return f"clean: no request reads state that is not its own{on} under {self.base_rules}"
         lead = self.first_findings[0] if self.first_findings else {}
         what = _describe(lead)
         fix = (
@@ -123,11 +129,10 @@ def _describe(f: dict[str, Any]) -> str:
         return "a finding"
     if f["kind"] == FOREIGN_STATE and f.get("writer_req_id"):
         at = f" at step {f['writer_step']}" if f.get("writer_step") is not None else ""
-        return f"request {f['req_id']} reads state written by request {f['writer_req_id']}{at}"
+        writer = named_writer(f["writer_req_id"])
+        return f"request {f['req_id']} reads state written by {writer}{at}"
     if f["kind"] == FOREIGN_BLOCK_WRITE:
-        writer = f["writer_req_id"]
-        who = f"request {writer}" if is_request(writer) else f"the {str(writer).strip('<>')}"
-        return f"{who} writes a block of request {f['req_id']}"
+        return f"{named_writer(f['writer_req_id'])} writes a block of request {f['req_id']}"
     return f["detail"]
 
 

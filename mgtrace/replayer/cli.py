@@ -480,7 +480,7 @@ def bisect_cmd(
 
     out = stdout_console()
     if replay_log is not None:
-        # a re-check runs the log's own trace, horizon and rules, and writes no log
+        # a re-check runs the log's own trace, horizon, rules and ranks, and writes no log
         source = click.get_current_context().get_parameter_source
         given = [
             flag
@@ -488,6 +488,7 @@ def bisect_cmd(
                 ("horizon", "--horizon"),
                 ("log_path", "--log"),
                 ("rules_text", "--rules"),
+                ("ranks", "--rank"),
                 *((r.name, r.flag) for r in RULES.values()),
             )
             if source(name) not in (None, click.core.ParameterSource.DEFAULT)
@@ -496,7 +497,7 @@ def bisect_cmd(
             given.insert(0, "TRACE")
         if given:
             raise UsageError(
-                "--replay re-checks the trace, horizon and rules its log names; drop "
+                "--replay re-checks the trace, horizon, rules and ranks its log names; drop "
                 + ", ".join(given)
             )
         same, old, new = recheck_log(

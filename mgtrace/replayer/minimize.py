@@ -37,7 +37,11 @@ import pyarrow.compute as pc
 from mgtrace.atomic import atomic_write, clear_stale_siblings, hidden_sibling, replacing_directory
 from mgtrace.errors import InconclusiveError, OutputError, UsageError
 from mgtrace.kernels.reference import run_reference
-from mgtrace.outputs import refuse_overwriting_inputs, require_output_folder
+from mgtrace.outputs import (
+    refuse_a_trace_inside_a_trace,
+    refuse_overwriting_inputs,
+    require_output_folder,
+)
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.checkpoint import START_STATE_DIR, StartState
 from mgtrace.replayer.loop import Checkpoint, RankReplay, replay_trace
@@ -453,6 +457,7 @@ def _refuse_existing_output(output: Path, force: bool) -> Path:
     if (taken or test_file.exists()) and not force:
         raise OutputError(f"{output} (or {test_file.name}) already exists; pass --force")
     require_output_folder(output, str(output))  # as every -o but record's: no folder made
+    refuse_a_trace_inside_a_trace(output)
     return test_file
 
 

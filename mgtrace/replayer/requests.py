@@ -20,6 +20,15 @@ def is_request(name: str | None) -> bool:
     return bool(name) and not name.startswith("<")
 
 
+def named_writer(name: str | None) -> str:
+    """A finding's writer in a sentence: "request X", "a padded row", "the scheduler"."""
+    if is_request(name):
+        return f"request {name}"
+    if name == PADDED_ROW:
+        return "a padded row"
+    return f"the {str(name).strip('<>')}"
+
+
 class RequestIds:
     """Stable mapping between engine request ids and uids 1, 2, 3, ... in order of appearance."""
 

@@ -65,9 +65,13 @@ class GroundTruth:
             if entry["first_step"] is None or step < entry["first_step"]:
                 entry["first_step"] = step
                 entry["first_requests"] = []
-            if step == entry["first_step"] and ev["req_id"] not in entry["first_requests"]:
-                entry["first_requests"].append(ev["req_id"])
-            entry["affected_requests"].add(ev["req_id"])
+            # corrupted by the event: the request that consumed the wrong inputs, and the one
+            # whose state block it wrote over (a misdirected post-process)
+            corrupted = [ev["req_id"]] + ([ev["victim"]] if ev.get("victim") else [])
+            first = entry["first_requests"]
+            if step == entry["first_step"]:
+                first += [r for r in corrupted if r not in first]
+            entry["affected_requests"].update(corrupted)
             entry["num_events"] += 1
             if len(entry["events"]) < MAX_EVENTS:
                 entry["events"].append({k: v for k, v in ev.items() if k != "bug"})

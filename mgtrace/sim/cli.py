@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mgtrace.errors import UsageError
-from mgtrace.outputs import require_output_folder
+from mgtrace.outputs import refuse_a_trace_inside_a_trace, require_output_folder
 from mgtrace.params import PATH
 from mgtrace.render import counted
 from mgtrace.shell import shell_path
@@ -106,7 +106,7 @@ def _simulate(
     """Simulate an engine run (scheduler + runner bookkeeping) and write it as a trace.
 
     Bug toggles (off by default; repeat --bug): reorder-threshold-mismatch,
-    batch-row-block-table (needs --runner v2 --pp 2+), async-accepted-race,
+    batch-row-block-table (needs --runner v2 --pp 2+ --k 1+), async-accepted-race,
     stale-condense-row. The manifest's ground_truth says which step each one first corrupts.
 
     Exit codes: 0 written, 2 usage error (bad option, output exists or cannot be written),
@@ -116,6 +116,7 @@ def _simulate(
     if output is None:
         raise UsageError("missing the output trace path; pass -o TRACE")
     require_output_folder(output, str(output))
+    refuse_a_trace_inside_a_trace(output)
     cfg = SimConfig(
         scenario=scenario,
         steps=steps,

@@ -25,6 +25,10 @@ BUGS = (BUG_REORDER, BUG_BATCH_ROW, BUG_ASYNC_RACE, BUG_STALE_ROW)
 MAX_POOL_BLOCKS = 1 << 20  # a million blocks: more than any engine's Mamba pool
 
 
+# days of simulation at a few thousand steps a second; a step number stays well in int64
+MAX_STEPS = 10**9
+
+
 @dataclass
 class SimConfig:
     """One simulated engine run. Every random choice is drawn from ``seed``."""
@@ -104,8 +108,10 @@ class SimConfig:
             raise UsageError(f"unknown runner {self.runner!r}; choose v1 or v2")
         if self.mixer not in MIXERS:
             raise UsageError(f"unknown mixer {self.mixer!r}; choose mamba2 or gdn")
-        if self.steps < 1:
-            raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise UsageError(
+                f"--steps must be at least 1 and at most {MAX_STEPS:,}, got {self.steps}"
+            )
         if not 0 <= self.k <= 16:
             raise UsageError(f"--k must be between 0 and 16, got {self.k}")
         if not 1 <= self.pp <= 8:
@@ -159,6 +165,13 @@ class SimConfig:
             )
         if BUG_BATCH_ROW in self.bugs and (self.runner != "v2" or self.pp < 2):
             raise UsageError(f"{BUG_BATCH_ROW} needs --runner v2 and --pp 2 or more")
+        if BUG_BATCH_ROW in self.bugs and self.k < 1:
+            # without drafts the decode writes its running block itself: the late
+            # post-process copies nothing, whichever block-table row it indexes
+            raise UsageError(
+                f"{BUG_BATCH_ROW} corrupts through the post-process's copies, which have "
+                "nothing to copy without speculative decoding (--k 1 or more)"
+            )
         if BUG_ASYNC_RACE in self.bugs and (self.runner != "v1" or not self.async_scheduling):
             raise UsageError(f"{BUG_ASYNC_RACE} needs --runner v1 with async scheduling")
         if BUG_STALE_ROW in self.bugs and self.runner != "v1":

@@ -239,9 +239,11 @@ def simulate(
     except (OSError, OutputError) as exc:
         _discard(writer, cfg, exc)
     except BaseException:
-        # an interrupted run keeps the steps it wrote and says where it stopped
+        # an interrupted run keeps the steps it wrote, the requests it had (the manifest
+        # counts them) and says where it stopped
         if buf is not None:
             buf.flush()
+        writer.write_rows("requests", request_rows(engine.requests))
         writer.update_source(interrupted_at_step=step, num_requests=len(engine.requests))
         writer.count_error("interrupted", f"the simulation stopped at step {step} of {cfg.steps}")
         writer.set_ground_truth(engine.truth.to_dict())
