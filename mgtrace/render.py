@@ -196,7 +196,8 @@ def saved_replay_line(replay: dict[str, Any]) -> str:
     ):
         gaps = replay[key]
         if gaps:
-            where = ", ".join(f"rank {r} {word} step {g}" for r, g in sorted(gaps.items()))
+            by_rank = sorted(gaps.items(), key=lambda rank_gap: int(rank_gap[0]))
+            where = ", ".join(f"rank {r} {word} step {g}" for r, g in by_rank)
             text += f"; {verb} where the trace lacks steps ({where})"
     return text
 
