@@ -183,6 +183,8 @@ def render_info(info: dict[str, Any], console: Console) -> None:
 
 def saved_replay_line(replay: dict[str, Any]) -> str:
     """One saved replay, as `info` lists it: rules, findings, and how far it went."""
+    from mgtrace.replayer.coverage import gaps_in_words
+
     rules = replay["rules"] or f"rules unknown (id {replay['replay_id']})"
     if replay["whole"] is False:
         rules += " (a window or some ranks)"
@@ -196,9 +198,7 @@ def saved_replay_line(replay: dict[str, Any]) -> str:
     ):
         gaps = replay[key]
         if gaps:
-            by_rank = sorted(gaps.items(), key=lambda rank_gap: int(rank_gap[0]))
-            where = ", ".join(f"rank {r} {word} step {g}" for r, g in by_rank)
-            text += f"; {verb} where the trace lacks steps ({where})"
+            text += f"; {verb} where the trace lacks steps ({gaps_in_words(gaps, word)})"
     return text
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from mgtrace.errors import UsageError
+from mgtrace.replayer.coverage import gaps_in_words
 from mgtrace.replayer.findings import REPLAY_PART_PREFIX, saved_replay
 from mgtrace.replayer.ownership import (
     BlockOwnership,
@@ -366,10 +367,6 @@ def _reach_within(
     )
 
 
-def _ranks_at(gaps: dict[int, int], word: str) -> str:
-    return ", ".join(f"rank {r} {word} step {g}" for r, g in sorted(gaps.items()))
-
-
 def findings_note(
     reader: TraceReader,
     con: duckdb.DuckDBPyConnection,
@@ -402,7 +399,7 @@ def findings_note(
         )
         return (
             f"the saved replay under {rules} stopped where the trace lacks steps "
-            f"({_ranks_at(stopped, 'before')}), {said}; --allow-gaps replays past them"
+            f"({gaps_in_words(stopped, 'before')}), {said}; --allow-gaps replays past them"
         )
     hint = f"saved replays: {', '.join(saved)}" if saved else "no replay is saved yet"
     command = shlex.join(["mgtrace", "replay", path_arg(trace), *RuleSet.parse(rules).as_flags()])
@@ -430,13 +427,13 @@ def reach_note(
     if stopped and first_finding(con, req_id, rules=rules) is not None:
         said.append(
             f"the saved replay under {rules} stopped where the trace lacks steps "
-            f"({_ranks_at(stopped, 'before')}): this request's steps from there on were not "
+            f"({gaps_in_words(stopped, 'before')}): this request's steps from there on were not "
             "replayed"
         )
     if crossed:
         said.append(
             f"the saved replay under {rules} crossed steps the trace lacks "
-            f"({_ranks_at(crossed, 'at')}): what it found for this request from there on, or "
+            f"({gaps_in_words(crossed, 'at')}): what it found for this request from there on, or "
             "did not, may come from the missing steps rather than from the run"
         )
     return "; ".join(said) or None

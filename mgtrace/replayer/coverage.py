@@ -4,6 +4,7 @@ where the engine wrote state the forward model does not write."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -132,11 +133,18 @@ def rule_note(run: Any, rules: RuleSet) -> str | None:
     return "; ".join(notes) or None
 
 
+def gaps_in_words(gaps: Mapping[Any, int], word: str) -> str:
+    """Per rank, the step of a gap: "rank 0 before step 200, rank 1 before step 210" (``word``:
+    before or at); ranks given as numbers or as the digits JSON keeps them in."""
+    by_rank = sorted(gaps.items(), key=lambda rank_gap: int(rank_gap[0]))
+    return ", ".join(f"rank {r} {word} step {g}" for r, g in by_rank)
+
+
 def stopped_caveat(stopped: dict[int, int]) -> str | None:
     """The ranks a replay ended before a gap, in words (None: none did)."""
     if not stopped:
         return None
-    where = ", ".join(f"rank {r} before step {g}" for r, g in sorted(stopped.items()))
+    where = gaps_in_words(stopped, "before")
     return (
         f"the replay stopped where the trace lacks steps ({where}): the shadow state cannot "
         "be rebuilt across them, so nothing after them was replayed"
@@ -147,7 +155,7 @@ def crossed_caveat(crossed: dict[int, int], first_step: int | None) -> str | Non
     """The gaps a replay crossed (--allow-gaps), in words (None: it crossed none)."""
     if not crossed:
         return None
-    where = ", ".join(f"rank {r} at step {g}" for r, g in sorted(crossed.items()))
+    where = gaps_in_words(crossed, "at")
     before = (
         f" (its first finding, at step {first_step}, lies before them)"
         if first_step is not None and first_step < min(crossed.values())
