@@ -397,6 +397,17 @@ def test_manifest_errors(tmp_path: Path, fresh_trace: Path) -> None:
         load_manifest(fresh_trace)
 
 
+def test_a_manifest_without_its_run_section_is_refused(fresh_trace: Path) -> None:
+    """Without ``run`` the defaults (v1, k 0, block size 16) would pass for what ran."""
+    path = fresh_trace / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    load_manifest(fresh_trace)  # control: the untouched manifest reads
+    del data["run"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="has no run section"):
+        load_manifest(fresh_trace)
+
+
 def test_malformed_steps_are_refused_and_counted(tmp_path: Path) -> None:
     with TraceWriter(tmp_path / "t") as w:
         assert w.write_step(0, 0, {"steps": {"num_reqs": 1}})

@@ -13,6 +13,7 @@ from pathlib import Path
 from mgtrace.schemas.manifest import (
     MAX_STATE_DIM,
     MAX_STATE_ELEMENTS,
+    REQUIRED_ENTRIES,
     RUN_LIMITS,
     STATE_KINDS,
     Drops,
@@ -46,15 +47,15 @@ when it closes); parts added to a closed trace later (replay findings) are added
 at a time under an `flock` on `.append.lock` (removed when the part is added), and never to
 a trace whose writer is still open.
 
-Readers refuse any `schema_version` other than {SCHEMA_VERSION}, a manifest entry whose value
-does not have its field's type (or a `run` value no engine can have, such as a block size of
-0, or one past the limits below), and a part that is missing or differs from its manifest
-entry. With `--skip-bad-parts` they read the rest; a replay then treats the steps a left-out
-part held rows of as gaps. A replay stops before the first gap of a rank (the shadow
-state cannot be rebuilt across it): what it found before the gap stands (exit 1, the stop
-named), and a replay that found nothing there is inconclusive (exit 125), unless
-`--allow-gaps`; a `--to-step` window that ends before every gap is judged on its own. Token
-ids and prompt text are never recorded.
+Readers refuse any `schema_version` other than {SCHEMA_VERSION}, a manifest without `run`, a
+manifest entry whose value does not have its field's type (or a `run` value no engine can
+have, such as a block size of 0, or one past the limits below), and a part that is missing
+or differs from its manifest entry. With `--skip-bad-parts` they read the rest; a replay
+then treats the steps a left-out part held rows of as gaps. A replay stops before the first
+gap of a rank (the shadow state cannot be rebuilt across it): what it found before the gap
+stands (exit 1, the stop named), and a replay that found nothing there is inconclusive (exit
+125), unless `--allow-gaps`; a `--to-step` window that ends before every gap is judged on
+its own. Token ids and prompt text are never recorded.
 
 Keys marked **key** are the table's natural key and are never null.
 """
@@ -85,7 +86,9 @@ def _table_section(name: str) -> list[str]:
 def _dataclass_section(title: str, cls: type) -> list[str]:
     lines = [f"### `{title}`", "", "| field | type | default |", "| --- | --- | --- |"]
     for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
+        if cls is Manifest and f.name in REQUIRED_ENTRIES:
+            default = "required (below)"
+        elif f.default is not dataclasses.MISSING:
             default = repr(f.default)
         elif f.default_factory is not dataclasses.MISSING:
             value = f.default_factory()

@@ -235,6 +235,12 @@ class Manifest:
                 f"{where} has schema version {version!r}, but this mgtrace reads version "
                 f"{SCHEMA_VERSION} only; use the mgtrace release that wrote it"
             )
+        for entry in REQUIRED_ENTRIES:  # every writer writes them; defaults would pass for facts
+            if entry not in data:
+                raise ManifestError(
+                    f"{where} has no {entry} section, so what the engine ran (runner, k, "
+                    "block size) is unknown"
+                )
         try:
             parts = [
                 _entry(PartInfo, p, where, f"parts[{i}]")
@@ -242,7 +248,7 @@ class Manifest:
             ]
             drops = _entry(Drops, data.get("drops", {}), where, "drops")
             _check_step_ranges(drops.step_ranges, where)
-            run = RunMetadata.from_dict(_object(data.get("run", {}), "run", where), where)
+            run = RunMetadata.from_dict(_object(data["run"], "run", where), where)
             # the top-level entries, as their annotations say (a float for a timestamp, ...)
             top = {k: data[k] for k in _TOP_LEVEL if k in data}
             check_entries(cls, top, where, "")
@@ -272,6 +278,10 @@ class Manifest:
             mgtrace_version=top.get("mgtrace_version", ""),
         )
 
+
+# Top-level entries a manifest must have: ``run``'s defaults would describe an engine that
+# never ran.
+REQUIRED_ENTRIES = ("run",)
 
 _TOP_LEVEL = (
     "source",
