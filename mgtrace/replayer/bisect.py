@@ -449,13 +449,26 @@ def _check_types(v: Verdict) -> None:
         raise TypeError("a field holds a value of the wrong type")
 
 
+MAX_LOG_BYTES = 64 << 20  # a bisect log holds a verdict and its probes: kilobytes
+
+
 def recheck_log(path: Path, **kwargs: Any) -> tuple[bool, Verdict, Verdict]:
     """Run the bisect again on the trace a log names; True when the verdict still holds."""
     try:
-        data = json.loads(Path(path).read_text())
+        # read no more than a log can hold: /dev/zero or a huge file is no log, and reading
+        # it whole would exhaust memory (an internal error, MemoryError)
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_LOG_BYTES + 1)
     except OSError as exc:
         raise MgtraceError(f"cannot read the bisect log {path}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    if len(raw) > MAX_LOG_BYTES:
+        raise MgtraceError(
+            f"{path} is not an mgtrace bisect log (more than {MAX_LOG_BYTES >> 20} MiB)"
+        )
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        # RecursionError: JSON nested deeper than Python's decoder goes
         raise MgtraceError(f"{path} is not an mgtrace bisect log (not JSON)") from None
     if not isinstance(data, dict) or data.get("format") != LOG_FORMAT:
         raise MgtraceError(f"{path} is not an mgtrace bisect log")

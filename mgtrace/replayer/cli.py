@@ -518,6 +518,11 @@ def bisect_cmd(
         raise UsageError("give a TRACE to bisect (or --replay LOG)")
     base = rules_from_options(rule_values, rules_text)
     if log_path is not None:  # refused before the replays, not after them
+        from mgtrace.schemas.reader import open_manifest
+
+        # an unreadable TRACE is said as such (exit 3) before the log is judged by it: a
+        # folder that is no trace, or none at all, does not hold the log
+        open_manifest(Path(trace))
         check_log_path(log_path, trace)
         if _is_stdout(log_path):
             # the log alone on stdout, so that the file it is redirected to re-checks

@@ -119,7 +119,7 @@ def saved_replay(part: Path) -> SavedReplay:
                 for key in ("stopped_at_gap", "crossed_gaps")
             ),
         )
-    except (OSError, ValueError, TypeError, AttributeError, pa.ArrowException):
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError, pa.ArrowException):
         return SavedReplay(None, {}, {})
 
 

@@ -392,6 +392,8 @@ def read_manifest_file(path: Path) -> Manifest:
             f"{path} is not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno}); "
             "it may have been cut short"
         ) from None
+    except RecursionError:  # nested deeper than Python's JSON decoder goes: no manifest
+        raise ManifestError(f"{path} is nested too deeply; it is not an mgtrace manifest") from None
     return Manifest.from_dict(data, where=str(path))
 
 

@@ -121,17 +121,24 @@ def _same_types(tables: list[pa.Table], schema: pa.Schema) -> list[pa.Table]:
     return out
 
 
+def open_manifest(path: Path) -> Manifest:
+    """The manifest of the trace at ``path``, refused as TraceReader refuses it (exit 3): a
+    command that checks an output path first can say an unreadable trace as such without
+    reading its parts."""
+    if not path.exists():
+        raise TraceNotFoundError(f"trace {path} does not exist")
+    if not path.is_dir():
+        raise TraceNotFoundError(f"trace {path} is not a directory")
+    return load_manifest(path)
+
+
 class TraceReader:
     """A validated, read-only view of one trace directory (or of the ``rank-NNN`` traces of a
     multi-worker recording under it, read as one)."""
 
     def __init__(self, path: str | Path, *, skip_bad_parts: bool = False) -> None:
         self.path = Path(path)
-        if not self.path.exists():
-            raise TraceNotFoundError(f"trace {self.path} does not exist")
-        if not self.path.is_dir():
-            raise TraceNotFoundError(f"trace {self.path} is not a directory")
-        self.manifest: Manifest = load_manifest(self.path)
+        self.manifest: Manifest = open_manifest(self.path)
         self.skipped: list[SkippedPart] = []
         self.parts: list[PartInfo] = []
         for part in self.manifest.parts:
