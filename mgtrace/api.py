@@ -297,6 +297,7 @@ class Trace:
                 rules=ruleset.canonical(),
                 stopped_at_gap=result.stopped_at_gap,
                 crossed_gaps=result.crossed_gaps,
+                read_from=self.reader.manifest,
             )
             self.reload()
         return result

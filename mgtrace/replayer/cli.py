@@ -344,6 +344,7 @@ def replay(
                 rules=rules.canonical(),
                 stopped_at_gap=result.stopped_at_gap,
                 crossed_gaps=result.crossed_gaps,
+                read_from=reader.manifest,
             )
             saved = True
         except (OSError, OutputError) as exc:

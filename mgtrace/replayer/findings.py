@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mgtrace.schemas.manifest import Manifest
 from mgtrace.schemas.tables import FINDINGS
 from mgtrace.schemas.writer import append_table
 
@@ -75,11 +76,13 @@ def save_findings(
     rules: str,
     stopped_at_gap: dict[int, int] | None = None,
     crossed_gaps: dict[int, int] | None = None,
+    read_from: Manifest | None = None,
 ) -> None:
     """Add this replay's findings to the trace (replacing an earlier replay of the same id),
     with its rules (a clean replay has no row to hold them) and how far it went: per rank,
     the gap it stopped before or the first it crossed (``--allow-gaps``), so that whoever
-    reads the findings later can say so."""
+    reads the findings later can say so. ``read_from``: the manifest of the trace as the
+    replay read it; OutputError where another trace has replaced it since."""
     table = findings_table(findings, replay_id=replay_id, rules=rules)
     note = {
         "rules": rules,
@@ -92,6 +95,7 @@ def save_findings(
         table,
         tag=f"{REPLAY_PART_PREFIX}{replay_id}",
         metadata={REPLAY_KEY: json.dumps(note).encode()},
+        read_from=read_from,
     )
 
 

@@ -45,6 +45,7 @@ from mgtrace.atomic import (
 from mgtrace.errors import OutputError
 from mgtrace.schemas import ranks
 from mgtrace.schemas.manifest import (
+    MANIFEST_NAME,
     Manifest,
     PartInfo,
     RunMetadata,
@@ -60,6 +61,7 @@ PART_SUFFIX = ".parquet"
 TMP_SUFFIX = ".tmp"
 APPEND_LOCK = ".append.lock"  # serialises the processes that add parts to a closed trace
 WRITING_LOCK = ".writing.lock"  # held by the open TraceWriter, removed when it closes
+WRITING_LOCK_TRIES = 50  # 10 ms apart: how long a new writer waits out a probe of the lock
 COMPRESSION = "zstd"
 IDLE_WAKE_S = 0.25  # the writer thread's longest sleep (steps then wait at most this long)
 WAKE_BATCH = 64  # queued single steps that wake the writer thread before IDLE_WAKE_S
@@ -556,12 +558,17 @@ def append_table(
     *,
     tag: str,
     metadata: dict[bytes, bytes] | None = None,
+    read_from: Manifest | None = None,
 ) -> PartInfo:
     """Add one part to an existing, closed trace (replay findings) and update its manifest;
-    ``metadata``: key-value pairs kept in the part's footer (what the columns cannot say).
+    ``metadata``: key-value pairs kept in the part's footer (what the columns cannot say);
+    ``read_from``: the manifest of the trace the part was derived from (a replay's).
 
     Raises OutputError while the trace's writer is still open: it rewrites the manifest from
-    its own copy after every part and on close, which would drop this part's entry.
+    its own copy after every part and on close, which would drop this part's entry; and
+    where the trace at ``trace_dir`` is no longer the one ``read_from`` describes (another
+    process replaced it, ``simulate --force``, while the replay ran): findings of one run
+    added to another would be read as that run's.
     """
     trace_dir = Path(trace_dir)
     spec = TABLES[table_name]
@@ -573,6 +580,13 @@ def append_table(
         if writer_is_open(trace_dir):
             raise OutputError("the trace is still being written")
         manifest = load_manifest(trace_dir)  # under the lock: the parts others added
+        if read_from is not None and _source_parts(manifest, table_name) != _source_parts(
+            read_from, table_name
+        ):
+            raise OutputError(
+                f"another process replaced the trace at {trace_dir} after it was read, "
+                f"and these {table_name} are of the trace it replaced"
+            )
         if ranks.is_merged(manifest):  # the rank parts stay in the ranks' own manifests
             manifest.parts = ranks.own_parts(manifest.parts)
         rel = f"{table_name}/{tag}{PART_SUFFIX}"
@@ -599,6 +613,12 @@ def append_table(
     return info
 
 
+def _source_parts(manifest: Manifest, table_name: str) -> set[tuple[str, str]]:
+    """The parts of a trace's tables other than ``table_name``: what a part added to that
+    table was derived from."""
+    return {(p.path, p.sha256) for p in manifest.parts if p.table != table_name}
+
+
 def _keep_old_part(part: Path) -> Path | None:
     """The bytes of a listed ``part`` about to be replaced, under a hidden name beside it
     (a hard link, or a copy where the file system has none); None when the part is gone
@@ -619,6 +639,11 @@ def refuse_unless_replaceable(path: Path, overwrite: bool) -> bool:
     there is to be replaced. Callers that print before writing check first."""
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return False
+    if path.is_dir() and writer_is_open(path):  # swapping it out would take its later parts
+        raise OutputError(
+            f"another process is writing a trace at {path}; wait for it to finish, or "
+            "write elsewhere"
+        )
     if not is_trace_directory(path):  # said first: --force would not help
         raise OutputError(
             f"{path} exists and is not an mgtrace trace; choose another path "
@@ -840,14 +865,45 @@ class TraceWriter:
 
     def _hold_writing_lock(self) -> int | None:
         """Lock WRITING_LOCK while this writer is open, so that ``append_table`` refuses the
-        trace until the manifest is final; the kernel drops the lock of a killed writer."""
+        trace until the manifest is final; the kernel drops the lock of a killed writer.
+
+        Raises OutputError where another writer holds it, or wrote a trace here meanwhile:
+        two writers that both found no trace at ``destination`` (two ``simulate -o`` to one
+        new folder) would otherwise write into one folder, each over the other's parts and
+        manifest, and leave a trace neither wrote whole."""
         try:
             fd = os.open(self.path / WRITING_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError:
             return None  # the manifest write that follows says why
-        # held only by a process probing it at this instant: never wait for that
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            # a process probing the lock (writer_is_open) holds it for an instant only
+            for attempt in itertools.count():
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if attempt >= WRITING_LOCK_TRIES:
+                        raise OutputError(
+                            f"another process is writing a trace at {self.destination}; "
+                            "wait for it to finish, or write elsewhere"
+                        ) from None
+                    time.sleep(0.01)
+                except OSError:  # a file system without flock: written unlocked, as before
+                    break
+            # the lock of a writer that closed meanwhile (it removes the file, then unlocks)
+            # is no lock: its trace is whole in this folder, which this writer found empty
+            ours = _same_file(fd, self.path / WRITING_LOCK)
+            if not self._replacing and (not ours or (self.path / MANIFEST_NAME).exists()):
+                if ours:  # the lock file this writer made in that trace: not one of its files
+                    with contextlib.suppress(OSError):
+                        (self.path / WRITING_LOCK).unlink()
+                raise OutputError(
+                    f"another process wrote a trace at {self.destination} meanwhile; pass "
+                    "--force to replace it, or write elsewhere"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
         _OPEN_WRITERS.add(self)
         return fd
 

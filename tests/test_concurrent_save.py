@@ -1,0 +1,85 @@
+"""A replay saves its findings only into the trace it replayed: where another process
+replaced the trace meanwhile (``simulate --force``), the findings are not added to the new
+one, which they do not describe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import mgtrace
+import mgtrace.replayer.loop as loop
+from mgtrace.cli import main
+from mgtrace.errors import OutputError
+from mgtrace.replayer.findings import save_findings
+from mgtrace.schemas.reader import TraceReader
+
+pytestmark = pytest.mark.unit
+
+BUG = ["reorder-threshold-mismatch"]
+
+
+def _replaced_while_replaying(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """Make the next replay's trace be replaced by a clean one of the same shape (its parts
+    have the same names) just as the replay ends, as `simulate --force` in another shell."""
+    real = loop.replay_trace
+
+    def replay_then_replace(*args, **kwargs):
+        result = real(*args, **kwargs)
+        mgtrace.simulate(path, steps=120, seed=7, force=True)
+        return result
+
+    monkeypatch.setattr(loop, "replay_trace", replay_then_replace)
+
+
+def test_the_command_line_keeps_findings_out_of_a_trace_replaced_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`mgtrace replay T` while `simulate -o T --force` replaced T saved the old trace's
+    findings into the new, clean one: `info T` then said "as-recorded: N findings" of steps
+    the new trace did not even have. Now the replay says it did not save them."""
+    path = tmp_path / "t.trace"
+    mgtrace.simulate(path, steps=120, bugs=BUG)
+    _replaced_while_replaying(monkeypatch, path)
+    # exit 1 with the findings shown; 3 where a reader that reads the trace it opened says
+    # that trace went while it read the rest (the caveats read the trace after the save)
+    assert main(["replay", str(path), "--jobs", "1"]) in (1, 3)
+    err = capsys.readouterr().err
+    assert "could not add the findings" in err and "replaced the trace" in err
+    new = TraceReader(path)
+    assert new.manifest.ground_truth["injected"] == []  # the clean trace that replaced it
+    assert new.rows("findings") == 0 and new.unlisted_parts() == []
+    # control: a replay of the trace as it stands saves its (no) findings
+    monkeypatch.undo()
+    assert main(["replay", str(path), "--jobs", "1"]) == 0
+    assert len(TraceReader(path).part_files("findings")) == 1
+
+
+def test_the_api_keeps_findings_out_of_a_trace_replaced_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "t.trace"
+    t = mgtrace.simulate(path, steps=120, bugs=BUG)
+    _replaced_while_replaying(monkeypatch, path)
+    with pytest.raises(OutputError, match="replaced the trace"):
+        t.replay(save=True)
+    assert TraceReader(path).rows("findings") == 0
+
+
+def test_save_findings_checks_the_trace_it_was_read_from(tmp_path: Path) -> None:
+    path = tmp_path / "t.trace"
+    t = mgtrace.simulate(path, steps=120, bugs=BUG)
+    read = TraceReader(path).manifest
+    found = t.replay().findings
+    assert found
+    other = tmp_path / "o.trace"  # control: the same trace, with another replay's part added
+    mgtrace.simulate(other, steps=120, bugs=BUG)
+    first = TraceReader(other).manifest
+    save_findings(other, found, replay_id="a", rules="as-recorded", read_from=first)
+    save_findings(other, found, replay_id="b", rules="as-recorded", read_from=first)
+    assert TraceReader(other).rows("findings") == 2 * len(found)
+    mgtrace.simulate(path, steps=120, seed=7, force=True)
+    with pytest.raises(OutputError, match="replaced the trace"):
+        save_findings(path, found, replay_id="a", rules="as-recorded", read_from=read)
+    assert TraceReader(path).rows("findings") == 0
