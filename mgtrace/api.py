@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from mgtrace.errors import MgtraceError, TraceError, UsageError
+from mgtrace.errors import MgtraceError, TraceReplacedError, UsageError
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.reader import TraceReader
@@ -150,11 +150,11 @@ class Trace:
             return
         where = f"the trace at {self.path}"
         if stamp is None:
-            raise TraceError(f"{where} was removed since it was opened")
+            raise TraceReplacedError(f"{where} was removed since it was opened")
         with _said_for_python():
             now = TraceReader(self.path, skip_bad_parts=self._skip_bad_parts)
         if now.manifest.created_unix != self.reader.manifest.created_unix:
-            raise TraceError(
+            raise TraceReplacedError(
                 f"{where} was replaced by another since it was opened; call reload() or "
                 "mgtrace.open it again"
             )

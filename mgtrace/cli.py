@@ -19,7 +19,7 @@ import click
 from rich.console import Console
 
 from mgtrace import __version__
-from mgtrace.errors import EXIT_USAGE, MgtraceError
+from mgtrace.errors import EXIT_USAGE, MgtraceError, TraceError, TraceReplacedError
 from mgtrace.params import PATH
 from mgtrace.termination import is_query_interrupt, stop_signals_interrupt, terminated_by
 
@@ -376,7 +376,13 @@ def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_par
 
     refuse_overwriting_inputs(output, trace)
     check_output_path(output, force=force)
-    write_report(Trace(trace, skip_bad_parts=skip_bad_parts), output, bisect=not no_bisect)
+    try:
+        write_report(Trace(trace, skip_bad_parts=skip_bad_parts), output, bisect=not no_bisect)
+    except TraceReplacedError:  # its advice (reload()) is for Python callers
+        raise TraceError(
+            f"the trace at {trace} was removed or replaced by another process while the "
+            "report was being made; run the command again"
+        ) from None
     _stderr().print(f"wrote {output}", markup=False, highlight=False)
 
 

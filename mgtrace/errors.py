@@ -44,6 +44,10 @@ class TraceError(MgtraceError):
     exit_code = EXIT_UNREADABLE
 
 
+class TraceReplacedError(TraceError):
+    """The trace an open ``Trace`` reads was removed or replaced by another process."""
+
+
 class TraceNotFoundError(TraceError):
     """The trace directory does not exist or is not a directory."""
 

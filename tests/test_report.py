@@ -283,3 +283,29 @@ def test_a_report_that_replayed_no_step_claims_no_clean_run(report: Path, tmp_pa
     assert "no spec-decode row recorded" not in text and "no request ran a spec-decode" not in text
     assert text.count("a part that --skip-bad-parts left out") == 2
     assert "No accepted counts to plot" not in report.read_text()  # the control
+
+
+def test_a_trace_replaced_while_the_report_is_made_is_one_sentence_for_the_shell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The Python API's advice (call reload()) means nothing to a shell user: the command
+    says to run it again instead, exit 3, and writes no report."""
+    import mgtrace.report as report_module
+    from mgtrace.cli import main
+
+    path = tmp_path / "t.trace"
+    mgtrace.simulate(path, steps=120, bugs=["reorder-threshold-mismatch"])
+    real = report_module.build_report
+
+    def replaced_first(trace, **kwargs):  # as `simulate --force` in another shell
+        mgtrace.simulate(path, steps=150, seed=3, force=True)
+        return real(trace, **kwargs)
+
+    monkeypatch.setattr(report_module, "build_report", replaced_first)
+    out = tmp_path / "r.html"
+    assert main(["report", str(path), "-o", str(out), "--no-bisect"]) == 3
+    err = capsys.readouterr().err
+    assert "replaced by another process while the report was being made" in err, err
+    assert "reload()" not in err and not out.exists()
+    monkeypatch.undo()  # control: the trace as it stands now is reported
+    assert main(["report", str(path), "-o", str(out), "--no-bisect"]) == 0 and out.exists()
