@@ -18,6 +18,7 @@ from mgtrace.errors import EXIT_CORRUPTION
 from mgtrace.params import PATH
 from mgtrace.render import render_replay, render_verdict, stdout_console
 from mgtrace.shell import shell_path
+from mgtrace.sim.config import MAX_STEPS
 
 
 @click.command("demo")
@@ -27,7 +28,9 @@ from mgtrace.shell import shell_path
     type=PATH,
     help="Keep the demo trace here (default: a temporary directory, removed).",
 )
-@click.option("--steps", type=click.IntRange(min=100), default=3000, show_default=True)
+@click.option(
+    "--steps", type=click.IntRange(min=100, max=MAX_STEPS), default=3000, show_default=True
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output trace.")
 def demo(output: Path | None, steps: int, seed: int, force: bool) -> int:

@@ -14,6 +14,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, EXIT_INTERRUPTED
 from mgtrace.render import stdout_console
 
+# a bound like --steps's: far past any run one waits for, and within an int64
+MAX_CASES = 10**9
+
 if TYPE_CHECKING:
     from mgtrace.kernels.check import CheckReport
 
@@ -25,7 +28,11 @@ if TYPE_CHECKING:
     help="Also run vLLM's own kernels (the installed vllm package) on every case.",
 )
 @click.option(
-    "--cases", default=200, show_default=True, type=click.IntRange(min=1), help="Random cases."
+    "--cases",
+    default=200,
+    show_default=True,
+    type=click.IntRange(min=1, max=MAX_CASES),
+    help="Random cases.",
 )
 @click.option(
     "--seed",
