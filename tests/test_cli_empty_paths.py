@@ -1,5 +1,6 @@
-"""An empty path (an unset shell variable) is refused by name: click reads it as the current
-directory, so `-o ""` was refused in words about "." or, for `demo`, would write there."""
+"""A path no file can have is refused by name: an empty one (an unset shell variable), which
+click reads as the current directory, so `-o ""` was refused in words about "." or, for
+`demo`, would write there; and one longer than the system takes."""
 
 from __future__ import annotations
 
@@ -57,3 +58,27 @@ def test_an_empty_path_is_one_sentence(args: tuple[str, ...], tmp_path: Path) ->
     proc = run_cli(*args, cwd=tmp_path)
     assert proc.returncode == 2 and SAID in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "said"),
+    [
+        (["info", "x" * 300], "'TRACE'", "a name in the path is 300 bytes long"),
+        (["simulate", "-o", "d/" + "y" * 256], "'-o' / '--output'", "is 256 bytes long"),
+        (["sql", "t", "SELECT 1", "-o", "a/" * 2100], "'-o' / '--output'", "4,200 bytes"),
+    ],
+)
+def test_a_path_the_system_would_refuse_by_length_is_refused_by_name(
+    argv: list[str], option: str, said: str
+) -> None:
+    """The system's own words (File name too long) echoed the whole name, named no option,
+    and said a trace named so was a usage error in one command and unreadable in another."""
+    proc = run_cli(*argv)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"Invalid value for {option}" in proc.stderr and said in proc.stderr, proc.stderr
+    assert "File name too long" not in proc.stderr
+
+
+def test_names_up_to_the_limit_pass() -> None:
+    path = NonEmptyPath(path_type=Path)
+    assert path.convert("z" * 255, None, None) == Path("z" * 255)  # the control
