@@ -60,10 +60,14 @@ def require_output_folder(output: Path, what: str) -> None:
 def refuse_a_trace_inside_a_trace(output: Path) -> None:
     """Refuse to write a trace into another trace's folder: the outer trace's readers never
     see it, and replacing the outer one (--force) would remove it without a word."""
+    above = trace_holding(output)
+    if above is not None:
+        raise UsageError(f"{output} lies inside the trace {above}; write the new trace elsewhere")
+
+
+def trace_holding(path: Path) -> Path | None:
+    """The trace whose folder ``path`` lies in, if any: what is written there is none of
+    the trace's files, and ``--force`` there could overwrite one of them."""
     from mgtrace.schemas.manifest import is_trace_directory
 
-    for above in Path(os.path.abspath(output)).parents:
-        if is_trace_directory(above):
-            raise UsageError(
-                f"{output} lies inside the trace {above}; write the new trace elsewhere"
-            )
+    return next((p for p in Path(os.path.abspath(path)).parents if is_trace_directory(p)), None)

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from mgtrace.atomic import atomic_write, is_a_stream
 from mgtrace.errors import OutputError
-from mgtrace.outputs import require_output_folder
+from mgtrace.outputs import require_output_folder, trace_holding
 
 FORMATS = ("table", "csv", "json", "parquet")
 
@@ -167,6 +167,9 @@ def check_output_path(path: Path, *, force: bool) -> None:
         raise OutputError(f"{path} is a directory; give a file name")
     if is_a_stream(path):  # /dev/stdout, a FIFO: written in place, nothing to lose
         return
+    holder = trace_holding(path)
+    if holder is not None:
+        raise OutputError(f"{path} lies inside the trace {holder}; write it elsewhere")
     if path.exists() and not force:
         raise OutputError(f"{path} already exists; pass --force to overwrite it")
     require_output_folder(path, str(path))  # a file or /proc above it fails here, not later
