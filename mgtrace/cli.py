@@ -227,8 +227,10 @@ def sql(
         shown = fetch_arrow(rel, max_rows + 1)
         more = shown.num_rows > max_rows
         # the total only where rows are left out: counting runs the query a second time
-        # an error met only past the rows shown (a failed cast, error()) is a usage error too
-        total = fetch_arrow(rel.aggregate("count(*)")).column(0)[0].as_py() if more else None
+        # an error met only past the rows shown (a failed cast, error()) is a usage error
+        # too; count(COLUMNS(*)) computes every column there, which count(*) alone skips
+        counted = "count(*), count(COLUMNS(*))"
+        total = fetch_arrow(rel.aggregate(counted)).column(0)[0].as_py() if more else None
         render_arrow(shown.slice(0, max_rows), _stdout(), more=more, total=total)
         return
     export_table(fetch_arrow(rel), fmt, output)

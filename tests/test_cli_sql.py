@@ -708,6 +708,14 @@ def test_an_error_met_only_while_counting_the_rows_is_a_usage_error(
         assert main(["sql", str(sample_trace), query, "--max-rows", "3"]) == 2, query
         err = capsys.readouterr().err.strip()
         assert err == "mgtrace: error: the query failed: Invalid Input Error: late failure", err
+    # in a column rather than the WHERE clause: counting the rows alone skipped computing
+    # it, so the table showed "3 of 100 rows" and exited 0 where csv exited 2
+    in_column = "SELECT CASE WHEN range > 60 THEN error('late failure') END AS x FROM range(100)"
+    assert main(["sql", str(sample_trace), in_column, "--max-rows", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "mgtrace: error: the query failed: Invalid Input Error: late failure", err
+    fine = "SELECT CASE WHEN range > 600 THEN error('late failure') END AS x FROM range(100)"
+    assert main(["sql", str(sample_trace), fine, "--max-rows", "3"]) == 0  # the control
 
 
 @pytest.mark.parametrize(
