@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -22,6 +22,9 @@ from mgtrace import __version__
 from mgtrace.errors import EXIT_USAGE, MgtraceError, TraceError, TraceReplacedError
 from mgtrace.params import PATH
 from mgtrace.termination import is_query_interrupt, stop_signals_interrupt, terminated_by
+
+if TYPE_CHECKING:
+    from mgtrace.schemas.reader import TraceReader
 
 EXIT_INTERNAL = 70  # sysexits EX_SOFTWARE: a bug in mgtrace, not in the input
 
@@ -231,11 +234,24 @@ def sql(
         # too; count(COLUMNS(*)) computes every column there, which count(*) alone skips
         counted = "count(*), count(COLUMNS(*))"
         total = fetch_arrow(rel.aggregate(counted)).column(0)[0].as_py() if more else None
+        _refuse_if_replaced(reader)
         render_arrow(shown.slice(0, max_rows), _stdout(), more=more, total=total)
         return
-    export_table(fetch_arrow(rel), fmt, output)
+    rows = fetch_arrow(rel)
+    _refuse_if_replaced(reader)
+    export_table(rows, fmt, output)
     if output is not None:
         _stderr().print(f"wrote {output}", markup=False, highlight=False)
+
+
+def _refuse_if_replaced(reader: TraceReader) -> None:
+    """Rows read while another process replaced the trace may mix two traces (DuckDB reads
+    the parts by path): none are shown then."""
+    from mgtrace.schemas.reader import replaced_error
+
+    replaced = replaced_error(reader, "the query")
+    if replaced is not None:
+        raise replaced
 
 
 @cli.command()

@@ -38,15 +38,14 @@ def test_the_command_line_keeps_findings_out_of_a_trace_replaced_meanwhile(
 ) -> None:
     """`mgtrace replay T` while `simulate -o T --force` replaced T saved the old trace's
     findings into the new, clean one: `info T` then said "as-recorded: N findings" of steps
-    the new trace did not even have. Now the replay says it did not save them."""
+    the new trace did not even have (and its verdict, read partly from each trace, could
+    call a clean trace corrupt). Now the replay gives no verdict and saves nothing."""
     path = tmp_path / "t.trace"
     mgtrace.simulate(path, steps=120, bugs=BUG)
     _replaced_while_replaying(monkeypatch, path)
-    # exit 1 with the findings shown; 3 where a reader that reads the trace it opened says
-    # that trace went while it read the rest (the caveats read the trace after the save)
-    assert main(["replay", str(path), "--jobs", "1"]) in (1, 3)
+    assert main(["replay", str(path), "--jobs", "1"]) == 3
     err = capsys.readouterr().err
-    assert "could not add the findings" in err and "replaced the trace" in err
+    assert "replaced or removed the trace at" in err and "during the replay" in err, err
     new = TraceReader(path)
     assert new.manifest.ground_truth["injected"] == []  # the clean trace that replaced it
     assert new.rows("findings") == 0 and new.unlisted_parts() == []
@@ -83,3 +82,30 @@ def test_save_findings_checks_the_trace_it_was_read_from(tmp_path: Path) -> None
     with pytest.raises(OutputError, match="replaced the trace"):
         save_findings(path, found, replay_id="a", rules="as-recorded", read_from=read)
     assert TraceReader(path).rows("findings") == 0
+
+
+def test_sql_shows_no_rows_read_while_the_trace_was_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DuckDB reads the parts by path: a query that ran while `simulate --force` replaced
+    the trace printed counts of neither trace, exit 0. Now it prints none, exit 3."""
+    import mgtrace.query.views as views
+
+    path = tmp_path / "t.trace"
+    mgtrace.simulate(path, steps=120, bugs=BUG)
+    real = views.fetch_arrow
+
+    def fetched_then_replaced(*args, **kwargs):
+        rows = real(*args, **kwargs)
+        mgtrace.simulate(path, steps=150, seed=7, force=True)
+        return rows
+
+    monkeypatch.setattr(views, "fetch_arrow", fetched_then_replaced)
+    query = "SELECT count(*) AS n FROM steps"
+    for fmt in ("table", "csv"):
+        assert main(["sql", str(path), query, "--format", fmt]) == 3
+        out, err = capsys.readouterr()
+        assert "during the query" in err and "120" not in out and "150" not in out, out + err
+    monkeypatch.undo()  # the control: the trace as it stands is queried
+    assert main(["sql", str(path), query, "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "150"

@@ -279,7 +279,7 @@ def replay(
     from mgtrace.replayer.loop import replay_trace
     from mgtrace.replayer.parallel import auto_jobs, default_jobs
     from mgtrace.replayer.steps import ranks_of, some_ranks
-    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.schemas.reader import TraceReader, replaced_error
 
     rules = rules_from_options(rule_values, rules_text)
     reader = TraceReader(trace, skip_bad_parts=skip_bad_parts)
@@ -320,11 +320,19 @@ def replay(
                 jobs=jobs or default_jobs(),
                 ranks=chosen,
             )
+        replaced = replaced_error(reader, "the replay")
+        if replaced is not None:  # its verdict may be of neither trace: none is given
+            raise replaced
         if result.steps == 0:
             raise InconclusiveError(
                 f"no step of {trace} could be replayed (all in left-out parts, or outside "
                 "--to-step), so nothing can be said about them"
             )
+    except OSError:
+        replaced = replaced_error(reader, "the replay")
+        if replaced is None:
+            raise
+        raise replaced from None  # a part gone with the trace another process replaced
     except InconclusiveError as exc:
         if as_json:  # a verdict, like a clean or a corrupt one: scripts read it as JSON
             no_verdict = {"rules": rules.canonical(), "clean": None, "inconclusive": exc.message}

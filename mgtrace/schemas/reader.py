@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mgtrace.errors import PartError, TraceNotFoundError
+from mgtrace.errors import MgtraceError, PartError, TraceError, TraceNotFoundError
 from mgtrace.schemas.manifest import Manifest, PartInfo, load_manifest
 from mgtrace.schemas.tables import TABLES, table_spec
 from mgtrace.schemas.writer import PART_SUFFIX, TMP_SUFFIX
@@ -130,6 +130,23 @@ def open_manifest(path: Path) -> Manifest:
     if not path.is_dir():
         raise TraceNotFoundError(f"trace {path} is not a directory")
     return load_manifest(path)
+
+
+def replaced_error(reader: TraceReader, during: str) -> TraceError | None:
+    """One sentence where another process replaced or removed the trace ``reader`` read
+    (``simulate --force`` over it) ``during`` a command: what it read by path since may
+    mix the two traces. None where the trace is the one opened (findings a replay added
+    since do not count)."""
+    try:
+        now = open_manifest(reader.path)
+    except (MgtraceError, OSError):
+        now = None
+    if now is not None and now.created_unix == reader.manifest.created_unix:
+        return None
+    return TraceError(
+        f"another process replaced or removed the trace at {reader.path} during {during}, "
+        "so what it read may mix two traces; run the command again"
+    )
 
 
 class TraceReader:
