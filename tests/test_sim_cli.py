@@ -101,24 +101,33 @@ def test_an_output_no_file_can_be_created_in_is_refused_before_simulating(
 
 
 def test_python_m_mgtrace_sim_keeps_the_error_contract(tmp_path: Path) -> None:
-    """An OSError (here a name too long) was a traceback there; `mgtrace simulate` said it in
-    one sentence. Control: the same command through mgtrace."""
+    """An error of the output path (a name too long) was a traceback there; `mgtrace
+    simulate` said it in one sentence. Control: the same commands through mgtrace."""
     import subprocess
     import sys
 
     from tests.conftest import REPO, assert_one_sentence_error
 
-    out = str(tmp_path / ("a" * 300))
-    module = subprocess.run(
-        [sys.executable, "-m", "mgtrace.sim", "--steps", "5", "-o", out],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
-    assert "too long" in assert_one_sentence_error(module, 2)
-    assert "too long" in assert_one_sentence_error(
-        run_cli("simulate", "--steps", "5", "-o", out), 2
+    def module(out: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "mgtrace.sim", "--steps", "5", "-o", out],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
+
+    # a name longer than the system takes: refused by its option, as click refuses a value
+    too_long = str(tmp_path / ("a" * 300))
+    for proc in (module(too_long), run_cli("simulate", "--steps", "5", "-o", too_long)):
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "Invalid value for '-o' / '--output'" in proc.stderr, proc.stderr
+        assert "300 bytes long" in proc.stderr, proc.stderr
+    # a folder no file can be made in: one sentence from mgtrace's own error path
+    unwritable = "/proc/mgtrace-no-such/t"
+    assert "cannot write" in assert_one_sentence_error(module(unwritable), 2)
+    assert "cannot write" in assert_one_sentence_error(
+        run_cli("simulate", "--steps", "5", "-o", unwritable), 2
     )
 
 
