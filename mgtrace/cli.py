@@ -19,7 +19,14 @@ import click
 from rich.console import Console
 
 from mgtrace import __version__
-from mgtrace.errors import EXIT_USAGE, MgtraceError, TraceError, TraceReplacedError
+from mgtrace.errors import (
+    EXIT_UNREADABLE,
+    EXIT_USAGE,
+    MgtraceError,
+    TraceError,
+    TraceReplacedError,
+)
+from mgtrace.opened_traces import noting_opened_traces, replaced_among
 from mgtrace.params import PATH
 from mgtrace.termination import is_query_interrupt, stop_signals_interrupt, terminated_by
 
@@ -170,7 +177,9 @@ def info(trace: Path, as_json: bool, skip_bad_parts: bool) -> None:
     from mgtrace.query.info import trace_info
     from mgtrace.render import render_info
 
-    data = trace_info(_open(trace, skip_bad_parts))
+    reader = _open(trace, skip_bad_parts)
+    data = trace_info(reader)
+    _refuse_if_replaced(reader, "mgtrace info")
     if as_json:
         click.echo(json.dumps(data, indent=1, default=str))
     else:
@@ -234,22 +243,22 @@ def sql(
         # too; count(COLUMNS(*)) computes every column there, which count(*) alone skips
         counted = "count(*), count(COLUMNS(*))"
         total = fetch_arrow(rel.aggregate(counted)).column(0)[0].as_py() if more else None
-        _refuse_if_replaced(reader)
+        _refuse_if_replaced(reader, "the query")
         render_arrow(shown.slice(0, max_rows), _stdout(), more=more, total=total)
         return
     rows = fetch_arrow(rel)
-    _refuse_if_replaced(reader)
+    _refuse_if_replaced(reader, "the query")
     export_table(rows, fmt, output)
     if output is not None:
         _stderr().print(f"wrote {output}", markup=False, highlight=False)
 
 
-def _refuse_if_replaced(reader: TraceReader) -> None:
-    """Rows read while another process replaced the trace may mix two traces (DuckDB reads
-    the parts by path): none are shown then."""
+def _refuse_if_replaced(reader: TraceReader, during: str) -> None:
+    """What was read while another process replaced the trace may mix two traces (DuckDB
+    and pyarrow read the parts by path): nothing of it is shown then."""
     from mgtrace.schemas.reader import replaced_error
 
-    replaced = replaced_error(reader, "the query")
+    replaced = replaced_error(reader, during)
     if replaced is not None:
         raise replaced
 
@@ -331,38 +340,39 @@ def history(
         start=start_state(reader),
     )
     if fmt != "table":
+        _refuse_if_replaced(reader, "mgtrace history")
         export_table(lines, fmt, output)
         if output is not None:
             _stderr().print(f"wrote {output}", markup=False, highlight=False)
         return
-    out = _stdout()
+    # every line is made before any is printed, so that none is shown of a trace that
+    # another process replaced while they were read
     if not lines.num_rows:
         lo, hi = request_span(con, req_id)
-        out.print(Text(f"{req_id} is in steps {lo}..{hi} only; none of them is in the range asked"))
+        _refuse_if_replaced(reader, "mgtrace history")
+        span = f"{req_id} is in steps {lo}..{hi} only; none of them is in the range asked"
+        _stdout().print(Text(span))
         return
-    out.print(Text(f"history of {req_id} in {trace}"))
     about = request_summary(con, req_id)
-    if about:
-        out.print(Text(about))
-    render_history(lines, out, max_rows=max_rows)
+    after: list[Text] = []  # what is printed below the lines
     gaps = gaps_note(con, lines)
     if gaps is not None:
-        out.print(Text(gaps, style="yellow"))
+        after.append(Text(gaps, style="yellow"))
     if rank is None:
         from mgtrace.query.rank_steps import step_offsets_caveat
 
         caveat = step_offsets_caveat(reader)
         if caveat is not None:
-            out.print(Text(f"{caveat} (--rank N shows one rank's lines)", style="yellow"))
+            after.append(Text(f"{caveat} (--rank N shows one rank's lines)", style="yellow"))
     first = first_finding(con, req_id, rules=wanted, rank=rank)
     if first is not None:
         step, found_on, sentence = first
-        out.print(Text(f"first finding at step {step} (rank {found_on}): {sentence}"))
+        after.append(Text(f"first finding at step {step} (rank {found_on}): {sentence}"))
     elif rank is not None:
         elsewhere = first_finding(con, req_id, rules=wanted)
         if elsewhere is not None:
             step, found_on, _ = elsewhere
-            out.print(
+            after.append(
                 Text(
                     f"no finding on rank {rank}; the first is on rank {found_on}, at step {step}",
                     style="dim",
@@ -370,10 +380,18 @@ def history(
             )
     note = findings_note(reader, con, req_id, wanted, trace, rank=rank)
     if note is not None:
-        out.print(Text(note, style="dim"))
+        after.append(Text(note, style="dim"))
     reach = reach_note(reader, con, req_id, wanted, rank=rank)
     if reach is not None:
-        out.print(Text(reach, style="yellow"))
+        after.append(Text(reach, style="yellow"))
+    _refuse_if_replaced(reader, "mgtrace history")
+    out = _stdout()
+    out.print(Text(f"history of {req_id} in {trace}"))
+    if about:
+        out.print(Text(about))
+    render_history(lines, out, max_rows=max_rows)
+    for text in after:
+        out.print(text)
 
 
 @cli.command()
@@ -394,13 +412,14 @@ def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_par
 
     refuse_overwriting_inputs(output, trace)
     check_output_path(output, force=force)
+    opened = Trace(trace, skip_bad_parts=skip_bad_parts)
     try:
-        write_report(Trace(trace, skip_bad_parts=skip_bad_parts), output, bisect=not no_bisect)
+        write_report(opened, output, bisect=not no_bisect)
     except TraceReplacedError:  # its advice (reload()) is for Python callers
-        raise TraceError(
-            f"the trace at {trace} was removed or replaced by another process while the "
-            "report was being made; run the command again"
-        ) from None
+        from mgtrace.schemas.reader import replaced_error
+
+        said = replaced_error(opened.reader, "the report")
+        raise said or TraceReplacedError(f"the trace at {trace} was replaced") from None
     _stderr().print(f"wrote {output}", markup=False, highlight=False)
 
 
@@ -415,6 +434,14 @@ def _interrupted(exc: BaseException) -> int:
     return 130 if by is None else by.exit_code
 
 
+def _replaced_during(opened: list[TraceReader]) -> TraceError | None:
+    """Where a command failed reading a trace that another process replaced or removed
+    meanwhile, that is the sentence to give."""
+    with contextlib.suppress(Exception):  # the failure it was asked about stays the answer
+        return replaced_among(opened, "the command")
+    return None
+
+
 def main(
     argv: list[str] | None = None,
     *,
@@ -423,13 +450,16 @@ def main(
 ) -> int:
     """Console entry point: run the CLI (or one of its commands on its own), turn every
     MgtraceError into one sentence."""
+    opened: list[TraceReader] = []
     try:
         from mgtrace.pandas_probe import skip_pandas_probe
 
         skip_pandas_probe()  # inside: a Ctrl-C this early is an interruption like any other
-        with stop_signals_interrupt():
+        with stop_signals_interrupt(), noting_opened_traces(opened):
             rv = (command or cli).main(args=argv, prog_name=prog_name, standalone_mode=False)
     except MgtraceError as exc:
+        if exc.exit_code == EXIT_UNREADABLE and not isinstance(exc, TraceReplacedError):
+            exc = _replaced_during(opened) or exc  # a part gone: the trace replaced meanwhile
         click.echo(f"mgtrace: error: {exc.message}", err=True)
         return exc.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:
@@ -445,6 +475,9 @@ def main(
     except OSError as exc:  # the file system said no (read-only, full, permissions)
         if terminated_by(exc) is not None:  # or a hangup took stderr while stopping
             return _interrupted(exc)
+        if (replaced := _replaced_during(opened)) is not None:
+            click.echo(f"mgtrace: error: {replaced.message}", err=True)
+            return replaced.exit_code
         where = f" ({exc.filename})" if exc.filename else ""
         click.echo(f"mgtrace: error: {exc.strerror or exc}{where}", err=True)
         return EXIT_USAGE
@@ -453,6 +486,10 @@ def main(
             return _interrupted(exc)
         if os.environ.get("MGTRACE_DEBUG"):
             raise
+        # DuckDB's or pyarrow's words for a part that another process replaced or removed
+        if (replaced := _replaced_during(opened)) is not None:
+            click.echo(f"mgtrace: error: {replaced.message}", err=True)
+            return replaced.exit_code
         click.echo(
             f"mgtrace: internal error: {exc.__class__.__name__}: {exc} "
             "(set MGTRACE_DEBUG=1 to see the traceback, and please report it)",

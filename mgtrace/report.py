@@ -334,6 +334,7 @@ def build_report(trace: Trace, *, bisect: bool = True, max_findings: int = 50) -
 
 def write_report(trace: Trace, output: Path, *, bisect: bool = True) -> Path:
     text = build_report(trace, bisect=bisect)
+    trace._fresh()  # nothing written of a trace another process replaced while it was read
     atomic_write(output, lambda fh: fh.write(text.encode()))
     return output
 

@@ -77,3 +77,20 @@ def assert_one_sentence_error(proc: subprocess.CompletedProcess[str], code: int)
     assert err.startswith("mgtrace: error: "), err
     assert len(err.splitlines()) == 1, err
     return err
+
+
+def replace_after_call(
+    monkeypatch: pytest.MonkeyPatch, module: object, name: str, path: Path, steps: int
+) -> None:
+    """Make each call of ``module.name`` be followed by a clean trace of ``steps`` steps
+    replacing the one at ``path``, as `simulate --force` in another shell."""
+    import mgtrace
+
+    real = getattr(module, name)
+
+    def then_replace(*args, **kwargs):
+        result = real(*args, **kwargs)
+        mgtrace.simulate(path, steps=steps, seed=7, force=True)
+        return result
+
+    monkeypatch.setattr(module, name, then_replace)

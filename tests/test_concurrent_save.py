@@ -14,31 +14,17 @@ from mgtrace.cli import main
 from mgtrace.errors import OutputError
 from mgtrace.replayer.findings import save_findings
 from mgtrace.schemas.reader import TraceReader
+from tests.conftest import replace_after_call
 
 pytestmark = pytest.mark.unit
 
 BUG = ["reorder-threshold-mismatch"]
 
 
-def _replaced_after(
-    monkeypatch: pytest.MonkeyPatch, module: object, name: str, path: Path, steps: int
-) -> None:
-    """Make each call of ``module.name`` be followed by a clean trace of ``steps`` steps
-    replacing the one at ``path``, as `simulate --force` in another shell."""
-    real = getattr(module, name)
-
-    def then_replace(*args, **kwargs):
-        result = real(*args, **kwargs)
-        mgtrace.simulate(path, steps=steps, seed=7, force=True)
-        return result
-
-    monkeypatch.setattr(module, name, then_replace)
-
-
 def _replaced_while_replaying(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
     """The next replay's trace replaced by a clean one of the same shape (its parts have
     the same names) just as the replay ends."""
-    _replaced_after(monkeypatch, loop, "replay_trace", path, steps=120)
+    replace_after_call(monkeypatch, loop, "replay_trace", path, steps=120)
 
 
 def test_the_command_line_keeps_findings_out_of_a_trace_replaced_meanwhile(
@@ -101,7 +87,7 @@ def test_sql_shows_no_rows_read_while_the_trace_was_replaced(
 
     path = tmp_path / "t.trace"
     mgtrace.simulate(path, steps=120, bugs=BUG)
-    _replaced_after(monkeypatch, views, "fetch_arrow", path, steps=150)
+    replace_after_call(monkeypatch, views, "fetch_arrow", path, steps=150)
     query = "SELECT count(*) AS n FROM steps"
     for fmt in ("table", "csv"):
         assert main(["sql", str(path), query, "--format", fmt]) == 3

@@ -50,7 +50,7 @@ from mgtrace.replayer.steps import (
 )
 from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.ranks import rank_directories
-from mgtrace.schemas.reader import TraceReader
+from mgtrace.schemas.reader import TraceReader, replaced_error
 from mgtrace.shell import path_arg
 
 LOG_FORMAT = "mgtrace-bisect"
@@ -183,6 +183,10 @@ class Bisector:
         self.ids, self.start = ckpt.request_ids_for(self.reader)
         chosen = self.ranks if self.ranks is not None else all_ranks
         self.traces = {r: RankTrace(self.reader, r, self.ids) for r in chosen}
+        # the steps are in memory from here on: refused if they may mix two traces
+        replaced = replaced_error(self.reader, "the bisect")
+        if replaced is not None:
+            raise replaced
 
     def _replay(self, trace: RankTrace, rules: RuleSet) -> tuple[RankReplay, int]:
         """A replay of one rank under ``rules``, at the trace's start, and its first step."""

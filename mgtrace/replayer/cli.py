@@ -484,6 +484,7 @@ def bisect_cmd(
     Exit codes: 0 clean, 1 corruption found (verdict given), 2 usage error, 3 unreadable
     trace, 125 inconclusive (dropped steps, incomplete recording).
     """
+    from mgtrace.opened_traces import refuse_if_replaced
     from mgtrace.render import render_verdict, stdout_console
     from mgtrace.replayer.bisect import bisect, check_log_path, recheck_log, save_log
 
@@ -551,6 +552,7 @@ def bisect_cmd(
         ranks=ranks or None,
     )
     log = log_path or Path(trace) / "bisect.json"
+    refuse_if_replaced("the bisect")  # no verdict, nor its log in another trace's folder
     try:
         save_log(verdict, log, skip_bad_parts=skip_bad_parts)
     except (OSError, MgtraceError) as exc:
@@ -610,6 +612,7 @@ def diff_cmd(
     """
     from dataclasses import asdict
 
+    from mgtrace.opened_traces import replaced_among
     from mgtrace.render import stdout_console
     from mgtrace.replayer.diff import diff_rules, diff_traces
     from mgtrace.schemas.reader import TraceReader
@@ -618,17 +621,20 @@ def diff_cmd(
     if trace_b is not None:
         if rules_a is not None or rules_b is not None:
             raise UsageError("compare two traces or two rule sets, not both")
-        result = diff_traces(
-            TraceReader(trace_a, skip_bad_parts=skip_bad_parts),
-            TraceReader(trace_b, skip_bad_parts=skip_bad_parts),
-        )
+        readers = [TraceReader(t, skip_bad_parts=skip_bad_parts) for t in (trace_a, trace_b)]
+        result = diff_traces(*readers)
         sentence = result.sentence(str(trace_a), str(trace_b))
     else:
         if rules_b is None:
             raise UsageError("give a second trace, or --rules-b to compare two rule sets")
         a, b = RuleSet.parse(rules_a or AS_RECORDED), RuleSet.parse(rules_b)
-        result = diff_rules(TraceReader(trace_a, skip_bad_parts=skip_bad_parts), a, b)
+        readers = [TraceReader(trace_a, skip_bad_parts=skip_bad_parts)]
+        result = diff_rules(readers[0], a, b)
         sentence = result.sentence(a, b)
+    # a trace that another process replaced while it was read may differ only by that
+    replaced = replaced_among(readers, "mgtrace diff")
+    if replaced is not None:
+        raise replaced
     if as_json:
         fields = {"sentence": sentence, **asdict(result), "inconclusive": result.inconclusive}
         click.echo(json.dumps(fields, indent=1, default=str))

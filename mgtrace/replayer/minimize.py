@@ -56,7 +56,7 @@ from mgtrace.replayer.steps import (
     require_replayable,
 )
 from mgtrace.schemas.manifest import Manifest, is_trace_directory, save_manifest
-from mgtrace.schemas.reader import TraceReader
+from mgtrace.schemas.reader import TraceReader, replaced_error
 from mgtrace.schemas.tables import TABLES
 from mgtrace.schemas.writer import write_part_file
 
@@ -488,6 +488,9 @@ def minimize(
     reader = TraceReader(trace_path, skip_bad_parts=skip_bad_parts)
     require_replayable(reader)
     full = load_memory(reader)
+    replaced = replaced_error(reader, "the minimize")  # what it loaded may mix two traces
+    if replaced is not None:
+        raise replaced
     # As bisect does, replay only up to the first gap: the steps after the first finding
     # are cut anyway, so only a gap before it leaves nothing to trust.
     gap = _first_gap(reader, full)

@@ -15,7 +15,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mgtrace.errors import MgtraceError, PartError, TraceError, TraceNotFoundError
+from mgtrace.errors import (
+    MgtraceError,
+    PartError,
+    TraceError,
+    TraceNotFoundError,
+    TraceReplacedError,
+)
+from mgtrace.opened_traces import note_opened
 from mgtrace.schemas.manifest import Manifest, PartInfo, load_manifest
 from mgtrace.schemas.tables import TABLES, table_spec
 from mgtrace.schemas.writer import PART_SUFFIX, TMP_SUFFIX
@@ -143,7 +150,7 @@ def replaced_error(reader: TraceReader, during: str) -> TraceError | None:
         now = None
     if now is not None and now.created_unix == reader.manifest.created_unix:
         return None
-    return TraceError(
+    return TraceReplacedError(
         f"another process replaced or removed the trace at {reader.path} during {during}, "
         "so what it read may mix two traces; run the command again"
     )
@@ -156,6 +163,7 @@ class TraceReader:
     def __init__(self, path: str | Path, *, skip_bad_parts: bool = False) -> None:
         self.path = Path(path)
         self.manifest: Manifest = open_manifest(self.path)
+        note_opened(self)
         self.skipped: list[SkippedPart] = []
         self.parts: list[PartInfo] = []
         for part in self.manifest.parts:
