@@ -434,11 +434,16 @@ def _interrupted(exc: BaseException) -> int:
     return 130 if by is None else by.exit_code
 
 
-def _replaced_during(opened: list[TraceReader]) -> TraceError | None:
+def _replaced_during(
+    opened: list[TraceReader], argv: list[str] | None, prog_name: str
+) -> TraceError | None:
     """Where a command failed reading a trace that another process replaced or removed
     meanwhile, that is the sentence to give."""
+    args = sys.argv[1:] if argv is None else argv
+    verb = next((a for a in args if a in cli.commands or a in PLUGIN_COMMANDS), None)
+    command = prog_name if verb is None or prog_name != "mgtrace" else f"mgtrace {verb}"
     with contextlib.suppress(Exception):  # the failure it was asked about stays the answer
-        return replaced_among(opened, "the command")
+        return replaced_among(opened, command)
     return None
 
 
@@ -459,7 +464,9 @@ def main(
             rv = (command or cli).main(args=argv, prog_name=prog_name, standalone_mode=False)
     except MgtraceError as exc:
         if exc.exit_code == EXIT_UNREADABLE and not isinstance(exc, TraceReplacedError):
-            exc = _replaced_during(opened) or exc  # a part gone: the trace replaced meanwhile
+            exc = (
+                _replaced_during(opened, argv, prog_name) or exc
+            )  # a part gone: the trace replaced meanwhile
         click.echo(f"mgtrace: error: {exc.message}", err=True)
         return exc.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:
@@ -475,7 +482,7 @@ def main(
     except OSError as exc:  # the file system said no (read-only, full, permissions)
         if terminated_by(exc) is not None:  # or a hangup took stderr while stopping
             return _interrupted(exc)
-        if (replaced := _replaced_during(opened)) is not None:
+        if (replaced := _replaced_during(opened, argv, prog_name)) is not None:
             click.echo(f"mgtrace: error: {replaced.message}", err=True)
             return replaced.exit_code
         where = f" ({exc.filename})" if exc.filename else ""
@@ -487,7 +494,7 @@ def main(
         if os.environ.get("MGTRACE_DEBUG"):
             raise
         # DuckDB's or pyarrow's words for a part that another process replaced or removed
-        if (replaced := _replaced_during(opened)) is not None:
+        if (replaced := _replaced_during(opened, argv, prog_name)) is not None:
             click.echo(f"mgtrace: error: {replaced.message}", err=True)
             return replaced.exit_code
         click.echo(

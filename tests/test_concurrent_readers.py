@@ -47,11 +47,12 @@ def _command(name: str, trace: Path) -> list[str]:
 READERS = ["info", "info --json", "history", "history --format csv", "report"]
 
 
-def _assert_refused(capsys: pytest.CaptureFixture[str], trace: Path) -> None:
+def _assert_refused(capsys: pytest.CaptureFixture[str], trace: Path) -> str:
     out, err = capsys.readouterr()
     assert err.startswith(REPLACED) and len(err.splitlines()) == 1, err
     assert out == "", out
     assert not (trace.parent / "report.html").exists()
+    return err
 
 
 @pytest.mark.parametrize("name", READERS)
@@ -62,7 +63,7 @@ def test_a_part_gone_mid_read_is_said_as_the_trace_replaced(
     name is gone (it was "internal error: IOException: No files found ...", exit 70)."""
     replace_after_call(monkeypatch, TraceReader, "connect", replayed, steps=150)
     assert main(_command(name, replayed)) == 3
-    _assert_refused(capsys, replayed)
+    assert f"during mgtrace {name.split()[0]}, " in _assert_refused(capsys, replayed)
     monkeypatch.undo()  # the control: the trace as it stands now is read
     assert main(_command(name, replayed)) == 0
     capsys.readouterr()
