@@ -418,7 +418,7 @@ def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_par
     except TraceReplacedError:  # its advice (reload()) is for Python callers
         from mgtrace.schemas.reader import replaced_error
 
-        said = replaced_error(opened.reader, "the report")
+        said = replaced_error(opened.reader, "mgtrace report")
         raise said or TraceReplacedError(f"the trace at {trace} was replaced") from None
     _stderr().print(f"wrote {output}", markup=False, highlight=False)
 
@@ -464,9 +464,8 @@ def main(
             rv = (command or cli).main(args=argv, prog_name=prog_name, standalone_mode=False)
     except MgtraceError as exc:
         if exc.exit_code == EXIT_UNREADABLE and not isinstance(exc, TraceReplacedError):
-            exc = (
-                _replaced_during(opened, argv, prog_name) or exc
-            )  # a part gone: the trace replaced meanwhile
+            # a part gone or changed: the trace was replaced meanwhile
+            exc = _replaced_during(opened, argv, prog_name) or exc
         click.echo(f"mgtrace: error: {exc.message}", err=True)
         return exc.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:

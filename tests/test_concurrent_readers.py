@@ -164,7 +164,8 @@ def test_bisect_gives_no_verdict_of_a_trace_replaced_meanwhile(
     replace_after_call(monkeypatch, bisect, function, replayed, steps=150)
     assert main(args) == 3, name
     err = capsys.readouterr().err
-    assert err.startswith(REPLACED) and "during the bisect" in err, err
+    said = {"RankTrace": "during the bisection", "bisect": "during mgtrace bisect"}[function]
+    assert err.startswith(REPLACED) and said in err, err
     assert not (replayed / "bisect.json").exists()
     monkeypatch.undo()  # the control: the trace as it stands is bisected, its log written
     assert main(args) == 0
@@ -180,7 +181,7 @@ def test_minimize_makes_no_repro_of_a_trace_replaced_while_it_loaded(
     replace_after_call(monkeypatch, minimize, "load_memory", replayed, steps=150)
     assert main(["minimize", str(replayed), "-o", str(out)]) == 3
     err = capsys.readouterr().err
-    assert err.startswith(REPLACED) and "during the minimize" in err, err
+    assert err.startswith(REPLACED) and "during the minimization" in err, err
     assert not out.exists()
 
 
@@ -193,5 +194,5 @@ def test_the_api_bisects_no_trace_replaced_while_it_loaded(
     trace = mgtrace.open(replayed)
     assert trace.bisect().status == "bad"  # the control
     replace_after_call(monkeypatch, bisect, "RankTrace", replayed, steps=150)
-    with pytest.raises(TraceReplacedError, match="during the bisect"):
+    with pytest.raises(TraceReplacedError, match="during the bisection"):
         trace.bisect()

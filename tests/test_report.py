@@ -305,7 +305,7 @@ def test_a_trace_replaced_while_the_report_is_made_is_one_sentence_for_the_shell
     out = tmp_path / "r.html"
     assert main(["report", str(path), "-o", str(out), "--no-bisect"]) == 3
     err = capsys.readouterr().err
-    assert "replaced or removed the trace at" in err and "during the report" in err, err
+    assert "replaced or removed the trace at" in err and "during mgtrace report" in err, err
     assert "reload()" not in err and not out.exists()
     monkeypatch.undo()  # control: the trace as it stands now is reported
     assert main(["report", str(path), "-o", str(out), "--no-bisect"]) == 0 and out.exists()

@@ -184,7 +184,7 @@ class Bisector:
         chosen = self.ranks if self.ranks is not None else all_ranks
         self.traces = {r: RankTrace(self.reader, r, self.ids) for r in chosen}
         # the steps are in memory from here on: refused if they may mix two traces
-        replaced = replaced_error(self.reader, "the bisect")
+        replaced = replaced_error(self.reader, "the bisection")
         if replaced is not None:
             raise replaced
 

@@ -552,7 +552,7 @@ def bisect_cmd(
         ranks=ranks or None,
     )
     log = log_path or Path(trace) / "bisect.json"
-    refuse_if_replaced("the bisect")  # no verdict, nor its log in another trace's folder
+    refuse_if_replaced("mgtrace bisect")  # no verdict, nor its log in another trace's folder
     try:
         save_log(verdict, log, skip_bad_parts=skip_bad_parts)
     except (OSError, MgtraceError) as exc:

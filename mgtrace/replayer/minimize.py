@@ -488,7 +488,7 @@ def minimize(
     reader = TraceReader(trace_path, skip_bad_parts=skip_bad_parts)
     require_replayable(reader)
     full = load_memory(reader)
-    replaced = replaced_error(reader, "the minimize")  # what it loaded may mix two traces
+    replaced = replaced_error(reader, "the minimization")  # what it loaded may mix two traces
     if replaced is not None:
         raise replaced
     # As bisect does, replay only up to the first gap: the steps after the first finding
