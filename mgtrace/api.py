@@ -103,6 +103,18 @@ class Trace:
         self._con = None
         self._stamp = self._manifest_stamp()
 
+    @classmethod
+    def _over(cls, reader: TraceReader, *, skip_bad_parts: bool) -> Trace:
+        """A Trace over a reader the command line opened, whose errors keep its own words
+        (``--skip-bad-parts``, not ``skip_bad_parts=True``)."""
+        self = cls.__new__(cls)
+        self.path = reader.path
+        self._skip_bad_parts = skip_bad_parts
+        self.reader = reader
+        self._con = None
+        self._stamp = self._manifest_stamp()
+        return self
+
     def __repr__(self) -> str:
         from mgtrace.replayer.steps import ranks_of
 

@@ -412,7 +412,8 @@ def report(trace: Path, output: Path, no_bisect: bool, force: bool, skip_bad_par
 
     refuse_overwriting_inputs(output, trace)
     check_output_path(output, force=force)
-    opened = Trace(trace, skip_bad_parts=skip_bad_parts)
+    # opened here rather than by Trace(), which words its errors for Python callers
+    opened = Trace._over(_open(trace, skip_bad_parts), skip_bad_parts=skip_bad_parts)
     try:
         write_report(opened, output, bisect=not no_bisect)
     except TraceReplacedError:  # its advice (reload()) is for Python callers
