@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mgtrace.query.rank_steps import offsets_summary
+from mgtrace.schemas.ranks import MISSING_RANKS
 from mgtrace.shell import shell_path
 
 
@@ -97,6 +98,8 @@ def _drop_causes(errors: dict[str, Any]) -> str:
 def _incomplete_why(info: dict[str, Any]) -> str:
     """Why a trace is not complete, from its manifest."""
     errors = info["errors"]
+    if MISSING_RANKS in errors:
+        return errors[MISSING_RANKS]["first"]
     if "writer" in errors:
         return f"writing stopped: {errors['writer']['first']}"
     if "engine_exited" in errors:

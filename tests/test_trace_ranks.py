@@ -267,3 +267,24 @@ def test_minimize_keeps_the_rank_of_its_finding(whole: Path, tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr
     assert "on rank 0, the one rank it keeps" in " ".join(proc.stdout.split())
     assert ranks_of(TraceReader(out)) == [0]
+
+
+def test_a_recording_missing_a_rank_is_incomplete_and_no_clean_verdict_speaks_for_it(
+    whole: Path, tmp_path: Path
+) -> None:
+    """Rank 0 holds every finding of this trace: with its directory gone, the replay of rank
+    1 alone was called clean (exit 0) and `info` said complete."""
+    rec = tmp_path / "rec"
+    split_by_rank(whole, rec)
+    assert TraceReader(rec).manifest.complete  # the control: both ranks
+    assert run_cli("replay", str(rec), "--no-save").returncode == 1
+    shutil.rmtree(rec / "rank-000")
+    reader = TraceReader(rec)
+    assert not reader.manifest.complete
+    info = run_cli("info", str(rec))
+    assert info.returncode == 0 and "lacks rank-000 of the 2 workers" in info.stdout, info.stdout
+    replay = run_cli("replay", str(rec), "--no-save")
+    assert replay.returncode == 125, replay.stdout + replay.stderr
+    assert "lacks rank-000" in replay.stdout + replay.stderr
+    bisect = run_cli("bisect", str(rec))
+    assert bisect.returncode == 125 and "lacks rank-000" in bisect.stdout, bisect.stdout

@@ -19,6 +19,7 @@ from mgtrace.replayer.steps import (
     in_flight_at_start,
     spec_decodes_run_first,
 )
+from mgtrace.schemas.ranks import MISSING_RANKS
 from mgtrace.schemas.tables import SCHED_KINDS
 
 
@@ -29,7 +30,10 @@ def missing_from(reader: Any, gaps: bool = False) -> list[str]:
     left_out = any(s.table in REPLAY_TABLES for s in getattr(reader, "skipped", ()))
     if gaps or left_out or reader.manifest.drops.total_steps:
         problems.append("the trace has dropped or left-out steps")
-    if not reader.manifest.complete:
+    missing_ranks = reader.manifest.errors.get(MISSING_RANKS)
+    if missing_ranks is not None:
+        problems.append(missing_ranks["first"])
+    elif not reader.manifest.complete:
         problems.append("the recording did not finish (complete=false)")
     return problems
 

@@ -29,6 +29,7 @@ RANK_DIR = re.compile(r"rank-(\d{3,})")
 # (engine-PID), or the data-parallel ranks of one, each an engine of its own (dp-NNN)
 ENGINE_DIR = re.compile(r"engine-\d+|dp-\d{3,}")
 MERGED_KIND = "merged-ranks"
+MISSING_RANKS = "missing_ranks"  # the errors entry of a merged trace some ranks are absent from
 # Run fields every rank of one engine shares; a mismatch means directories of different runs.
 SHARED_RUN_FIELDS = (
     "runner",
@@ -92,6 +93,7 @@ def merge_ranks(
                     f"{ranks[rank].name} and {ranks[first_rank].name} of {trace_dir} disagree "
                     f"on {name} ({b!r} vs {a!r}); they are not ranks of one run"
                 )
+    missing = _missing_ranks(first.run, children)
     merged = Manifest(
         run=_merged_run([c.run for c in children.values()]),
         source={
@@ -99,7 +101,7 @@ def merge_ranks(
             "ranks": {ranks[r].name: c.source for r, c in sorted(children.items())},
         },
         drops=_merged_drops([c.drops for c in children.values()]),
-        complete=all(c.complete for c in children.values()),
+        complete=not missing and all(c.complete for c in children.values()),
         created_unix=min(c.created_unix for c in children.values()),
         closed_unix=None
         if any(c.closed_unix is None for c in children.values())
@@ -113,9 +115,32 @@ def merge_ranks(
             for p in child.parts
         ]
         merged.errors.update({f"{name}: {key}": value for key, value in child.errors.items()})
+    if missing:
+        merged.errors[MISSING_RANKS] = {"count": len(missing), "first": missing}
     if own is not None:
         merged.parts += own_parts(own.parts)
     return merged
+
+
+def _missing_ranks(run: RunMetadata, children: dict[int, Manifest]) -> str | None:
+    """Which of the engine's TP x PP workers left no trace, said as a clause: a replay of the
+    others cannot speak for the steps of those."""
+    workers = run.tp_size * run.pp_size
+    present = sum(1 for r in children if r < workers)
+    if present == workers:
+        return None
+    absent: list[int] = []
+    rank = 0
+    while len(absent) < 8 and rank < workers:  # at most len(children) + 8 turns
+        if rank not in children:
+            absent.append(rank)
+        rank += 1
+    more = workers - present - len(absent)
+    names = ", ".join(f"rank-{r:03d}" for r in absent) + (f" and {more} more" if more else "")
+    return (
+        f"the recording lacks {names} of the {workers} workers of its run "
+        f"(TP {run.tp_size} x PP {run.pp_size})"
+    )
 
 
 def own_parts(parts: list[PartInfo]) -> list[PartInfo]:
