@@ -288,3 +288,23 @@ def test_a_recording_missing_a_rank_is_incomplete_and_no_clean_verdict_speaks_fo
     assert "lacks rank-000" in replay.stdout + replay.stderr
     bisect = run_cli("bisect", str(rec))
     assert bisect.returncode == 125 and "lacks rank-000" in bisect.stdout, bisect.stdout
+
+
+def test_minimize_of_one_rank_passes_over_a_gap_in_another(whole: Path, tmp_path: Path) -> None:
+    """Rank 1's launches part gone: with --skip-bad-parts, minimize stopped at rank 1's gap
+    (exit 125) though the finding is on rank 0, whole, and the repro keeps rank 0 only."""
+    damaged = tmp_path / "damaged.trace"
+    shutil.copytree(whole, damaged)
+    part = next(p for p in TraceReader(whole).parts if p.table == "launches" and p.rank == 1)
+    (damaged / part.path).unlink()
+    cut = run_cli("minimize", str(damaged), "-o", str(tmp_path / "a"), "--skip-bad-parts")
+    assert cut.returncode == 125 and "rank 1" in cut.stderr, cut.stderr  # the control
+    out = tmp_path / "rank0.min"
+    args = ("minimize", str(damaged), "-o", str(out), "--skip-bad-parts", "--rank", "0")
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "on rank 0, the one rank it keeps" in " ".join(proc.stdout.split())
+    assert ranks_of(TraceReader(out)) == [0]
+    assert run_cli("replay", str(out), "--no-save").returncode == 1
+    absent = run_cli("minimize", str(whole), "-o", str(tmp_path / "b"), "--rank", "7")
+    assert "has no rank 7; its ranks: 0, 1" in assert_one_sentence_error(absent, 2)

@@ -677,6 +677,15 @@ def diff_cmd(
     is_flag=True,
     help="Read the valid parts of a damaged trace (up to the first step a bad part held).",
 )
+@click.option(
+    "--rank",
+    "ranks",
+    type=click.IntRange(min=0),
+    multiple=True,
+    metavar="N",
+    help="Minimize a finding of this rank (repeatable); the other ranks, and any gap in "
+    "them, are left out. Default: every rank.",
+)
 def minimize_cmd(
     trace: Path,
     output: Path,
@@ -685,6 +694,7 @@ def minimize_cmd(
     force: bool,
     as_json: bool,
     skip_bad_parts: bool,
+    ranks: tuple[int, ...],
     **rule_values: str | None,
 ) -> int:
     """Delta-debug TRACE down to the fewest requests and steps that still show the same
@@ -717,6 +727,7 @@ def minimize_cmd(
             force=force,
             progress=progress,
             skip_bad_parts=skip_bad_parts,
+            ranks=ranks or None,
         )
     finally:
         if status is not None:

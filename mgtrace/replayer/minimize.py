@@ -25,7 +25,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from mgtrace.replayer.steps import (
     first_gap,
     ranks_of,
     require_replayable,
+    some_ranks,
 )
 from mgtrace.schemas.manifest import Manifest, is_trace_directory, save_manifest
 from mgtrace.schemas.reader import TraceReader, replaced_error
@@ -120,15 +121,21 @@ def outcome(trace: MemoryTrace, rules: RuleSet) -> Outcome:
 def only_rank(trace: MemoryTrace, rank: int) -> MemoryTrace:
     """One rank's rows and start state. Each rank replays on its own, so the other ranks'
     rows take no part in a finding on this one."""
+    return only_ranks(trace, [rank])
+
+
+def only_ranks(trace: MemoryTrace, ranks: Sequence[int]) -> MemoryTrace:
+    """The rows and start state of ``ranks``."""
+    kept_ranks = pa.array(ranks, pa.int32())
     out = {
-        name: t.filter(pc.equal(t.column("rank"), rank))
+        name: t.filter(pc.is_in(t.column("rank"), kept_ranks))
         if TABLES[name].per_step and t.num_rows
         else t
         for name, t in trace.tables_.items()
     }
     start = trace.start_state
     if start is not None:
-        kept = {r: cp for r, cp in start.checkpoints.items() if r == rank}
+        kept = {r: cp for r, cp in start.checkpoints.items() if r in ranks}
         start = replace(start, checkpoints=kept)
     return MemoryTrace(trace.manifest, out, start)
 
@@ -480,20 +487,26 @@ def minimize(
     force: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
     skip_bad_parts: bool = False,
+    ranks: Sequence[int] | None = None,
 ) -> MinimizeResult:
+    """``ranks``: minimize a finding of these ranks only, whatever the others hold (a gap
+    on another rank stops nothing)."""
     rules = rules or RuleSet()
     refuse_overwriting_inputs(output, trace_path)
     _refuse_existing_output(Path(output), force)  # before the replays, not after them
     t0 = time.perf_counter()
     reader = TraceReader(trace_path, skip_bad_parts=skip_bad_parts)
     require_replayable(reader)
+    chosen = some_ranks(reader, ranks, trace_path)
     full = load_memory(reader)
     replaced = replaced_error(reader, "the minimization")  # what it loaded may mix two traces
     if replaced is not None:
         raise replaced
     # As bisect does, replay only up to the first gap: the steps after the first finding
     # are cut anyway, so only a gap before it leaves nothing to trust.
-    gap = _first_gap(reader, full)
+    if chosen is not None:
+        full = only_ranks(full, chosen)
+    gap = _first_gap(reader, full, chosen)
     if gap is not None and gap[1] <= 0:  # no step before it to replay
         raise _untrusted(trace_path, gap)
     base = outcome(full if gap is None else truncate(full, gap[1] - 1), rules)
@@ -530,6 +543,8 @@ def minimize(
         if bad(alone):  # always, as each rank replays on its own; checked all the same
             current = alone
             history.append({"pass": "ranks", "rank": rank})
+    elif chosen is not None:  # --rank N of several: the one rank it keeps, as above
+        history.append({"pass": "ranks", "rank": rank})
     # The prefix trim can leave requests and steps the earlier passes had to keep (their
     # history mattered then), so the passes repeat until none removes anything.
     for _ in range(MAX_ROUNDS):
@@ -573,9 +588,12 @@ def _untrusted(trace_path: Path, gap: tuple[int, int]) -> InconclusiveError:
     )
 
 
-def _first_gap(reader: TraceReader, trace: MemoryTrace) -> tuple[int, int] | None:
-    """The earliest (rank, step) missing from a rank's steps, or whose rows a part
-    ``--skip-bad-parts`` left out held; None when every rank's steps are whole."""
+def _first_gap(
+    reader: TraceReader, trace: MemoryTrace, chosen: Sequence[int] | None = None
+) -> tuple[int, int] | None:
+    """The earliest (rank, step) missing from a rank's steps (of ``chosen`` ranks, default
+    every rank), or whose rows a part ``--skip-bad-parts`` left out held; None when every
+    rank's steps are whole."""
     steps = trace.tables_["steps"]
     found: list[tuple[int, int]] = []
     ranks = set(steps.column("rank").to_pylist())
@@ -584,6 +602,8 @@ def _first_gap(reader: TraceReader, trace: MemoryTrace) -> tuple[int, int] | Non
     ranks |= {s.rank for s in left_out if s.rank is not None}
     if left_out and not ranks:
         ranks = {0}
+    if chosen is not None:
+        ranks &= set(chosen)
     for rank in sorted(ranks):
         mine = steps.filter(pc.equal(steps.column("rank"), rank)).column("step")
         gaps = [first_gap(np.sort(np.asarray(mine, np.int64)))]
