@@ -61,3 +61,19 @@ def test_stale_condense_rows_need_drafts() -> None:
     with pytest.raises(UsageError, match="speculative decoding"):
         SimConfig(k=0, bugs=(BUG_STALE_ROW,)).validate()
     SimConfig(k=1, bugs=(BUG_STALE_ROW,)).validate()
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_pipeline_stage_of_v1_records_the_same_batch(pp: int) -> None:
+    """A V1 run under PP said PP N in its run and held one rank: each worker records, and
+    every stage runs the same batch, so the trace holds a line per rank and step, the same
+    on every rank. Control: the PP 1 trace has rank 0 alone."""
+    one = TraceReader(sim_trace(None, 5, 300, runner="v1", k=0))
+    assert one.table("steps", columns=["rank"]).column("rank").unique().to_pylist() == [0]
+    reader = TraceReader(sim_trace(None, 5, 300, runner="v1", k=0, pp=pp))
+    rows = reader.table("batch_rows").sort_by([("rank", "ascending"), ("step", "ascending")])
+    by_rank = [rows.filter(pc.equal(rows.column("rank"), r)).drop(["rank"]) for r in range(pp)]
+    assert by_rank[0].num_rows > 0
+    assert all(t.equals(by_rank[0]) for t in by_rank[1:])
+    result = replay_trace(reader, RuleSet())
+    assert result.findings == [] and sorted(result.ranks) == list(range(pp))

@@ -123,9 +123,13 @@ class Engine:
         landed_early = bool(self.rng_timing.random() < cfg.d2h_early_prob)
         results = self.runner.execute(so, accepted, landed_early, self._owners)
         if not isinstance(results, list):
-            results = [results]
-        for res in results:
-            self.truth.add(res.events)
+            self.truth.add(results.events)
+            # V1's pipeline stages run each batch on one per-slot state, with no post-process
+            # to defer (no drafts under PP): every rank records the same rows
+            results = [results] * cfg.pp
+        else:
+            for res in results:
+                self.truth.add(res.events)
         self.in_flight.append((step, so, accepted))
         while self.in_flight and self.in_flight[0][0] <= step - self.lag:
             _, done, acc = self.in_flight.popleft()
