@@ -435,6 +435,17 @@ def _interrupted(exc: BaseException) -> int:
     return 130 if by is None else by.exit_code
 
 
+def _usage_sentence(exc: click.UsageError) -> str:
+    """click's message for a bad command line ("Invalid value for '--rank': -1 is not in the
+    range x>=0."), as one line in mgtrace's manner, with where the options are listed."""
+    said = " ".join(exc.format_message().split()).removesuffix(".")
+    if said[:1].isupper() and said[1:2].islower():
+        said = said[0].lower() + said[1:]
+    if exc.ctx is not None:
+        said += f" (see {exc.ctx.command_path} --help)"
+    return said
+
+
 def _replaced_during(
     opened: list[TraceReader], argv: list[str] | None, prog_name: str
 ) -> TraceError | None:
@@ -471,6 +482,12 @@ def main(
         return exc.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:
         return _interrupted(exc)
+    except click.exceptions.NoArgsIsHelpError as exc:  # the help, as asked
+        exc.show()
+        return exc.exit_code
+    except click.UsageError as exc:  # a bad command line, said as every other error
+        click.echo(f"mgtrace: error: {_usage_sentence(exc)}", err=True)
+        return exc.exit_code
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code

@@ -21,5 +21,5 @@ pytestmark = pytest.mark.unit
 def test_a_count_out_of_range_is_refused_by_name(argv: list[str], option: str, bound: str) -> None:
     proc = run_cli(*argv)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"Invalid value for '{option}'" in proc.stderr and bound in proc.stderr, proc.stderr
+    assert f"invalid value for '{option}'" in proc.stderr and bound in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -75,7 +75,7 @@ def test_a_path_the_system_would_refuse_by_length_is_refused_by_name(
     and said a trace named so was a usage error in one command and unreadable in another."""
     proc = run_cli(*argv)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"Invalid value for {option}" in proc.stderr and said in proc.stderr, proc.stderr
+    assert f"invalid value for {option}" in proc.stderr and said in proc.stderr, proc.stderr
     assert "File name too long" not in proc.stderr
 
 

@@ -121,7 +121,7 @@ def test_python_m_mgtrace_sim_keeps_the_error_contract(tmp_path: Path) -> None:
     too_long = str(tmp_path / ("a" * 300))
     for proc in (module(too_long), run_cli("simulate", "--steps", "5", "-o", too_long)):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert "Invalid value for '-o' / '--output'" in proc.stderr, proc.stderr
+        assert "invalid value for '-o' / '--output'" in proc.stderr, proc.stderr
         assert "300 bytes long" in proc.stderr, proc.stderr
     # a folder no file can be made in: one sentence from mgtrace's own error path
     unwritable = "/proc/mgtrace-no-such/t"
