@@ -308,3 +308,27 @@ def test_minimize_of_one_rank_passes_over_a_gap_in_another(whole: Path, tmp_path
     assert run_cli("replay", str(out), "--no-save").returncode == 1
     absent = run_cli("minimize", str(whole), "-o", str(tmp_path / "b"), "--rank", "7")
     assert "has no rank 7; its ranks: 0, 1" in assert_one_sentence_error(absent, 2)
+
+
+def test_diff_compares_the_ranks_a_left_out_part_is_not_of(whole: Path, tmp_path: Path) -> None:
+    """Rank 1's launches part gone from one of two traces: diff compared no rank ("share no
+    step to compare"), though rank 0 is whole in both; it now compares rank 0 and finds
+    where it differs. Control: the same traces whole differ at the same step."""
+    other = tmp_path / "other.trace"
+    cfg = SimConfig(scenario="pairs", steps=160, runner="v2", pp=2, seed=1, output=other)
+    simulate(cfg.validate())  # the same run without the bug: rank 0's launches differ
+    damaged = tmp_path / "damaged.trace"
+    shutil.copytree(whole, damaged)
+    part = next(p for p in TraceReader(whole).parts if p.table == "launches" and p.rank == 1)
+    (damaged / part.path).unlink()
+    full = run_cli("diff", str(whole), str(other), "--json")
+    assert full.returncode == 1, full.stdout + full.stderr
+    expected = json.loads(full.stdout)
+    assert expected["rank"] == 0
+    proc = run_cli("diff", str(damaged), str(other), "--skip-bad-parts", "--json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    said = json.loads(proc.stdout)
+    assert (said["rank"], said["first_step"]) == (expected["rank"], expected["first_step"])
+    same = run_cli("diff", str(damaged), str(whole), "--skip-bad-parts")
+    assert same.returncode == 125, same.stdout + same.stderr
+    assert "rank 1's rows from step 0 on are in a left-out part" in " ".join(same.stdout.split())

@@ -14,6 +14,7 @@ every block as the other side has it: the oracles tell those apart.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ class TraceDiff:
     # the last step of the run the other trace lacks, when it has later steps (a gap)
     missing_to: int | None = None
     left_out_from: int | None = None  # steps from here on were not compared (left-out parts)
+    left_out_rank: int | None = None  # ... of this rank only; None: of every rank
     # what each trace lacks of its run (dropped steps, an unfinished recording), when they
     # record the same inputs: the run may differ where it is missing
     missing_a: list[str] = field(default_factory=list)
@@ -79,7 +81,10 @@ class TraceDiff:
         if self.differs:
             return None
         if self.left_out_from is not None:
-            return f"steps from {self.left_out_from} on are in a left-out part (not compared)"
+            return (
+                f"steps from {self.left_out_from} on{self._of_rank} are in a left-out part "
+                "(not compared)"
+            )
         if self.missing_a or self.missing_b:
             return self._missing("the first trace", "the second trace")
         return None
@@ -97,10 +102,20 @@ class TraceDiff:
             return f"{setup}; their steps record the same inputs"
         return f"{setup}; {steps}"
 
+    @property
+    def _of_rank(self) -> str:
+        return "" if self.left_out_rank is None else f" of rank {self.left_out_rank}"
+
     def _steps_sentence(self, a: str, b: str) -> str:
-        if self.first_step is None and self.left_out_from == 0:
+        if self.first_step is None and self.left_out_from == 0 and self.left_out_rank is None:
             return f"{a} and {b} share no step to compare: a left-out part holds rows of step 0"
         if self.first_step is None and self.left_out_from is not None:
+            if self.left_out_rank is not None:  # the other ranks' steps were compared
+                return (
+                    f"{a} and {b} record the same inputs at every step compared; rank "
+                    f"{self.left_out_rank}'s rows from step {self.left_out_from} on are in a "
+                    "left-out part (not compared)"
+                )
             return (
                 f"{a} and {b} record the same inputs at every step before step "
                 f"{self.left_out_from}, where rows of a left-out part begin (not compared)"
@@ -138,11 +153,15 @@ class TraceDiff:
 def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
     per_table: dict[str, tuple[int, int]] = {}
     best: tuple[int, int] | None = None
-    # rows a part --skip-bad-parts left out would read as differences: compare before them
-    cut = _first_left_out(a, b)
+    # rows a part --skip-bad-parts left out would read as differences: compare before them,
+    # on the ranks they are of
+    cuts = _left_out_from(a, b)
+    compared, ranks = False, set()
     for name in INPUT_TABLES:
         ha, hb = _step_hashes(a, name), _step_hashes(b, name)
-        keys = {k for k in set(ha) | set(hb) if cut is None or k[1] < cut}
+        ranks |= {k[0] for k in set(ha) | set(hb)}
+        keys = {k for k in set(ha) | set(hb) if k[1] < _cut(cuts, k[0])}
+        compared = compared or bool(keys)
         diff = [k for k in keys if ha.get(k) != hb.get(k)]
         if diff:
             first = min(diff, key=lambda k: (k[1], k[0]))
@@ -151,10 +170,14 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
                 best = first
     setup = setup_differences(a, b)
     if best is None:
+        # the earliest cut, a whole trace's before one rank's at the same step
+        cut = min(cuts.items(), key=lambda c: (c[1], c[0] is not None), default=(None, None))
         return TraceDiff(
             None,
             None,
-            left_out_from=cut,
+            left_out_from=cut[1],
+            # one rank's cut, where other ranks' steps were compared
+            left_out_rank=cut[0] if compared and len(ranks) > 1 else None,
             missing_a=missing_from(a),
             missing_b=missing_from(b),
             setup=setup,
@@ -253,15 +276,21 @@ def _same_checkpoint(a: Path | ckpt.Checkpoint, b: Path | ckpt.Checkpoint) -> bo
         return all(np.array_equal(da[k], db[k]) for k in da.files)
 
 
-def _first_left_out(*readers: TraceReader) -> int | None:
-    """The first step whose rows of an input table a skipped part held, in any trace."""
-    firsts = [
-        max(s.min_step if s.min_step is not None else 0, 0)
-        for r in readers
-        for s in r.skipped
-        if s.table in INPUT_TABLES
-    ]
-    return min(firsts, default=None)
+def _left_out_from(*readers: TraceReader) -> dict[int | None, int]:
+    """Per rank (None: every rank), the first step whose rows of an input table a skipped
+    part held, in any trace."""
+    cuts: dict[int | None, int] = {}
+    for reader in readers:
+        for s in reader.skipped:
+            if s.table in INPUT_TABLES:
+                first = max(s.min_step if s.min_step is not None else 0, 0)
+                cuts[s.rank] = min(cuts.get(s.rank, first), first)
+    return cuts
+
+
+def _cut(cuts: dict[int | None, int], rank: int) -> float:
+    """The step from which ``rank``'s rows are not compared (inf: none left out)."""
+    return min(cuts.get(None, math.inf), cuts.get(rank, math.inf))
 
 
 def _steps(reader: TraceReader, rank: int) -> set[int]:
