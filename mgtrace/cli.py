@@ -435,27 +435,36 @@ def _interrupted(exc: BaseException) -> int:
     return 130 if by is None else by.exit_code
 
 
-def _usage_sentence(exc: click.UsageError) -> str:
+def _usage_sentence(exc: click.UsageError, command_path: str) -> str:
     """click's message for a bad command line ("Invalid value for '--rank': -1 is not in the
-    range x>=0."), as one line in mgtrace's manner, with where the options are listed."""
+    range x>=0."), as one line in mgtrace's manner, with where the options are listed: the
+    command's, or ``command_path`` where click gave no context (an option's missing value)."""
     said = " ".join(exc.format_message().split()).removesuffix(".")
     if said[:1].isupper() and said[1:2].islower():
         said = said[0].lower() + said[1:]
-    if exc.ctx is not None:
-        said += f" (see {exc.ctx.command_path} --help)"
+    said += f" (see {exc.ctx.command_path if exc.ctx is not None else command_path} --help)"
     return said
 
 
-def _replaced_during(
-    opened: list[TraceReader], argv: list[str] | None, prog_name: str
-) -> TraceError | None:
-    """Where a command failed reading a trace that another process replaced or removed
-    meanwhile, that is the sentence to give."""
+def _command_path(argv: list[str] | None, prog_name: str, alone: bool) -> str:
+    """The command a command line runs, as its --help is asked for: the command line's
+    verb, or ``prog_name`` for a command run on its own (``python -m mgtrace.sim``)."""
     args = sys.argv[1:] if argv is None else argv
     verb = next((a for a in args if a in cli.commands or a in PLUGIN_COMMANDS), None)
-    command = prog_name if verb is None or prog_name != "mgtrace" else f"mgtrace {verb}"
+    return prog_name if alone or verb is None else f"{prog_name} {verb}"
+
+
+def _replaced_during(
+    opened: list[TraceReader], argv: list[str] | None, prog_name: str, alone: bool
+) -> TraceError | None:
+    """Where a command failed reading a trace that another process replaced or removed
+    meanwhile, that is the sentence to give. Only the traces its command line names count:
+    an output or a temporary trace of its own it may have moved or removed itself."""
+    args = sys.argv[1:] if argv is None else argv
+    named = {os.path.abspath(a) for arg in args for a in (arg, arg.split("=", 1)[-1]) if a}
+    given = [r for r in opened if os.path.abspath(r.path) in named]
     with contextlib.suppress(Exception):  # the failure it was asked about stays the answer
-        return replaced_among(opened, command)
+        return replaced_among(given, _command_path(argv, prog_name, alone))
     return None
 
 
@@ -477,7 +486,7 @@ def main(
     except MgtraceError as exc:
         if exc.exit_code == EXIT_UNREADABLE and not isinstance(exc, TraceReplacedError):
             # a part gone or changed: the trace was replaced meanwhile
-            exc = _replaced_during(opened, argv, prog_name) or exc
+            exc = _replaced_during(opened, argv, prog_name, command is not None) or exc
         click.echo(f"mgtrace: error: {exc.message}", err=True)
         return exc.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:
@@ -486,7 +495,8 @@ def main(
         exc.show()
         return exc.exit_code
     except click.UsageError as exc:  # a bad command line, said as every other error
-        click.echo(f"mgtrace: error: {_usage_sentence(exc)}", err=True)
+        path = _command_path(argv, prog_name, command is not None)
+        click.echo(f"mgtrace: error: {_usage_sentence(exc, path)}", err=True)
         return exc.exit_code
     except click.ClickException as exc:
         exc.show()
@@ -499,7 +509,7 @@ def main(
     except OSError as exc:  # the file system said no (read-only, full, permissions)
         if terminated_by(exc) is not None:  # or a hangup took stderr while stopping
             return _interrupted(exc)
-        if (replaced := _replaced_during(opened, argv, prog_name)) is not None:
+        if (replaced := _replaced_during(opened, argv, prog_name, command is not None)) is not None:
             click.echo(f"mgtrace: error: {replaced.message}", err=True)
             return replaced.exit_code
         where = f" ({exc.filename})" if exc.filename else ""
@@ -511,7 +521,7 @@ def main(
         if os.environ.get("MGTRACE_DEBUG"):
             raise
         # DuckDB's or pyarrow's words for a part that another process replaced or removed
-        if (replaced := _replaced_during(opened, argv, prog_name)) is not None:
+        if (replaced := _replaced_during(opened, argv, prog_name, command is not None)) is not None:
             click.echo(f"mgtrace: error: {replaced.message}", err=True)
             return replaced.exit_code
         click.echo(

@@ -57,3 +57,24 @@ def test_python_m_mgtrace_sim_names_its_own_help() -> None:
     )
     err = assert_one_sentence_error(proc, 2)
     assert "(see python -m mgtrace.sim --help)" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["replay", "t", "--jobs"],
+            "option '--jobs' requires an argument (see mgtrace replay --help)",
+        ),
+        (
+            ["info", "t", "--json=yes"],
+            "option '--json' does not take a value (see mgtrace info --help)",
+        ),
+    ],
+)
+def test_an_options_missing_or_extra_value_names_the_commands_help(
+    argv: list[str], said: str
+) -> None:
+    """click gives these errors no command: the line still names where the options are
+    listed, as every other bad command line does."""
+    assert said in assert_one_sentence_error(run_cli(*argv), 2)

@@ -196,3 +196,24 @@ def test_the_api_bisects_no_trace_replaced_while_it_loaded(
     replace_after_call(monkeypatch, bisect, "RankTrace", replayed, steps=150)
     with pytest.raises(TraceReplacedError, match="during the bisection"):
         trace.bisect()
+
+
+def test_a_trace_the_command_removes_itself_is_not_said_as_another_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo removes its temporary trace when it ends, a failure included: a full disk
+    while it saved the bisect log was said as another process having replaced or removed
+    that trace (exit 3); it is the file system's own words (exit 2). Only the traces a
+    command line names are asked about."""
+    import errno
+
+    import mgtrace.replayer.bisect
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", "bisect.json")
+
+    monkeypatch.setattr(mgtrace.replayer.bisect, "save_log", full)
+    code = main(["demo", "--steps", "100"])
+    err = capsys.readouterr().err
+    assert "another process" not in err, err
+    assert code == 2 and "mgtrace: error: No space left on device (bisect.json)" in err, err

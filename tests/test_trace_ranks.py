@@ -332,3 +332,105 @@ def test_diff_compares_the_ranks_a_left_out_part_is_not_of(whole: Path, tmp_path
     same = run_cli("diff", str(damaged), str(whole), "--skip-bad-parts")
     assert same.returncode == 125, same.stdout + same.stderr
     assert "rank 1's rows from step 0 on are in a left-out part" in " ".join(same.stdout.split())
+
+
+def test_a_rank_that_recorded_no_step_is_missing_and_counted(whole: Path, tmp_path: Path) -> None:
+    """A worker whose writer opened but recorded nothing leaves rank-NNN with a manifest and
+    no part: the recording lacks that rank's steps as much as a removed folder does, and the
+    count of missing ranks is a count of ranks."""
+    rec = tmp_path / "rec"
+    split_by_rank(whole, rec)
+    shutil.rmtree(rec / "rank-000")
+    with TraceWriter(rec / "rank-000", run=TraceReader(whole).run, source={"kind": "test"}):
+        pass  # opened and closed: a complete trace of no step
+    reader = TraceReader(rec)
+    assert not reader.manifest.complete
+    assert reader.manifest.errors["missing_ranks"]["count"] == 1
+    info = run_cli("info", str(rec))
+    assert info.returncode == 0 and "lacks rank-000 of the 2 workers" in info.stdout, info.stdout
+    replay = run_cli("replay", str(rec), "--no-save")
+    assert replay.returncode == 125, replay.stdout + replay.stderr
+    # control: both ranks recorded, nothing missing
+    whole_rec = tmp_path / "both"
+    split_by_rank(whole, whole_rec)
+    assert "missing_ranks" not in TraceReader(whole_rec).manifest.errors
+
+
+def test_a_repro_of_a_recording_missing_a_rank_replays_clean_under_its_fix(
+    whole: Path, tmp_path: Path
+) -> None:
+    """Rank 1's folder gone, the finding on rank 0: the repro keeps rank 0 only and is whole,
+    so its replay under the rule that fixes it is clean (0), not inconclusive over the rank
+    its source lacked."""
+    rec = tmp_path / "rec"
+    split_by_rank(whole, rec)
+    shutil.rmtree(rec / "rank-001")
+    out = tmp_path / "repro"
+    assert run_cli("minimize", str(rec), "-o", str(out)).returncode == 0
+    assert run_cli("replay", str(out), "--no-save").returncode == 1
+    fixed = run_cli("replay", str(out), "--no-save", "--bt-row-is-req", "true")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "missing_ranks" not in TraceReader(out).manifest.errors
+    # control: the recording itself stays inconclusive under that rule
+    source = run_cli("replay", str(rec), "--no-save", "--bt-row-is-req", "true")
+    assert source.returncode == 125, source.stdout + source.stderr
+
+
+def _with_changed_rows(whole: Path, out: Path, changes: dict[tuple[str, int, int], str]) -> None:
+    """``whole`` rewritten with one row changed per (table, rank, step): ``column`` + 1 in
+    the step's first row where it is set."""
+    reader = TraceReader(whole)
+    with TraceWriter(out, run=reader.run, source=dict(reader.manifest.source)) as w:
+        for name, spec in TABLES.items():
+            table = reader.table(name)
+            if name == "findings" or not table.num_rows:
+                continue
+            if not spec.per_step:
+                w.write_rows(name, _columns(table))
+                continue
+            for rank in (0, 1):
+                rows = table.filter(pa.compute.equal(table["rank"], rank)).drop(["rank"])
+                rows = rows.to_pylist()
+                for (t, r, step), column in changes.items():
+                    if (t, r) == (name, rank):
+                        row = next(x for x in rows if x["step"] == step and x[column] is not None)
+                        row[column] += 1
+                steps = [x["step"] for x in rows]
+                cols = {c: [x[c] for x in rows] for c in rows[0]}
+                w.write_steps(rank, min(steps), max(steps), {name: cols})
+
+
+def test_diff_names_a_rank_left_out_before_the_difference_it_found(
+    whole: Path, tmp_path: Path
+) -> None:
+    """Rank 1's launches part gone from one trace: the difference found on rank 0 at step 100
+    is the first only of the steps compared, as rank 1's rows from step 0 on were not, and
+    there the traces differ at step 5."""
+    other = tmp_path / "other.trace"
+    changes = {("launches", 1, 5): "state_idx", ("batch_rows", 0, 100): "num_computed"}
+    _with_changed_rows(whole, other, changes)
+    full = run_cli("diff", str(whole), str(other), "--json")
+    assert full.returncode == 1, full.stdout + full.stderr
+    said = json.loads(full.stdout)
+    assert (said["first_step"], said["rank"]) == (5, 1)  # the control: rank 1 differs first
+    assert said["left_out_from"] is None
+    damaged = tmp_path / "damaged.trace"
+    shutil.copytree(whole, damaged)
+    part = next(p for p in TraceReader(whole).parts if p.table == "launches" and p.rank == 1)
+    (damaged / part.path).unlink()
+    proc = run_cli("diff", str(damaged), str(other), "--skip-bad-parts", "--json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    said = json.loads(proc.stdout)
+    assert (said["first_step"], said["rank"]) == (100, 0)
+    assert (said["left_out_rank"], said["left_out_from"]) == (1, 0)
+    sentence = " ".join(said["sentence"].split())
+    assert "rank 1's rows from step 0 on are in a left-out part (not compared)" in sentence
+
+
+def test_minimize_of_a_clean_rank_names_the_rank_not_the_trace(whole: Path, tmp_path: Path) -> None:
+    """Every finding is on rank 0: `--rank 1` finds nothing to minimize, and says rank 1 is
+    clean, not the trace, which replays corrupt."""
+    proc = run_cli("minimize", str(whole), "-o", str(tmp_path / "r1"), "--rank", "1")
+    err = assert_one_sentence_error(proc, 125)
+    assert f"{whole} replays clean on rank 1 under as-recorded" in err, err
+    assert run_cli("replay", str(whole), "--no-save").returncode == 1  # the trace is not clean

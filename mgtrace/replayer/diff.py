@@ -144,10 +144,17 @@ class TraceDiff:
             if self.first_step == 0:
                 return f"only {side} has steps"
             return f"{agree}only {side} goes on"
-        return (
+        said = (
             f"the traces first differ at step {self.first_step} (rank {self.rank}) in "
             f"{', '.join(self.tables)}"
         )
+        if self.left_out_from is not None:  # another rank's earlier steps were not compared
+            said += (
+                f" of the steps compared; rank {self.left_out_rank}'s rows from step "
+                f"{self.left_out_from} on are in a left-out part (not compared), where they "
+                "may differ earlier"
+            )
+        return said
 
 
 def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
@@ -194,7 +201,18 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
     if only is not None:  # a gap in the other trace, not its end, when it goes on later
         later = [s for s in (steps_b if only == "a" else steps_a) if s > step]
         missing_to = min(later) - 1 if later else None
-    return TraceDiff(step, rank, tables, only, missing_to, setup=setup)
+    # a rank cut before this step may differ earlier, in rows not compared
+    earlier = sorted((c, r) for r, c in cuts.items() if r is not None and r != rank and c < step)
+    return TraceDiff(
+        step,
+        rank,
+        tables,
+        only,
+        missing_to,
+        left_out_from=earlier[0][0] if earlier else None,
+        left_out_rank=earlier[0][1] if earlier else None,
+        setup=setup,
+    )
 
 
 def setup_differences(a: TraceReader, b: TraceReader) -> list[str]:

@@ -57,6 +57,7 @@ from mgtrace.replayer.steps import (
     some_ranks,
 )
 from mgtrace.schemas.manifest import Manifest, is_trace_directory, save_manifest
+from mgtrace.schemas.ranks import MISSING_RANKS
 from mgtrace.schemas.reader import TraceReader, replaced_error
 from mgtrace.schemas.tables import TABLES
 from mgtrace.schemas.writer import write_part_file
@@ -513,8 +514,12 @@ def minimize(
     if base.first_step is None and gap is not None:
         raise _untrusted(trace_path, gap)
     if base.first_step is None:
+        # --rank N: that rank is clean, whatever the others hold
+        on = "" if chosen is None else f" on rank{'s' * (len(chosen) > 1)} "
+        on += ", ".join(map(str, chosen or ()))
         raise InconclusiveError(
-            f"{trace_path} replays clean under {rules.canonical()}; there is nothing to minimize"
+            f"{trace_path} replays clean{on} under {rules.canonical()}; there is nothing to "
+            "minimize"
         )
     # a repro keeps the finding it was made for; any other trace pins its first finding
     own = (reader.manifest.source or {}).get("signature")
@@ -773,7 +778,10 @@ def write_minimized(
     """Write the trace directory and ``test_<name>.py`` beside it; all or nothing."""
     output = Path(output)
     test_file = _refuse_existing_output(output, force)
-    m = replace(manifest, complete=True, ground_truth=None)
+    # the repro is whole by construction: it keeps the finding's rank, not the ranks the
+    # recording lacked
+    errors = {k: v for k, v in manifest.errors.items() if k != MISSING_RANKS}
+    m = replace(manifest, complete=True, ground_truth=None, errors=errors)
     m.source = {
         "kind": "minimized",
         "from": str(source),

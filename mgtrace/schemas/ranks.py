@@ -93,7 +93,7 @@ def merge_ranks(
                     f"{ranks[rank].name} and {ranks[first_rank].name} of {trace_dir} disagree "
                     f"on {name} ({b!r} vs {a!r}); they are not ranks of one run"
                 )
-    missing = _missing_ranks(first.run, children)
+    missing, missing_count = _missing_ranks(first.run, children)
     merged = Manifest(
         run=_merged_run([c.run for c in children.values()]),
         source={
@@ -116,30 +116,39 @@ def merge_ranks(
         ]
         merged.errors.update({f"{name}: {key}": value for key, value in child.errors.items()})
     if missing:
-        merged.errors[MISSING_RANKS] = {"count": len(missing), "first": missing}
+        merged.errors[MISSING_RANKS] = {"count": missing_count, "first": missing}
     if own is not None:
         merged.parts += own_parts(own.parts)
     return merged
 
 
-def _missing_ranks(run: RunMetadata, children: dict[int, Manifest]) -> str | None:
-    """Which of the engine's TP x PP workers left no trace, said as a clause: a replay of the
-    others cannot speak for the steps of those."""
+def _missing_ranks(run: RunMetadata, children: dict[int, Manifest]) -> tuple[str | None, int]:
+    """Which of the engine's TP x PP workers left no trace, said as a clause, and how many:
+    a replay of the others cannot speak for the steps of those. A worker whose trace was
+    closed with no step while another's holds some (its writer opened, nothing recorded)
+    counts as missing; one still open may not have written its first part yet."""
     workers = run.tp_size * run.pp_size
-    present = sum(1 for r in children if r < workers)
+    recorded = {
+        r
+        for r, c in children.items()
+        if c.closed_unix is None or any(p.table == "steps" for p in c.parts)
+    }
+    have = recorded or set(children)  # none recorded a step yet: every trace counts
+    present = sum(1 for r in have if r < workers)
     if present == workers:
-        return None
+        return None, 0
     absent: list[int] = []
     rank = 0
     while len(absent) < 8 and rank < workers:  # at most len(children) + 8 turns
-        if rank not in children:
+        if rank not in have:
             absent.append(rank)
         rank += 1
     more = workers - present - len(absent)
     names = ", ".join(f"rank-{r:03d}" for r in absent) + (f" and {more} more" if more else "")
     return (
         f"the recording lacks {names} of the {workers} workers of its run "
-        f"(TP {run.tp_size} x PP {run.pp_size})"
+        f"(TP {run.tp_size} x PP {run.pp_size})",
+        workers - present,
     )
 
 
