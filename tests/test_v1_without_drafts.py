@@ -77,3 +77,15 @@ def test_every_pipeline_stage_of_v1_records_the_same_batch(pp: int) -> None:
     assert all(t.equals(by_rank[0]) for t in by_rank[1:])
     result = replay_trace(reader, RuleSet())
     assert result.findings == [] and sorted(result.ranks) == list(range(pp))
+
+
+def test_diff_names_the_rank_only_one_trace_has() -> None:
+    """A one-rank trace against a PP 2 one of the same engine: "only A has steps" read as
+    if the other trace had none; it is rank 1's steps that only one of them has."""
+    from mgtrace.replayer.diff import diff_traces
+
+    one = TraceReader(sim_trace(None, 5, 300, runner="v1", k=0))
+    two = TraceReader(sim_trace(None, 5, 300, runner="v1", k=0, pp=2))
+    result = diff_traces(two, one)
+    assert (result.first_step, result.rank, result.only_in) == (0, 1, "a")
+    assert result.sentence("A", "B").endswith("only A has steps of rank 1")

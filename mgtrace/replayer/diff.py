@@ -141,8 +141,8 @@ class TraceDiff:
                     else f"steps {self.first_step}-{self.missing_to}"
                 )
                 return f"{agree}{other} lacks {steps} of rank {self.rank}, which {side} has"
-            if self.first_step == 0:
-                return f"only {side} has steps"
+            if self.first_step == 0:  # of this rank: the other may hold other ranks' steps
+                return f"only {side} has steps of rank {self.rank}"
             return f"{agree}only {side} goes on"
         said = (
             f"the traces first differ at step {self.first_step} (rank {self.rank}) in "
