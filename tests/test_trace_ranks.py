@@ -434,3 +434,21 @@ def test_minimize_of_a_clean_rank_names_the_rank_not_the_trace(whole: Path, tmp_
     err = assert_one_sentence_error(proc, 125)
     assert f"{whole} replays clean on rank 1 under as-recorded" in err, err
     assert run_cli("replay", str(whole), "--no-save").returncode == 1  # the trace is not clean
+
+
+def test_diff_names_every_rank_a_left_out_part_is_of(tmp_path: Path) -> None:
+    """Two ranks' launches parts gone: the sentence named only the first of them, as if
+    the other's rows had been compared."""
+    whole = tmp_path / "pp4.trace"
+    simulate(SimConfig(steps=60, runner="v2", pp=4, seed=0, output=whole).validate())
+    damaged = tmp_path / "damaged.trace"
+    shutil.copytree(whole, damaged)
+    for part in TraceReader(whole).parts:
+        if part.table == "launches" and part.rank in (1, 2):
+            (damaged / part.path).unlink()
+    proc = run_cli("diff", str(damaged), str(whole), "--skip-bad-parts", "--json")
+    assert proc.returncode == 125, proc.stdout + proc.stderr
+    said = json.loads(proc.stdout)
+    sentence = " ".join(said["sentence"].split())
+    both = "rank 1's rows from step 0 on and rank 2's rows from step 0 on are in left-out parts"
+    assert both in sentence and both in said["inconclusive"], said

@@ -64,6 +64,8 @@ class TraceDiff:
     missing_to: int | None = None
     left_out_from: int | None = None  # steps from here on were not compared (left-out parts)
     left_out_rank: int | None = None  # ... of this rank only; None: of every rank
+    # the other ranks whose rows from some step on were not compared: (rank, step)
+    left_out_others: list[tuple[int, int]] = field(default_factory=list)
     # what each trace lacks of its run (dropped steps, an unfinished recording), when they
     # record the same inputs: the run may differ where it is missing
     missing_a: list[str] = field(default_factory=list)
@@ -80,11 +82,10 @@ class TraceDiff:
         """Why "the same inputs" cannot speak for the whole run: steps left uncompared."""
         if self.differs:
             return None
+        if self.left_out_rank is not None:
+            return self._left_out_clause()
         if self.left_out_from is not None:
-            return (
-                f"steps from {self.left_out_from} on{self._of_rank} are in a left-out part "
-                "(not compared)"
-            )
+            return f"steps from {self.left_out_from} on are in a left-out part (not compared)"
         if self.missing_a or self.missing_b:
             return self._missing("the first trace", "the second trace")
         return None
@@ -102,9 +103,12 @@ class TraceDiff:
             return f"{setup}; their steps record the same inputs"
         return f"{setup}; {steps}"
 
-    @property
-    def _of_rank(self) -> str:
-        return "" if self.left_out_rank is None else f" of rank {self.left_out_rank}"
+    def _left_out_clause(self) -> str:
+        """Which ranks' rows were not compared, from which step on."""
+        cuts = [(self.left_out_rank, self.left_out_from), *self.left_out_others]
+        said = " and ".join(f"rank {r}'s rows from step {s} on" for r, s in cuts)
+        parts = "left-out parts" if len(cuts) > 1 else "a left-out part"
+        return f"{said} are in {parts} (not compared)"
 
     def _steps_sentence(self, a: str, b: str) -> str:
         if self.first_step is None and self.left_out_from == 0 and self.left_out_rank is None:
@@ -112,9 +116,8 @@ class TraceDiff:
         if self.first_step is None and self.left_out_from is not None:
             if self.left_out_rank is not None:  # the other ranks' steps were compared
                 return (
-                    f"{a} and {b} record the same inputs at every step compared; rank "
-                    f"{self.left_out_rank}'s rows from step {self.left_out_from} on are in a "
-                    "left-out part (not compared)"
+                    f"{a} and {b} record the same inputs at every step compared; "
+                    + self._left_out_clause()
                 )
             return (
                 f"{a} and {b} record the same inputs at every step before step "
@@ -148,11 +151,9 @@ class TraceDiff:
             f"the traces first differ at step {self.first_step} (rank {self.rank}) in "
             f"{', '.join(self.tables)}"
         )
-        if self.left_out_from is not None:  # another rank's earlier steps were not compared
+        if self.left_out_rank is not None:  # another rank's earlier steps were not compared
             said += (
-                f" of the steps compared; rank {self.left_out_rank}'s rows from step "
-                f"{self.left_out_from} on are in a left-out part (not compared), where they "
-                "may differ earlier"
+                f" of the steps compared; {self._left_out_clause()}, where they may differ earlier"
             )
         return said
 
@@ -179,12 +180,15 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
     if best is None:
         # the earliest cut, a whole trace's before one rank's at the same step
         cut = min(cuts.items(), key=lambda c: (c[1], c[0] is not None), default=(None, None))
+        by_rank = cut[0] is not None and compared and len(ranks) > 1
+        others = sorted((r, s) for r, s in cuts.items() if r is not None and r != cut[0])
         return TraceDiff(
             None,
             None,
             left_out_from=cut[1],
             # one rank's cut, where other ranks' steps were compared
-            left_out_rank=cut[0] if compared and len(ranks) > 1 else None,
+            left_out_rank=cut[0] if by_rank else None,
+            left_out_others=others if by_rank else [],
             missing_a=missing_from(a),
             missing_b=missing_from(b),
             setup=setup,
@@ -211,6 +215,7 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
         missing_to,
         left_out_from=earlier[0][0] if earlier else None,
         left_out_rank=earlier[0][1] if earlier else None,
+        left_out_others=sorted((r, c) for c, r in earlier[1:]),
         setup=setup,
     )
 
