@@ -6,9 +6,9 @@ import hashlib
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -154,14 +154,16 @@ def list_rules(console: Console) -> None:
     console.print(t)
 
 
-RANK_OPTION = click.option(
-    "--rank",
-    "ranks",
-    type=click.IntRange(min=0),
-    multiple=True,
-    metavar="N",
-    help="Replay this rank only (repeatable): one worker of each pipeline stage, say, where "
-    "its tensor-parallel siblings ran the same batches. Default: every rank.",
+def rank_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--rank N`` (repeatable), into ``ranks``."""
+    return click.option(
+        "--rank", "ranks", type=click.IntRange(min=0), multiple=True, metavar="N", help=help
+    )
+
+
+RANK_OPTION = rank_option(
+    "Replay this rank only (repeatable): one worker of each pipeline stage, say, where "
+    "its tensor-parallel siblings ran the same batches. Default: every rank."
 )
 DEVICE_OPTION = click.option(
     "--device",
@@ -677,14 +679,9 @@ def diff_cmd(
     is_flag=True,
     help="Read the valid parts of a damaged trace (up to the first step a bad part held).",
 )
-@click.option(
-    "--rank",
-    "ranks",
-    type=click.IntRange(min=0),
-    multiple=True,
-    metavar="N",
-    help="Minimize a finding of this rank (repeatable); the other ranks, and any gap in "
-    "them, are left out. Default: every rank.",
+@rank_option(
+    "Minimize a finding of this rank (repeatable); the other ranks, and any gap in them, "
+    "are left out. Default: every rank."
 )
 def minimize_cmd(
     trace: Path,
