@@ -99,9 +99,8 @@ class Trace:
         self.path = Path(path)
         self._skip_bad_parts = skip_bad_parts
         with _said_for_python():
-            self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
-        self._con = None
-        self._stamp = self._manifest_stamp()
+            reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
+        self._adopt(reader)
 
     @classmethod
     def _over(cls, reader: TraceReader, *, skip_bad_parts: bool) -> Trace:
@@ -110,9 +109,7 @@ class Trace:
         self = cls.__new__(cls)
         self.path = reader.path
         self._skip_bad_parts = skip_bad_parts
-        self.reader = reader
-        self._con = None
-        self._stamp = self._manifest_stamp()
+        self._adopt(reader)
         return self
 
     def __repr__(self) -> str:
@@ -141,10 +138,14 @@ class Trace:
         """Read the manifest again: the trace as it is now, also where another trace has
         replaced it (every method reads again by itself what replays added)."""
         with _said_for_python():
-            self.reader = TraceReader(self.path, skip_bad_parts=self._skip_bad_parts)
-        self._con = None
-        self._stamp = self._manifest_stamp()
+            reader = TraceReader(self.path, skip_bad_parts=self._skip_bad_parts)
+        self._adopt(reader)
         return self
+
+    def _adopt(self, reader: TraceReader) -> None:
+        """Read through ``reader`` from now on (its connection made when first asked)."""
+        self.reader, self._con = reader, None
+        self._stamp = self._manifest_stamp()
 
     def _manifest_stamp(self) -> int | None:
         try:

@@ -26,7 +26,7 @@ from mgtrace.errors import (
     TraceError,
     TraceReplacedError,
 )
-from mgtrace.opened_traces import noting_opened_traces, replaced_among
+from mgtrace.opened_traces import noting_opened_traces, refuse_if_replaced, replaced_among
 from mgtrace.params import PATH
 from mgtrace.termination import is_query_interrupt, stop_signals_interrupt, terminated_by
 
@@ -179,7 +179,9 @@ def info(trace: Path, as_json: bool, skip_bad_parts: bool) -> None:
 
     reader = _open(trace, skip_bad_parts)
     data = trace_info(reader)
-    _refuse_if_replaced(reader, "mgtrace info")
+    # DuckDB and pyarrow read the parts by path: what was read while another process
+    # replaced the trace may mix two traces, and none of it is shown (so in every reader)
+    refuse_if_replaced([reader], "mgtrace info")
     if as_json:
         click.echo(json.dumps(data, indent=1, default=str))
     else:
@@ -243,24 +245,14 @@ def sql(
         # too; count(COLUMNS(*)) computes every column there, which count(*) alone skips
         counted = "count(*), count(COLUMNS(*))"
         total = fetch_arrow(rel.aggregate(counted)).column(0)[0].as_py() if more else None
-        _refuse_if_replaced(reader, "the query")
+        refuse_if_replaced([reader], "the query")
         render_arrow(shown.slice(0, max_rows), _stdout(), more=more, total=total)
         return
     rows = fetch_arrow(rel)
-    _refuse_if_replaced(reader, "the query")
+    refuse_if_replaced([reader], "the query")
     export_table(rows, fmt, output)
     if output is not None:
         _stderr().print(f"wrote {output}", markup=False, highlight=False)
-
-
-def _refuse_if_replaced(reader: TraceReader, during: str) -> None:
-    """What was read while another process replaced the trace may mix two traces (DuckDB
-    and pyarrow read the parts by path): nothing of it is shown then."""
-    from mgtrace.schemas.reader import replaced_error
-
-    replaced = replaced_error(reader, during)
-    if replaced is not None:
-        raise replaced
 
 
 @cli.command()
@@ -340,7 +332,7 @@ def history(
         start=start_state(reader),
     )
     if fmt != "table":
-        _refuse_if_replaced(reader, "mgtrace history")
+        refuse_if_replaced([reader], "mgtrace history")
         export_table(lines, fmt, output)
         if output is not None:
             _stderr().print(f"wrote {output}", markup=False, highlight=False)
@@ -349,7 +341,7 @@ def history(
     # another process replaced while they were read
     if not lines.num_rows:
         lo, hi = request_span(con, req_id)
-        _refuse_if_replaced(reader, "mgtrace history")
+        refuse_if_replaced([reader], "mgtrace history")
         span = f"{req_id} is in steps {lo}..{hi} only; none of them is in the range asked"
         _stdout().print(Text(span))
         return
@@ -384,7 +376,7 @@ def history(
     reach = reach_note(reader, con, req_id, wanted, rank=rank)
     if reach is not None:
         after.append(Text(reach, style="yellow"))
-    _refuse_if_replaced(reader, "mgtrace history")
+    refuse_if_replaced([reader], "mgtrace history")
     out = _stdout()
     out.print(Text(f"history of {req_id} in {trace}"))
     if about:

@@ -10,7 +10,7 @@ This module is imported by every command: it imports nothing heavy.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -51,10 +51,15 @@ def replaced_among(opened: list[TraceReader], during: str) -> TraceError | None:
     return None
 
 
-def refuse_if_replaced(during: str) -> None:
-    """Raise where a trace that the running command opened was replaced or removed since:
-    for a command about to write what it made of the trace."""
+def refuse_if_replaced(readers: Iterable[TraceReader], during: str) -> None:
+    """Raise where one of ``readers``' traces was replaced or removed since it was opened:
+    for a command about to show or write what it made of them."""
+    replaced = replaced_among(list(readers), during)
+    if replaced is not None:
+        raise replaced
+
+
+def refuse_if_any_replaced(during: str) -> None:
+    """As ``refuse_if_replaced``, for every trace the running command opened."""
     for opened in _noting:
-        replaced = replaced_among(opened, during)
-        if replaced is not None:
-            raise replaced
+        refuse_if_replaced(opened, during)

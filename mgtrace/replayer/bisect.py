@@ -33,6 +33,7 @@ from mgtrace.errors import (
     MgtraceError,
     UsageError,
 )
+from mgtrace.opened_traces import refuse_if_replaced
 from mgtrace.outputs import require_output_folder
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.coverage import unseen_reason
@@ -50,7 +51,7 @@ from mgtrace.replayer.steps import (
 )
 from mgtrace.schemas.manifest import MANIFEST_NAME
 from mgtrace.schemas.ranks import rank_directories
-from mgtrace.schemas.reader import TraceReader, replaced_error
+from mgtrace.schemas.reader import TraceReader
 from mgtrace.shell import path_arg
 
 LOG_FORMAT = "mgtrace-bisect"
@@ -184,9 +185,7 @@ class Bisector:
         chosen = self.ranks if self.ranks is not None else all_ranks
         self.traces = {r: RankTrace(self.reader, r, self.ids) for r in chosen}
         # the steps are in memory from here on: refused if they may mix two traces
-        replaced = replaced_error(self.reader, "the bisection")
-        if replaced is not None:
-            raise replaced
+        refuse_if_replaced([self.reader], "the bisection")
 
     def _replay(self, trace: RankTrace, rules: RuleSet) -> tuple[RankReplay, int]:
         """A replay of one rank under ``rules``, at the trace's start, and its first step."""

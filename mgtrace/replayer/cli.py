@@ -486,7 +486,7 @@ def bisect_cmd(
     Exit codes: 0 clean, 1 corruption found (verdict given), 2 usage error, 3 unreadable
     trace, 125 inconclusive (dropped steps, incomplete recording).
     """
-    from mgtrace.opened_traces import refuse_if_replaced
+    from mgtrace.opened_traces import refuse_if_any_replaced
     from mgtrace.render import render_verdict, stdout_console
     from mgtrace.replayer.bisect import bisect, check_log_path, recheck_log, save_log
 
@@ -554,7 +554,7 @@ def bisect_cmd(
         ranks=ranks or None,
     )
     log = log_path or Path(trace) / "bisect.json"
-    refuse_if_replaced("mgtrace bisect")  # no verdict, nor its log in another trace's folder
+    refuse_if_any_replaced("mgtrace bisect")  # no verdict, nor its log in another trace's folder
     try:
         save_log(verdict, log, skip_bad_parts=skip_bad_parts)
     except (OSError, MgtraceError) as exc:
@@ -614,7 +614,7 @@ def diff_cmd(
     """
     from dataclasses import asdict
 
-    from mgtrace.opened_traces import replaced_among
+    from mgtrace.opened_traces import refuse_if_replaced
     from mgtrace.render import stdout_console
     from mgtrace.replayer.diff import diff_rules, diff_traces
     from mgtrace.schemas.reader import TraceReader
@@ -634,9 +634,7 @@ def diff_cmd(
         result = diff_rules(readers[0], a, b)
         sentence = result.sentence(a, b)
     # a trace that another process replaced while it was read may differ only by that
-    replaced = replaced_among(readers, "mgtrace diff")
-    if replaced is not None:
-        raise replaced
+    refuse_if_replaced(readers, "mgtrace diff")
     if as_json:
         fields = {"sentence": sentence, **asdict(result), "inconclusive": result.inconclusive}
         click.echo(json.dumps(fields, indent=1, default=str))

@@ -37,6 +37,7 @@ import pyarrow.compute as pc
 from mgtrace.atomic import atomic_write, clear_stale_siblings, hidden_sibling, replacing_directory
 from mgtrace.errors import InconclusiveError, OutputError, UsageError
 from mgtrace.kernels.reference import run_reference
+from mgtrace.opened_traces import refuse_if_replaced
 from mgtrace.outputs import (
     refuse_a_trace_inside_a_trace,
     refuse_overwriting_inputs,
@@ -58,7 +59,7 @@ from mgtrace.replayer.steps import (
 )
 from mgtrace.schemas.manifest import Manifest, is_trace_directory, save_manifest
 from mgtrace.schemas.ranks import MISSING_RANKS
-from mgtrace.schemas.reader import TraceReader, replaced_error
+from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
 from mgtrace.schemas.writer import write_part_file
 
@@ -500,9 +501,7 @@ def minimize(
     require_replayable(reader)
     chosen = some_ranks(reader, ranks, trace_path)
     full = load_memory(reader)
-    replaced = replaced_error(reader, "the minimization")  # what it loaded may mix two traces
-    if replaced is not None:
-        raise replaced
+    refuse_if_replaced([reader], "the minimization")  # what it loaded may mix two traces
     # As bisect does, replay only up to the first gap: the steps after the first finding
     # are cut anyway, so only a gap before it leaves nothing to trust.
     if chosen is not None:
