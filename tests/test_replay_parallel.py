@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -314,6 +315,7 @@ def test_a_triton_replay_not_told_jobs_takes_at_most_a_few_contexts_on_the_devic
     monkeypatch.setattr(parallel_module, "default_jobs", lambda: 64)
     long = toggle_trace(BUG_REORDER, 0, 1200)
     given = {"layout": "compact", "from_step": None, "to_step": None, "checkpoint_every": None}
+    given["rules"] = RuleSet().canonical()
     assert auto_jobs(TraceReader(long), None, backend="reference", **given) == 64
     assert auto_jobs(TraceReader(long), None, backend="triton", **given) == DEVICE_JOBS
 
@@ -323,16 +325,16 @@ def test_a_replay_not_told_jobs_takes_a_core_each_for_a_long_whole_trace(three_c
 
     def auto(trace: Path, **options: object) -> int:
         given = {"backend": "reference", "layout": "compact", "from_step": None}
-        given |= {"to_step": None, "checkpoint_every": None, **options}
+        given |= {"to_step": None, "checkpoint_every": None, "rules": RuleSet().canonical()}
+        given |= options
         return auto_jobs(TraceReader(trace), None, **given)  # type: ignore[arg-type]
 
     assert auto(long) == 3 and auto(long, to_step=1100) == 3
     assert auto(long, backend="triton") == 3
     # too short for two segments of MIN_SEGMENT steps, whole or cut by --to-step
     assert auto(short) == 1 and auto(long, to_step=1000) == 1
-    # what segments cannot replay, or a window that a cached checkpoint may start close to
-    assert auto(long, layout="full") == 1
-    assert auto(long, from_step=600) == 1 and auto(long, checkpoint_every=256) == 1
+    # what segments cannot replay, or a replay that caches checkpoints
+    assert auto(long, layout="full") == 1 and auto(long, checkpoint_every=256) == 1
     # a trace that starts mid-run (a minimized repro's start state) or is not on disk
     for other in (_StartsMidRun, _InMemory, RewritingReader):
         got = auto_jobs(
@@ -340,11 +342,45 @@ def test_a_replay_not_told_jobs_takes_a_core_each_for_a_long_whole_trace(three_c
             None,
             backend="reference",
             layout="compact",
+            rules=RuleSet().canonical(),
             from_step=None,
             to_step=None,
             checkpoint_every=None,
         )
         assert got == (3 if other is RewritingReader else 1), other
+
+
+def test_a_window_splits_unless_a_cached_checkpoint_starts_it_close_by(
+    tmp_path: Path, three_cores
+) -> None:
+    long = tmp_path / "long.trace"
+    shutil.copytree(toggle_trace(BUG_REORDER, 0, 1200), long)
+
+    def auto(rules: RuleSet, **options: object) -> int:
+        given = {"backend": "reference", "layout": "compact", "to_step": None}
+        given |= {"checkpoint_every": None, "rules": rules.canonical(), **options}
+        return auto_jobs(TraceReader(long), None, **given)  # type: ignore[arg-type]
+
+    # nothing cached: every step before the window is replayed anyway, in segments
+    assert auto(RuleSet(), from_step=900) == 3
+    assert auto(RuleSet(), from_step=900, to_step=1000) == 1  # too short to split
+    replay_trace(TraceReader(long), RuleSet(), to_step=700, checkpoint_every=256)
+    assert auto(RuleSet(), from_step=900) == 1  # the checkpoint of step 511 starts it
+    assert auto(RuleSet(), from_step=400) == 1  # that of step 255
+    assert auto(RuleSet(), from_step=200) == 3  # none is before it
+    # checkpoints of other rules start no replay under these
+    assert auto(RuleSet().with_(reorder_threshold="1+k"), from_step=900) == 3
+    # and the whole CLI reports the same window either way
+    window = ("replay", str(long), "--from-step", "100", "--no-save", "--json")
+    split, alone = run_cli(*window), run_cli(*window, "--jobs", "1")
+    assert split.returncode == alone.returncode == 1
+    assert _summary(split.stdout) == _summary(alone.stdout)
+
+
+def _summary(stdout: str) -> dict:
+    summary = json.loads(stdout)
+    summary.pop("argv", None)
+    return summary
 
 
 class _StartsMidRun(RewritingReader):

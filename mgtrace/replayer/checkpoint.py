@@ -90,6 +90,11 @@ def _cached(directory: Path, rank: int, step: int) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def cached_before(directory: Path, rank: int, step: int) -> bool:
+    """Whether ``directory`` names a checkpoint of ``rank`` taken before ``step``."""
+    return bool(_cached(directory, rank, step))
+
+
 def restore_cached(rep: RankReplay, directory: Path, rank: int, step: int) -> int | None:
     """Restore the newest readable cached checkpoint before ``step``; return its last step,
     or None when there is none. A damaged file is a cache miss: it is removed (where the

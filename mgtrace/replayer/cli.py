@@ -218,9 +218,9 @@ DEVICE_OPTION = click.option(
     default=None,
     metavar="N",
     help="Replay each rank in segments on N processes, with the same findings (compact "
-    "layout); 0: one per core. Default, for a replay of the whole trace with at least 1,024 "
-    "steps a rank: one per core, at most 8 with triton (each holds a context on the GPU); "
-    "else 1.",
+    "layout); 0: one per core. Default, for a replay of at least 1,024 steps a rank (a "
+    "--from-step window counts every step before it, unless cached checkpoints start it): "
+    "one per core, at most 8 with triton (each holds a context on the GPU); else 1.",
 )
 @click.option("--no-save", is_flag=True, help="Do not add the findings to the trace.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -293,6 +293,7 @@ def replay(
             chosen,
             backend=backend,
             layout=layout,
+            rules=rules.canonical(),
             from_step=from_step,
             to_step=to_step,
             checkpoint_every=checkpoint_every,

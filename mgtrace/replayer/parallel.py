@@ -85,6 +85,7 @@ def auto_jobs(
     *,
     backend: str,
     layout: str,
+    rules: str,
     from_step: int | None,
     to_step: int | None,
     checkpoint_every: int | None,
@@ -93,17 +94,19 @@ def auto_jobs(
     segments can replay it and it is long enough to split (two segments), at most
     ``DEVICE_JOBS`` with the Triton backend; else one.
 
-    A window (``from_step``) or checkpointed replay stays in one process, since a cached
-    checkpoint may start it close to its window; so does a trace that starts mid-run (its
-    start state is one process's) and one held only in memory."""
+    A window (``from_step``) that a checkpoint cached under ``rules`` starts close to stays
+    in one process; one without such a checkpoint replays every step before it anyway, so
+    it is split as the trace up to its end would be. A checkpointed replay stays in one
+    process, and so do a trace that starts mid-run (its start state is one process's) and
+    one held only in memory."""
     from mgtrace.replayer.checkpoint import start_state
 
     if (
         layout != "compact"
-        or from_step is not None
         or checkpoint_every
         or getattr(reader, "path", None) is None
         or start_state(reader) is not None
+        or (from_step and _window_has_checkpoints(reader, ranks, rules, layout, from_step))
     ):
         return 1
     steps = longest_rank_steps(reader, ranks)
@@ -114,6 +117,19 @@ def auto_jobs(
     if backend != "reference":  # each process holds a context on the one device
         return min(default_jobs(), DEVICE_JOBS)
     return default_jobs()
+
+
+def _window_has_checkpoints(
+    reader: TraceReader, ranks: list[int] | None, rules: str, layout: str, from_step: int
+) -> bool:
+    """Whether the replay cache holds, for every rank replayed, a checkpoint taken before
+    ``from_step`` under these rules and layout (by name only: none is read)."""
+    from mgtrace.replayer.checkpoint import cache_dir, cached_before
+    from mgtrace.replayer.steps import ranks_of
+
+    directory = cache_dir(reader, rules, layout)
+    chosen = ranks_of(reader) if ranks is None else ranks
+    return all(cached_before(directory, rank, from_step) for rank in chosen)
 
 
 def longest_rank_steps(reader: TraceReader, ranks: list[int] | None) -> int:
