@@ -40,6 +40,7 @@ CASES = [
         "command",
     ),
     ("bench_trace_load.py", ["--steps", "60", "--repeat", "1"], "median"),
+    ("bench_rebuilt_rows.py", ["--steps", "120", "--repeat", "1"], "median"),
     ("bench_in_flight_tokens.py", ["--steps", "60", "--repeat", "1"], "results"),
     (
         "bench_recorder.py",

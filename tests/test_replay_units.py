@@ -661,6 +661,81 @@ def test_v1_rule_splits_at_the_recorded_builder_threshold() -> None:
 
 
 @pytest.mark.unit
+def test_v1_rule_at_the_recorded_threshold_keeps_the_recorded_rows() -> None:
+    from mgtrace.replayer.view import row_view
+
+    # a chunk continuation ahead of a spec decode: what a runner at threshold 1 can leave
+    batch = _batch([700, 4], [900, 90], [2000, 10], [0, 3])
+    batch.cols["is_prefill_split"] = np.array([1, 1], dtype=np.int8)
+    for name in ("batch_row", "req_slot", "state_col", "prev_state_col", "accepted_prev"):
+        batch.cols[name] = np.array([0, 1], dtype=np.int32)
+    for name in ("accepted", "checkpoint_tokens", "checkpoint_col"):
+        batch.cols[name] = np.array([1, 1], dtype=np.int32)
+    asked: list[int] = []
+
+    def rebuilt(threshold: int) -> np.ndarray:
+        asked.append(threshold)
+        return np.array([1, 0])  # the rebuilt rows put the decode first
+
+    def view(rule: str) -> list[int]:
+        rules = RuleSet({"reorder_threshold": rule})
+        got = row_view(batch, rules, recorded_threshold=1, k=3, persistent_order=rebuilt)
+        return got.prefill_split.astype(int).tolist()
+
+    assert view("1") == [1, 1] and asked == []  # the recorded order, as recorded
+    assert view("1+k") == [1, 0] and asked == [4]  # control: another threshold rebuilds
+
+
+def _reorder_pair(tmp_path):
+    """The same run with the runner's reorder at 1+k (clean) and at 1 (the drafter's
+    backend lowers it): one schedule, two row orders."""
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    shape = dict(steps=400, seed=1, max_num_seqs=16)
+    clean, low = tmp_path / "clean", tmp_path / "low"
+    simulate(SimConfig(output=clean, **shape).validate())  # type: ignore[arg-type]
+    truth = simulate(
+        SimConfig(output=low, bugs=("reorder-threshold-mismatch",), **shape).validate()  # type: ignore[arg-type]
+    ).ground_truth["bugs"]["reorder-threshold-mismatch"]
+    return TraceReader(clean), TraceReader(low), truth
+
+
+def test_v1_rebuilt_rows_at_the_recorded_threshold_are_the_recorded_order(tmp_path) -> None:
+    from mgtrace.replayer.requests import RequestIds
+    from mgtrace.replayer.steps import RankTrace
+
+    clean, low, _ = _reorder_pair(tmp_path)
+    for reader, threshold in ((clean, 4), (low, 1)):
+        trace = RankTrace(reader, 0, RequestIds())
+        for step in trace.step_numbers.tolist():
+            order = trace.persistent_order(step, threshold)
+            assert order is not None
+            assert order.tolist() == list(range(len(order))), (threshold, step)
+
+
+def test_v1_rule_below_the_recorded_threshold_finds_what_that_engine_corrupts(tmp_path) -> None:
+    """A V1 reorder starts from the persistent rows every earlier reorder left. Reordering
+    a batch recorded at 1+k again at 1 keeps its spec decodes ahead of the chunked prefills
+    (both are long extends at 1), so the clean run replayed clean under threshold 1, while
+    the same run with the runner at 1 sends decodes into the Mamba prefill split."""
+    from mgtrace.replayer.loop import replay_trace
+    from mgtrace.replayer.rules import RuleSet
+
+    clean, low, truth = _reorder_pair(tmp_path)
+    assert truth["first_step"] is not None
+    lowered = replay_trace(clean, RuleSet({"reorder_threshold": "1"})).findings
+    assert lowered, "the lowered threshold corrupted nothing"
+    first = min(f.step for f in lowered)
+    assert first == truth["first_step"]
+    corrupted = {f.req_id for f in lowered if f.step == first}
+    assert corrupted == set(truth["first_requests"])
+    # control: the recorded run at threshold 1 finds the same first step
+    assert min(f.step for f in replay_trace(low).findings) == first
+
+
+@pytest.mark.unit
 def test_v2_rule_sorts_an_older_order_again() -> None:
     """Older vLLMs sorted a V2 batch by token count alone, which can put a short prefill
     chunk ahead of a spec decode; the rule sorts by today's key (drafts first) first."""

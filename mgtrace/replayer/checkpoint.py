@@ -190,6 +190,7 @@ def _restore_loaded(rep: RankReplay, cp: Checkpoint) -> int:
                 runner=rep.runner,
                 builder_threshold=trace.step_value("mamba_threshold", s),
                 gdn=spec_decodes_run_first(trace.run),
+                persistent_order=lambda threshold, s=s: trace.persistent_order(s, threshold),
             )
     return cp.step
 

@@ -79,6 +79,7 @@ def _threshold_divergence(trace: RankTrace, rules: RuleSet, until: int | None) -
             runner=trace.run.runner,
             builder_threshold=None if builder is None or builder[i] < 0 else int(builder[i]),
             gdn=gdn,
+            order=trace.persistent_order(step, threshold),
         )
         if np.any(split != batch.cols["is_prefill_split"].astype(bool)):
             return step

@@ -314,6 +314,7 @@ class RankReplay:
             runner=self.runner,
             builder_threshold=trace.step_value("mamba_threshold", step) if rethreshold else None,
             gdn=self._decodes_run_first,
+            persistent_order=lambda threshold: trace.persistent_order(step, threshold),
         )
         self.views[step] = view
         self.views.pop(step - self.keep_views, None)

@@ -30,7 +30,8 @@ from mgtrace.schemas.tables import (
     SCHED_KINDS,
 )
 from mgtrace.shell import path_arg
-from mgtrace.sim.reorder import builder_split
+from mgtrace.sim.input_rows import InputRows
+from mgtrace.sim.reorder import builder_split, regions, reorder_swaps
 
 
 def spec_decodes_run_first(run: Any) -> bool:
@@ -358,6 +359,10 @@ class RankTrace:
         self._batch_cols = self._batch.numpy_columns(BATCH_INT_COLUMNS)
         bt = self._batch.table
         self._batch_uid = ids.uids_of_column(bt.column("req_id"))
+        # V1's persistent-batch membership changes, in the order the runner made them: a
+        # rule that reorders at another threshold rebuilds the row order from them
+        self._row_ops = _membership_ops(load("row_moves"), ids) if self.run.runner == "v1" else {}
+        self._orders: dict[int, dict[int, np.ndarray]] = {}
         self.in_flight_rows = self._in_flight_rows(st) if self.began_mid_run else {}
         # The builder's split where it was recorded; where not, a row still prefilling its
         # prompt runs the prefill kernels and the others decode (never every row a decode:
@@ -557,6 +562,59 @@ class RankTrace:
         cols["is_prefill_split"] = self._batch_prefill[lo:hi]
         cols["is_prefilling"] = self._batch_is_prefilling[lo:hi]
         return StepBatch(step, self._batch_uid[lo:hi], cols)
+
+    def persistent_order(self, step: int, threshold: int) -> np.ndarray | None:
+        """V1: the step's batch positions in the order its persistent rows would have had
+        had the runner reordered every step at ``threshold``; None without recorded row
+        moves (V2, which sorts instead).
+
+        The rows are rebuilt from the start of the trace: each step removes the requests
+        that left, adds the joining ones in the recorded order (smallest freed row first),
+        condenses and reorders. The order a reorder leaves depends on the order it starts
+        from, which every earlier step's reorder shaped, so the recorded (already reordered)
+        order of the step is no stand-in for it.
+        """
+        if not self._row_ops:
+            return None
+        orders = self._orders.get(threshold)
+        if orders is None:
+            orders = self._orders[threshold] = self._reordered_rows(threshold)
+        return orders.get(step)
+
+    def _reordered_rows(self, threshold: int) -> dict[int, np.ndarray]:
+        batches = [self.batch(s) for s in self.step_numbers.tolist()]
+        rows = InputRows(max((b.num_rows for b in batches), default=0) + 1)
+        out: dict[int, np.ndarray] = {}
+        for n, batch in enumerate(batches):
+            uids = batch.uid.tolist()
+            pos_of = {u: i for i, u in enumerate(uids)}
+            # a trace that starts mid-run: its first rows start in their recorded order
+            ops = () if n == 0 and self.began_mid_run else self._row_ops.get(batch.step, ())
+            rows.begin_step()
+            for is_add, uid in ops:
+                if not is_add and uid in rows.req_row:
+                    rows.remove(uid)
+            for uid in [u for u in rows.req_row if u not in pos_of]:
+                rows.remove(uid)  # left without a recorded remove
+            for is_add, uid in ops:
+                if is_add and uid in pos_of and uid not in rows.req_row:
+                    rows.add(uid, 0, 0, [])
+            for uid in uids:
+                if uid not in rows.req_row:
+                    rows.add(uid, 0, 0, [])  # joined without a recorded add
+            rows.condense()
+            order = np.fromiter((pos_of[u] for u in rows.req_ids()), np.int64, len(uids))
+            c = batch.cols
+            reg = regions(
+                c["num_scheduled"][order],
+                c["num_computed"][order],
+                c["num_prompt"][order],
+                threshold,
+            )
+            for a, b in reorder_swaps(reg):
+                rows.swap(a, b)
+            out[batch.step] = np.fromiter((pos_of[u] for u in rows.req_ids()), np.int64, len(uids))
+        return out
 
     def launches(self, step: int) -> list[AlignLaunch]:
         """The step's launches, in the order the engine ran them.
@@ -968,3 +1026,20 @@ def _checked(have: list[int], ranks: Iterable[int], trace: str | Path) -> list[i
         listed = ", ".join(map(str, have)) or "none"
         raise UsageError(f"{path_arg(trace)} has no rank {missing[0]}; its ranks: {listed}")
     return wanted
+
+
+def _membership_ops(moves: pa.Table, ids: RequestIds) -> dict[int, list[tuple[bool, int]]]:
+    """step -> the (is_add, uid) of its recorded adds and removes, in the order they ran."""
+    if not moves.num_rows:
+        return {}
+    op = moves.column("op")
+    if pa.types.is_dictionary(op.type):
+        op = op.cast(pa.string())
+    keep = pc.is_in(op, pa.array(["add", "remove"]))
+    moves = moves.filter(keep).sort_by([("step", "ascending"), ("seq", "ascending")])
+    out: dict[int, list[tuple[bool, int]]] = {}
+    uids = ids.uids_of_column(moves.column("req_id")).tolist()
+    adds = moves.column("op").cast(pa.string()).to_pylist()
+    for step, is_add, uid in zip(moves.column("step").to_pylist(), adds, uids, strict=True):
+        out.setdefault(step, []).append((is_add == "add", uid))
+    return out

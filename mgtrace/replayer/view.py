@@ -9,6 +9,7 @@ it changes: ``reorder_threshold`` re-runs the reorder and the Mamba split,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -105,10 +106,14 @@ def split_under_threshold(
     runner: str = "v1",
     builder_threshold: int | None = None,
     gdn: bool = False,
+    order: np.ndarray | None = None,
 ) -> np.ndarray:
     """Which rows the Mamba builder treats as prefills with the batch reordered at
     ``threshold``. V1 reorders its persistent rows at the runner's threshold and the builder
-    then splits at its own (``builder_threshold``, as recorded; 1+k where not recorded). V2
+    then splits at its own (``builder_threshold``, as recorded; 1+k where not recorded).
+    ``order``: V1's rows in that reorder's order, as positions into the batch
+    (``RankTrace.persistent_order``); without it the recorded order is reordered again,
+    which starts from rows an earlier reorder at the recorded threshold placed. V2
     never reorders by a threshold: it sorts (rows with drafts, then rows of the decode length
     1+k, then by token count; older vLLMs sorted by count alone), so there the batch is
     sorted again by that rule and the builder splits it at ``threshold`` itself.
@@ -125,8 +130,9 @@ def split_under_threshold(
     if runner == "v2":
         order, split_at = v2_order(n, c["num_draft"] > 0, 1 + k), threshold
     else:
-        swaps = reorder_swaps(regions(n, comp, prompt, threshold))
-        order = np.asarray(apply_swaps(list(range(batch.num_rows)), swaps), dtype=np.int64)
+        if order is None:
+            swaps = reorder_swaps(regions(n, comp, prompt, threshold))
+            order = np.asarray(apply_swaps(list(range(batch.num_rows)), swaps), dtype=np.int64)
         split_at = builder_threshold if builder_threshold is not None else 1 + k
     if not len(order):
         return np.zeros(0, dtype=bool)
@@ -147,17 +153,28 @@ def row_view(
     runner: str = "v1",
     builder_threshold: int | None = None,
     gdn: bool = False,
+    persistent_order: Callable[[int], np.ndarray | None] | None = None,
 ) -> RowView:
     """``recorded_threshold``, ``builder_threshold``: the step's recorded reorder and Mamba
     builder thresholds, needed only under a ``reorder_threshold`` rule; ``gdn``: the builder
-    splits as GDN's does."""
+    splits as GDN's does; ``persistent_order``: V1's row order after a reorder at a given
+    threshold (``RankTrace.persistent_order`` of the step)."""
     c = batch.cols
     prefill = c["is_prefill_split"].astype(bool)
     if rules["reorder_threshold"] != AS_RECORDED:
         threshold = resolve_threshold(rules["reorder_threshold"], recorded_threshold, k)
         if threshold is not None:
             prefill = split_under_threshold(
-                batch, threshold, k, runner=runner, builder_threshold=builder_threshold, gdn=gdn
+                batch,
+                threshold,
+                k,
+                runner=runner,
+                builder_threshold=builder_threshold,
+                gdn=gdn,
+                # at the recorded threshold the recorded rows are that reorder's own order
+                order=None
+                if persistent_order is None or threshold == recorded_threshold
+                else persistent_order(threshold),
             )
     accepted_prev = c["accepted_prev"].copy()
     if rules["accepted_source"] == "cpu":
