@@ -255,6 +255,29 @@ def test_minimize_long_trace_to_a_small_repro(
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
+def test_minimize_replays_no_step_past_the_first_finding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the first bad step counts, so no replay of minimize goes past it: a long
+    recording whose bug shows early was replayed whole before the reductions began."""
+    from mgtrace.replayer.loop import RankReplay
+
+    trace = sim_trace("reorder-threshold-mismatch", 0, 600, scenario="pairs", runner="v1")
+    first = replay_trace(TraceReader(trace), RuleSet()).first_step
+    assert first is not None and first < 500
+    replayed: list[int] = []
+    step = RankReplay._step
+
+    def counted(self: RankReplay, s: int) -> None:
+        replayed.append(s)
+        step(self, s)
+
+    monkeypatch.setattr(RankReplay, "_step", counted)
+    result = minimize(trace, tmp_path / "m")
+    assert result.original_first_step == first
+    assert max(replayed) == first
+
+
 def test_minimize_refuses_a_clean_trace(tmp_path: Path) -> None:
     clean = sim_trace(None, 0, 600, scenario="pairs", runner="v1")
     proc = run_cli("minimize", str(clean), "-o", str(tmp_path / "m"))

@@ -1117,6 +1117,7 @@ def replay_trace(
     mirror: bool | None = None,
     jobs: int = 1,
     ranks: Sequence[int] | None = None,
+    stop_on_finding: bool = False,
 ) -> ReplayResult:
     """Replay every rank of a trace under ``rules``, reporting the window
     ``from_step..to_step``: findings before ``from_step`` are dropped, and inside the window
@@ -1126,7 +1127,9 @@ def replay_trace(
     With ``from_step`` a checkpoint cached by an earlier replay under the same rules starts
     the replay close to that step; ``checkpoint_every`` caches new ones on the way. With
     ``jobs`` > 1 each rank is replayed in segments on that many processes (``parallel``),
-    with the same findings. ``ranks``: only those ranks (all by default).
+    with the same findings. ``ranks``: only those ranks (all by default). With
+    ``stop_on_finding`` each rank stops after its first step with a finding: the first
+    step and its findings are those of a whole replay, nothing after it is replayed.
     """
     from mgtrace.replayer import checkpoint as ckpt
 
@@ -1135,6 +1138,8 @@ def replay_trace(
     chosen = ranks_of(reader) if ranks is None else check_ranks(reader, ranks, reader.path)
     ids, seed = ckpt.request_ids_for(reader)
     if jobs > 1:
+        if stop_on_finding:
+            raise UsageError("a replay that stops at its first finding runs on one process")
         if checkpoint_every or seed is not None or mirror is False:
             raise UsageError(
                 "--jobs replays without checkpoints a trace that starts at step 0, its tags "
@@ -1194,6 +1199,7 @@ def replay_trace(
             every=checkpoint_every or 256,
             on_checkpoint=save,
             report_from=from_step,
+            stop_on_finding=stop_on_finding,
         )
         # the window's steps, wherever the replay started (a cached checkpoint or step 0)
         first = max(start, from_step or 0)

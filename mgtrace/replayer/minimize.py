@@ -110,7 +110,9 @@ class Outcome:
 
 
 def outcome(trace: MemoryTrace, rules: RuleSet) -> Outcome:
-    result = replay_trace(trace, rules)  # type: ignore[arg-type]
+    # only the first bad step counts: nothing after it is replayed (a long recording whose
+    # bug shows early is not replayed whole)
+    result = replay_trace(trace, rules, stop_on_finding=True)  # type: ignore[arg-type]
     first = [f for f in result.findings if f.step == result.first_step]
     rank_of: dict[str, int] = {}
     for f in first:  # in (step, rank, batch row) order: the lowest rank comes first
