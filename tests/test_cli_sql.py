@@ -740,3 +740,40 @@ def test_a_value_python_cannot_hold_is_one_sentence(
     query = "SELECT TIMESTAMP '2024-01-01 10:00:00' AS t"
     proc = run_cli("sql", str(sample_trace), query, "--format", fmt)
     assert proc.returncode == 0 and "2024-01-01" in proc.stdout, proc.stderr
+
+
+def test_json_is_written_a_chunk_of_rows_at_a_time(monkeypatch, tmp_path: Path) -> None:
+    """A long result is turned into Python values a chunk at a time (the whole result at
+    once held millions of dicts and the text twice over), and the text is the same as one
+    ``json.dumps(rows, indent=1)`` of every row."""
+    import io
+
+    import pyarrow as pa
+
+    from mgtrace.query import export
+
+    table = pa.table(
+        {
+            "step": list(range(10)),
+            "ids": [[[i, 0], []] for i in range(10)],
+            "name": [f"r\n{i}" for i in range(10)],
+            "x": [float("nan") if i == 3 else i / 2 for i in range(10)],
+        }
+    )
+    expected = json.dumps(export._json_value(table.to_pylist()), indent=1) + "\n"
+    sizes: list[int] = []
+    whole = export.python_rows
+
+    def counted(part: pa.Table, shown_as: str) -> list[dict]:
+        sizes.append(part.num_rows)
+        return whole(part, shown_as)
+
+    monkeypatch.setattr(export, "python_rows", counted)
+    monkeypatch.setattr(export, "JSON_CHUNK_ROWS", 4)
+    buf = io.BytesIO()
+    export._write_json(table, buf)
+    assert buf.getvalue().decode() == expected
+    assert sizes == [4, 4, 2]
+    empty = io.BytesIO()
+    export._write_json(table.slice(0, 0), empty)
+    assert empty.getvalue() == b"[]\n"

@@ -130,10 +130,27 @@ def python_rows(table: pa.Table, shown_as: str) -> list[dict]:
         ) from None
 
 
+# Rows turned into Python values at a time by the JSON writer: a long result (millions of
+# rows) is never held as Python objects, nor as one string, all at once.
+JSON_CHUNK_ROWS = 8192
+
+
 def _write_json(table: pa.Table, fh: IO[bytes]) -> None:
+    """A JSON array of one object a row, as ``json.dumps(rows, indent=1)`` writes it,
+    written a chunk of rows at a time."""
     table = intervals_as_text(table)
     table = table.rename_columns(unique_names(table.column_names))
-    fh.write(_json_text(python_rows(table, "json"), indent=1).encode() + b"\n")
+    if table.num_rows == 0:
+        fh.write(b"[]\n")
+        return
+    fh.write(b"[\n")
+    for start in range(0, table.num_rows, JSON_CHUNK_ROWS):
+        rows = python_rows(table.slice(start, JSON_CHUNK_ROWS), "json")
+        # each object one level in: every line of it one more space (JSON text holds no
+        # newline but between its tokens)
+        text = ",\n".join(" " + _json_text(row, indent=1).replace("\n", "\n ") for row in rows)
+        fh.write((",\n" if start else "").encode() + text.encode())
+    fh.write(b"\n]\n")
 
 
 def _write_parquet(table: pa.Table, fh: IO[bytes]) -> None:
@@ -181,9 +198,9 @@ def export_table(table: pa.Table, fmt: str, output: Path | None) -> None:
     if output is None:
         if fmt == "parquet":
             raise OutputError("--format parquet needs -o FILE")
-        buf = io.BytesIO()
+        buf = io.BytesIO()  # all or nothing: a value that cannot be written fails first
         writer(table, buf)
-        sys.stdout.buffer.write(buf.getvalue())
+        sys.stdout.buffer.write(buf.getbuffer())  # not a copy of a long output
         sys.stdout.flush()
         return
     atomic_write(output, lambda fh: writer(table, fh))
