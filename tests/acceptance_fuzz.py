@@ -5,7 +5,10 @@ Per run: one toggle, two or three V1 toggles together, or none; a random scenari
 size, block size, acceptance rate, prefix-hit rate and length scale. The replay as recorded
 must report the earliest injected step first, naming the injected requests when one toggle
 runs; the rules that undo the toggles must replay clean; a run without toggles must replay
-clean. The tests run a few seeded cases; longer sweeps run from the command line:
+clean. A run of one toggle that a rule can bring in (the reorder threshold, the batch-row
+block table) has a clean twin, the same seed without the toggle: replayed under that rule,
+it must report the injected first step and requests. The tests run a few seeded cases;
+longer sweeps run from the command line:
 
     python -m tests.acceptance_fuzz --runs 400 --seed 1 [--jobs N] [--keep DIR] [--out FILE]
         [--mixer mamba2|gdn|both]
@@ -28,11 +31,14 @@ from mgtrace.errors import MgtraceError
 from mgtrace.replayer.loop import replay_trace
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.schemas.reader import TraceReader
-from mgtrace.sim.config import SimConfig
+from mgtrace.sim.config import BUG_BATCH_ROW, BUG_REORDER, SimConfig
 from mgtrace.sim.engine import simulate
 from tests.replay_helpers import TOGGLES, involved
 
 V1_TOGGLES = [b for b, (engine, _) in TOGGLES.items() if engine["runner"] == "v1"]
+# Rules that bring a toggle's mechanism into a run without it: the run's clean twin (the
+# same seed, so the same schedule) replayed under the rule must find what the toggle injected
+INTRODUCED_BY = {BUG_REORDER: "reorder_threshold=1", BUG_BATCH_ROW: "bt_row_is_req=false"}
 
 
 @dataclass
@@ -126,7 +132,30 @@ def check(case: Case, out: Path) -> list[str] | None:
     undo = RuleSet.parse(",".join(TOGGLES[b][1] for b in case.bugs))
     undone = replay_trace(reader, undo)
     problems += [f"under {undo.canonical()}: {f.detail}" for f in undone.findings[:3]]
+    if len(case.bugs) == 1 and case.bugs[0] in INTRODUCED_BY:
+        problems += _check_introduced(case, twin_of(out), first, fired[case.bugs[0]])
     return problems
+
+
+def twin_of(out: Path) -> Path:
+    """Where ``check`` simulates a toggled run's clean twin."""
+    return out.with_name(out.name + "-twin")
+
+
+def _check_introduced(case: Case, out: Path, first: int, fired: dict) -> list[str]:
+    """The clean twin of a one-toggle run, replayed under the rule that brings the toggle's
+    mechanism in: the same first step and requests as injected."""
+    cfg = SimConfig(steps=case.steps, seed=case.seed, output=out, overwrite=True, **case.engine)
+    simulate(cfg.validate())
+    rules = RuleSet.parse(INTRODUCED_BY[case.bugs[0]])
+    got = replay_trace(TraceReader(out), rules)
+    shown = f"the clean twin under {rules.canonical()}"
+    if got.first_step != first:
+        return [f"{shown}: first finding at step {got.first_step}, injected at {first}"]
+    named, wanted = involved(got.findings, first), set(fired["first_requests"])
+    if named != wanted:
+        return [f"{shown}: step {first} names {sorted(named)}, injected {sorted(wanted)}"]
+    return []
 
 
 def summary(records: list[dict], command: str) -> dict:
@@ -163,7 +192,10 @@ def _check_run(job: tuple[int, Case, Path, Path | None]) -> dict:
     problems = check(case, out)
     if problems and keep is not None:
         shutil.copytree(out, keep / f"run-{i}", dirs_exist_ok=True)
+        if twin_of(out).exists():
+            shutil.copytree(twin_of(out), keep / f"run-{i}-twin", dirs_exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(twin_of(out), ignore_errors=True)
     return {"run": i, "case": asdict(case), "problems": problems}
 
 

@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 
 from mgtrace.replayer.loop import RankReplay
+from mgtrace.replayer.steps import RankTrace
+from mgtrace.sim.config import BUG_BATCH_ROW, BUG_REORDER
 from tests.acceptance_fuzz import Case, check, random_case
 from tests.replay_helpers import (
     BOUNDARY_ONLY,
     BOUNDARY_ONLY_BUG,
     BOUNDARY_ONLY_SEED,
     BOUNDARY_ONLY_STEPS,
+    TOGGLES,
 )
 
 pytestmark = pytest.mark.slow
@@ -54,3 +57,23 @@ def test_control_a_check_turned_off_is_caught_as_a_late_first_step(
     monkeypatch.setattr(RankReplay, "_check_cached_state", lambda *args: None)
     problems = check(case, tmp_path / "off")
     assert problems and "injected at 13" in problems[0]
+
+
+@pytest.mark.parametrize("bug", [BUG_REORDER, BUG_BATCH_ROW])
+def test_a_clean_twin_under_the_bugs_rule_finds_what_the_bug_injected(
+    bug: str, tmp_path: Path
+) -> None:
+    case = Case(bugs=(bug,), seed=0, steps=600, engine=dict(TOGGLES[bug][0]))
+    assert check(case, tmp_path / "trace") == []
+    assert (tmp_path / "trace-twin").is_dir()  # the twin was simulated and replayed
+
+
+def test_control_reordering_the_recorded_rows_again_misses_what_the_twin_must_find(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """V1's rows rebuilt from the trace's adds and removes are what make the twin find the
+    bug; reordering each recorded (already reordered) batch again instead is caught."""
+    case = Case(bugs=(BUG_REORDER,), seed=0, steps=600, engine=dict(TOGGLES[BUG_REORDER][0]))
+    monkeypatch.setattr(RankTrace, "persistent_order", lambda self, step, threshold: None)
+    problems = check(case, tmp_path / "trace")
+    assert problems and problems[0].startswith("the clean twin under reorder_threshold=1")
