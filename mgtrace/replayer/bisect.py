@@ -44,7 +44,6 @@ from mgtrace.replayer.requests import is_request, named_writer
 from mgtrace.replayer.rules import RuleSet, single_changes
 from mgtrace.replayer.steps import (
     RankTrace,
-    first_hole,
     ranks_of,
     require_replayable,
     some_ranks,
@@ -151,7 +150,7 @@ def _finding_dict(f: Finding) -> dict[str, Any]:
 
 def _gaps(trace: RankTrace) -> int | None:
     """The first step missing from the trace, or one a left-out part held rows of."""
-    return first_hole(trace.step_numbers, trace.first_left_out)
+    return trace.hole
 
 
 class Bisector:

@@ -27,7 +27,6 @@ from mgtrace.replayer.loop import RankReplay, load_backend
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import (
     RankTrace,
-    first_hole,
     ranks_of,
     require_replayable,
     spec_decodes_run_first,
@@ -384,7 +383,7 @@ def diff_rules(
     for rank in ranks:
         trace = RankTrace(reader, rank, ids)
         # the shadow state cannot be rebuilt across a gap: both replays stop before it
-        gap = first_hole(trace.step_numbers, trace.first_left_out)
+        gap = trace.hole
         if gap is not None and (out.gap is None or (gap, rank) < (out.gap[1], out.gap[0])):
             out.gap = (rank, gap)
         ra = RankReplay(trace, a, run, device=device)

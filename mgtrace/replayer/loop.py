@@ -1164,9 +1164,13 @@ def replay_trace(
     repeats = 0
     steps_done = 0
     reach = Reach(to_step)
+    # No row past the window is loaded, unless the replay reads or writes cached checkpoints:
+    # their tags hold request numbers, which a load numbers in the order it meets requests,
+    # and a bounded load meets fewer (a cache is shared by every replay under these rules).
+    bound = to_step if not from_step and not checkpoint_every else None
     for rank in chosen:
-        trace = RankTrace(reader, rank, ids)
-        until = reach.until(rank, trace.step_numbers, trace.first_left_out, stop=not allow_gaps)
+        trace = RankTrace(reader, rank, ids, to_step=bound)
+        until = reach.until(rank, trace.recorded_steps, trace.first_left_out, stop=not allow_gaps)
         if until is not None and until < 0:
             continue  # the rank's first step is missing: nothing of it can be replayed
         rep = RankReplay(

@@ -84,11 +84,28 @@ class MemoryTrace:
         self.start_state = start_state
 
     def table(
-        self, name: str, *, columns: list[str] | None = None, codes: bool = False
+        self,
+        name: str,
+        *,
+        columns: list[str] | None = None,
+        codes: bool = False,
+        to_step: int | None = None,
     ) -> pa.Table:
-        """One table as held (``codes`` asks for nothing: strings held decoded stay so)."""
+        """One table as held (``codes`` asks for nothing: strings held decoded stay so),
+        with ``to_step`` its rows of steps up to it, as ``TraceReader.table`` hands them."""
         t = self.tables_[name]
+        if to_step is not None:
+            t = t.filter(pc.less_equal(t.column("step"), to_step))
         return t.select(columns) if columns else t
+
+    def column_max(
+        self, name: str, column: str, *, rank: int, after_step: int, lengths: bool = False
+    ) -> int | None:
+        """As ``TraceReader.column_max``, of the table held."""
+        t = self.tables_[name]
+        keep = pc.and_(pc.equal(t.column("rank"), rank), pc.greater(t.column("step"), after_step))
+        values = t.column(column).filter(keep)
+        return pc.max(pc.list_value_length(values) if lengths else values).as_py()
 
     def rows(self, name: str) -> int:
         return self.tables_[name].num_rows

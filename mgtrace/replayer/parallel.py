@@ -201,11 +201,11 @@ def resolve(words: np.ndarray, base: np.ndarray | None) -> np.ndarray:
     return out
 
 
-def _rank_trace(reader: TraceReader, rank: int) -> RankTrace:
-    # A fresh RequestIds per rank: every process numbers this rank's requests alike, so the
-    # placeholders' words and the logged reads mean the same everywhere; findings name
-    # requests, never uids.
-    return RankTrace(reader, rank, RequestIds())
+def _rank_trace(reader: TraceReader, rank: int, to_step: int | None = None) -> RankTrace:
+    # A fresh RequestIds per rank, and one bound for every process: each numbers this rank's
+    # requests alike, so the placeholders' words and the logged reads mean the same
+    # everywhere; findings name requests, never uids.
+    return RankTrace(reader, rank, RequestIds(), to_step=to_step)
 
 
 def _rank_replay(
@@ -280,12 +280,13 @@ class _Job:
     layout: str
     backend: str = "reference"
     device: str = "cpu"
+    to_step: int | None = None  # the last step any segment replays: no later row is loaded
 
     def replay(self) -> RankReplay:
         trace = _INHERITED.get((self.path, self.rank))
         if trace is None:
             reader = TraceReader(self.path, skip_bad_parts=self.skip_bad_parts)
-            trace = _rank_trace(reader, self.rank)
+            trace = _rank_trace(reader, self.rank, self.to_step)
         return _rank_replay(
             trace, RuleSet.parse(self.rules), self.layout, self.backend, self.device
         )
@@ -365,6 +366,7 @@ def replay_rank_in_segments(
         layout,
         backend,
         device,
+        until,
     )
     firsts = [a for a, _ in bounds]
     handoffs = [max(a - warmup, 0) - 1 for a in firsts[1:]] + [None]
@@ -373,7 +375,7 @@ def replay_rank_in_segments(
     ):
         raise UsageError("the tag pool has more words than placeholders; drop --jobs")
     if len(bounds) == 1:  # too short to split: no process to start
-        trace = _rank_trace(reader, rank)
+        trace = _rank_trace(reader, rank, until)
         _INHERITED[(job.path, rank)] = trace
         try:
             results = [speculate(job, *bounds[0], warmup, None, report_from)]
@@ -395,7 +397,7 @@ def replay_rank_in_segments(
             parent,
             pool,
             job,
-            lambda: _rank_trace(reader, rank),
+            lambda: _rank_trace(reader, rank, until),
             context.get_start_method() == "fork",
             bounds,
             handoffs,

@@ -225,12 +225,20 @@ BATCH_INT_COLUMNS = (
 
 
 class RankTrace:
-    """Everything the replayer needs of one rank, loaded once."""
+    """Everything the replayer needs of one rank, loaded once.
 
-    def __init__(self, reader: TraceReader, rank: int, ids: RequestIds) -> None:
+    With ``to_step``, only the rows of steps up to it are loaded (a replay that ends there
+    needs no later one), and everything up to it is as a whole load has it: the steps where
+    a replay must stop (``recorded_steps``, ``hole``) and the block tables' shape are still
+    the whole rank's."""
+
+    def __init__(
+        self, reader: TraceReader, rank: int, ids: RequestIds, *, to_step: int | None = None
+    ) -> None:
         self.rank = rank
         self.ids = ids
         self.run = reader.manifest.run
+        self.to_step = to_step
         self._read(reader, rank, ids)
         # The rows live on as numpy columns: the Arrow tables, most of what a long trace
         # holds in memory, are not kept (the small block_tables one is), and the memory
@@ -243,8 +251,10 @@ class RankTrace:
     def _read(self, reader: TraceReader, rank: int, ids: RequestIds) -> None:
         """Every column and index the replay needs, from the rank's tables."""
 
+        bound = {} if self.to_step is None else {"to_step": self.to_step}
+
         def load(name: str, codes: bool = True) -> pa.Table:
-            t = reader.table(name, codes=codes)
+            t = reader.table(name, codes=codes, **bound)
             ranks = pc.min_max(t.column("rank")).as_py()
             if ranks["min"] == ranks["max"] == rank:  # a single-rank trace: nothing to drop
                 return t
@@ -253,11 +263,19 @@ class RankTrace:
         steps = load("steps").sort_by("step")
         numbers = steps.column("step").to_numpy(zero_copy_only=False)
         whole = complete_steps(reader, rank, numbers)
+        every, every_whole = numbers, whole
+        if self.to_step is not None:  # a gap or the end past the bound still tells a replay
+            every = rank_step_numbers(reader, rank)
+            every_whole = complete_steps(reader, rank, every)
         # the first step whose rows a left-out part held: a gap, not a step with no rows
-        self.first_left_out = first_left_out(numbers, whole)
-        if self.first_left_out is not None:
+        self.first_left_out = first_left_out(every, every_whole)
+        # the rank's replayable steps, past ``to_step`` too: how far a replay may go
+        self.recorded_steps = every[every_whole].astype(np.int64)
+        self.hole = first_hole(self.recorded_steps, self.first_left_out)
+        if not whole.all():
             steps = steps.filter(pa.array(whole))
         self.step_numbers = steps.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+        self._later_dims = self._dims_after(reader) if self.to_step is not None else {}
         copies = ("block_copy_src", "block_copy_dst")
         self.step_info = {
             name: _numpy(steps.column(name))
@@ -343,7 +361,7 @@ class RankTrace:
                 self._sched_uid,
                 self._sched_kind,
                 self._sched.steps,
-                first_hole(self.step_numbers, self.first_left_out),
+                self.hole,
             )
             > 0
         )
@@ -392,7 +410,7 @@ class RankTrace:
             return {}
         uids, first = np.unique(self._sched_uid, return_index=True)
         cached = SCHED_KINDS.index("cached")
-        hole = first_hole(self.step_numbers, self.first_left_out)
+        hole = self.hole
         own_table = "v1" if self.run.runner == "v1" else "source"
         rows_by_key: dict[tuple[int, int], list[tuple[int, list[int]]]] = {}
         for step, (group, table, row, ids) in zip(
@@ -524,7 +542,36 @@ class RankTrace:
         cols = self._batch_cols["state_col"]
         if len(cols):
             width.append(int(np.max(cols)) + k + 2)
+        later = self._later_dims
+        if "table_row" in later:
+            rows.append(later["table_row"] + 1)
+        if "table_width" in later:
+            width.append(later["table_width"])
+        if "bt_row" in later:
+            rows.append(later["bt_row"] + 1)
+        if "state_col" in later:
+            width.append(later["state_col"] + k + 2)
         return max(rows), max(width)
+
+    def _dims_after(self, reader: TraceReader) -> dict[str, int]:
+        """What ``table_dims`` reads of the rows after ``to_step``, which are not loaded: a
+        bound on the rows must not move where an index falls outside the tables (a finding
+        names their shape)."""
+        assert self.to_step is not None
+        wanted = {
+            "table_row": ("block_tables", "row", False),
+            "table_width": ("block_tables", "block_ids", True),
+            "bt_row": ("launches", "bt_row", False),
+            "state_col": ("batch_rows", "state_col", False),
+        }
+        out = {}
+        for key, (name, column, lengths) in wanted.items():
+            got = reader.column_max(
+                name, column, rank=self.rank, after_step=self.to_step, lengths=lengths
+            )
+            if got is not None:
+                out[key] = int(got)
+        return out
 
     def steps_from(self, start: int) -> list[int]:
         return self.step_numbers[np.searchsorted(self.step_numbers, start) :].tolist()
@@ -939,6 +986,13 @@ def complete_steps(reader: TraceReader, rank: int, steps: np.ndarray) -> np.ndar
     for first, last in left_out(rank, REPLAY_TABLES) if left_out else ():
         keep &= (steps < first) | (steps > last)
     return keep
+
+
+def rank_step_numbers(reader: TraceReader, rank: int) -> np.ndarray:
+    """Every step of ``rank`` in the steps table, sorted (one column: cheap on any trace)."""
+    t = reader.table("steps", columns=["rank", "step"])
+    steps = t.filter(pc.equal(t.column("rank"), rank)).column("step")
+    return np.sort(steps.to_numpy(zero_copy_only=False).astype(np.int64))
 
 
 def first_left_out(steps: np.ndarray, whole: np.ndarray) -> int | None:

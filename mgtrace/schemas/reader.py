@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mgtrace.errors import (
@@ -107,6 +108,27 @@ def _read_part(
             for f in fields
         ]
     return table.cast(pa.schema(fields, metadata=schema.metadata))
+
+
+def _require_step_column(name: str) -> None:
+    if "step" not in table_spec(name).schema.names:
+        raise ValueError(f"the {name} table has no step column to bound its rows by")
+
+
+def _with_step(columns: list[str] | None, to_step: int | None) -> list[str] | None:
+    """``columns`` with the step column a bound filters by."""
+    if to_step is None or columns is None or "step" in columns:
+        return columns
+    return [*columns, "step"]
+
+
+def _rows_to_step(
+    table: pa.Table, part: PartInfo, to_step: int | None, columns: list[str] | None
+) -> pa.Table:
+    """A part's rows of steps up to ``to_step`` (all without one), in ``columns``."""
+    if to_step is not None and (part.max_step is None or part.max_step > to_step):
+        table = table.filter(pc.less_equal(table.column("step"), to_step))
+    return table.select(columns) if columns is not None else table
 
 
 def _same_types(tables: list[pa.Table], schema: pa.Schema) -> list[pa.Table]:
@@ -228,20 +250,73 @@ class TraceReader:
 
     # ------------------------------------------------------------------ data
     def table(
-        self, name: str, *, columns: list[str] | None = None, codes: bool = False
+        self,
+        name: str,
+        *,
+        columns: list[str] | None = None,
+        codes: bool = False,
+        to_step: int | None = None,
     ) -> pa.Table:
         """All valid parts of one table as one Arrow table (empty with the schema if none).
 
         With ``codes``, a string column the writer stored as dictionary codes stays a
         dictionary array: no string is made per row (a long trace's request ids), and its
-        chunks may carry different dictionaries."""
+        chunks may carry different dictionaries. With ``to_step``, only the rows of steps up
+        to it: a part the manifest places wholly after it is not opened, so what is read
+        grows with the steps asked for, not with the trace."""
         spec = table_spec(name)
-        files = self.part_files(name)
-        if not files:
+        parts = [p for p in self.parts if p.table == name]
+        if to_step is not None:
+            _require_step_column(name)
+            parts = [p for p in parts if p.min_step is None or p.min_step <= to_step]
+        if not parts:
             empty = spec.schema.empty_table()
             return empty.select(columns) if columns else empty
-        tables = [_read_part(f, columns, spec.schema, codes) for f in files]
+        tables = [
+            _rows_to_step(
+                _read_part(self.path / p.path, _with_step(columns, to_step), spec.schema, codes),
+                p,
+                to_step,
+                columns,
+            )
+            for p in parts
+        ]
         return pa.concat_tables(_same_types(tables, spec.schema) if codes else tables)
+
+    def column_max(
+        self, name: str, column: str, *, rank: int, after_step: int, lengths: bool = False
+    ) -> int | None:
+        """The largest value of an integer ``column`` (with ``lengths``, the longest list)
+        among the rows of ``rank`` after ``after_step``; None where there is none. Read one
+        part and one column at a time: a whole table's column of a long trace is large."""
+        _require_step_column(name)
+        top: int | None = None
+        for p in self.parts:
+            if p.table != name or (p.max_step is not None and p.max_step <= after_step):
+                continue
+            if p.rank is not None and p.rank != rank:
+                continue
+            # the step and rank columns only where the part holds rows to leave out
+            whole = p.min_step is not None and p.min_step > after_step
+            names = [
+                column,
+                *([] if whole else ["step"]),
+                *([] if p.rank is not None else ["rank"]),
+            ]
+            t = pq.ParquetFile(self.path / p.path).read(columns=names)
+            values = t.column(column)
+            keep = None if whole else pc.greater(t.column("step"), after_step)
+            if p.rank is None:
+                mine = pc.equal(t.column("rank"), rank)
+                keep = mine if keep is None else pc.and_(keep, mine)
+            if keep is not None:
+                values = values.filter(keep)
+            if lengths:
+                values = pc.list_value_length(values)
+            got = pc.max(values).as_py()
+            if got is not None:
+                top = got if top is None else max(top, got)
+        return top
 
     def tables(self) -> dict[str, pa.Table]:
         return {name: self.table(name) for name in TABLES}
