@@ -1,6 +1,9 @@
 """`mgtrace bisect`: the first bad step, the rule change that makes it good, and the commands.
 
-1. The recorded replay runs with checkpoints and stops at its first finding: step F.
+1. The recorded replay runs with checkpoints and stops at its first finding: step F. It
+   loads the trace's first steps only, and more (eight times as many each time) as it gets
+   past them clean, going on from where it stopped: a bug early in a long trace is found
+   without reading the rest of it.
 2. Every single rule change from the registry is a candidate. A rule changes nothing before
    the first step where its inputs differ from the recorded ones (``first_divergence``), so
    its replay starts from the recorded checkpoint just before that step, not from step 0,
@@ -44,6 +47,7 @@ from mgtrace.replayer.requests import is_request, named_writer
 from mgtrace.replayer.rules import RuleSet, single_changes
 from mgtrace.replayer.steps import (
     RankTrace,
+    rank_step_numbers,
     ranks_of,
     require_replayable,
     some_ranks,
@@ -56,6 +60,8 @@ from mgtrace.shell import path_arg
 LOG_FORMAT = "mgtrace-bisect"
 DEFAULT_HORIZON = 32
 CHECKPOINT_EVERY = 128
+FIRST_LOAD = 2048  # steps a rank's first load holds (at least four horizons)
+LOAD_GROWTH = 8  # each further load holds this many times as many steps as the one before
 
 
 @dataclass
@@ -148,11 +154,6 @@ def _finding_dict(f: Finding) -> dict[str, Any]:
     }
 
 
-def _gaps(trace: RankTrace) -> int | None:
-    """The first step missing from the trace, or one a left-out part held rows of."""
-    return trace.hole
-
-
 class Bisector:
     def __init__(
         self,
@@ -165,6 +166,7 @@ class Bisector:
         every: int = CHECKPOINT_EVERY,
         skip_bad_parts: bool = False,
         ranks: Sequence[int] | None = None,
+        first_load: int = FIRST_LOAD,
     ) -> None:
         self.path = Path(trace_path)
         self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
@@ -179,12 +181,23 @@ class Bisector:
         self.backend = load_backend(backend, device)
         self.horizon = horizon
         self.every = every
+        self.first_load = first_load
         # a minimized repro starts from the replay state its earlier steps left
         self.ids, self.start = ckpt.request_ids_for(self.reader)
         chosen = self.ranks if self.ranks is not None else all_ranks
-        self.traces = {r: RankTrace(self.reader, r, self.ids) for r in chosen}
+        self.step_numbers = {r: rank_step_numbers(self.reader, r) for r in chosen}
+        self.traces = {r: self._load(r, first_load) for r in chosen}
+
+    def _load(self, rank: int, steps: int) -> RankTrace:
+        """Rank ``rank`` loaded through its first ``steps`` recorded steps (all of it when
+        they are most of it: a load reads every step before its bound again)."""
+        numbers = self.step_numbers[rank]
+        steps = max(steps, 4 * self.horizon)
+        bound = None if 2 * steps >= len(numbers) else int(numbers[steps - 1])
+        trace = RankTrace(self.reader, rank, self.ids, to_step=bound)
         # the steps are in memory from here on: refused if they may mix two traces
         refuse_if_replaced([self.reader], "the bisection")
+        return trace
 
     def _replay(self, trace: RankTrace, rules: RuleSet) -> tuple[RankReplay, int]:
         """A replay of one rank under ``rules``, at the trace's start, and its first step."""
@@ -200,13 +213,11 @@ class Bisector:
             horizon=self.horizon,
             ranks=self.ranks,
         )
-        gaps = {r: _gaps(t) for r, t in self.traces.items()}
+        gaps = {r: t.hole for r, t in self.traces.items()}
         checkpoints: dict[int, dict[int, Checkpoint]] = {}
         firsts: dict[int, int] = {}
         replays: dict[int, RankReplay] = {}
-        for rank, trace in self.traces.items():
-            rep, start = self._replay(trace, self.base)
-            cps: dict[int, Checkpoint] = {}
+        for rank in list(self.traces):
             # A later rank only matters if it goes bad before the earliest finding so far;
             # no rank's replay crosses its first gap (a finding past it would be the gap's)
             ends = [min(firsts.values()) - 1] if firsts else []
@@ -215,10 +226,7 @@ class Bisector:
             until = min(ends) if ends else None
             if until is not None and until < 0:
                 continue  # the rank's first step is missing: nothing of it can be replayed
-            last = rep.run(
-                start=start, until=until, stop_on_finding=True, checkpoints=cps, every=self.every
-            )
-            done = int(np.count_nonzero(trace.step_numbers <= last))
+            rep, last, done, cps = self._recorded_replay(rank, until)
             v.steps_replayed += done
             first = rep.oracle.findings[0].step if rep.oracle.findings else None
             v.probes.append(
@@ -305,6 +313,43 @@ class Bisector:
         v.commands = self._commands(v, end)
         v.wall_s = time.perf_counter() - t0
         return v
+
+    def _recorded_replay(
+        self, rank: int, until: int | None
+    ) -> tuple[RankReplay, int, int, dict[int, Checkpoint]]:
+        """The replay of ``rank`` under the base rules through ``until``, stopped after its
+        first finding: the replay, its last step, the steps it replayed and its checkpoints.
+
+        While a load does not hold the rank's last step, the replay stops a horizon before
+        the load's last (a finding there has the steps its probes replay loaded); clean to
+        there, it loads more and goes on from where it stopped, in a replay of the larger
+        load that starts from the state the smaller one left (both number requests with
+        ``self.ids``, so the state means the same in either)."""
+        trace = self.traces[rank]
+        rep, start = self._replay(trace, self.base)
+        cps: dict[int, Checkpoint] = {}
+        done, steps = 0, self.first_load
+        while True:
+            stop = until
+            if trace.to_step is not None:
+                inside = trace.to_step - self.horizon
+                stop = inside if stop is None else min(stop, inside)
+            last = rep.run(
+                start=start, until=stop, stop_on_finding=True, checkpoints=cps, every=self.every
+            )
+            numbers = trace.step_numbers
+            done += int(np.count_nonzero((numbers >= start) & (numbers <= last)))
+            if rep.oracle.findings or trace.to_step is None or stop == until:
+                return rep, last, done, cps
+            state, unknown = rep.checkpoint(last), rep.oracle.unwritten_unknown
+            del rep, trace, self.traces[rank]  # their rows go before the larger load comes in
+            steps *= LOAD_GROWTH
+            trace = self.traces[rank] = self._load(rank, steps)
+            rep = RankReplay(trace, self.base, self.backend, device=self.device)
+            rep.restore(state)
+            rep.oracle.unwritten_unknown = unknown  # a start state's replay knows its past
+            start = last + 1
+            cps[start] = state  # a checkpoint is the state before the step it is keyed by
 
     def _probe(
         self, trace: RankTrace, cps: dict[int, Checkpoint], rules: RuleSet, end: int, first: int

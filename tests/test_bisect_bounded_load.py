@@ -1,0 +1,112 @@
+"""bisect loads a trace's first steps, and more only as its recorded replay gets past them
+clean: the verdict is the one a whole load gives, and an early bug is found without the rest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mgtrace.replayer import bisect as bisect_module
+from mgtrace.replayer.bisect import Bisector
+from mgtrace.replayer.loop import RankReplay
+from mgtrace.schemas.reader import TraceReader
+from mgtrace.sim.config import BUG_BATCH_ROW, BUG_REORDER, BUG_STALE_ROW
+from tests.replay_helpers import set_root, sim_trace, toggle_trace
+
+pytestmark = pytest.mark.slow
+
+HORIZON = 8
+SMALL_LOAD = 40  # steps in a first load: growth to 320, then the whole trace
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _trace_root(tmp_path_factory: pytest.TempPathFactory) -> None:
+    set_root(tmp_path_factory.mktemp("sim"))
+
+
+def _verdict(trace: Path, first_load: int) -> tuple[dict[str, Any], Bisector]:
+    b = Bisector(trace, horizon=HORIZON, first_load=first_load)
+    data = b.run().to_json()
+    # which steps each probe replayed depends on where checkpoints were kept: not a verdict
+    for key in ("wall_s", "probes", "steps_replayed"):
+        data.pop(key)
+    return data, b
+
+
+def _whole(trace: Path) -> dict[str, Any]:
+    data, b = _verdict(trace, first_load=10**9)
+    assert all(t.to_step is None for t in b.traces.values())
+    return data
+
+
+def _first_step(trace: Path, bug: str) -> int:
+    return TraceReader(trace).manifest.ground_truth["bugs"][bug]["first_step"]
+
+
+def test_a_finding_past_the_first_load_is_found_as_a_whole_load_finds_it() -> None:
+    trace = toggle_trace(BUG_STALE_ROW, 1)
+    first = _first_step(trace, BUG_STALE_ROW)
+    assert first > SMALL_LOAD  # the replay must go on into a second load to find it
+    grown, b = _verdict(trace, SMALL_LOAD)
+    assert grown["first_step"] == first
+    assert grown == _whole(trace)
+    (loaded,) = b.traces.values()
+    assert loaded.to_step is not None and loaded.to_step >= first + HORIZON
+
+
+@pytest.mark.parametrize(
+    ("bug", "engine"),
+    [
+        (None, {"runner": "v1", "scenario": "pairs"}),
+        (None, {"runner": "v2", "pp": 2, "scenario": "pairs"}),
+        (BUG_BATCH_ROW, {"runner": "v2", "pp": 2, "scenario": "pairs"}),
+    ],
+)
+def test_the_verdict_is_a_whole_loads(bug: str | None, engine: dict[str, Any]) -> None:
+    trace = sim_trace(bug, 3, 700, **engine)
+    grown, _ = _verdict(trace, SMALL_LOAD)
+    assert grown == _whole(trace)
+    assert grown["status"] == ("bad" if bug else "clean")
+
+
+def test_an_early_bug_is_found_without_loading_the_rest() -> None:
+    trace = toggle_trace(BUG_REORDER, 0)
+    first = _first_step(trace, BUG_REORDER)
+    assert first + HORIZON < SMALL_LOAD
+    grown, b = _verdict(trace, SMALL_LOAD)
+    assert grown["first_step"] == first
+    (loaded,) = b.traces.values()
+    assert loaded.to_step is not None and loaded.step_numbers.max() <= loaded.to_step
+    assert len(loaded.step_numbers) == SMALL_LOAD
+    assert loaded.recorded_steps.max() >= 1000  # the trace goes on well past what was loaded
+    assert grown == _whole(trace)
+
+
+def test_a_short_trace_is_loaded_whole() -> None:
+    trace = toggle_trace(BUG_REORDER, 0)
+    _, b = _verdict(trace, bisect_module.FIRST_LOAD)
+    assert all(t.to_step is None for t in b.traces.values())
+
+
+def test_a_continuation_without_the_state_before_it_gives_another_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control: the replay of a larger load must start from the state the smaller one
+    left; started afresh instead, the comparison above sees the difference."""
+    trace = toggle_trace(BUG_STALE_ROW, 1)
+    whole = _whole(trace)
+    original = RankReplay.restore
+    continuing: list[bool] = []
+
+    def restore(self: RankReplay, cp: Any) -> None:
+        if not continuing:  # only the first restore: the continuation into the second load
+            continuing.append(True)
+            return
+        original(self, cp)
+
+    monkeypatch.setattr(RankReplay, "restore", restore)
+    grown, _ = _verdict(trace, SMALL_LOAD)
+    assert continuing
+    assert grown != whole
