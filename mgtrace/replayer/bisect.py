@@ -46,7 +46,10 @@ from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
 from mgtrace.replayer.requests import is_request, named_writer
 from mgtrace.replayer.rules import RuleSet, single_changes
 from mgtrace.replayer.steps import (
+    FIRST_LOAD,
+    LOAD_GROWTH,
     RankTrace,
+    load_bound,
     rank_step_numbers,
     ranks_of,
     require_replayable,
@@ -60,8 +63,6 @@ from mgtrace.shell import path_arg
 LOG_FORMAT = "mgtrace-bisect"
 DEFAULT_HORIZON = 32
 CHECKPOINT_EVERY = 128
-FIRST_LOAD = 2048  # steps a rank's first load holds (at least four horizons)
-LOAD_GROWTH = 8  # each further load holds this many times as many steps as the one before
 
 
 @dataclass
@@ -189,11 +190,9 @@ class Bisector:
         self.traces = {r: self._load(r, first_load) for r in chosen}
 
     def _load(self, rank: int, steps: int) -> RankTrace:
-        """Rank ``rank`` loaded through its first ``steps`` recorded steps (all of it when
-        they are most of it: a load reads every step before its bound again)."""
-        numbers = self.step_numbers[rank]
-        steps = max(steps, 4 * self.horizon)
-        bound = None if 2 * steps >= len(numbers) else int(numbers[steps - 1])
+        """Rank ``rank`` loaded through its first ``steps`` recorded steps (``load_bound``),
+        at least four horizons."""
+        bound = load_bound(self.step_numbers[rank], max(steps, 4 * self.horizon))
         trace = RankTrace(self.reader, rank, self.ids, to_step=bound)
         # the steps are in memory from here on: refused if they may mix two traces
         refuse_if_replaced([self.reader], "the bisection")

@@ -50,9 +50,12 @@ from mgtrace.replayer.ownership import steps_in_flight
 from mgtrace.replayer.requests import NO_REQUEST
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import (
+    FIRST_LOAD,
+    LOAD_GROWTH,
     REPLAY_TABLES,
     RankTrace,
     first_gap,
+    load_bound,
     ranks_of,
     require_replayable,
     some_ranks,
@@ -111,9 +114,14 @@ class MemoryTrace:
         return self.tables_[name].num_rows
 
 
-def load_memory(reader: TraceReader) -> MemoryTrace:
-    """The trace's tables in memory, and its start state when it has one (a repro)."""
-    tables = {name: reader.table(name) for name in TABLES if name != "findings"}
+def load_memory(reader: TraceReader, to_step: int | None = None) -> MemoryTrace:
+    """The trace's tables in memory (with ``to_step``, the rows of steps up to it), and its
+    start state when it has one (a repro)."""
+    tables = {
+        name: reader.table(name, to_step=to_step if TABLES[name].per_step else None)
+        for name in TABLES
+        if name != "findings"
+    }
     tables["findings"] = TABLES["findings"].schema.empty_table()
     return MemoryTrace(reader.manifest, tables, ckpt.start_state(reader))
 
@@ -519,16 +527,7 @@ def minimize(
     reader = TraceReader(trace_path, skip_bad_parts=skip_bad_parts)
     require_replayable(reader)
     chosen = some_ranks(reader, ranks, trace_path)
-    full = load_memory(reader)
-    refuse_if_replaced([reader], "the minimization")  # what it loaded may mix two traces
-    # As bisect does, replay only up to the first gap: the steps after the first finding
-    # are cut anyway, so only a gap before it leaves nothing to trust.
-    if chosen is not None:
-        full = only_ranks(full, chosen)
-    gap = _first_gap(reader, full, chosen)
-    if gap is not None and gap[1] <= 0:  # no step before it to replay
-        raise _untrusted(trace_path, gap)
-    base = outcome(full if gap is None else truncate(full, gap[1] - 1), rules)
+    full, gap, base, bound = _first_outcome(reader, chosen, rules, trace_path)
     if base.first_step is None and gap is not None:
         raise _untrusted(trace_path, gap)
     if base.first_step is None:
@@ -587,12 +586,15 @@ def minimize(
         force=force,
         original_step=base.first_step,
     )
+    original_steps, original_requests = (
+        _size(full)[:2] if bound is None else _whole_size(reader, chosen)
+    )
     return MinimizeResult(
         signature=pin,
         first_step=int(final.first_step),
         original_first_step=int(base.first_step),
-        original_steps=_num_steps(full),
-        original_requests=len(set(full.tables_["batch_rows"].column("req_id").to_pylist())),
+        original_steps=original_steps,
+        original_requests=original_requests,
         steps=_num_steps(current),
         requests=sorted(set(current.tables_["batch_rows"].column("req_id").to_pylist())),
         table_updates=current.tables_["block_tables"].num_rows,
@@ -602,6 +604,58 @@ def minimize(
         test_file=str(test_file),
         history=history,
     )
+
+
+def _first_outcome(
+    reader: TraceReader, chosen: Sequence[int] | None, rules: RuleSet, trace_path: Path
+) -> tuple[MemoryTrace, tuple[int, int] | None, Outcome, int | None]:
+    """The trace's first steps in memory, through its first finding under ``rules``: the
+    trace held, its first gap, the outcome and the last step loaded (None: all of them).
+
+    Only the steps up to the first finding are kept, so only those are loaded: the first
+    ``FIRST_LOAD`` steps, and eight times as many each time the replay gets through them
+    clean (a replay of the larger load starts over: it is one of the many replays that
+    minimizing takes). As bisect does, the replay stops at the first gap: the steps after
+    the first finding are cut anyway, so only a gap before it leaves nothing to trust."""
+    numbers = _step_numbers(reader, chosen)
+    count = FIRST_LOAD
+    while True:
+        bound = load_bound(numbers, count)
+        full = load_memory(reader, to_step=bound)
+        refuse_if_replaced([reader], "the minimization")  # what it loaded may mix two traces
+        if chosen is not None:
+            full = only_ranks(full, chosen)
+        gap = _first_gap(reader, full, chosen)
+        if gap is not None and gap[1] <= 0:  # no step before it to replay
+            raise _untrusted(trace_path, gap)
+        base = outcome(full if gap is None else truncate(full, gap[1] - 1), rules)
+        past = bound is None or (gap is not None and gap[1] <= bound)
+        if base.first_step is not None or past:
+            return full, gap, base, bound
+        count *= LOAD_GROWTH
+
+
+def _step_numbers(reader: TraceReader, chosen: Sequence[int] | None) -> np.ndarray:
+    """The trace's step numbers (of ``chosen`` ranks), sorted, each once."""
+    t = reader.table("steps", columns=["rank", "step"])
+    if chosen is not None:
+        t = t.filter(pc.is_in(t.column("rank"), pa.array(chosen, pa.int32())))
+    return np.unique(t.column("step").to_numpy(zero_copy_only=False))
+
+
+def _whole_size(reader: TraceReader, chosen: Sequence[int] | None) -> tuple[int, int]:
+    """Steps and requests in batches of the whole trace (of ``chosen`` ranks), as
+    ``_size`` counts them, one column at a time."""
+    rows = reader.table("batch_rows", columns=["rank", "req_id"], codes=True)
+    if chosen is not None:
+        rows = rows.filter(pc.is_in(rows.column("rank"), pa.array(chosen, pa.int32())))
+    names: set[str] = set()
+    for chunk in rows.column("req_id").chunks:
+        if pa.types.is_dictionary(chunk.type):  # each distinct code made a string once
+            chunk = chunk.dictionary.take(pc.unique(chunk.indices))
+        names.update(chunk.to_pylist())
+    names.discard(None)
+    return len(_step_numbers(reader, chosen)), len(names)
 
 
 def _untrusted(trace_path: Path, gap: tuple[int, int]) -> InconclusiveError:

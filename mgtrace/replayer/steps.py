@@ -988,6 +988,19 @@ def complete_steps(reader: TraceReader, rank: int, steps: np.ndarray) -> np.ndar
     return keep
 
 
+# A replay that stops at its first finding (bisect, minimize) loads a long trace's first
+# steps, and eight times as many each time it gets past them clean.
+FIRST_LOAD = 2048
+LOAD_GROWTH = 8
+
+
+def load_bound(steps: np.ndarray, count: int) -> int | None:
+    """The last step of a load holding the first ``count`` of sorted ``steps``; None (load
+    everything) when that is half of them or more, since a larger load reads every step
+    before its bound again."""
+    return None if 2 * count >= len(steps) else int(steps[max(count, 1) - 1])
+
+
 def rank_step_numbers(reader: TraceReader, rank: int) -> np.ndarray:
     """Every step of ``rank`` in the steps table, sorted (one column: cheap on any trace)."""
     t = reader.table("steps", columns=["rank", "step"])

@@ -1,17 +1,22 @@
-"""bisect loads a trace's first steps, and more only as its recorded replay gets past them
-clean: the verdict is the one a whole load gives, and an early bug is found without the rest."""
+"""bisect and minimize load a trace's first steps, and more only as their first replay gets
+past them clean: the verdict and the repro are the ones a whole load gives, and an early bug
+is found without reading the rest."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 
 from mgtrace.replayer import bisect as bisect_module
+from mgtrace.replayer import minimize as minimize_module
 from mgtrace.replayer.bisect import Bisector
 from mgtrace.replayer.loop import RankReplay
+from mgtrace.replayer.minimize import minimize
 from mgtrace.schemas.reader import TraceReader
+from mgtrace.schemas.tables import TABLES
 from mgtrace.sim.config import BUG_BATCH_ROW, BUG_REORDER, BUG_STALE_ROW
 from tests.replay_helpers import set_root, sim_trace, toggle_trace
 
@@ -110,3 +115,58 @@ def test_a_continuation_without_the_state_before_it_gives_another_verdict(
     grown, _ = _verdict(trace, SMALL_LOAD)
     assert continuing
     assert grown != whole
+
+
+# ---------------------------------------------------------------- minimize
+LOAD_MEMORY = minimize_module.load_memory
+
+
+def _minimized(
+    trace: Path, out: Path, first_load: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, Any], list[int | None]]:
+    """minimize's result (less what differs run to run) and the bounds it loaded."""
+    bounds: list[int | None] = []
+
+    def spy(reader: Any, to_step: int | None = None) -> Any:
+        bounds.append(to_step)
+        return LOAD_MEMORY(reader, to_step)
+
+    monkeypatch.setattr(minimize_module, "FIRST_LOAD", first_load)
+    monkeypatch.setattr(minimize_module, "load_memory", spy)
+    data = vars(minimize(trace, out)).copy()
+    for key in ("wall_s", "output", "test_file"):
+        data.pop(key)
+    return data, bounds
+
+
+def _tables(trace: Path) -> dict[str, Any]:
+    return {
+        name: pq.read_table(trace / name).to_pylist() for name in TABLES if (trace / name).exists()
+    }
+
+
+def test_minimize_grows_its_load_to_the_first_finding_and_makes_the_same_repro(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = toggle_trace(BUG_STALE_ROW, 1)
+    first = _first_step(trace, BUG_STALE_ROW)
+    grown, bounds = _minimized(trace, tmp_path / "grown", SMALL_LOAD, monkeypatch)
+    whole, whole_bounds = _minimized(trace, tmp_path / "whole", 10**9, monkeypatch)
+    assert whole_bounds == [None]
+    # 40 steps, then 320, which hold the first finding
+    assert len(bounds) == 2 and bounds[0] < first <= bounds[1]
+    assert grown["original_first_step"] == first
+    assert grown == whole  # the whole trace's steps and requests counted all the same
+    assert _tables(tmp_path / "grown") == _tables(tmp_path / "whole")
+
+
+def test_minimize_of_an_early_bug_loads_only_the_first_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = toggle_trace(BUG_REORDER, 0)
+    first = _first_step(trace, BUG_REORDER)
+    grown, bounds = _minimized(trace, tmp_path / "grown", SMALL_LOAD, monkeypatch)
+    assert len(bounds) == 1 and bounds[0] is not None and first <= bounds[0] < 1000
+    assert grown["original_steps"] == 1500
+    whole, _ = _minimized(trace, tmp_path / "whole", 10**9, monkeypatch)
+    assert grown == whole
