@@ -4,6 +4,10 @@ is found without reading the rest."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +174,43 @@ def test_minimize_of_an_early_bug_loads_only_the_first_steps(
     assert grown["original_steps"] == 1500
     whole, _ = _minimized(trace, tmp_path / "whole", 10**9, monkeypatch)
     assert grown == whole
+
+
+# ---------------------------------------------------------------- progress
+def test_bisect_says_what_it_loads_replays_and_tries() -> None:
+    said: list[str] = []
+    clean = sim_trace(None, 3, 700, runner="v1", scenario="pairs")
+    Bisector(clean, horizon=HORIZON, first_load=SMALL_LOAD, progress=said.append).run()
+    assert said == [
+        "loading: 40 of 700 steps",
+        "loading: 320 of 700 steps",
+        "replaying: 256 of 700 steps",
+        "loading: 700 of 700 steps",  # from step 312, a horizon before the end of the load
+        "replaying: 512 of 700 steps",
+    ]
+    said.clear()
+    buggy = toggle_trace(BUG_STALE_ROW, 1)
+    Bisector(buggy, horizon=HORIZON, first_load=SMALL_LOAD, progress=said.append).run()
+    assert said[:2] == ["loading: 40 of 1,500 steps", "loading: 320 of 1,500 steps"]
+    assert said[2:] and all(s.startswith("trying --") for s in said[2:])
+    assert said[2].endswith(f"(1 of {sum(s.endswith(')') for s in said)})")
+
+
+def test_bisect_shows_its_progress_on_a_terminal_and_only_there() -> None:
+    trace = toggle_trace(BUG_REORDER, 0)
+    runs = {}
+    for terminal in (True, False):
+        env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
+        if terminal:
+            env["FORCE_COLOR"] = "1"  # rich takes standard error for a terminal
+        runs[terminal] = subprocess.run(
+            [sys.executable, "-m", "mgtrace", "bisect", str(trace), "--json"],
+            capture_output=True, text=True, env=env, check=False,
+        )  # fmt: skip
+    for proc in runs.values():
+        assert proc.returncode == 1, proc.stderr
+        assert json.loads(proc.stdout)["first_step"] == _first_step(trace, BUG_REORDER)
+    # the spinner redraws a few times a second: the load, the longest stage, shows; the
+    # short-lived ones may not
+    assert "bisect: loading: 1,500 of 1,500 steps" in runs[True].stderr
+    assert "bisect:" not in runs[False].stderr

@@ -21,7 +21,7 @@ import json
 import os
 import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,7 @@ from mgtrace.shell import path_arg
 LOG_FORMAT = "mgtrace-bisect"
 DEFAULT_HORIZON = 32
 CHECKPOINT_EVERY = 128
+PROGRESS_EVERY = 256  # replayed steps between two progress reports
 
 
 @dataclass
@@ -168,8 +169,12 @@ class Bisector:
         skip_bad_parts: bool = False,
         ranks: Sequence[int] | None = None,
         first_load: int = FIRST_LOAD,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
+        """``progress`` is told, in a few words, what the bisection does now: loading,
+        replaying (every ``PROGRESS_EVERY`` steps), trying a rule."""
         self.path = Path(trace_path)
+        self.progress = progress
         self.reader = TraceReader(self.path, skip_bad_parts=skip_bad_parts)
         self.skip_bad_parts = skip_bad_parts
         require_replayable(self.reader)
@@ -189,10 +194,20 @@ class Bisector:
         self.step_numbers = {r: rank_step_numbers(self.reader, r) for r in chosen}
         self.traces = {r: self._load(r, first_load) for r in chosen}
 
+    def _say(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress(what)
+
+    def _on_rank(self, rank: int) -> str:
+        return f" rank {rank}" if self.several_ranks else ""
+
     def _load(self, rank: int, steps: int) -> RankTrace:
         """Rank ``rank`` loaded through its first ``steps`` recorded steps (``load_bound``),
         at least four horizons."""
-        bound = load_bound(self.step_numbers[rank], max(steps, 4 * self.horizon))
+        numbers = self.step_numbers[rank]
+        bound = load_bound(numbers, max(steps, 4 * self.horizon))
+        held = len(numbers) if bound is None else int(np.searchsorted(numbers, bound, "right"))
+        self._say(f"loading{self._on_rank(rank)}: {held:,} of {len(numbers):,} steps")
         trace = RankTrace(self.reader, rank, self.ids, to_step=bound)
         # the steps are in memory from here on: refused if they may mix two traces
         refuse_if_replaced([self.reader], "the bisection")
@@ -292,7 +307,9 @@ class Bisector:
         if gap is not None:
             end = min(end, gap - 1)
         delays: dict[str, int] = {}
-        for cand in single_changes(self.base, trace.run.num_speculative_tokens):
+        candidates = list(single_changes(self.base, trace.run.num_speculative_tokens))
+        for i, cand in enumerate(candidates, 1):
+            self._say(f"trying {' '.join(cand.as_flags())} ({i} of {len(candidates)})")
             probe = self._probe(trace, checkpoints[rank], cand, end, first)
             v.probes.append(probe)
             v.steps_replayed += probe.steps
@@ -304,6 +321,7 @@ class Bisector:
             ranked = sorted(delays, key=lambda c: -delays[c])
             for a, b in itertools.combinations(ranked, 2):
                 merged = RuleSet.parse(a).with_(**RuleSet.parse(b).changed())
+                self._say(f"trying {' '.join(merged.as_flags())}")
                 probe = self._probe(trace, checkpoints[rank], merged, end, first)
                 v.probes.append(probe)
                 v.steps_replayed += probe.steps
@@ -328,13 +346,25 @@ class Bisector:
         rep, start = self._replay(trace, self.base)
         cps: dict[int, Checkpoint] = {}
         done, steps = 0, self.first_load
+        total, shown = len(self.step_numbers[rank]), [0]
+
+        def replayed(n: int) -> None:
+            shown[0] += n
+            if shown[0] % PROGRESS_EVERY == 0:
+                self._say(f"replaying{self._on_rank(rank)}: {shown[0]:,} of {total:,} steps")
+
         while True:
             stop = until
             if trace.to_step is not None:
                 inside = trace.to_step - self.horizon
                 stop = inside if stop is None else min(stop, inside)
             last = rep.run(
-                start=start, until=stop, stop_on_finding=True, checkpoints=cps, every=self.every
+                start=start,
+                until=stop,
+                stop_on_finding=True,
+                checkpoints=cps,
+                every=self.every,
+                progress=None if self.progress is None else replayed,
             )
             numbers = trace.step_numbers
             done += int(np.count_nonzero((numbers >= start) & (numbers <= last)))

@@ -545,15 +545,24 @@ def bisect_cmd(
                     "give the log a file, or leave out --json"
                 )
             out = Console(stderr=True)
-    verdict = bisect(
-        trace,
-        base=base,
-        horizon=horizon,
-        backend=backend,
-        device=device,
-        skip_bad_parts=skip_bad_parts,
-        ranks=ranks or None,
-    )
+    err = Console(stderr=True)
+    status = err.status("bisecting", spinner="dots") if err.is_terminal else None
+    if status is not None:
+        status.start()
+    try:
+        verdict = bisect(
+            trace,
+            base=base,
+            horizon=horizon,
+            backend=backend,
+            device=device,
+            skip_bad_parts=skip_bad_parts,
+            ranks=ranks or None,
+            progress=None if status is None else lambda what: status.update(f"bisect: {what}"),
+        )
+    finally:
+        if status is not None:
+            status.stop()
     log = log_path or Path(trace) / "bisect.json"
     refuse_if_any_replaced("mgtrace bisect")  # no verdict, nor its log in another trace's folder
     try:
