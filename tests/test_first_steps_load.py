@@ -149,31 +149,22 @@ def _tables(trace: Path) -> dict[str, Any]:
     }
 
 
-def test_minimize_grows_its_load_to_the_first_finding_and_makes_the_same_repro(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("bug", "seed", "loads"), [(BUG_STALE_ROW, 1, 2), (BUG_REORDER, 0, 1)])
+def test_minimize_loads_through_the_first_finding_and_makes_the_same_repro(
+    bug: str, seed: int, loads: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    trace = toggle_trace(BUG_STALE_ROW, 1)
-    first = _first_step(trace, BUG_STALE_ROW)
+    trace = toggle_trace(bug, seed)
+    first = _first_step(trace, bug)
     grown, bounds = _minimized(trace, tmp_path / "grown", SMALL_LOAD, monkeypatch)
     whole, whole_bounds = _minimized(trace, tmp_path / "whole", 10**9, monkeypatch)
     assert whole_bounds == [None]
-    # 40 steps, then 320, which hold the first finding
-    assert len(bounds) == 2 and bounds[0] < first <= bounds[1]
+    # 40 steps, then 320 when the first 40 are clean: only the last load holds the finding
+    assert len(bounds) == loads and None not in bounds
+    assert bounds[-1] >= first and all(b < first for b in bounds[:-1])
     assert grown["original_first_step"] == first
-    assert grown == whole  # the whole trace's steps and requests counted all the same
-    assert _tables(tmp_path / "grown") == _tables(tmp_path / "whole")
-
-
-def test_minimize_of_an_early_bug_loads_only_the_first_steps(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    trace = toggle_trace(BUG_REORDER, 0)
-    first = _first_step(trace, BUG_REORDER)
-    grown, bounds = _minimized(trace, tmp_path / "grown", SMALL_LOAD, monkeypatch)
-    assert len(bounds) == 1 and bounds[0] is not None and first <= bounds[0] < 1000
-    assert grown["original_steps"] == 1500
-    whole, _ = _minimized(trace, tmp_path / "whole", 10**9, monkeypatch)
+    assert grown["original_steps"] == 1500  # the whole trace's steps, and its requests
     assert grown == whole
+    assert _tables(tmp_path / "grown") == _tables(tmp_path / "whole")
 
 
 # ---------------------------------------------------------------- progress

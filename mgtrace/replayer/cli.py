@@ -6,7 +6,8 @@ import hashlib
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,18 @@ from mgtrace.shell import shell_path
 
 if TYPE_CHECKING:
     from mgtrace.schemas.reader import TraceReader
+
+
+@contextmanager
+def status_line(start: str) -> Iterator[Callable[[str], None] | None]:
+    """A spinner line on standard error, rewritten by the function yielded, where standard
+    error is a terminal; None elsewhere (a log or a pipe gets no redrawn lines)."""
+    err = Console(stderr=True)
+    if not err.is_terminal:
+        yield None
+        return
+    with err.status(start, spinner="dots") as status:
+        yield status.update
 
 
 def _is_stdout(path: Path) -> bool:
@@ -545,11 +558,7 @@ def bisect_cmd(
                     "give the log a file, or leave out --json"
                 )
             out = Console(stderr=True)
-    err = Console(stderr=True)
-    status = err.status("bisecting", spinner="dots") if err.is_terminal else None
-    if status is not None:
-        status.start()
-    try:
+    with status_line("bisecting") as say:
         verdict = bisect(
             trace,
             base=base,
@@ -558,11 +567,8 @@ def bisect_cmd(
             device=device,
             skip_bad_parts=skip_bad_parts,
             ranks=ranks or None,
-            progress=None if status is None else lambda what: status.update(f"bisect: {what}"),
+            progress=None if say is None else lambda what: say(f"bisect: {what}"),
         )
-    finally:
-        if status is not None:
-            status.stop()
     log = log_path or Path(trace) / "bisect.json"
     refuse_if_any_replaced("mgtrace bisect")  # no verdict, nor its log in another trace's folder
     try:
@@ -714,16 +720,12 @@ def minimize_cmd(
     from mgtrace.replayer.minimize import minimize
 
     rules = rules_from_options(rule_values, rules_text)
-    err = Console(stderr=True)
-    status = err.status("minimizing", spinner="dots") if err.is_terminal else None
+    with status_line("minimizing") as say:
 
-    def progress(phase: str, queries: int, size: int) -> None:
-        if status is not None:
-            status.update(f"minimizing {phase}: {size} left, {queries} replays")
+        def progress(phase: str, queries: int, size: int) -> None:
+            if say is not None:
+                say(f"minimizing {phase}: {size} left, {queries} replays")
 
-    if status is not None:
-        status.start()
-    try:
         result = minimize(
             trace,
             output,
@@ -734,9 +736,6 @@ def minimize_cmd(
             skip_bad_parts=skip_bad_parts,
             ranks=ranks or None,
         )
-    finally:
-        if status is not None:
-            status.stop()
     if as_json:
         click.echo(json.dumps(asdict(result), indent=1))
         return EXIT_CLEAN
