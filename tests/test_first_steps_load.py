@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -18,7 +21,9 @@ from mgtrace.replayer import bisect as bisect_module
 from mgtrace.replayer import minimize as minimize_module
 from mgtrace.replayer.bisect import Bisector
 from mgtrace.replayer.loop import RankReplay
-from mgtrace.replayer.minimize import minimize
+from mgtrace.replayer.minimize import MemoryTrace, load_memory, minimize, write_trace
+from mgtrace.replayer.requests import RequestIds
+from mgtrace.replayer.steps import RankTrace
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
 from mgtrace.sim.config import BUG_BATCH_ROW, BUG_REORDER, BUG_STALE_ROW
@@ -99,6 +104,23 @@ def test_a_short_trace_is_loaded_whole() -> None:
     assert all(t.to_step is None for t in b.traces.values())
 
 
+def test_each_load_is_larger_than_the_one_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load holds at least four horizons: the next ones grow from that, not from the
+    first load asked for, or a long horizon reads the same steps again for nothing."""
+    trace = sim_trace(None, 2, 1500, runner="v1", scenario="pairs")
+    bounds: list[int | None] = []
+    original = Bisector._load
+
+    def spy(self: Bisector, rank: int, steps: int) -> Any:
+        trace = original(self, rank, steps)
+        bounds.append(trace.to_step)
+        return trace
+
+    monkeypatch.setattr(Bisector, "_load", spy)
+    assert Bisector(trace, horizon=150, first_load=10).run().status == "clean"
+    assert bounds == [599, None]  # four horizons, then 4,800 steps: the whole trace
+
+
 def test_a_continuation_without_the_state_before_it_gives_another_verdict(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -165,6 +187,64 @@ def test_minimize_loads_through_the_first_finding_and_makes_the_same_repro(
     assert grown["original_steps"] == 1500  # the whole trace's steps, and its requests
     assert grown == whole
     assert _tables(tmp_path / "grown") == _tables(tmp_path / "whole")
+
+
+def _with_a_wide_row_past(src: Path, out: Path) -> tuple[int, int]:
+    """``src`` (a stale-row trace) with its first padded row's gather reaching one column
+    past the block tables its first steps need, and, two steps later and before the first
+    finding, a block-table row that nothing indexes, wide enough to hold that column.
+    Returns the last step of a load that stops just after the padded row, and the first
+    finding's step."""
+    reader = TraceReader(src)
+    first = _first_step(src, BUG_STALE_ROW)
+    run = reader.manifest.run
+    k, block = run.num_speculative_tokens, run.mamba_block_size
+    mem = load_memory(reader)
+    tables = dict(mem.tables_)
+    launches = tables["launches"]
+    padded = np.asarray(pc.less(pc.fill_null(launches.column("req_slot"), 0), 0))
+    at = int(np.flatnonzero(padded)[0])
+    bound = int(launches.column("step")[at].as_py()) + 1
+    assert bound + 2 < first
+    width = RankTrace(load_memory(reader, to_step=bound), 0, RequestIds()).table_dims(k)[1]
+    seq = launches.column("seq_len").to_pylist()
+    seq[at] = (width - k) * block + 1  # gathers columns width-k .. width: the last outside
+    i = launches.column_names.index("seq_len")
+    field = launches.schema.field(i)
+    tables["launches"] = launches.set_column(i, field, pa.array(seq, field.type))
+    bt = tables["block_tables"]
+    unused = max(pc.max(bt.column("row")).as_py(), pc.max(launches.column("bt_row")).as_py()) + 1
+    wide = pa.table(
+        {
+            "rank": pa.array([0], pa.int32()),
+            "step": pa.array([bound + 2], pa.int64()),
+            "group": pa.array([0], pa.int32()),
+            "table": pa.array(["v1"]).dictionary_encode().cast(bt.schema.field("table").type),
+            "row": pa.array([unused], pa.int32()),
+            "block_ids": pa.array([[0] * (width + 4)], pa.list_(pa.int32())),
+        },
+        schema=bt.schema,
+    )
+    tables["block_tables"] = pa.concat_tables([bt, wide]).sort_by(
+        [("rank", "ascending"), ("step", "ascending")]
+    )
+    write_trace(MemoryTrace(mem.manifest, tables), out, mem.manifest)
+    return bound, first
+
+
+def test_minimize_sees_the_block_tables_as_wide_as_a_whole_load_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first load's tables are as wide as the rows it left out make a whole load's: an
+    index outside the loaded rows' tables but inside the whole trace's is no finding."""
+    trace = tmp_path / "wide"
+    bound, first = _with_a_wide_row_past(toggle_trace(BUG_STALE_ROW, 1), trace)
+    whole, _ = _minimized(trace, tmp_path / "whole", 10**9, monkeypatch)
+    assert whole["original_first_step"] == first
+    assert Bisector(trace, horizon=HORIZON, first_load=bound + 1).run().first_step == first
+    grown, bounds = _minimized(trace, tmp_path / "grown", bound + 1, monkeypatch)
+    assert bounds[0] == bound
+    assert grown == whole
 
 
 # ---------------------------------------------------------------- progress

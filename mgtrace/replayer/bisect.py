@@ -345,7 +345,8 @@ class Bisector:
         trace = self.traces[rank]
         rep, start = self._replay(trace, self.base)
         cps: dict[int, Checkpoint] = {}
-        done, steps = 0, self.first_load
+        # each load is LOAD_GROWTH times the one before, which holds at least four horizons
+        done, steps = 0, max(self.first_load, 4 * self.horizon)
         total, shown = len(self.step_numbers[rank]), [0]
 
         def replayed(n: int) -> None:

@@ -53,6 +53,7 @@ from mgtrace.replayer.steps import (
     FIRST_LOAD,
     LOAD_GROWTH,
     REPLAY_TABLES,
+    TABLE_DIM_COLUMNS,
     RankTrace,
     first_gap,
     load_bound,
@@ -85,6 +86,9 @@ class MemoryTrace:
         self.manifest = manifest
         self.tables_ = tables
         self.start_state = start_state
+        # rank -> what ``RankTrace.table_dims`` reads of rows a bounded load left out (a
+        # trace made from this one by a reduction has its own rows only: none)
+        self.later_dims: dict[int, dict[str, int]] = {}
 
     def table(
         self,
@@ -617,7 +621,13 @@ def _first_outcome(
     clean (a replay of the larger load starts over: it is one of the many replays that
     minimizing takes). As bisect does, the replay stops at the first gap: the steps after
     the first finding are cut anyway, so only a gap before it leaves nothing to trust."""
-    numbers = _step_numbers(reader, chosen)
+    steps = reader.table("steps", columns=["rank", "step"])
+    numbers = _step_numbers(steps, chosen)
+    # A whole load replays up to the trace's first gap, with block tables as wide as the
+    # rows before it need: a smaller load's are made as wide, so that an index falls
+    # outside them exactly where it does there.
+    whole_gap = _first_gap(reader, MemoryTrace(reader.manifest, {"steps": steps}), chosen)
+    through = None if whole_gap is None else whole_gap[1] - 1
     count = FIRST_LOAD
     while True:
         bound = load_bound(numbers, count)
@@ -628,16 +638,42 @@ def _first_outcome(
         gap = _first_gap(reader, full, chosen)
         if gap is not None and gap[1] <= 0:  # no step before it to replay
             raise _untrusted(trace_path, gap)
-        base = outcome(full if gap is None else truncate(full, gap[1] - 1), rules)
+        held = full if gap is None else truncate(full, gap[1] - 1)
+        if bound is not None and (through is None or through > bound):
+            held.later_dims = _dims_after(reader, ranks_of(held), bound, through)  # type: ignore[arg-type]
+        base = outcome(held, rules)
         past = bound is None or (gap is not None and gap[1] <= bound)
         if base.first_step is not None or past:
             return full, gap, base, bound
         count *= LOAD_GROWTH
 
 
-def _step_numbers(reader: TraceReader, chosen: Sequence[int] | None) -> np.ndarray:
-    """The trace's step numbers (of ``chosen`` ranks), sorted, each once."""
-    t = reader.table("steps", columns=["rank", "step"])
+def _dims_after(
+    reader: TraceReader, ranks: Sequence[int], after: int, through: int | None
+) -> dict[int, dict[str, int]]:
+    """Per rank, what ``RankTrace.table_dims`` reads of the rows of steps after ``after``
+    (through ``through``; None: to the end), which a bounded load leaves out."""
+    out: dict[int, dict[str, int]] = {r: {} for r in ranks}
+    for key, (name, column, lengths) in TABLE_DIM_COLUMNS.items():
+        if through is None:  # one part and one column at a time
+            for r in ranks:
+                got = reader.column_max(name, column, rank=r, after_step=after, lengths=lengths)
+                if got is not None:
+                    out[r][key] = int(got)
+            continue
+        t = reader.table(name, columns=["rank", "step", column], to_step=through)
+        t = t.filter(pc.greater(t.column("step"), after))
+        for r in ranks:
+            values = t.filter(pc.equal(t.column("rank"), r)).column(column)
+            got = pc.max(pc.list_value_length(values) if lengths else values).as_py()
+            if got is not None:
+                out[r][key] = int(got)
+    return out
+
+
+def _step_numbers(steps: pa.Table, chosen: Sequence[int] | None) -> np.ndarray:
+    """The step numbers of a steps table (of ``chosen`` ranks), sorted, each once."""
+    t = steps
     if chosen is not None:
         t = t.filter(pc.is_in(t.column("rank"), pa.array(chosen, pa.int32())))
     return np.unique(t.column("step").to_numpy(zero_copy_only=False))
@@ -655,7 +691,8 @@ def _whole_size(reader: TraceReader, chosen: Sequence[int] | None) -> tuple[int,
             chunk = chunk.dictionary.take(pc.unique(chunk.indices))
         names.update(chunk.to_pylist())
     names.discard(None)
-    return len(_step_numbers(reader, chosen)), len(names)
+    steps = reader.table("steps", columns=["rank", "step"])
+    return len(_step_numbers(steps, chosen)), len(names)
 
 
 def _untrusted(trace_path: Path, gap: tuple[int, int]) -> InconclusiveError:

@@ -275,7 +275,12 @@ class RankTrace:
         if not whole.all():
             steps = steps.filter(pa.array(whole))
         self.step_numbers = steps.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
-        self._later_dims = self._dims_after(reader) if self.to_step is not None else {}
+        # a bounded load in memory (minimize's first load) brings the shape it lacks along
+        self._later_dims = (
+            self._dims_after(reader)
+            if self.to_step is not None
+            else dict(getattr(reader, "later_dims", {}).get(rank, {}))
+        )
         copies = ("block_copy_src", "block_copy_dst")
         self.step_info = {
             name: _numpy(steps.column(name))
@@ -558,14 +563,8 @@ class RankTrace:
         bound on the rows must not move where an index falls outside the tables (a finding
         names their shape)."""
         assert self.to_step is not None
-        wanted = {
-            "table_row": ("block_tables", "row", False),
-            "table_width": ("block_tables", "block_ids", True),
-            "bt_row": ("launches", "bt_row", False),
-            "state_col": ("batch_rows", "state_col", False),
-        }
         out = {}
-        for key, (name, column, lengths) in wanted.items():
+        for key, (name, column, lengths) in TABLE_DIM_COLUMNS.items():
             got = reader.column_max(
                 name, column, rank=self.rank, after_step=self.to_step, lengths=lengths
             )
@@ -909,6 +908,16 @@ class RankTrace:
         lo, hi = self._sched.bounds(step)
         sel = self._sched_running[lo:hi].nonzero()[0] + lo
         return self._sched_uid[sel], self._sched_freed_below[sel]
+
+
+# What ``RankTrace.table_dims`` reads of rows a bounded load leaves out: (table, column,
+# whether the column's list lengths count)
+TABLE_DIM_COLUMNS = {
+    "table_row": ("block_tables", "row", False),
+    "table_width": ("block_tables", "block_ids", True),
+    "bt_row": ("launches", "bt_row", False),
+    "state_col": ("batch_rows", "state_col", False),
+}
 
 
 _KERNEL_ORDER = {
