@@ -18,11 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from mgtrace.replayer import bisect as bisect_module
+from mgtrace.replayer import diff as diff_module
 from mgtrace.replayer import minimize as minimize_module
 from mgtrace.replayer.bisect import Bisector
+from mgtrace.replayer.diff import RulesDiff, diff_rules
 from mgtrace.replayer.loop import RankReplay
 from mgtrace.replayer.minimize import MemoryTrace, load_memory, minimize, write_trace
 from mgtrace.replayer.requests import RequestIds
+from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import RankTrace
 from mgtrace.schemas.reader import TraceReader
 from mgtrace.schemas.tables import TABLES
@@ -245,6 +248,58 @@ def test_minimize_sees_the_block_tables_as_wide_as_a_whole_load_does(
     grown, bounds = _minimized(trace, tmp_path / "grown", bound + 1, monkeypatch)
     assert bounds[0] == bound
     assert grown == whole
+
+
+# ---------------------------------------------------------------- diff --rules
+RESUMED = diff_module.resumed
+
+
+def _rules_diff(
+    trace: Path, a: str, b: str, first_load: int, monkeypatch: pytest.MonkeyPatch
+) -> RulesDiff:
+    monkeypatch.setattr(diff_module, "FIRST_LOAD", first_load)
+    return diff_rules(TraceReader(trace), RuleSet.parse(a), RuleSet.parse(b))
+
+
+@pytest.mark.parametrize(
+    ("bug", "engine", "a", "b"),
+    [
+        # diverges at the stale row's first write, past the first load
+        (BUG_STALE_ROW, {"runner": "v1", "scenario": "pairs"}, "", "clear_vacated_rows=true"),
+        # never diverges: every step of both ranks, over three loads
+        (None, {"runner": "v2", "pp": 2, "scenario": "pairs"}, "", "accepted_source=cpu"),
+        (BUG_BATCH_ROW, {"runner": "v2", "pp": 2, "scenario": "pairs"}, "", "bt_row_is_req=true"),
+    ],
+)
+def test_diff_rules_goes_on_into_larger_loads_as_a_whole_load_replays(
+    bug: str | None, engine: dict[str, Any], a: str, b: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = sim_trace(bug, 1, 700, **engine)
+    grown = _rules_diff(trace, a, b, SMALL_LOAD, monkeypatch)
+    whole = _rules_diff(trace, a, b, 10**9, monkeypatch)
+    assert grown == whole
+    assert (whole.first_step is None) == (bug is None)
+
+
+def test_diff_rules_resumed_without_one_sides_state_diverges_at_the_load_boundary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control: each side's replay of the larger load must start from the state that
+    side's replay left; one started afresh instead, the comparison above sees it."""
+    trace = sim_trace(None, 1, 700, runner="v1", scenario="pairs")
+    a, b = "", "accepted_source=cpu"
+    assert _rules_diff(trace, a, b, 10**9, monkeypatch).first_step is None
+    calls: list[int] = []
+
+    def first_afresh(trace: Any, rules: Any, backend: Any, device: str, *state: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            return RankReplay(trace, rules, backend, device=device)
+        return RESUMED(trace, rules, backend, device, *state)
+
+    monkeypatch.setattr(diff_module, "resumed", first_afresh)
+    grown = _rules_diff(trace, a, b, SMALL_LOAD, monkeypatch)
+    assert grown.first_step == SMALL_LOAD  # the first step of the second load
 
 
 # ---------------------------------------------------------------- progress

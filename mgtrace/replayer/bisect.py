@@ -42,7 +42,7 @@ from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.coverage import unseen_reason
 from mgtrace.replayer.divergence import first_divergence
 from mgtrace.replayer.findings import FOREIGN_BLOCK_WRITE, FOREIGN_STATE, Finding
-from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend
+from mgtrace.replayer.loop import Checkpoint, RankReplay, load_backend, resumed
 from mgtrace.replayer.requests import is_request, named_writer
 from mgtrace.replayer.rules import RuleSet, single_changes
 from mgtrace.replayer.steps import (
@@ -375,9 +375,7 @@ class Bisector:
             del rep, trace, self.traces[rank]  # their rows go before the larger load comes in
             steps *= LOAD_GROWTH
             trace = self.traces[rank] = self._load(rank, steps)
-            rep = RankReplay(trace, self.base, self.backend, device=self.device)
-            rep.restore(state)
-            rep.oracle.unwritten_unknown = unknown  # a start state's replay knows its past
+            rep = resumed(trace, self.base, self.backend, self.device, state, unknown)
             start = last + 1
             cps[start] = state  # a checkpoint is the state before the step it is keyed by
 

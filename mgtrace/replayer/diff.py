@@ -23,10 +23,14 @@ import numpy as np
 
 from mgtrace.replayer import checkpoint as ckpt
 from mgtrace.replayer.coverage import missing_from, unseen_reason
-from mgtrace.replayer.loop import RankReplay, load_backend
+from mgtrace.replayer.loop import RankReplay, load_backend, resumed
 from mgtrace.replayer.rules import RuleSet
 from mgtrace.replayer.steps import (
+    FIRST_LOAD,
+    LOAD_GROWTH,
     RankTrace,
+    load_bound,
+    rank_step_numbers,
     ranks_of,
     require_replayable,
     spec_decodes_run_first,
@@ -381,7 +385,10 @@ def diff_rules(
     ranks = ranks_of(reader)
     out = RulesDiff(None, None, ranks=len(ranks))
     for rank in ranks:
-        trace = RankTrace(reader, rank, ids)
+        # As bisect does, a rank is loaded a first part at a time (``load_bound``): the
+        # replays stop at the first divergence, often long before the trace's end.
+        numbers, count = rank_step_numbers(reader, rank), FIRST_LOAD
+        trace = RankTrace(reader, rank, ids, to_step=load_bound(numbers, count))
         # the shadow state cannot be rebuilt across a gap: both replays stop before it
         gap = trace.hole
         if gap is not None and (out.gap is None or (gap, rank) < (out.gap[1], out.gap[0])):
@@ -390,34 +397,59 @@ def diff_rules(
         rb = RankReplay(trace, b, run, device=device)
         ckpt.start_from(ra, seed)
         ckpt.start_from(rb, seed)
-        for step in trace:
-            if out.first_step is not None and step >= out.first_step:
+        steps = list(trace)
+        while True:
+            if _diverged(out, ra, rb, steps, gap, rank):
                 break
-            if gap is not None and step >= gap:
+            if trace.to_step is None:
                 break
-            seen_a, seen_b = len(ra.oracle.findings), len(rb.oracle.findings)
-            ra.step(step)
-            rb.step(step)
-            out.steps += 1
-            said_a = [_brief(f) for f in ra.oracle.findings[seen_a:]]
-            said_b = [_brief(f) for f in rb.oracle.findings[seen_b:]]
-            pa, pb = ra.pool.snapshot(), rb.pool.snapshot()
-            same_state = np.array_equal(pa, pb)
-            if same_state and _said(said_a) == _said(said_b):
-                continue
-            out.first_step, out.rank = step, rank
-            if not same_state:
-                page = ra.pool.pool.page_bytes
-                size = ra.pool.pool.num_blocks * page
-                differs = (pa[:size] != pb[:size]).reshape(-1, page).any(axis=1)
-                out.blocks = np.flatnonzero(differs).tolist()
-            out.findings_a, out.findings_b = said_a, said_b
-            break
+            # both replays agree through the load: a larger one, going on from their states
+            last = int(trace.step_numbers[-1]) if len(trace) else trace.to_step
+            states = [(r.checkpoint(last), r.oracle.unwritten_unknown) for r in (ra, rb)]
+            del ra, rb, trace  # their rows go before the larger load comes in
+            count *= LOAD_GROWTH
+            trace = RankTrace(reader, rank, ids, to_step=load_bound(numbers, count))
+            ra, rb = (
+                resumed(trace, rules, run, device, *state)
+                for rules, state in zip((a, b), states, strict=True)
+            )
+            steps = trace.steps_from(last + 1)
     if out.first_step is not None and out.gap is not None and out.gap[1] <= out.first_step:
         out.gap = None  # not reached: a divergence on another rank came first
     if out.first_step is None:
         out.inconclusive = unseen_reason(reader, out.gap is not None)
     return out
+
+
+def _diverged(
+    out: RulesDiff, ra: RankReplay, rb: RankReplay, steps: list[int], gap: int | None, rank: int
+) -> bool:
+    """Replay ``steps`` in lockstep until the two sides differ (recorded in ``out``), a gap,
+    or the step another rank already diverged at; whether they stopped there."""
+    for step in steps:
+        if out.first_step is not None and step >= out.first_step:
+            return True
+        if gap is not None and step >= gap:
+            return True
+        seen_a, seen_b = len(ra.oracle.findings), len(rb.oracle.findings)
+        ra.step(step)
+        rb.step(step)
+        out.steps += 1
+        said_a = [_brief(f) for f in ra.oracle.findings[seen_a:]]
+        said_b = [_brief(f) for f in rb.oracle.findings[seen_b:]]
+        pa, pb = ra.pool.snapshot(), rb.pool.snapshot()
+        same_state = np.array_equal(pa, pb)
+        if same_state and _said(said_a) == _said(said_b):
+            continue
+        out.first_step, out.rank = step, rank
+        if not same_state:
+            page = ra.pool.pool.page_bytes
+            size = ra.pool.pool.num_blocks * page
+            differs = (pa[:size] != pb[:size]).reshape(-1, page).any(axis=1)
+            out.blocks = np.flatnonzero(differs).tolist()
+        out.findings_a, out.findings_b = said_a, said_b
+        return True
+    return False
 
 
 def _brief(f: Any) -> dict[str, Any]:

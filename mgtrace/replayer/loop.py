@@ -994,6 +994,25 @@ class RankReplay:
         return named & ~bad_row & ~bad_col
 
 
+def resumed(
+    trace: RankTrace,
+    rules: RuleSet,
+    backend: Backend,
+    device: str,
+    state: Checkpoint,
+    unwritten_unknown: bool,
+) -> RankReplay:
+    """A replay of ``trace``, a larger load of a rank, in the ``state`` a replay of a smaller
+    load of it reached (with its oracle's ``unwritten_unknown``: a start state's replay knows
+    its past). Both loads number requests with one ``RequestIds``, so the state means the same
+    in either; ``backend`` is the one both were made with, not a replay's (a mirrored replay
+    wraps its own)."""
+    rep = RankReplay(trace, rules, backend, device=device)
+    rep.restore(state)
+    rep.oracle.unwritten_unknown = unwritten_unknown
+    return rep
+
+
 def _clamped(block_ids: np.ndarray, end: int) -> np.ndarray:
     """Block ids (int32, as the tables hold them) with every id past ``end``, and every
     negative one (as unsigned), at ``end``: np.clip costs several times more."""
