@@ -144,3 +144,42 @@ def test_triton_segments_on_the_gpu_report_what_one_reference_process_reports(
     assert got.segments == 3
     assert got.findings == one.oracle.findings
     assert one.oracle.findings, "control: the injected bug gives the segments something to find"
+
+
+def test_cuda_bisect_and_diff_go_on_into_larger_loads_as_a_whole_load_replays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay on the device restored from a smaller load's checkpoint, in a replay of a
+    larger one, gives the verdict a whole load gives (the reference backend's too)."""
+    from mgtrace.replayer import diff as diff_module
+    from mgtrace.replayer.bisect import Bisector
+    from mgtrace.replayer.diff import diff_rules
+    from mgtrace.replayer.rules import RuleSet
+    from mgtrace.schemas.reader import TraceReader
+    from mgtrace.sim.config import SimConfig
+    from mgtrace.sim.engine import simulate
+
+    out = tmp_path / "t"
+    cfg = SimConfig(
+        scenario="pairs", steps=400, seed=1, runner="v1", bugs=("stale-condense-row",),
+        output=out,
+    )  # fmt: skip
+    simulate(cfg.validate())
+
+    def verdict(first_load: int, backend: str, device: str) -> dict:
+        v = Bisector(out, horizon=8, first_load=first_load, backend=backend, device=device)
+        data = v.run().to_json()
+        for key in ("wall_s", "probes", "steps_replayed", "commands"):
+            data.pop(key)
+        return data
+
+    whole = verdict(10**9, "reference", "cpu")
+    assert whole["status"] == "bad" and whole["first_step"] > 40
+    assert verdict(40, "triton", "cuda") == whole
+
+    a, b = RuleSet(), RuleSet.parse("clear_vacated_rows=true")
+    reference = diff_rules(TraceReader(out), a, b)
+    monkeypatch.setattr(diff_module, "FIRST_LOAD", 40)
+    on_device = diff_rules(TraceReader(out), a, b, backend="triton", device="cuda")
+    assert reference.first_step is not None and reference.first_step > 40
+    assert on_device == reference
