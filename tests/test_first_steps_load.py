@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from mgtrace.errors import TraceError
 from mgtrace.replayer import bisect as bisect_module
 from mgtrace.replayer import diff as diff_module
 from mgtrace.replayer import minimize as minimize_module
@@ -302,6 +303,34 @@ def test_diff_rules_resumed_without_one_sides_state_diverges_at_the_load_boundar
     assert grown.first_step == SMALL_LOAD  # the first step of the second load
 
 
+# ---------------------------------------------------------------- damage
+def test_rows_past_what_is_read_are_not_checked_as_with_to_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load checks its own rows only. Damage past the steps a bisection or a diff reads
+    does not stop them, as it does not stop ``replay --to-step``; a whole load refuses it."""
+    src = sim_trace(BUG_BATCH_ROW, 3, 400, runner="v2", pp=2, scenario="pairs")
+    mem = load_memory(TraceReader(src))
+    launches = mem.tables_["launches"]
+    kernels = launches.column("kernel").to_pylist()
+    kernels[int(np.flatnonzero(np.asarray(launches.column("step")) >= 300)[0])] = "bogus"
+    i = launches.column_names.index("kernel")
+    field = launches.schema.field(i)
+    tables = dict(mem.tables_)
+    tables["launches"] = launches.set_column(i, field, pa.array(kernels).cast(field.type))
+    trace = tmp_path / "damaged"
+    write_trace(MemoryTrace(mem.manifest, tables), trace, mem.manifest)
+    with pytest.raises(TraceError, match=r"kernel 'bogus'.*the trace is damaged"):
+        Bisector(trace, horizon=HORIZON, first_load=10**9)
+    # a first load of 100 steps holds the finding at step 33 and its horizon
+    verdict = Bisector(trace, horizon=HORIZON, first_load=100).run()
+    assert verdict.status == "bad" and verdict.first_step == 33
+    b = "bt_row_is_req=true"
+    assert _rules_diff(trace, "", b, SMALL_LOAD, monkeypatch).first_step == 33
+    with pytest.raises(TraceError, match=r"kernel 'bogus'"):
+        _rules_diff(trace, "", b, 10**9, monkeypatch)
+
+
 # ---------------------------------------------------------------- progress
 def test_bisect_says_what_it_loads_replays_and_tries() -> None:
     said: list[str] = []
@@ -336,7 +365,7 @@ def test_bisect_shows_its_progress_on_a_terminal_and_only_there() -> None:
     for proc in runs.values():
         assert proc.returncode == 1, proc.stderr
         assert json.loads(proc.stdout)["first_step"] == _first_step(trace, BUG_REORDER)
-    # the spinner redraws a few times a second: the load, the longest stage, shows; the
-    # short-lived ones may not
+    # each stage is drawn as it starts, however short
     assert "bisect: loading: 1,500 of 1,500 steps" in runs[True].stderr
+    assert "bisect: trying --reorder-threshold=1+k" in runs[True].stderr
     assert "bisect:" not in runs[False].stderr

@@ -37,13 +37,23 @@ if TYPE_CHECKING:
 @contextmanager
 def status_line(start: str) -> Iterator[Callable[[str], None] | None]:
     """A spinner line on standard error, rewritten by the function yielded, where standard
-    error is a terminal; None elsewhere (a log or a pipe gets no redrawn lines)."""
+    error is a terminal; None elsewhere (a log or a pipe gets no redrawn lines). Each new
+    text is drawn at once, not at the spinner's next frame: a short stage is shown too."""
+    from rich.live import Live
+    from rich.spinner import Spinner
+
     err = Console(stderr=True)
     if not err.is_terminal:
         yield None
         return
-    with err.status(start, spinner="dots") as status:
-        yield status.update
+    spinner = Spinner("dots", text=start)
+    with Live(spinner, console=err, transient=True, refresh_per_second=12.5) as live:
+
+        def say(text: str) -> None:
+            spinner.update(text=text)
+            live.refresh()
+
+        yield say
 
 
 def _is_stdout(path: Path) -> bool:
