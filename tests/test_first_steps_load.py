@@ -369,3 +369,23 @@ def test_bisect_shows_its_progress_on_a_terminal_and_only_there() -> None:
     assert "bisect: loading: 1,500 of 1,500 steps" in runs[True].stderr
     assert "bisect: trying --reorder-threshold=1+k" in runs[True].stderr
     assert "bisect:" not in runs[False].stderr
+
+
+def test_minimize_says_how_many_steps_it_loads_for_its_first_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = toggle_trace(BUG_STALE_ROW, 1)
+    said: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(minimize_module, "FIRST_LOAD", SMALL_LOAD)
+    minimize(trace, tmp_path / "repro", progress=lambda *a: said.append(a))
+    first = [a for a in said if a[0] == minimize_module.FIRST_REPLAY]
+    assert first == [(minimize_module.FIRST_REPLAY, 0, 40), (minimize_module.FIRST_REPLAY, 0, 320)]
+    assert said[: len(first)] == first  # before any reduction
+    assert len(said) > len(first)
+    env = dict(os.environ, FORCE_COLOR="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mgtrace", "minimize", str(trace), "-o", str(tmp_path / "cli")],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "minimizing: replaying up to the first finding, 1,500 steps loaded" in proc.stderr

@@ -727,13 +727,17 @@ def minimize_cmd(
     from dataclasses import asdict
 
     from mgtrace.render import counted, stdout_console
-    from mgtrace.replayer.minimize import minimize
+    from mgtrace.replayer.minimize import FIRST_REPLAY, minimize
 
     rules = rules_from_options(rule_values, rules_text)
     with status_line("minimizing") as say:
 
         def progress(phase: str, queries: int, size: int) -> None:
-            if say is not None:
+            if say is None:
+                return
+            if phase == FIRST_REPLAY:
+                say(f"minimizing: replaying up to the first finding, {size:,} steps loaded")
+            else:
                 say(f"minimizing {phase}: {size} left, {queries} replays")
 
         result = minimize(

@@ -68,6 +68,8 @@ from mgtrace.schemas.tables import TABLES
 from mgtrace.schemas.writer import write_part_file
 
 STEP_COLUMNS = ("step", "batch_step", "bt_step", "postprocess_step", "first_step", "last_step")
+# The phase ``minimize`` reports while it loads steps and replays them for the first finding.
+FIRST_REPLAY = "first replay"
 # Steps of history a repro keeps before its finding; older history becomes a start state.
 PREFIX_WINDOW = 16
 # Rounds of the reductions at most; each ends when a round removes nothing.
@@ -531,7 +533,7 @@ def minimize(
     reader = TraceReader(trace_path, skip_bad_parts=skip_bad_parts)
     require_replayable(reader)
     chosen = some_ranks(reader, ranks, trace_path)
-    full, gap, base, bound = _first_outcome(reader, chosen, rules, trace_path)
+    full, gap, base, bound = _first_outcome(reader, chosen, rules, trace_path, progress)
     if base.first_step is None and gap is not None:
         raise _untrusted(trace_path, gap)
     if base.first_step is None:
@@ -611,7 +613,11 @@ def minimize(
 
 
 def _first_outcome(
-    reader: TraceReader, chosen: Sequence[int] | None, rules: RuleSet, trace_path: Path
+    reader: TraceReader,
+    chosen: Sequence[int] | None,
+    rules: RuleSet,
+    trace_path: Path,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> tuple[MemoryTrace, tuple[int, int] | None, Outcome, int | None]:
     """The trace's first steps in memory, through its first finding under ``rules``: the
     trace held, its first gap, the outcome and the last step loaded (None: all of them).
@@ -631,6 +637,9 @@ def _first_outcome(
     count = FIRST_LOAD
     while True:
         bound = load_bound(numbers, count)
+        if progress is not None:  # (phase, replays so far, steps loaded)
+            loaded = len(numbers) if bound is None else np.searchsorted(numbers, bound, "right")
+            progress(FIRST_REPLAY, 0, int(loaded))
         full = load_memory(reader, to_step=bound)
         refuse_if_replaced([reader], "the minimization")  # what it loaded may mix two traces
         if chosen is not None:
