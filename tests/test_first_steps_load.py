@@ -1,6 +1,6 @@
-"""bisect and minimize load a trace's first steps, and more only as their first replay gets
-past them clean: the verdict and the repro are the ones a whole load gives, and an early bug
-is found without reading the rest."""
+"""bisect, minimize and diff --rules-b load a trace's first steps, and more only as their
+first replay gets past them clean: the verdict, the repro and the divergence are the ones a
+whole load gives, and an early bug is found without reading the rest."""
 
 from __future__ import annotations
 
