@@ -53,8 +53,8 @@ from mgtrace.replayer.steps import (
     FIRST_LOAD,
     LOAD_GROWTH,
     REPLAY_TABLES,
-    TABLE_DIM_COLUMNS,
     RankTrace,
+    dims_after,
     first_gap,
     load_bound,
     ranks_of,
@@ -649,35 +649,13 @@ def _first_outcome(
             raise _untrusted(trace_path, gap)
         held = full if gap is None else truncate(full, gap[1] - 1)
         if bound is not None and (through is None or through > bound):
-            held.later_dims = _dims_after(reader, ranks_of(held), bound, through)  # type: ignore[arg-type]
+            ranks = ranks_of(held)  # type: ignore[arg-type]
+            held.later_dims = {r: dims_after(reader, r, bound, through) for r in ranks}
         base = outcome(held, rules)
         past = bound is None or (gap is not None and gap[1] <= bound)
         if base.first_step is not None or past:
             return full, gap, base, bound
         count *= LOAD_GROWTH
-
-
-def _dims_after(
-    reader: TraceReader, ranks: Sequence[int], after: int, through: int | None
-) -> dict[int, dict[str, int]]:
-    """Per rank, what ``RankTrace.table_dims`` reads of the rows of steps after ``after``
-    (through ``through``; None: to the end), which a bounded load leaves out."""
-    out: dict[int, dict[str, int]] = {r: {} for r in ranks}
-    for key, (name, column, lengths) in TABLE_DIM_COLUMNS.items():
-        if through is None:  # one part and one column at a time
-            for r in ranks:
-                got = reader.column_max(name, column, rank=r, after_step=after, lengths=lengths)
-                if got is not None:
-                    out[r][key] = int(got)
-            continue
-        t = reader.table(name, columns=["rank", "step", column], to_step=through)
-        t = t.filter(pc.greater(t.column("step"), after))
-        for r in ranks:
-            values = t.filter(pc.equal(t.column("rank"), r)).column(column)
-            got = pc.max(pc.list_value_length(values) if lengths else values).as_py()
-            if got is not None:
-                out[r][key] = int(got)
-    return out
 
 
 def _step_numbers(steps: pa.Table, chosen: Sequence[int] | None) -> np.ndarray:

@@ -277,7 +277,7 @@ class RankTrace:
         self.step_numbers = steps.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
         # a bounded load in memory (minimize's first load) brings the shape it lacks along
         self._later_dims = (
-            self._dims_after(reader)
+            dims_after(reader, rank, self.to_step)
             if self.to_step is not None
             else dict(getattr(reader, "later_dims", {}).get(rank, {}))
         )
@@ -557,20 +557,6 @@ class RankTrace:
         if "state_col" in later:
             width.append(later["state_col"] + k + 2)
         return max(rows), max(width)
-
-    def _dims_after(self, reader: TraceReader) -> dict[str, int]:
-        """What ``table_dims`` reads of the rows after ``to_step``, which are not loaded: a
-        bound on the rows must not move where an index falls outside the tables (a finding
-        names their shape)."""
-        assert self.to_step is not None
-        out = {}
-        for key, (name, column, lengths) in TABLE_DIM_COLUMNS.items():
-            got = reader.column_max(
-                name, column, rank=self.rank, after_step=self.to_step, lengths=lengths
-            )
-            if got is not None:
-                out[key] = int(got)
-        return out
 
     def steps_from(self, start: int) -> list[int]:
         return self.step_numbers[np.searchsorted(self.step_numbers, start) :].tolist()
@@ -918,6 +904,27 @@ TABLE_DIM_COLUMNS = {
     "bt_row": ("launches", "bt_row", False),
     "state_col": ("batch_rows", "state_col", False),
 }
+
+
+def dims_after(
+    reader: TraceReader, rank: int, after: int, through: int | None = None
+) -> dict[str, int]:
+    """What ``RankTrace.table_dims`` reads of ``rank``'s rows of steps after ``after``
+    (through ``through``; None: to the end), which a bounded load leaves out: a bound on the
+    rows must not move where an index falls outside the tables (a finding names their
+    shape)."""
+    out = {}
+    for key, (name, column, lengths) in TABLE_DIM_COLUMNS.items():
+        if through is None:  # one part and one column at a time
+            got = reader.column_max(name, column, rank=rank, after_step=after, lengths=lengths)
+        else:
+            t = reader.table(name, columns=["rank", "step", column], to_step=through)
+            keep = pc.and_(pc.equal(t.column("rank"), rank), pc.greater(t.column("step"), after))
+            values = t.column(column).filter(keep)
+            got = pc.max(pc.list_value_length(values) if lengths else values).as_py()
+        if got is not None:
+            out[key] = int(got)
+    return out
 
 
 _KERNEL_ORDER = {
