@@ -19,6 +19,7 @@ import click
 from rich.console import Console
 
 from mgtrace import __version__
+from mgtrace.console import stderr_console, stdout_console
 from mgtrace.errors import (
     EXIT_UNREADABLE,
     EXIT_USAGE,
@@ -110,13 +111,11 @@ def check_step_window(from_step: int | None, to_step: int | None) -> None:
 
 
 def _stdout() -> Console:
-    from mgtrace.render import stdout_console
-
     return stdout_console()
 
 
 def _stderr() -> Console:
-    return Console(stderr=True)
+    return stderr_console()
 
 
 def _open(trace: Path, skip_bad_parts: bool):

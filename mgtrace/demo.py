@@ -14,9 +14,10 @@ from pathlib import Path
 
 import click
 
+from mgtrace.console import stdout_console
 from mgtrace.errors import EXIT_CORRUPTION
 from mgtrace.params import PATH
-from mgtrace.render import render_replay, render_verdict, stdout_console
+from mgtrace.render import render_replay, render_verdict
 from mgtrace.shell import shell_path
 from mgtrace.sim.config import MAX_STEPS
 

@@ -14,28 +14,6 @@ from mgtrace.query.rank_steps import offsets_summary
 from mgtrace.schemas.ranks import MISSING_RANKS
 from mgtrace.shell import shell_path
 
-
-class _PipedConsole(Console):
-    def on_broken_pipe(self) -> None:
-        # rich exits with status 1 here, which a replay means as "corrupt". The reader going
-        # away (`| head`) ends the output, not the command: it goes quiet and runs on to its
-        # verdict, so that `mgtrace replay T | head` still exits 1 on a corrupt trace.
-        import os
-        import sys
-
-        self.quiet = True
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-
-
-def stdout_console() -> Console:
-    """Piped output gets room for wide tables instead of rich's 80-column default."""
-    import sys
-
-    return _PipedConsole(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
-
-
 _RUN_FIELDS = (
     ("runner", "runner"),
     ("vllm_version", "vLLM"),
@@ -342,8 +320,15 @@ def render_replay(
         f"[red]corruption[/] under {rules}: first at step {result.first_step}, "
         f"request{'s' if len(requests) > 1 else ''} {escape(', '.join(requests))}"
     )
+    # the ranks of a pipeline run the same batch and often find the same thing: each finding
+    # once, with the ranks that found it where there are several
+    said: dict[tuple[str, str], list[int]] = {}
     for f in first:
-        console.print(_text(f"  {f.kind}: {f.detail}"), highlight=False)
+        said.setdefault((f.kind, f.detail), []).append(f.rank)
+    several = len({f.rank for f in first}) > 1
+    for (kind, detail), ranks in said.items():
+        where = f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+        console.print(_text(f"  {kind}{where if several else ''}: {detail}"), highlight=False)
     t = Table(title="findings by kind", title_justify="left")
     t.add_column("kind")
     t.add_column("requests", justify="right")

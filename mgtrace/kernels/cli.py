@@ -11,8 +11,8 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from mgtrace.console import stderr_console, stdout_console
 from mgtrace.errors import EXIT_CLEAN, EXIT_CORRUPTION, EXIT_INTERRUPTED
-from mgtrace.render import stdout_console
 
 # a bound like --steps's: far past any run one waits for, and within an int64
 MAX_CASES = 10**9
@@ -58,7 +58,7 @@ def _check_kernels(against: str | None, cases: int, seed: int, device: str, as_j
     for --against vllm), 130 when interrupted (Ctrl-C) before the end with no mismatch
     found so far (143/129 stopped by SIGTERM/SIGHUP).
     """
-    err = Console(stderr=True)
+    err = stderr_console()
     with Progress(
         TextColumn("checking align kernels"),
         BarColumn(),

@@ -24,7 +24,7 @@ def trace_info(reader: TraceReader) -> dict[str, Any]:
     requests = reader.rows("requests")
     if not requests:
         requests = con.execute("SELECT count(DISTINCT req_id) FROM batch_rows").fetchone()[0]
-    replays = con.execute("SELECT count(DISTINCT replay_id) FROM findings").fetchone()[0]
+    saved = saved_replays(reader, con)
     m = reader.manifest
     return {
         "path": str(reader.path),
@@ -48,8 +48,9 @@ def trace_info(reader: TraceReader) -> dict[str, Any]:
         "drops": asdict(m.drops),
         "errors": m.errors,
         "ground_truth": m.ground_truth,
-        "replays": int(replays),
-        "saved_replays": saved_replays(reader, con),
+        # every saved replay, clean ones (a findings part without rows) included
+        "replays": len(saved),
+        "saved_replays": saved,
         "skipped_parts": [asdict(s) for s in reader.skipped],
         "open_parts_left": reader.open_parts_left(),
         "unlisted_parts": reader.unlisted_parts(),

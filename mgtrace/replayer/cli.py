@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from mgtrace.console import stderr_console, stdout_console
 from mgtrace.errors import (
     EXIT_CLEAN,
     EXIT_CORRUPTION,
@@ -42,7 +43,7 @@ def status_line(start: str) -> Iterator[Callable[[str], None] | None]:
     from rich.live import Live
     from rich.spinner import Spinner
 
-    err = Console(stderr=True)
+    err = stderr_console()
     if not err.is_terminal:
         yield None
         return
@@ -276,7 +277,6 @@ def replay(
     125 inconclusive (nothing found before a gap, or a clean replay of a trace that lacks
     steps).
     """
-    from mgtrace.render import stdout_console
 
     out = stdout_console()
     if show_rules:
@@ -321,7 +321,7 @@ def replay(
             to_step=to_step,
             checkpoint_every=checkpoint_every,
         )
-    err = Console(stderr=True)
+    err = stderr_console()
     steps_parts = [p for p in reader.parts if p.table == "steps"]
     if chosen is not None:
         steps_parts = [p for p in steps_parts if p.rank is None or p.rank in chosen]
@@ -511,7 +511,7 @@ def bisect_cmd(
     trace, 125 inconclusive (dropped steps, incomplete recording).
     """
     from mgtrace.opened_traces import refuse_if_any_replaced
-    from mgtrace.render import render_verdict, stdout_console
+    from mgtrace.render import render_verdict
     from mgtrace.replayer.bisect import bisect, check_log_path, recheck_log, save_log
 
     out = stdout_console()
@@ -567,7 +567,7 @@ def bisect_cmd(
                     "--json and --log to standard output would write two documents there; "
                     "give the log a file, or leave out --json"
                 )
-            out = Console(stderr=True)
+            out = stderr_console()
     with status_line("bisecting") as say:
         verdict = bisect(
             trace,
@@ -641,7 +641,6 @@ def diff_cmd(
     from dataclasses import asdict
 
     from mgtrace.opened_traces import refuse_if_replaced
-    from mgtrace.render import stdout_console
     from mgtrace.replayer.diff import diff_rules, diff_traces
     from mgtrace.schemas.reader import TraceReader
 
@@ -726,7 +725,7 @@ def minimize_cmd(
     """
     from dataclasses import asdict
 
-    from mgtrace.render import counted, stdout_console
+    from mgtrace.render import counted
     from mgtrace.replayer.minimize import FIRST_REPLAY, minimize
 
     rules = rules_from_options(rule_values, rules_text)

@@ -859,6 +859,33 @@ def _module_name(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
 
+def _with_request_steps(trace: MemoryTrace) -> MemoryTrace:
+    """The requests table's first_step and last_step in the repro's own step numbers (the
+    steps are renumbered from 0; the requests table has no rank or step column of its own,
+    so ``compact_steps`` leaves it as the trace minimized had it)."""
+    t = trace.tables_
+    requests = t["requests"]
+    if not requests.num_rows:
+        return trace
+    seen: dict[str, list[int]] = {}
+    for name in ("batch_rows", "sched"):
+        tab = t[name]
+        for req, step in zip(
+            tab.column("req_id").to_pylist(), tab.column("step").to_pylist(), strict=True
+        ):
+            if step is not None and step >= 0:
+                seen.setdefault(req, []).append(step)
+    ids = requests.column("req_id").to_pylist()
+    first = [min(seen[r]) if r in seen else None for r in ids]
+    last = [max(seen[r]) if r in seen else None for r in ids]
+    for col, values in (("first_step", first), ("last_step", last)):
+        idx = requests.column_names.index(col)
+        requests = requests.set_column(
+            idx, requests.schema.field(idx), pa.array(values, requests.schema.field(idx).type)
+        )
+    return MemoryTrace(trace.manifest, {**t, "requests": requests}, trace.start_state)
+
+
 def write_minimized(
     trace: MemoryTrace,
     output: Path,
@@ -895,7 +922,7 @@ def write_minimized(
         name=test_file.name,
         trace_dir=output.name,
     )
-    tmp = _build_trace(trace, output, m)
+    tmp = _build_trace(_with_request_steps(trace), output, m)
     # the test file is written in full under a temporary name before anything is replaced
     test_tmp = test_file.with_name(f".{test_file.name}.tmp")
     try:

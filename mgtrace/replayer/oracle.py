@@ -87,6 +87,14 @@ def _wants(what: str, tokens: int) -> str:
     return f"it has {tokens}"
 
 
+def _positions(pos: np.ndarray) -> str:
+    """A conv window's positions: ``a..b`` where they run on one by one, else each of them
+    (a window a partial write left mixed, 3309, 3307, 3308, is no range 3309..3308)."""
+    if (np.diff(pos) == 1).all():
+        return f"{int(pos[0])}..{int(pos[-1])}"
+    return ", ".join(str(int(x)) for x in pos)
+
+
 @dataclass
 class StateRead:
     """Rows about to read state: where, and what they should find there."""
@@ -463,8 +471,11 @@ class Oracle:
         if self.unwritten_unknown:  # window rows never seen written are not judged
             inside = inside & (got_uid != NO_REQUEST)
         may_share = read.may_share
-        uid_ok = (got_uid == read.uid[:, None]) | (may_share[:, None] & (got_uid > 0))
         pos_ok = got_pos == want_pos
+        # another request's conv rows are a legal prefix share only at the positions the
+        # reader needs (as a shared temporal state must hold exactly E tokens); at others
+        # they are that request's state, named as its writer, not the reader's own
+        uid_ok = (got_uid == read.uid[:, None]) | (may_share[:, None] & (got_uid > 0) & pos_ok)
         never = ok & ((got_uid == NO_REQUEST) & inside).any(axis=1)
         bad_uid = ok & ~(uid_ok | ~inside).all(axis=1)
         bad_pos = ok & ~bad_uid & ~(pos_ok | ~inside).all(axis=1)
@@ -486,9 +497,8 @@ class Oracle:
                 writer_id = writer
             else:
                 detail = (
-                    f"request {name} {_verb(what)} conv positions {int(got_pos[i, 0])}.."
-                    f"{int(got_pos[i, -1])} where it needs {int(want_pos[i, 0])}.."
-                    f"{int(want_pos[i, -1])}"
+                    f"request {name} {_verb(what)} conv positions {_positions(got_pos[i])} "
+                    f"where it needs {_positions(want_pos[i])}"
                 )
                 writer_id = name
             self._report_read(step, read, i, g, blocks, kind, mech, detail, writer_id, None)

@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from mgtrace.console import stderr_console
 from mgtrace.errors import UsageError
 from mgtrace.outputs import refuse_a_trace_inside_a_trace, require_output_folder
 from mgtrace.params import PATH
@@ -135,7 +135,7 @@ def _simulate(
         output=output,
         overwrite=force,
     ).validate()
-    err = Console(stderr=True)
+    err = stderr_console()
     columns = (TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("steps", total=cfg.steps)

@@ -67,6 +67,10 @@ class RunnerV2:
         self.prompt = np.zeros(n, np.int64)
         self.deferred: deque[_Deferred] = deque()
         self.bug = cfg.has(BUG_BATCH_ROW)
+        # blocks a misdirected post-process wrote while no live request held them: a later
+        # prefix hit on one starts from that state (block -> (step, writer request)), until
+        # the pool hands the block out afresh
+        self.poisoned: dict[int, tuple[int, str]] = {}
         self.builder_thresholds: dict[str, int | None] = {
             cfg.builder_name: cfg.mamba_threshold,
             "attention(TRITON_ATTN)": None,
@@ -119,6 +123,7 @@ class RunnerV2:
         # Slots are taken in the order the scheduler lists the requests to add: V2's output
         # puts the new ones before the resumed ones.
         joining = (pos_slots < 0).nonzero()[0].tolist()
+        hits: list[tuple[int, int]] = []  # (position, block) of the prefix hits read now
         for p in sorted(joining, key=lambda p: so.kind[p] != KIND_NEW):
             rid = ids[p]
             slot = self.free.pop()
@@ -127,6 +132,8 @@ class RunnerV2:
             moves.append(("add", slot, None, rid, None, int(self.acc[slot]), None, None))
             computed = int(so.num_computed[p])
             self.source[slot] = list(so.ids_at(p))
+            if computed and self.poisoned:
+                hits.append((p, self.source[slot][(computed - 1) // B]))
             self.acc[slot] = 1
             self.nc[slot] = computed
             # V2 (re)adds a request with all its tokens as the prefill (prefill_len =
@@ -147,6 +154,8 @@ class RunnerV2:
         perm = v2_order(so.num_scheduled, so.num_draft > 0, 1 + self.k)
         n = len(perm)
         req_ids = [ids[p] for p in perm.tolist()]
+        if self.poisoned:
+            late_events += self._poisoned_hits(step, so, perm, hits)
         slots = pos_slots[perm]
         version = self.version[slots].tolist()
         for b, slot in enumerate(slots.tolist()):
@@ -345,6 +354,13 @@ class RunnerV2:
                 continue
             owners = owners if owners is not None else live_owner()
             victim = owners.get(rec["dst"]) if rec["dst"] else None
+            if rec["dst"] != cor["dst"]:
+                # the block written where no live request reads it, and the one left without
+                # its boundary state: either may be cached for a later prefix hit
+                if rec["dst"] and victim is None:
+                    self.poisoned[rec["dst"]] = (step, d.req_ids[b])
+                if cor["dst"]:
+                    self.poisoned[cor["dst"]] = (step, d.req_ids[b])
             events.append(
                 {
                     "bug": BUG_BATCH_ROW,
@@ -358,6 +374,34 @@ class RunnerV2:
                 }
             )
         return launch, events
+
+    def _poisoned_hits(
+        self, step: int, so: SchedOut, perm: np.ndarray, hits: list[tuple[int, int]]
+    ) -> list[dict[str, Any]]:
+        """Events for the requests whose prefix hit starts from a poisoned block; every
+        other block handed out this step is fresh, and no longer poisoned."""
+        events = []
+        row_of = {int(p): b for b, p in enumerate(perm.tolist())}
+        for p, block in hits:
+            if block in self.poisoned:
+                since, writer = self.poisoned[block]
+                events.append(
+                    {
+                        "bug": BUG_BATCH_ROW,
+                        "step": step,
+                        "req_id": so.req_ids[p],
+                        "batch_row": row_of[p],
+                        "recorded": {"prefix_hit_block": block, "written_by": writer},
+                        "correct": {"prefix_hit_block": block, "written_by": None},
+                        "poisoned_at_step": since,
+                    }
+                )
+        read = {block for _, block in hits}
+        for new_ids in so.new_block_ids.values():
+            for block in new_ids:
+                if block not in read:
+                    self.poisoned.pop(block, None)
+        return events
 
     # ------------------------------------------------------------------ recording
     def _common_tables(
