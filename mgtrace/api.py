@@ -242,7 +242,7 @@ class Trace:
             check_rank(self.reader, rank, self.path)
         if self._con is None:
             self._con = self.reader.connect()
-        req_id = resolve_request(self._con, request)
+        req_id = resolve_request(self._con, request, start_state(self.reader))
         return request_history(
             self._con,
             req_id,

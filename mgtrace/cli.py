@@ -317,7 +317,7 @@ def history(
     if rank is not None:
         check_rank(reader, rank, trace)
     con = reader.connect()
-    req_id = resolve_request(con, request)
+    req_id = resolve_request(con, request, start_state(reader))
     # named as replay names them (a typo is an error, not a silently empty column)
     wanted = None if rules == "any" else RuleSet.parse(rules).canonical()
     lines = request_history(

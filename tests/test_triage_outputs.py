@@ -86,3 +86,31 @@ def test_simulates_next_command_stays_on_one_line(tmp_path) -> None:
     assert run.returncode == 0, run.stderr
     (line,) = [ln for ln in run.stderr.splitlines() if ln.startswith("next:")]
     assert line.endswith(str(trace)), run.stderr
+
+
+def test_a_repro_names_the_requests_its_start_state_brings(tmp_path) -> None:
+    trace = mgtrace.simulate(
+        tmp_path / "pp.trace", steps=300, runner="v2", pp=2, bugs=["batch-row-block-table"]
+    )
+    result = trace.minimize(tmp_path / "repro")
+    assert result.start_state_requests, result
+    assert not set(result.start_state_requests) & set(result.requests)
+    repro = mgtrace.open(tmp_path / "repro")
+    named = {f.req_id for f in repro.replay().findings} | {
+        f.writer_req_id for f in repro.replay().findings if f.writer_req_id
+    }
+    assert set(result.start_state_requests) <= named
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mgtrace",
+            "history",
+            str(tmp_path / "repro"),
+            *result.start_state_requests[:1],
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "start state only" in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -127,9 +127,12 @@ NO_STEP_LIMIT = 2**62
 HISTORY_FREES = pa.schema([("rank", pa.int32()), ("step", pa.int64()), ("freed", pa.string())])
 
 
-def resolve_request(con: duckdb.DuckDBPyConnection, wanted: str) -> str:
+def resolve_request(
+    con: duckdb.DuckDBPyConnection, wanted: str, start: StartState | None = None
+) -> str:
     """The trace's request id for ``wanted``: itself, or the one id that contains it (a
-    load generator's log often holds only the number). One clear sentence otherwise."""
+    load generator's log often holds only the number). One clear sentence otherwise, which
+    names a request of the trace's start state (a repro's) that no step schedules."""
     ids = [
         r[0]
         for r in con.execute(
@@ -155,6 +158,14 @@ def resolve_request(con: duckdb.DuckDBPyConnection, wanted: str) -> str:
             raise UsageError(
                 f"request {name} arrived but was never scheduled in the trace, so it has no "
                 "history (the requests view of `mgtrace sql` has its row)"
+            )
+        held = [r for r in (start.request_ids if start else ()) if wanted in r]
+        if wanted in held or len(held) == 1:
+            name = wanted if wanted in held else held[0]
+            raise UsageError(
+                f"request {name} is in the trace's start state only: it held state from "
+                "before the trace's first step, and no step of the trace schedules it, so it "
+                "has no history here (the trace it was cut from has)"
             )
         raise UsageError(
             f"no request id in the trace contains {wanted!r} (the requests view of "

@@ -759,7 +759,13 @@ def minimize_cmd(
         f"{counted(result.original_requests, 'request')} in batches -> "
         f"{counted(result.steps, 'step')} and "
         f"{counted(len(result.requests), 'request')} ({', '.join(result.requests)}), "
-        f"{counted(result.table_updates, 'block-table change')}",
+        f"{counted(result.table_updates, 'block-table change')}"
+        + (
+            f"; the finding also names {', '.join(result.start_state_requests)}, whose state "
+            "the repro's start state holds"
+            if result.start_state_requests
+            else ""
+        ),
         markup=False,
         highlight=False,
     )

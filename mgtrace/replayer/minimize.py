@@ -138,6 +138,8 @@ class Outcome:
     signatures: set[str]
     lead: str | None = None  # the first finding as replay lists it (step, rank, batch row)
     rank_of: dict[str, int] = field(default_factory=dict)  # signature -> lowest rank showing it
+    # signature -> the requests its findings name, readers and writers
+    named: dict[str, set[str]] = field(default_factory=dict)
 
 
 def outcome(trace: MemoryTrace, rules: RuleSet) -> Outcome:
@@ -146,10 +148,14 @@ def outcome(trace: MemoryTrace, rules: RuleSet) -> Outcome:
     result = replay_trace(trace, rules, stop_on_finding=True)  # type: ignore[arg-type]
     first = [f for f in result.findings if f.step == result.first_step]
     rank_of: dict[str, int] = {}
+    named: dict[str, set[str]] = {}
     for f in first:  # in (step, rank, batch row) order: the lowest rank comes first
         rank_of.setdefault(f.signature, f.rank)
+        named.setdefault(f.signature, set()).update(
+            r for r in (f.req_id, f.writer_req_id) if r and not r.startswith("<")
+        )
     lead = first[0].signature if first else None
-    return Outcome(result.first_step, set(rank_of), lead, rank_of)
+    return Outcome(result.first_step, set(rank_of), lead, rank_of, named)
 
 
 # ------------------------------------------------------------------ reductions
@@ -462,6 +468,9 @@ class MinimizeResult:
     original_requests: int
     steps: int
     requests: list[str]
+    # requests the pinned finding names that no step of the repro schedules: their state
+    # comes from the repro's start state (a block they held before its first step)
+    start_state_requests: list[str]
     table_updates: int
     queries: int
     wall_s: float
@@ -595,6 +604,7 @@ def minimize(
     original_steps, original_requests = (
         _size(full)[:2] if bound is None else _whole_size(reader, chosen)
     )
+    kept = sorted(set(current.tables_["batch_rows"].column("req_id").to_pylist()))
     return MinimizeResult(
         signature=pin,
         first_step=int(final.first_step),
@@ -602,7 +612,8 @@ def minimize(
         original_steps=original_steps,
         original_requests=original_requests,
         steps=_num_steps(current),
-        requests=sorted(set(current.tables_["batch_rows"].column("req_id").to_pylist())),
+        requests=kept,
+        start_state_requests=sorted(final.named.get(pin, set()) - set(kept)),
         table_updates=current.tables_["block_tables"].num_rows,
         queries=queries,
         wall_s=time.perf_counter() - t0,
