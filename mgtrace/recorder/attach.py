@@ -169,7 +169,10 @@ def engine_tree(pid: int) -> list[proctree.Proc]:
             f"process {pid} belongs to uid {procs[0].uid}; record as that user "
             f"(e.g. sudo -u '#{procs[0].uid}' mgtrace record ...)"
         )
-    return procs
+    # a process under it that runs as another user (su, sudo, a supervisor's drop of
+    # privileges) is never attached to, nor its environment followed: its agent could not
+    # answer us, and root would inject code into another user's process
+    return [p for p in procs if p.uid == procs[0].uid]
 
 
 def record_pid(
@@ -193,8 +196,10 @@ def record_pid(
     (the recording goes on with the others, and their manifests name it too);
     ``on_engines`` gets the folders, when the tree holds engines whose traces would share
     one and each gets its own (``_folders``)."""
+    # an agent that answers, not a file: a stale one would make any process that took its
+    # pid count as the engine's, and get code injected
     procs = proctree.engine_processes(
-        engine_tree(pid), lambda p: control.engine_socket_path(p.pid).exists()
+        engine_tree(pid), lambda p: control.listening(control.engine_socket_path(p.pid))
     )
     if not procs:
         raise UsageError(f"process {pid} is not a vLLM engine (no vLLM process in its tree)")
@@ -203,7 +208,7 @@ def record_pid(
     missing: list[tuple[proctree.Proc, str]] = []
     # processes whose plugin answers first: one that records already refuses the run before
     # any other process gets code injected
-    has_socket = {p.pid for p in procs if control.engine_socket_path(p.pid).exists()}
+    has_socket = {p.pid for p in procs if control.listening(control.engine_socket_path(p.pid))}
     for p in sorted(procs, key=lambda p: p.pid not in has_socket):
         if not p.is_python:
             continue
@@ -489,6 +494,8 @@ def _refusals(targets: list[Target]) -> dict[int, str]:
 def _live_targets(pid: int) -> list[Target]:
     out = []
     for p in proctree.tree(pid):
+        if p.uid != os.geteuid():  # another user's (see engine_tree)
+            continue
         path = control.engine_socket_path(p.pid)
         if path.exists():
             with contextlib.suppress(control.ControlError):

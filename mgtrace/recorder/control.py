@@ -10,6 +10,7 @@ for name, type and range; nothing received is ever evaluated or imported.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -18,6 +19,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,8 @@ from mgtrace.errors import MgtraceError
 log = logging.getLogger("mgtrace.recorder")
 
 MAX_REQUEST_BYTES = 8192
+REQUEST_TIMEOUT_S = 5.0  # for a whole request line: connections are served one at a time
+ACCEPT_RETRY_S = 0.1  # after a failed accept (out of file descriptors): try again
 MAX_PATH_CHARS = 4096
 MAX_NOT_RECORDED = 16
 MAX_SENTENCE_CHARS = 200  # 16 of them and the longest path fit in MAX_REQUEST_BYTES
@@ -51,7 +55,14 @@ def runtime_dir(uid: int | None = None, environ: Mapping[str, str] | None = None
     base = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
     if not base or not os.path.isdir(base):
         base = f"/run/user/{uid}" if os.path.isdir(f"/run/user/{uid}") else "/tmp"
-    path = Path(base) / ("mgtrace" if base != "/tmp" else f"mgtrace-{uid}")
+    # a directory other users may write (/tmp, however spelled, /dev/shm, /var/tmp, or one
+    # XDG_RUNTIME_DIR names): the name carries the uid, so users never share (squat) one
+    try:
+        st = os.stat(base)
+        shared = st.st_uid != uid or bool(st.st_mode & 0o022)
+    except OSError:
+        shared = True
+    path = Path(base) / (f"mgtrace-{uid}" if shared else "mgtrace")
     try:
         path.mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
@@ -74,6 +85,10 @@ def engine_socket_path(pid: int) -> Path:
     environment (a shell with another XDG_RUNTIME_DIR than the engine's would look in the
     wrong place), or of this process's where that environment cannot be read."""
     try:
+        if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+            # another user's process (root can read its environment): its directories are
+            # not ours to create, and its agent would not answer us anyway
+            return socket_path(pid)
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return socket_path(pid)
@@ -81,6 +96,23 @@ def engine_socket_path(pid: int) -> Path:
         item.decode(errors="replace").partition("=")[::2] for item in raw.split(b"\0") if item
     )
     return runtime_dir(environ=env) / f"{pid}.sock"
+
+
+def listening(path: Path) -> bool:
+    """Whether an agent listens at ``path``: a socket file left by a process that died
+    (killed, its pid since reused by another process) is not one."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(str(path))
+        except OSError:  # missing, refused (stale), not a socket
+            return False
+        try:  # a whole request, and its reply read: the agent sees an ordinary client
+            sock.sendall(b'{"cmd": "status"}\n')
+            sock.recv(1)
+        except OSError:  # busy with another client: it still listens
+            pass
+    return True
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -141,11 +173,28 @@ def validate(request: Any) -> tuple[str, dict[str, Any]]:
 
 
 def sweep_stale(directory: Path) -> None:
-    """Remove sockets left by processes that died without closing them."""
+    """Remove sockets left by processes that died without closing them. A pid missing from
+    /proc is not enough: a process of another pid namespace (a container sharing the
+    directory) is missing here too, and its socket still listens; only one that refuses a
+    connection is stale."""
     for sock in directory.glob("*.sock"):
-        if sock.stem.isdigit() and not Path(f"/proc/{sock.stem}").exists():
+        if sock.stem.isdigit() and not Path(f"/proc/{sock.stem}").exists() and _refuses(sock):
             with contextlib.suppress(OSError):
                 sock.unlink()
+
+
+def _refuses(path: Path) -> bool:
+    """Whether nothing listens on ``path`` (a connection that is made is closed at once,
+    which its agent answers without waiting)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return True
+        except OSError:  # a full backlog (EAGAIN), or not a socket: left alone
+            return False
+    return False
 
 
 class ControlServer:
@@ -193,10 +242,17 @@ class ControlServer:
 
     def _serve(self) -> None:
         while self._sock is not None:
+            sock = self._sock
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
+                conn, _ = sock.accept()
+            except OSError as exc:
+                if self._sock is not sock or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # closed
+                # out of file descriptors (EMFILE, ENFILE), memory, an aborted connection:
+                # passing conditions of the engine, which must not end the agent for good
+                log.debug("mgtrace control: accept failed: %s", exc)
+                time.sleep(ACCEPT_RETRY_S)
+                continue
             with conn:
                 try:
                     self._handle(conn)
@@ -204,16 +260,22 @@ class ControlServer:
                     log.debug("mgtrace control: %s", exc)
 
     def _handle(self, conn: socket.socket) -> None:
-        conn.settimeout(5.0)
         allowed = peer_allowed(peer_uid(conn))
-        # read the request line in any case (bounded), so that a refused client gets the
-        # refusal rather than a reset connection; its content is not looked at
+        # read the request line in any case (bounded in size and in time: a client that
+        # trickles bytes must not hold the only control thread), so that a refused client
+        # gets the refusal rather than a reset connection; its content is not looked at
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
         data = b""
         while not data.endswith(b"\n") and len(data) <= MAX_REQUEST_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no whole request in time")
+            conn.settimeout(left)
             chunk = conn.recv(1024)
             if not chunk:
                 break
             data += chunk
+        conn.settimeout(5.0)  # for the reply, however long the request took
         if not allowed:
             self.refused += 1
             _reply(conn, {"ok": False, "error": "refused: the agent accepts only its own user"})
@@ -243,7 +305,10 @@ class ControlServer:
 
 
 def _reply(conn: socket.socket, payload: dict[str, Any]) -> None:
-    conn.sendall(json.dumps(payload, default=str).encode() + b"\n")
+    # MSG_NOSIGNAL: a client gone before its reply is an EPIPE here, never a SIGPIPE, which
+    # kills an engine whose SIGPIPE is not ignored (an embedded interpreter, a library's
+    # signal(SIGPIPE, SIG_DFL))
+    conn.sendall(json.dumps(payload, default=str).encode() + b"\n", socket.MSG_NOSIGNAL)
 
 
 def send(
