@@ -146,3 +146,18 @@ def test_the_sweep_keeps_a_listening_socket_whose_pid_is_not_ours(tmp_path: Path
         assert sorted(p.name for p in tmp_path.iterdir()) == [f"{ABSENT}.sock"]
     finally:
         live.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a directory owned by another user")
+def test_a_directory_squatted_by_another_user_is_named_with_what_helps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = tmp_path / "shared"  # as /tmp
+    shared.mkdir()
+    shared.chmod(0o1777)
+    squatted = shared / f"mgtrace-{os.geteuid()}"
+    squatted.mkdir(mode=0o700)
+    os.chown(squatted, 65534, 65534)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(shared))
+    with pytest.raises(control.ControlError, match=r"belongs to uid 65534.*XDG_RUNTIME_DIR"):
+        control.runtime_dir()

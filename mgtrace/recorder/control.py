@@ -68,7 +68,14 @@ def runtime_dir(uid: int | None = None, environ: Mapping[str, str] | None = None
     except OSError as exc:
         raise ControlError(f"cannot create the control directory {path}: {exc.strerror}") from None
     st = path.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) & 0o077:
+    if st.st_uid != uid:
+        # in a sticky /tmp this user cannot remove another's: say what does help
+        raise ControlError(
+            f"{path} belongs to uid {st.st_uid}, not to you: start the engine with "
+            "XDG_RUNTIME_DIR set to a private directory of yours (mgtrace record follows "
+            "the engine's), or have its owner remove it"
+        )
+    if not stat.S_ISDIR(st.st_mode) or stat.S_IMODE(st.st_mode) & 0o077:
         raise ControlError(
             f"{path} is not a private directory of this user (it must be a 0700 directory "
             "owned by you); remove it and retry"
