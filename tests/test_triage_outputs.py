@@ -114,3 +114,17 @@ def test_a_repro_names_the_requests_its_start_state_brings(tmp_path) -> None:
     )
     assert run.returncode == 2, run.stderr
     assert "start state only" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_a_rule_bisect_calls_clean_says_how_far_it_was_checked(tmp_path) -> None:
+    # three bugs: the rule that undoes the first leaves the others, past the horizon
+    trace = mgtrace.simulate(
+        tmp_path / "combo.trace",
+        steps=400,
+        bugs=["reorder-threshold-mismatch", "async-accepted-race", "stale-condense-row"],
+    )
+    verdict = trace.bisect()
+    assert verdict.fixes and verdict.checked_through == verdict.first_step + verdict.horizon
+    assert verdict.sentence().endswith(f"through step {verdict.checked_through}")
+    later = trace.replay(verdict.fixes[0])
+    assert not later.clean and later.first_step > verdict.checked_through

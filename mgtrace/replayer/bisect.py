@@ -95,6 +95,9 @@ class Verdict:
     explanations: list[str] = field(default_factory=list)  # multi-rule, ranked
     commands: dict[str, str] = field(default_factory=dict)
     horizon: int = DEFAULT_HORIZON
+    # the last step the rule changes were replayed through: a rule clean there may still
+    # meet another bug later (a trace with several)
+    checked_through: int | None = None
     probes: list[Probe] = field(default_factory=list)
     steps_replayed: int = 0
     wall_s: float = 0.0
@@ -116,13 +119,17 @@ class Verdict:
             return f"clean: no request reads state that is not its own{on} under {self.base_rules}"
         lead = self.first_findings[0] if self.first_findings else {}
         what = _describe(lead)
+        through = (
+            f" through step {self.checked_through}" if self.checked_through is not None else ""
+        )
         fix = (
-            f"clean under {' '.join(RuleSet.parse(self.fixes[0]).as_flags())}"
+            f"clean under {' '.join(RuleSet.parse(self.fixes[0]).as_flags())}{through}"
             if self.fixes
             else "no single rule change makes it clean"
         )
         if not self.fixes and self.explanations:
-            fix += f"; clean under {' '.join(RuleSet.parse(self.explanations[0]).as_flags())}"
+            merged = " ".join(RuleSet.parse(self.explanations[0]).as_flags())
+            fix += f"; clean under {merged}{through}"
         return f"corruption starts at step {self.first_step}: {what}; {fix}"
 
     def to_json(self) -> dict[str, Any]:
@@ -306,6 +313,7 @@ class Bisector:
         end = min(first + self.horizon, int(trace.step_numbers.max()))
         if gap is not None:
             end = min(end, gap - 1)
+        v.checked_through = end
         delays: dict[str, int] = {}
         candidates = list(single_changes(self.base, trace.run.num_speculative_tokens))
         for i, cand in enumerate(candidates, 1):
