@@ -344,11 +344,12 @@ def whole_replay_id(rules: str | None) -> str | None:
     return replay_id_for(RuleSet.parse(rules))
 
 
-def saved_rules(con: duckdb.DuckDBPyConnection) -> list[str]:
-    """The rule sets of the whole-trace replays saved in the trace that found something (a
-    replay that found nothing saves a part without rows: see ``replay_saved``)."""
-    pairs = con.execute("SELECT DISTINCT rules, replay_id FROM findings ORDER BY 1").fetchall()
-    return sorted({r for r, rid in pairs if whole_replay_id(r) == rid})
+def saved_rules(reader: TraceReader, con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The rule sets of the whole-trace replays saved in the trace, clean ones included (a
+    replay that found nothing saves a part without rows)."""
+    from mgtrace.query.info import saved_replays  # info reads replay ids through this module
+
+    return sorted({r["rules"] for r in saved_replays(reader, con) if r["whole"]})
 
 
 def saved_replay_part(reader: TraceReader, rules: str) -> Path | None:
@@ -397,7 +398,7 @@ def findings_note(
         return None
     if first_finding(con, req_id, rules=rules) is not None:
         return None
-    saved = saved_rules(con)
+    saved = saved_rules(reader, con)
     if rules in saved or replay_saved(reader, rules):
         first, last = request_span(con, req_id)
         stopped, _ = _reach_within(reader, rules, last, rank)
