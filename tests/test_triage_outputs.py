@@ -128,3 +128,14 @@ def test_a_rule_bisect_calls_clean_says_how_far_it_was_checked(tmp_path) -> None
     assert verdict.sentence().endswith(f"through step {verdict.checked_through}")
     later = trace.replay(verdict.fixes[0])
     assert not later.clean and later.first_step > verdict.checked_through
+
+
+def test_diff_of_two_traces_names_the_columns_that_differ(tmp_path) -> None:
+    clean = mgtrace.simulate(tmp_path / "clean.trace", steps=200)
+    raced = mgtrace.simulate(tmp_path / "raced.trace", steps=200, bugs=["async-accepted-race"])
+    got = clean.diff(raced.path)
+    assert got.first_step == 116 and got.tables == ["batch_rows", "launches", "row_moves"]
+    assert got.columns["batch_rows"] == ["accepted_prev", "accepted_prev_cpu"]
+    assert "batch_rows (accepted_prev, accepted_prev_cpu)" in got.sentence("a", "b")
+    # the control: a trace against itself differs in nothing
+    assert clean.diff(clean.path).columns == {}

@@ -62,6 +62,8 @@ class TraceDiff:
     first_step: int | None
     rank: int | None
     tables: list[str] = field(default_factory=list)  # tables that differ at that step
+    # per table that differs there, its columns whose values differ at that step
+    columns: dict[str, list[str]] = field(default_factory=dict)
     only_in: str | None = None  # "a" or "b" when only one trace has the step
     # the last step of the run the other trace lacks, when it has later steps (a gap)
     missing_to: int | None = None
@@ -105,6 +107,13 @@ class TraceDiff:
         if self.first_step is None:
             return f"{setup}; their steps record the same inputs"
         return f"{setup}; {steps}"
+
+    def _with_columns(self, table: str) -> str:
+        names = self.columns.get(table)
+        if not names:
+            return table
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return f"{table} ({', '.join(names[:3])}{more})"
 
     def _left_out_clause(self) -> str:
         """Which ranks' rows were not compared, from which step on."""
@@ -152,7 +161,7 @@ class TraceDiff:
             return f"{agree}only {side} goes on"
         said = (
             f"the traces first differ at step {self.first_step} (rank {self.rank}) in "
-            f"{', '.join(self.tables)}"
+            f"{', '.join(self._with_columns(t) for t in self.tables)}"
         )
         if self.left_out_rank is not None:  # another rank's earlier steps were not compared
             said += (
@@ -198,6 +207,7 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
         )
     rank, step = best
     tables = [t for t, first in per_table.items() if first == best]
+    columns = {t: _differing_columns(a, b, t, rank, step) for t in tables}
     steps_a, steps_b = _steps(a, rank), _steps(b, rank)
     only = None
     if step not in steps_a and step in steps_b:
@@ -214,6 +224,7 @@ def diff_traces(a: TraceReader, b: TraceReader) -> TraceDiff:
         step,
         rank,
         tables,
+        columns if only is None else {},
         only,
         missing_to,
         left_out_from=earlier[0][0] if earlier else None,
@@ -322,6 +333,30 @@ def _cut(cuts: dict[int | None, int], rank: int) -> float:
 def _steps(reader: TraceReader, rank: int) -> set[int]:
     con = reader.connect()
     return {r[0] for r in con.execute("SELECT step FROM steps WHERE rank = ?", [rank]).fetchall()}
+
+
+def _differing_columns(
+    a: TraceReader, b: TraceReader, table: str, rank: int, step: int
+) -> list[str]:
+    """The columns of ``table`` whose values at (``rank``, ``step``) differ between the
+    traces, in schema order: each column's values compared as a multiset, as the step's
+    hash compares its rows (their order within the step does not count)."""
+    skip = {"rank", "step", *TIMING_COLUMNS.get(table, ())}
+    query = f"SELECT * FROM {table} WHERE rank = ? AND step = ?"
+    rows_a = a.connect().sql(query, params=[rank, step]).to_arrow_table()
+    rows_b = b.connect().sql(query, params=[rank, step]).to_arrow_table()
+    out = []
+    for name in rows_a.column_names:
+        if name in skip:
+            continue
+        if name not in rows_b.column_names:
+            out.append(name)
+            continue
+        values_a = sorted(map(repr, rows_a.column(name).to_pylist()))
+        values_b = sorted(map(repr, rows_b.column(name).to_pylist()))
+        if values_a != values_b:
+            out.append(name)
+    return out
 
 
 def _step_hashes(reader: TraceReader, table: str) -> dict[tuple[int, int], int]:
