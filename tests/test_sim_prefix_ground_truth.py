@@ -1,6 +1,6 @@
 """A prefix hit on a state block that the misdirected post-process of
-``batch-row-block-table`` wrote over (or left without its boundary state) corrupts the request
-that starts from it: the ground truth counts that request, as the replay names it."""
+``batch-row-block-table`` wrote over while no live request held it corrupts the request that
+starts from it: the ground truth counts that request, as the replay names it."""
 
 from __future__ import annotations
 

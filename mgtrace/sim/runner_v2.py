@@ -354,13 +354,9 @@ class RunnerV2:
                 continue
             owners = owners if owners is not None else live_owner()
             victim = owners.get(rec["dst"]) if rec["dst"] else None
-            if rec["dst"] != cor["dst"]:
-                # the block written where no live request reads it, and the one left without
-                # its boundary state: either may be cached for a later prefix hit
-                if rec["dst"] and victim is None:
-                    self.poisoned[rec["dst"]] = (step, d.req_ids[b])
-                if cor["dst"]:
-                    self.poisoned[cor["dst"]] = (step, d.req_ids[b])
+            if rec["dst"] and rec["dst"] != cor["dst"] and victim is None:
+                # written where no live request reads it: a block the prefix cache may hold
+                self.poisoned[rec["dst"]] = (step, d.req_ids[b])
             events.append(
                 {
                     "bug": BUG_BATCH_ROW,
