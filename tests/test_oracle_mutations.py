@@ -1,9 +1,8 @@
 """Single-value mutations of clean simulated traces that a correct engine would turn into
-corruption. Each builds a small clean trace, rewrites one recorded value with the trace
-writer's own part writer, and replays: the finding should come at the mutated step. Four
-kinds the oracle does not catch yet are strict expected failures, each naming its gap (see
-docs/replay.md, "What the replay does not model"): one that starts passing fails the run, so
-that its marker goes when the gap closes. Clean traces of the same shapes are the controls."""
+corruption, of four kinds a mutation sweep once found the oracle missed. Each builds a small
+clean trace, rewrites one recorded value with the trace writer's own part writer, and
+replays: the finding must come at the mutated step, from the check that covers the kind.
+The clean traces they start from, replayed clean, are the controls."""
 
 from __future__ import annotations
 
@@ -19,24 +18,6 @@ import mgtrace
 from mgtrace.schemas.writer import write_part_file
 
 pytestmark = pytest.mark.unit
-
-GAP_PREFIX_SOURCE = pytest.mark.xfail(
-    strict=True,
-    reason="a prefix share is accepted on its token count alone: the copy's source block is "
-    "not checked against the blocks the scheduler gave the request",
-)
-GAP_NULL_BLOCK = pytest.mark.xfail(
-    strict=True, reason="state kept in the null block is accepted as a request's own"
-)
-GAP_PADDED_POSTPROCESS = pytest.mark.xfail(
-    strict=True,
-    reason="a live, sampling request's post-process row recorded as padding (req_slot -1) is "
-    "left out of the boundary check",
-)
-GAP_PRECOPY_COLUMNS = pytest.mark.xfail(
-    strict=True,
-    reason="a precopy between other columns than the batch row's move is not checked",
-)
 
 SMALL = dict(steps=300, seed=1, mamba_block_size=16, length_scale=0.03, max_num_seqs=24)
 
@@ -85,7 +66,6 @@ def _slot(trace: Path, step: int, req: str) -> int:
     )
 
 
-@GAP_PREFIX_SOURCE
 def test_prefix_share_from_a_block_the_scheduler_never_gave(tmp_path: Path) -> None:
     # req-000128 hits its family's 64-token prefix (block 3); its row names block 33, which
     # holds another prompt's 64-token state: not a prefix share
@@ -99,10 +79,12 @@ def test_prefix_share_from_a_block_the_scheduler_never_gave(tmp_path: Path) -> N
     )
     r = mgtrace.open(mutant).replay()
     assert r.first_step == 260
-    assert any(f.req_id == "req-000128" for f in r.findings if f.step == 260)
+    assert {(f.signature, f.req_id) for f in r.findings if f.step == 260} == {
+        ("foreign_state:precopy-read:not-held", "req-000128"),
+        ("malformed:block-table:not-scheduled", "req-000128"),
+    }
 
 
-@GAP_NULL_BLOCK
 def test_running_state_in_the_null_block(tmp_path: Path) -> None:
     clean = _clean(tmp_path, runner="v1", k=3, scenario="mixed", async_scheduling=False)
     mutant = _mutate(
@@ -113,10 +95,13 @@ def test_running_state_in_the_null_block(tmp_path: Path) -> None:
     )
     r = mgtrace.open(mutant).replay()
     assert r.first_step == 30
-    assert any(f.req_id == "req-000012" for f in r.findings if f.step == 30)
+    assert {(f.signature, f.req_id) for f in r.findings if f.step == 30} == {
+        ("foreign_state:forward-read:null-block", "req-000012"),
+        ("foreign_state:postprocess-read:null-block", "req-000012"),
+        ("malformed:block-table:not-scheduled", "req-000012"),
+    }
 
 
-@GAP_PADDED_POSTPROCESS
 def test_live_post_process_row_recorded_as_padding_loses_its_boundary_copy(
     tmp_path: Path,
 ) -> None:
@@ -135,12 +120,12 @@ def test_live_post_process_row_recorded_as_padding_loses_its_boundary_copy(
     )
     r = mgtrace.open(mutant).replay()
     assert r.first_step == 113
-    assert {f.signature for f in r.findings if f.step == 113} >= {
-        "wrong_tokens:cached-state:temporal:behind"
+    assert {f.signature for f in r.findings if f.step == 113} == {
+        "wrong_tokens:cached-state:conv:behind",
+        "wrong_tokens:cached-state:temporal:behind",
     }
 
 
-@GAP_PRECOPY_COLUMNS
 def test_precopy_onto_a_column_that_is_not_the_running_one(tmp_path: Path) -> None:
     clean = _clean(tmp_path, runner="v2", k=0, scenario="steady")
     mutant = _mutate(
@@ -151,6 +136,9 @@ def test_precopy_onto_a_column_that_is_not_the_running_one(tmp_path: Path) -> No
     )
     r = mgtrace.open(mutant).replay()
     assert r.first_step == 148
+    assert {f.signature for f in r.findings if f.step == 148} == {
+        "malformed:precopy:columns-not-batch-row"
+    }
 
 
 @pytest.mark.parametrize("name", ["v1k3", "v2k3pp2", "v2k0"])

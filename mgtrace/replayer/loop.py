@@ -144,6 +144,10 @@ class RankReplay:
         else:
             self.pool = TagPool(run, layout=self.layout, device=self.device)
         groups = len(self.pool.groups)
+        # [group, conv|temporal]: the kinds of state each group has (ids at another are unread)
+        self._has_conv_temporal = np.array(
+            [[gs.conv is not None, gs.temporal is not None] for gs in self.pool.groups], bool
+        ).reshape(groups, 2)
         kinds = ("v1",) if self.runner == "v1" else ("source", "input")
         self.own_kind = kinds[0]
         self.trace.require_known_tables(groups, kinds)
@@ -350,8 +354,10 @@ class RankReplay:
         for launch in launches:
             if launch.batch_step is not None and launch.batch_step < step:
                 self._run_copy(step, launch)
-        for entry in self.tables.apply(trace.table_updates(step)):
+        updates = trace.table_updates(step)
+        for entry in self.tables.apply(updates):
             self._report_out_of_pool(step, entry, view)
+        self._check_scheduled_rows(step, view, updates)
         current = [x for x in launches if x.batch_step is None or x.batch_step >= step]
         for launch in current:
             if launch.kernel == "precopy":
@@ -446,6 +452,22 @@ class RankReplay:
             # request's scheduling freed at this step lands before any new owner uses it.
             deferred = launch.batch_step is not None and launch.batch_step < step
             own_until_now = self._freed_now if deferred else None
+            # The state a copy moves must come from the request's own blocks: a source the
+            # scheduler never gave it (another prompt's block that merely holds a state of
+            # the right count, the null block) is no prefix share, whatever its tags say.
+            groups = len(self.pool.groups)
+            self.oracle.check_sources(
+                step,
+                f"{launch.kernel}-read",
+                copies.blocks[:groups, 1:],  # conv, temporal sources
+                self._has_conv_temporal,
+                uid,
+                rows,
+                own_until_now,
+                into=copies.dst[:groups],
+            )
+            if launch.kernel == "precopy" and view.step == step:
+                self._check_precopy_columns(step, result.validation.plan, launch, copies.rows, view)
             for g in range(len(self.pool.groups)):
                 self.oracle.check_writes(
                     step, f"{launch.kernel}-copy", g, copies.dst[g], uid, rows, own_until_now
@@ -454,6 +476,85 @@ class RankReplay:
             if copies.rows.size:
                 self._touched_after_forward.append(copies.dst.ravel())
             self._check_next_state(step, launch, result, view)
+
+    def _check_scheduled_rows(
+        self, step: int, view: RowView, updates: list[tuple[int, str, int, list[int]]]
+    ) -> None:
+        """The worker's block-table row of a request is its scheduler rows appended (replaced
+        on a resume): at the columns this step's kernels and forward use (the previous
+        running column through the last speculative one), a block id other than the one
+        the scheduler handed out makes the request read or write a block that is not its
+        state, however its tags look. Checked where a row or its scheduler row changed."""
+        if not view.num_rows:
+            return
+        changed_uids = set(self.trace.sched_uids(step).tolist())
+        changed_rows = {row for _, kind, row, _ in updates if kind == self.own_kind}
+        if not changed_uids and not changed_rows:
+            return
+        table = self.tables.tables[self.own_kind]
+        # A few rows change a step: find them with one comparison per change.
+        changed = np.zeros(view.num_rows, dtype=bool)
+        for uid in changed_uids:
+            changed |= view.uid == uid
+        for slot in changed_rows:
+            changed |= view.slot == slot
+        for p in np.flatnonzero(changed & (view.slot >= 0)).tolist():
+            slot, uid = int(view.slot[p]), int(view.uid[p])
+            held = self.ownership.rows_of(uid)
+            if held is None:
+                continue
+            sc, prev = int(view.state_col[p]), int(view.prev_state_col[p])
+            lo = max(prev if 0 <= prev < sc else sc, 0)
+            for g, row in enumerate(held[: len(table)]):
+                if slot >= table[g].shape[0]:
+                    continue
+                hi = min(sc + self.k + 1, len(row))
+                # Columns past the table's width read as -1 (no block): nothing to compare.
+                got = table[g][slot, lo:hi].tolist()
+                if got == row[lo : lo + len(got)]:
+                    continue
+                col = next((lo + i for i, b in enumerate(got) if b >= 0 and b != row[lo + i]), None)
+                if col is None:
+                    continue
+                self._malformed(
+                    step,
+                    "block-table:not-scheduled",
+                    (uid, self.trace.ids.name(uid)),
+                    int(view.batch_row[p]),
+                    f"column {col} of the block-table row of request "
+                    f"{self.trace.ids.name(uid)} (group {g}) holds block {got[col - lo]}, but "
+                    f"the scheduler gave it block {row[col]} there",
+                    group=g,
+                    block_id=got[col - lo],
+                )
+
+    def _check_precopy_columns(
+        self, step: int, plan: RowPlan, launch: AlignLaunch, rows: np.ndarray, view: RowView
+    ) -> None:
+        """A precopy moves the running state from the batch row's previous column into its
+        running column, the one the forward reads: a copy between other columns writes a
+        block nothing reads next (a saved boundary state, say) and leaves the running
+        column as it was."""
+        pos = view.positions(launch.column("batch_row")[rows])
+        ok = pos >= 0
+        dst = plan.dst_col[rows].astype(np.int64)
+        src = plan.src_col[rows].astype(np.int64)
+        bad = ok & (
+            (dst != view.state_col64[np.maximum(pos, 0)])
+            | (src != view.prev_state_col[np.maximum(pos, 0)])
+        )
+        for i in np.flatnonzero(bad).tolist():
+            p = int(pos[i])
+            uid = int(view.uid[p])
+            self._malformed(
+                step,
+                "precopy:columns-not-batch-row",
+                (uid, self.trace.ids.name(uid)),
+                int(view.batch_row[p]),
+                f"the precopy copies column {int(src[i])} to column {int(dst[i])}, but the "
+                f"batch row moves from column {int(view.prev_state_col[p])} to its running "
+                f"column {int(view.state_col[p])}",
+            )
 
     def _report_problems(
         self, step: int, launch: AlignLaunch, validation: Validation, view: RowView | None
@@ -532,7 +633,17 @@ class RankReplay:
         keep = (launch.column("req_slot") >= 0) & (b >= 0)
         if result.validation.problems:
             keep &= ~result.validation.bad
-        self._check_cached_state(step, result.validation.plan, view, b, keep)
+        # A row launched as padding copies nothing; where its batch row is a live request
+        # that sampled and still holds its blocks, the boundary copy it owed is lost all
+        # the same (a masked row of a finished or preempted request owes none).
+        checked = keep
+        padded = (launch.column("req_slot") < 0) & (b >= 0)
+        if np.count_nonzero(padded):
+            owed = padded & (view.accepted64[np.maximum(b, 0)] >= 1)
+            for i in np.flatnonzero(owed).tolist():
+                owed[i] = self.ownership.rows_of(int(view.uid[b[i]])) is not None
+            checked = keep | owed
+        self._check_cached_state(step, result.validation.plan, view, b, checked)
         # count_nonzero: a fraction of the cost of .all()/.any() on arrays this small.
         kept = np.count_nonzero(keep)
         if kept < len(keep):
@@ -717,6 +828,15 @@ class RankReplay:
         col = np.where(pre_r | view.moved[rows], 0, view.accepted_prev64[rows] - 1)
         read_blocks = self._read_blocks(view, rows, col, None)
         what = np.where(pre_r, PREFILL_READ, DECODE_READ)
+        groups = len(self.pool.groups)
+        self.oracle.check_sources(
+            step,
+            "forward-read",
+            read_blocks[:groups],
+            self._has_conv_temporal[:, ::-1],  # the forward reads temporal, conv
+            view.uid64[rows],
+            view.batch_row[rows],
+        )
         # Writes: decodes write 1+d states (one per token), prefills fold all and write one;
         # in the engine's group order (where two rows write one block, the later one wins).
         order = view.group_order(first, None if all_live else live)

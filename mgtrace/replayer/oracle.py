@@ -544,6 +544,77 @@ class Oracle:
                     ),
                 )
 
+    def check_sources(
+        self,
+        step: int,
+        what: str,
+        blocks: np.ndarray,
+        read: np.ndarray,
+        uid: np.ndarray,
+        rows: np.ndarray,
+        freed_now: Mapping[tuple[int, int], int] | None = None,
+        into: np.ndarray | None = None,
+    ) -> None:
+        """Reads of state from a block the reading request's scheduler row does not name, or
+        from the null block: no prefix share, whatever the block's tags say.
+
+        ``blocks``: [group, kind, row] block ids read; ``read``: bool [group, kind], the
+        kinds each group has (an id at a kind the group lacks is never read). ``freed_now``:
+        (group, block) -> the request whose scheduling freed it at this step (still its
+        state for a post-process deferred to this step). ``into``: [group, row], a copy's
+        destination blocks; a copy matters here only where it lands in the reader's own
+        block (one into the null block moves nothing anyone reads, one into another's block
+        is a foreign write, reported as such). Owned blocks pass at numpy speed, every group
+        and kind at once; only the rest (shared prefix blocks, a block freed this step) are
+        looked up one by one."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        if not blocks.size:
+            return
+        num_blocks = self.ownership.num_blocks
+        clamped = np.minimum(blocks.view(np.uint64), num_blocks).view(np.int64)
+        owner = self.ownership.owners(clamped)
+        odd = (owner != uid) & (uid >= 0) & (blocks >= 0) & read[:, :, None]
+        if not np.count_nonzero(odd):
+            return
+        for g, k, i in zip(*np.nonzero(odd), strict=True):
+            group, u, b = int(g), int(uid[i]), int(blocks[g, k, i])
+            if self._own_block(u, group, b, freed_now):
+                continue
+            if into is not None and not self._own_block(u, group, int(into[g, i]), freed_now):
+                continue
+            name = self.ids.name(u)
+            null = b == NULL_BLOCK
+            self._report(
+                u,
+                Finding(
+                    kind=FOREIGN_STATE,
+                    mechanism=f"{what}:{'null-block' if null else 'not-held'}",
+                    rank=self.rank,
+                    step=step,
+                    req_id=name,
+                    batch_row=int(rows[i]),
+                    detail=(
+                        f"request {name} reads state from "
+                        + (
+                            "the null block, where the engine keeps no state"
+                            if null
+                            else f"block {b}, which the scheduler has not given it"
+                        )
+                    ),
+                    group=group,
+                    block_id=b,
+                ),
+            )
+
+    def _own_block(
+        self, uid: int, group: int, block: int, freed_now: Mapping[tuple[int, int], int] | None
+    ) -> bool:
+        """Whether ``block`` is ``uid``'s state: held now, or freed by its scheduling at this
+        step."""
+        if self.ownership.holds(uid, group, block):
+            return True
+        return bool(freed_now) and freed_now.get((group, block)) == uid
+
     def check_writes(
         self,
         step: int,

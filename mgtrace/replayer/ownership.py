@@ -291,10 +291,28 @@ class BlockOwnership:
                 return (col, running) if col < running else None
         return None
 
+    def rows_of(self, uid: int) -> list[list[int]] | None:
+        """The scheduler's block row of ``uid`` per group, as its sched rows built it; None
+        for a request that holds no blocks (finished, preempted, never scheduled)."""
+        return self._held.get(uid)
+
+    def holds(self, uid: int, group: int, block: int) -> bool:
+        """Whether the scheduler's block row of ``uid`` (as its sched rows built it) names
+        ``block`` in ``group``; the null block is no block a request holds."""
+        rows = self._held.get(uid)
+        return (
+            block > NULL_BLOCK and rows is not None and group < len(rows) and block in rows[group]
+        )
+
     def owner_or_free(self, group: int, blocks: np.ndarray) -> np.ndarray:
         """Owner uid of each block id in ``0..num_blocks`` (num_blocks stands for any id
         outside the pool: free, like the null block)."""
         return self.owner[group][blocks]
+
+    def owners(self, blocks: np.ndarray) -> np.ndarray:
+        """``owner_or_free`` of a [group, ...] array of ids, every group at once."""
+        groups = np.arange(blocks.shape[0]).reshape((-1,) + (1,) * (blocks.ndim - 1))
+        return self.owner[groups, blocks]
 
     def owner_of(self, group: int, block: int) -> Assignment | None:
         if not NULL_BLOCK < block < self.num_blocks:

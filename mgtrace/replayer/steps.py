@@ -888,6 +888,11 @@ class RankTrace:
             "num_computed": self._sched_computed[sel].tolist(),
         }
 
+    def sched_uids(self, step: int) -> np.ndarray:
+        """uids of ``sched(step)``'s rows, without building the rest."""
+        lo, hi = self._sched.bounds(step)
+        return self._sched_uid[lo:hi][self._sched_matters[lo:hi]]
+
     def running(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """uids of the running requests scheduled in ``step``, and per request the column
         below which align mode has freed its state blocks: ``cdiv(processed, B) - 1``."""
