@@ -112,8 +112,7 @@ class RunnerV1:
         if len(fresh):
             pr.ensure(int(so.idx[fresh].max()) + 1)
         ib.begin_step()
-        ids = so.req_ids
-        m = len(ids)
+        m = len(so)
         n_prev = ib.num_reqs
         # where each request sits in this step's SchedulerOutput (-1: not scheduled)
         pr.pos[self._last_idx] = -1
@@ -154,14 +153,15 @@ class RunnerV1:
             ib.nc[at] = so.num_computed
         for p, new_ids in so.new_block_ids.items():
             if at[p] >= 0:
-                ib.append_blocks(ids[p], new_ids)
+                ib.append_blocks(so.id_at(p), new_ids)
         for p in joining:
-            rid = ids[p]
+            rid = so.id_at(p)
             kept = self._kept.pop(rid, [])
             new_ids = so.ids_at(p)
             # a request back after a step out of the batch keeps the runner's block row
             row_ids = kept + new_ids if kinds[p] == KIND_CACHED else new_ids
-            ib.add(rid, int(so.num_computed[p]), so.reqs[p].prompt_len, row_ids, key=int(so.idx[p]))
+            prompt_len = so.req_at(p).prompt_len
+            ib.add(rid, int(so.num_computed[p]), prompt_len, row_ids, key=int(so.idx[p]))
         ib.condense()
         n = ib.num_reqs
 

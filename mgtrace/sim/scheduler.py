@@ -200,7 +200,6 @@ class SchedOut:
     """A step's SchedulerOutput, one array entry per scheduled request, in schedule order."""
 
     step: int
-    reqs: list[Request] = field(default_factory=list)
     idx: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     kind: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
     num_scheduled: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -209,15 +208,40 @@ class SchedOut:
     samples: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     epoch: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # position -> ids
-    req_ids: list[str] = field(default_factory=list)
     # the run's request ids by request number, as of this step (request numbers index it)
     names: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
+    # the run's Requests by request number, as of this step (request numbers index it)
+    requests: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
     finished: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     total_tokens: int = 0
+    # ``reqs`` and ``req_ids``, made on first use: most steps read a few positions only,
+    # through ``req_at`` and ``id_at``, and two lists per step cost more than those reads
+    _reqs: list[Request] | None = field(default=None, repr=False)
+    _req_ids: list[str] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
-        return len(self.reqs)
+        return len(self.idx)
+
+    @property
+    def reqs(self) -> list[Request]:
+        """The scheduled Requests, in schedule order."""
+        if self._reqs is None:
+            self._reqs = self.requests[self.idx].tolist()
+        return self._reqs
+
+    @property
+    def req_ids(self) -> list[str]:
+        """The scheduled request ids, in schedule order."""
+        if self._req_ids is None:
+            self._req_ids = self.names[self.idx].tolist()
+        return self._req_ids
+
+    def req_at(self, pos: int) -> Request:
+        return self.requests[self.idx[pos]]
+
+    def id_at(self, pos: int) -> str:
+        return self.names[self.idx[pos]]
 
     def ids_at(self, pos: int) -> list[int]:
         return self.new_block_ids.get(pos, [])
@@ -335,14 +359,13 @@ class _Builder:
         # scalar rows are added in position order, so this dict is in position order too
         out.new_block_ids = {pos_of[r]: ids for r, ids in self.new_ids.items()}
         out.idx = mat[_IDX]
-        out.reqs = store.reqs[out.idx].tolist()
+        out.requests = store.reqs
         out.kind = mat[_KIND].astype(np.int8)
         out.num_scheduled = mat[_N]
         out.num_draft = mat[_D]
         out.num_computed = mat[_NC]
         out.samples = mat[_SAMPLES].astype(bool)
         out.epoch = mat[_EPOCH]
-        out.req_ids = store.req_ids[out.idx].tolist()
         out.names = store.req_ids
 
 
@@ -812,7 +835,7 @@ class Scheduler:
             n, d, samples = so.num_scheduled, so.num_draft, so.samples
             acc, nc_before = accepted, so.num_computed
             pos = None
-        reqs = so.reqs
+        reqs = st.reqs  # by request number: ``idx`` (the kept rows') indexes it
         if self.pp:
             st.inflight[idx] -= samples
         st.inflight_tok[idx] -= n
@@ -837,15 +860,15 @@ class Scheduler:
             cols = np.where(by_ckpt, ckpt_cols, cols)
             ends_at |= by_ckpt
         for p in ends_at.nonzero()[0].tolist():
-            req = reqs[p if pos is None else pos[p]]
+            req = reqs[idx[p]]
             boundary = int(st.boundary[req.idx])
             if boundary > 0 and self.cache.lookup(req.family) is None:
                 col = int(cols[p])
                 row = self.alloc.rows.get(req.req_id)
                 if row is not None and col < len(row):
                     self.cache.insert(req.family, boundary, row[col])
-        done = (nout >= st.output_len[idx]).nonzero()[0]
-        ended = [(q, reqs[q]) for q in (done.tolist() if pos is None else [pos[p] for p in done])]
+        done = (nout >= st.output_len[idx]).nonzero()[0].tolist()
+        ended = [(p if pos is None else pos[p], reqs[idx[p]]) for p in done]
         if stale:
             ended = sorted(ended + stale, key=lambda e: e[0])  # in the step's row order
         finished = []
@@ -877,7 +900,7 @@ class Scheduler:
             st.nout[i] += got
             st.ntok[i] += got
             if st.nout[i] >= st.output_len[i]:
-                req = so.reqs[p]
+                req = so.req_at(p)
                 self.waiting.remove(req)
                 ended.append((p, req))
         return ended

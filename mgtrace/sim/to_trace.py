@@ -119,7 +119,7 @@ def sched_rows(so: SchedOut) -> list[dict[str, Any]]:
         fresh = so.kind != KIND_CACHED
         if np.count_nonzero(fresh):
             data = np.zeros(m, np.int32)
-            data[fresh] = [so.reqs[p].prompt_len for p in fresh.nonzero()[0].tolist()]
+            data[fresh] = [so.req_at(p).prompt_len for p in fresh.nonzero()[0].tolist()]
             rows["num_prompt"] = Nullable(data, ~fresh)
         chunks.append(rows)
     n_fin, n_pre = len(so.finished), len(so.preempted)
