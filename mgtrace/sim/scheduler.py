@@ -851,15 +851,17 @@ class Scheduler:
         st.nout[idx] = nout
         boundaries = st.boundary[idx]
         ends_at = boundaries == nc_before + n
-        cols = boundaries // self.B - 1  # the running column of a chunk ending there
         if self.cfg.prefill_checkpoints:
             # a last prefill chunk whose checkpoint stored the family's boundary state, in the
             # checkpoint's column (under the block drop not always the one behind it)
             stored, ckpt_cols = checkpoints_of(nc_before, n, self.B, self.drop)
             by_ckpt = (stored == boundaries) & (stored > 0) & ~ends_at
-            cols = np.where(by_ckpt, ckpt_cols, cols)
+            cols = np.where(by_ckpt, ckpt_cols, boundaries // self.B - 1)
             ends_at |= by_ckpt
-        for p in ends_at.nonzero()[0].tolist():
+        ending = ends_at.nonzero()[0].tolist()
+        if ending and not self.cfg.prefill_checkpoints:
+            cols = boundaries // self.B - 1  # the running column of a chunk ending there
+        for p in ending:
             req = reqs[idx[p]]
             boundary = int(st.boundary[req.idx])
             if boundary > 0 and self.cache.lookup(req.family) is None:
