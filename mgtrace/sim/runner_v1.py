@@ -196,7 +196,8 @@ class RunnerV1:
         # _prepare_inputs: accepted counts through the previous step's row positions
         seen = pr.last_seen[ridx] == step - 1
         correct = pr.true_acc[ridx]  # int32, a fancy-indexed copy
-        correct[~seen] = 1
+        if np.count_nonzero(seen) < n:  # most steps: every row ran in the previous one
+            correct[~seen] = 1
         if race and has_pending:
             prev_pos = np.where(seen, pr.prev_row[ridx], -1)
             consumed = np.where(seen, ib.acc[np.maximum(prev_pos, 0)], 1).astype(np.int32)
@@ -205,7 +206,11 @@ class RunnerV1:
         ib.acc[:n] = consumed
 
         # preprocess_mamba: advance the running column, copy the state forward
-        prev_col = np.where(pr.has_state[ridx], pr.state_idx[ridx], (nc - 1) // B)
+        prev_col = pr.state_idx[ridx]  # a fancy-indexed copy
+        has_state = pr.has_state[ridx]
+        if np.count_nonzero(has_state) < n:  # new and resumed rows: none recorded yet
+            seed = ~has_state
+            prev_col[seed] = (nc[seed] - 1) // B  # seed_cols
         end = nc + sched_n  # tokens covered after the step, drafts included
         curr = (end - 1) // B  # running_cols(nc, sched_n, B)
         precopy = (prev_col != -1) & (prev_col != curr)
