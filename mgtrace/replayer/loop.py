@@ -536,13 +536,12 @@ class RankReplay:
         block nothing reads next (a saved boundary state, say) and leaves the running
         column as it was."""
         pos = view.positions(launch.column("batch_row")[rows])
-        ok = pos >= 0
-        dst = plan.dst_col[rows].astype(np.int64)
-        src = plan.src_col[rows].astype(np.int64)
-        bad = ok & (
-            (dst != view.state_col64[np.maximum(pos, 0)])
-            | (src != view.prev_state_col[np.maximum(pos, 0)])
-        )
+        at = np.maximum(pos, 0)
+        dst, src = plan.dst_col[rows], plan.src_col[rows]
+        bad = (dst != view.state_col[at]) | (src != view.prev_state_col[at])
+        if not np.count_nonzero(bad):
+            return
+        bad &= pos >= 0
         for i in np.flatnonzero(bad).tolist():
             p = int(pos[i])
             uid = int(view.uid[p])

@@ -567,13 +567,16 @@ class Oracle:
         is a foreign write, reported as such). Owned blocks pass at numpy speed, every group
         and kind at once; only the rest (shared prefix blocks, a block freed this step) are
         looked up one by one."""
-        blocks = np.asarray(blocks, dtype=np.int64)
         if not blocks.size:
             return
-        num_blocks = self.ownership.num_blocks
-        clamped = np.minimum(blocks.view(np.uint64), num_blocks).view(np.int64)
+        # Ids outside the pool (negative ones too, as unsigned) map to num_blocks: free.
+        unsigned = blocks.view(np.dtype(f"u{blocks.dtype.itemsize}"))
+        clamped = np.minimum(unsigned, self.ownership.num_blocks).view(blocks.dtype)
         owner = self.ownership.owners(clamped)
-        odd = (owner != uid) & (uid >= 0) & (blocks >= 0) & read[:, :, None]
+        odd = owner != uid
+        if not np.count_nonzero(odd):  # most steps: every read is of an owned block
+            return
+        odd &= (uid >= 0) & (blocks >= 0) & read[:, :, None]
         if not np.count_nonzero(odd):
             return
         for g, k, i in zip(*np.nonzero(odd), strict=True):

@@ -140,6 +140,7 @@ class BlockOwnership:
         self._retired = np.zeros(num_uids, dtype=np.int64)
         # uid, 0 = free; one column past the pool, never owned, for ids outside it.
         self.owner = np.zeros((num_groups, num_blocks + 1), dtype=np.int32)
+        self._group_base = np.arange(num_groups, dtype=np.int64) * (num_blocks + 1)
         self.since = np.full((num_groups, num_blocks), -1, dtype=np.int64)  # step assigned
         self._held: dict[int, list[list[int]]] = {}  # uid -> per group block ids
 
@@ -310,9 +311,10 @@ class BlockOwnership:
         return self.owner[group][blocks]
 
     def owners(self, blocks: np.ndarray) -> np.ndarray:
-        """``owner_or_free`` of a [group, ...] array of ids, every group at once."""
-        groups = np.arange(blocks.shape[0]).reshape((-1,) + (1,) * (blocks.ndim - 1))
-        return self.owner[groups, blocks]
+        """``owner_or_free`` of a [group, ...] array of ids in ``0..num_blocks``, every group
+        at once (one gather from the flat table: a fraction of a broadcast 2-D index)."""
+        base = self._group_base[: blocks.shape[0]].reshape((-1,) + (1,) * (blocks.ndim - 1))
+        return self.owner.reshape(-1)[blocks + base]
 
     def owner_of(self, group: int, block: int) -> Assignment | None:
         if not NULL_BLOCK < block < self.num_blocks:
