@@ -5,7 +5,8 @@
 # measure's summary (every run, the medians, new over base) lands in $OUT/ab-*.json. Run from
 # the repository root with the dependencies importable:
 #
-#   OUT=... [ROUNDS=3] [DEVICE=cuda|cpu] bash benchmarks/ab_host.sh BASE_TREE BASE_COMMIT NEW_COMMIT
+#   OUT=... [ROUNDS=3] [DEVICE=cuda|cpu] [MEASURES="replay-reference sim recorder"] \
+#       bash benchmarks/ab_host.sh BASE_TREE BASE_COMMIT NEW_COMMIT
 set -u
 base=$1 base_commit=$2 new_commit=$3
 rounds=${ROUNDS:-3}
@@ -19,7 +20,15 @@ ab() {  # NAME SECONDS COMMAND...: one interleaved A/B and its summary
       --ab-command "bash benchmarks/ab_trees.sh BASE . OUT $rounds -- $*" \
       --out "$OUT/ab-$name.json" > /dev/null
 }
-ab replay-reference 300 $PY benchmarks/bench_replay.py --steps 3000 --repeat 1 --no-bisect
-ab sim 200 $PY benchmarks/bench_sim.py --steps 3000 --repeat 1
-ab recorder 400 $PY benchmarks/bench_recorder.py --device "$device" --steps 1500 --repeats 1
+for measure in ${MEASURES:-replay-reference sim recorder}; do
+  case $measure in
+    replay-reference)
+      ab "$measure" 300 $PY benchmarks/bench_replay.py --steps 3000 --repeat 1 --no-bisect ;;
+    sim) ab "$measure" 200 $PY benchmarks/bench_sim.py --steps 3000 --repeat 1 ;;
+    recorder)
+      ab "$measure" 400 $PY benchmarks/bench_recorder.py --device "$device" --steps 1500 \
+          --repeats 1 ;;
+    *) echo "unknown measure $measure" ;;
+  esac
+done
 uptime >> "$OUT/machine.txt"
