@@ -385,12 +385,18 @@ def _launch_tables(trace: Path) -> set[tuple[int, str, str]]:
 
 
 def _malformed_reads(trace: Path) -> list[str]:
-    """The replay's findings of block ids read out of range, by step and request."""
+    """The replay's findings of block ids read out of range, by step and request (the
+    launches here copy between fixed columns, whatever the batch rows' counts say: that they
+    are not the rows' own columns is a finding of its own, not one of these)."""
     from mgtrace.replayer.findings import MALFORMED
     from mgtrace.replayer.loop import replay_trace
 
     found = replay_trace(TraceReader(trace), backend="reference").findings
-    return [f"{f.step} {f.req_id} {f.mechanism}" for f in found if f.kind == MALFORMED]
+    return [
+        f"{f.step} {f.req_id} {f.mechanism}"
+        for f in found
+        if f.kind == MALFORMED and f.mechanism.endswith(":block_id")
+    ]
 
 
 def test_the_replay_copies_through_the_recorded_source_rows(
