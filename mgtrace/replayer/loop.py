@@ -528,6 +528,18 @@ class RankReplay:
                     block_id=got[col - lo],
                 )
 
+    def _held_throughout(self, uid: int, since: int, step: int) -> bool:
+        """Whether ``uid`` holds its blocks now and kept them from step ``since`` to
+        ``step``: no preemption, finish or resume of it in between."""
+        if self.ownership.rows_of(uid) is None:
+            return False
+        for s in range(since + 1, step + 1):
+            sched = self.trace.sched(s)
+            for u, kind in zip(sched["uid"], sched["kind"], strict=True):
+                if u == uid and kind != "cached":
+                    return False
+        return True
+
     def _check_precopy_columns(
         self, step: int, plan: RowPlan, launch: AlignLaunch, rows: np.ndarray, view: RowView
     ) -> None:
@@ -633,14 +645,15 @@ class RankReplay:
         if result.validation.problems:
             keep &= ~result.validation.bad
         # A row launched as padding copies nothing; where its batch row is a live request
-        # that sampled and still holds its blocks, the boundary copy it owed is lost all
-        # the same (a masked row of a finished or preempted request owes none).
+        # that sampled and has held its blocks ever since, the boundary copy it owed is
+        # lost all the same (a masked row of a request finished or preempted since, even
+        # one resumed by now, owes none).
         checked = keep
         padded = (launch.column("req_slot") < 0) & (b >= 0)
         if np.count_nonzero(padded):
             owed = padded & (view.accepted64[np.maximum(b, 0)] >= 1)
             for i in np.flatnonzero(owed).tolist():
-                owed[i] = self.ownership.rows_of(int(view.uid[b[i]])) is not None
+                owed[i] = self._held_throughout(int(view.uid[b[i]]), view.step, step)
             checked = keep | owed
         self._check_cached_state(step, result.validation.plan, view, b, checked)
         # count_nonzero: a fraction of the cost of .all()/.any() on arrays this small.
