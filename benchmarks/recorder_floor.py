@@ -18,6 +18,8 @@ rotate between four configurations:
   the engine's process); its share of the GIL shows in the engine thread's time.
 - ``mgtrace``: mgtrace's hooks (``hooks_v1``) on a live session whose recorder thread only
   frees what they queued, so that, like ``floor``, only the engine thread's own work counts.
+- ``mgtrace_eager_capture`` (CUDA only): the same, with every capture an eager ``torch.cat``
+  (the ring without CUDA graphs).
 
 Reported: the engine thread's CPU time per step, median over the rounds, and what each
 configuration adds to ``unhooked``. ``floor`` is a lower bound for any recorder written in
@@ -54,6 +56,7 @@ from bench_recorder import ROWS, K, build_runner, scheduler_output
 from results_io import command_line, emit
 
 from mgtrace.recorder import hooks_common, hooks_v1
+from mgtrace.recorder.capture import CaptureRing
 from mgtrace.recorder.capture_graphs import LaunchGraph, make_graph
 from mgtrace.recorder.patches import Patch, PatchSet
 from mgtrace.recorder.session import Session
@@ -409,6 +412,13 @@ def main() -> int:
             "floor_handover": minimal,
             "mgtrace": ours,
         }
+        eager = None
+        if device.type == "cuda":  # the same hooks, every capture an eager torch.cat
+            eager = Session(
+                Path(tmp) / "e", rank=0, kind="v1", run=RunMetadata(), assembler="thread"
+            )
+            eager.ring = CaptureRing(device, graphs=False)
+            configs["mgtrace_eager_capture"] = hooks_v1.v1_patches(eager, owners, [0])
         times: dict[str, list[float]] = {name: [] for name in configs}
         handed = 0
         for r in range(args.rounds):
@@ -427,7 +437,10 @@ def main() -> int:
                     if configs[name]:
                         patches.remove()
         status = sess.status()
+        graph_captures = sess.ring.graph_captures if sess.ring else 0
         sess.close(10.0)
+        if eager is not None:
+            eager.close(10.0)
 
     median = {name: statistics.median(v) for name, v in times.items()}
     added = {name: median[name] - median["unhooked"] for name in configs if name != "unhooked"}
@@ -445,7 +458,7 @@ def main() -> int:
             "rounds": args.rounds,
             "steps_per_block": args.steps,
             "floor_capture": args.capture if device.type == "cuda" else "tobytes",
-            "mgtrace_graph_captures": sess.ring.graph_captures if sess.ring else 0,
+            "mgtrace_graph_captures": graph_captures,
             "median_engine_thread_cpu_us_per_step": {k: round(v, 2) for k, v in median.items()},
             "added_us_per_step": {k: round(v, 2) for k, v in added.items()},
             "mgtrace_over_floor": round(added["mgtrace"] / added["floor"], 3),
