@@ -8,9 +8,8 @@ rotate between four configurations:
   needs, and do nothing else: the batch's request ids, computed and prompt counts, the block
   table, the row moves, the accepted and computed counts and running columns around the
   pre-process, the staged post-process inputs, and each align launch's inputs (on a GPU one
-  CUDA-graph replay that joins them into a device staging row, and one event, the cheapest
-  stream-ordered copy; ``--capture cat`` issues one ``torch.cat`` instead, as the floor did
-  before; on the CPU one ``tobytes`` per vector) with their CPU-side values. No error handling, no
+  ``torch.cat`` into a device staging row and one event, the cheapest stream-ordered copy;
+  on the CPU one ``tobytes`` per vector) with their CPU-side values. No error handling, no
   step bookkeeping, no limits; the copies are kept in a list that is cleared between blocks,
   outside the timing.
 - ``floor_handover``: ``floor``, plus a thread that every 10 ms pickles what the hooks kept,
@@ -18,8 +17,6 @@ rotate between four configurations:
   the engine's process); its share of the GIL shows in the engine thread's time.
 - ``mgtrace``: mgtrace's hooks (``hooks_v1``) on a live session whose recorder thread only
   frees what they queued, so that, like ``floor``, only the engine thread's own work counts.
-- ``mgtrace_eager_capture`` (CUDA only): the same, with every capture an eager ``torch.cat``
-  (the ring without CUDA graphs).
 
 Reported: the engine thread's CPU time per step, median over the rounds, and what each
 configuration adds to ``unhooked``. ``floor`` is a lower bound for any recorder written in
@@ -30,7 +27,7 @@ it safely (never raising into the engine, counting drops, stopping between steps
 two), to show where the gap to the floor is.
 
 Usage: python benchmarks/recorder_floor.py [--device cpu|cuda] [--rounds 40] [--steps 200]
-                                           [--capture graph|cat] [--per-hook] [--out FILE]
+                                           [--per-hook] [--out FILE]
 """
 
 from __future__ import annotations
@@ -56,8 +53,6 @@ from bench_recorder import ROWS, K, build_runner, scheduler_output
 from results_io import command_line, emit
 
 from mgtrace.recorder import hooks_common, hooks_v1
-from mgtrace.recorder.capture import CaptureRing
-from mgtrace.recorder.capture_graphs import LaunchGraph, make_graph
 from mgtrace.recorder.patches import Patch, PatchSet
 from mgtrace.recorder.session import Session
 from mgtrace.schemas.manifest import RunMetadata
@@ -75,26 +70,16 @@ HANDOVER_S = 0.01  # as the recorder thread's poll
 class Floor:
     """The floor hooks' state: the records they keep, and the launch capture's buffers."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        slots: int = 512,
-        slot_elems: int = 1024,
-        capture: str = "graph",
-    ) -> None:
+    def __init__(self, device: torch.device, slots: int = 512, slot_elems: int = 1024) -> None:
         self.records: list[list[Any]] = []
         self.rec: list[Any] = []
         self.cuda = device.type == "cuda"
-        self.graphs: dict[int, Any] | None = {} if capture == "graph" else None
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
-        self.side = torch.cuda.Stream() if self.cuda else None
         self.slot = 0
         self.slots = slots
         self.staging = torch.empty((slots, slot_elems), dtype=torch.int32, device=device)
         self.events = [torch.Event(device=device) for _ in range(slots)] if self.cuda else []
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
         self._views: dict[int, np.ndarray] = {}
-        self.keep: list[Any] = []  # the graphs' tensors and rows
 
     def capture(self, tensors: tuple[torch.Tensor, ...], n: int) -> Any:
         """A launch's input vectors: on a GPU whole, into a staging row on the stream, with an
@@ -110,17 +95,6 @@ class Floor:
             return out
         i = self.slot
         self.slot = (i + 1) % self.slots
-        if self.graphs is not None:  # one graph per launch, made on its first capture
-            graph = self.graphs.get(id(tensors[0]))
-            if graph is None:
-                entry = LaunchGraph(tensors)
-                make_graph(entry, self.staging, self.counter, self.side)
-                self.counter.fill_(i)
-                graph = self.graphs[id(tensors[0])] = entry.graph
-                self.keep.append(entry)
-            graph.replay()
-            self.events[i].record()
-            return i
         total = sum(t.shape[0] for t in tensors)
         row = self._rows.get((i, total))
         if row is None:
@@ -370,12 +344,6 @@ def main() -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--steps", type=int, default=200, help="steps per block")
-    ap.add_argument(
-        "--capture",
-        choices=("graph", "cat"),
-        default="graph",
-        help="how the floor issues a launch's capture on a GPU",
-    )
     ap.add_argument("--per-hook", action="store_true", help="also time each hook body")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -385,7 +353,7 @@ def main() -> int:
     so = scheduler_output()
     out = torch.zeros((ROWS, 1 + K), dtype=torch.int64, device=device)
     cls = type(runner)
-    floor = Floor(device, capture=args.capture)
+    floor = Floor(device)
 
     def block(clear: Callable[[], None]) -> float:
         for _ in range(10):
@@ -412,13 +380,6 @@ def main() -> int:
             "floor_handover": minimal,
             "mgtrace": ours,
         }
-        eager = None
-        if device.type == "cuda":  # the same hooks, every capture an eager torch.cat
-            eager = Session(
-                Path(tmp) / "e", rank=0, kind="v1", run=RunMetadata(), assembler="thread"
-            )
-            eager.ring = CaptureRing(device, graphs=False)
-            configs["mgtrace_eager_capture"] = hooks_v1.v1_patches(eager, owners, [0])
         times: dict[str, list[float]] = {name: [] for name in configs}
         handed = 0
         for r in range(args.rounds):
@@ -437,10 +398,7 @@ def main() -> int:
                     if configs[name]:
                         patches.remove()
         status = sess.status()
-        graph_captures = sess.ring.graph_captures if sess.ring else 0
         sess.close(10.0)
-        if eager is not None:
-            eager.close(10.0)
 
     median = {name: statistics.median(v) for name, v in times.items()}
     added = {name: median[name] - median["unhooked"] for name in configs if name != "unhooked"}
@@ -457,8 +415,6 @@ def main() -> int:
             },
             "rounds": args.rounds,
             "steps_per_block": args.steps,
-            "floor_capture": args.capture if device.type == "cuda" else "tobytes",
-            "mgtrace_graph_captures": graph_captures,
             "median_engine_thread_cpu_us_per_step": {k: round(v, 2) for k, v in median.items()},
             "added_us_per_step": {k: round(v, 2) for k, v in added.items()},
             "mgtrace_over_floor": round(added["mgtrace"] / added["floor"], 3),

@@ -115,29 +115,19 @@ def test_capture_around_a_triton_launch_is_exact_and_sync_free() -> None:
     assert not all((acc[:n].cpu().numpy() == got[-1][0][0][:n]).tolist())
 
 
-def _small_ring_round_trip(
-    steps: int = 40, *, graphs: bool = True, fresh_every: int = 0
-) -> tuple[list[list[int]], list[list[int]], Any]:
+def _small_ring_round_trip(steps: int = 40) -> tuple[list[list[int]], list[list[int]]]:
     """Captures through a 5-slot ring, reaped every third step: slots are reused many times
-    over and reaps span the wrap. With ``fresh_every``, every so many steps the capture
-    reads a tensor never seen before (issued eagerly between graph replays). Returns
-    (reaped, expected) vectors in launch order, and the ring."""
+    over and reaps span the wrap. Returns (reaped, expected) vectors in launch order."""
     from mgtrace.recorder.capture import CaptureRing
 
     dev = torch.device("cuda")
-    ring = CaptureRing(dev, slots=5, slot_elems=64, graphs=graphs)
+    ring = CaptureRing(dev, slots=5, slot_elems=64)
     src = torch.zeros(16, dtype=torch.int32, device=dev)
     got, want = [], []
     for step in range(steps):
-        values = torch.arange(16, dtype=torch.int32, device=dev) * (step + 1)
-        fresh = fresh_every and step % fresh_every == 0
-        if fresh:
-            read = values  # a new tensor: no graph knows it
-        else:
-            src.copy_(values)
-            read = src
+        src.copy_(torch.arange(16, dtype=torch.int32, device=dev) * (step + 1))
         want.append([i * (step + 1) for i in range(16)])
-        while not ring.grab([read], [16], {"step": step}):
+        while not ring.grab([src], [16], {"step": step}):
             got += ring.reap()  # a full ring: reap until a slot is free
         if step % 3 == 0:
             got += ring.reap()
@@ -145,185 +135,12 @@ def _small_ring_round_trip(
     while len(got) < steps and time.monotonic() < deadline:
         got += ring.reap()
     assert [tag["step"] for _, tag in got] == list(range(steps))
-    return [arrays[0][:16].tolist() for arrays, _ in got], want, ring
+    return [arrays[0][:16].tolist() for arrays, _ in got], want
 
 
 def test_a_small_ring_wraps_and_stays_exact() -> None:
-    got, want, ring = _small_ring_round_trip()
+    got, want = _small_ring_round_trip()
     assert got == want
-    # the first capture of the tensor is eager, the second makes its graph: all the
-    # others are replays
-    assert ring.graph_captures == 39 and not ring.graph_error
-
-
-def test_eager_captures_without_graphs_stay_exact() -> None:
-    got, want, ring = _small_ring_round_trip(graphs=False)
-    assert got == want and ring.graph_captures == 0
-
-
-def test_eager_captures_between_replays_keep_the_slots_in_order() -> None:
-    got, want, ring = _small_ring_round_trip(fresh_every=3)
-    assert got == want
-    assert 0 < ring.graph_captures < 40
-
-
-def test_the_check_sees_a_replay_whose_counter_was_not_set(monkeypatch: Any) -> None:
-    """Control: without the counter's fill after an eager capture, replays land in the
-    wrong slots and the reaped vectors differ."""
-    from mgtrace.recorder.capture import CaptureRing
-
-    real = CaptureRing._replay
-
-    def unset(self: Any, entry: Any, tag: Any) -> bool:
-        self._device_next = self._free[0]  # claim the counter is right: no fill
-        return real(self, entry, tag)
-
-    monkeypatch.setattr(CaptureRing, "_replay", unset)
-    got, want, _ = _small_ring_round_trip(fresh_every=3)
-    assert got != want
-
-
-def test_a_capture_on_another_stream_is_eager_and_exact() -> None:
-    """Graphs replay on one stream (their slot counter's advances must be ordered): a
-    capture on another stream is issued eagerly, in that stream's order."""
-    from mgtrace.recorder.capture import CaptureRing
-
-    dev = torch.device("cuda")
-    ring = CaptureRing(dev, slots=8, slot_elems=64)
-    src = torch.zeros(16, dtype=torch.int32, device=dev)
-    other = torch.cuda.Stream()
-    got, want = [], []
-    for step in range(12):
-        stream = other if step % 2 else torch.cuda.current_stream()
-        with torch.cuda.stream(stream):
-            src.copy_(torch.arange(16, dtype=torch.int32, device=dev) + step * 100)
-            assert ring.grab([src], [16], {"step": step})
-        torch.cuda.current_stream().wait_stream(other)
-        other.wait_stream(torch.cuda.current_stream())
-        want.append([i + step * 100 for i in range(16)])
-        got += ring.reap()
-    torch.cuda.synchronize()
-    deadline = time.monotonic() + 30
-    while len(got) < 12 and time.monotonic() < deadline:
-        got += ring.reap()
-    assert [a[0][:16].tolist() for a, _ in got] == want
-    # the second capture, on the other stream, makes the graph: replays only there
-    assert ring.graph_captures == 6
-
-
-def test_a_tensor_over_new_memory_gets_no_stale_replay() -> None:
-    """A graph reads fixed addresses: a tensor given new storage (``set_``) is captured
-    from its new memory. Control: a ring that trusts the tensor's identity alone reads the
-    old storage (kept alive here, so that it still holds the old values)."""
-    got = _storage_swap(check_memory=True)
-    assert got == [[7] * 16, [7] * 16, [7] * 16, [9] * 16, [9] * 16]
-    got = _storage_swap(check_memory=False)
-    assert got[3:] == [[7] * 16, [7] * 16]
-
-
-def _storage_swap(check_memory: bool) -> list[list[int]]:
-    from mgtrace.recorder import capture_graphs
-    from mgtrace.recorder.capture import CaptureRing
-
-    dev = torch.device("cuda")
-    ring = CaptureRing(dev, slots=8, slot_elems=64)
-    src = torch.full((16,), 7, dtype=torch.int32, device=dev)
-    real_same = capture_graphs.LaunchGraph.same
-    alive: list[Any] = []
-    if not check_memory:
-        capture_graphs.LaunchGraph.same = lambda self, ts: all(  # type: ignore[method-assign]
-            a is b for a, b in zip(ts, self.tensors, strict=True)
-        )
-    try:
-        for step in range(3):
-            assert ring.grab([src], [16], {"step": step})
-        alive.append(src.untyped_storage())  # the old values stay where they were
-        src.set_(torch.full((16,), 9, dtype=torch.int32, device=dev))
-        for step in range(3, 5):
-            assert ring.grab([src], [16], {"step": step})
-    finally:
-        capture_graphs.LaunchGraph.same = real_same  # type: ignore[method-assign]
-    torch.cuda.synchronize()
-    got: list[Any] = []
-    deadline = time.monotonic() + 30
-    while len(got) < 5 and time.monotonic() < deadline:
-        got += ring.reap()
-    alive.clear()
-    return [a[0][:16].tolist() for a, _ in got]
-
-
-def test_a_graph_the_driver_refuses_leaves_captures_eager_and_said(
-    monkeypatch: Any, tmp_path: Any
-) -> None:
-    """Where no graph can be made, captures stay eager, exact, and the manifest says why
-    once. Control: the same steps with graphs replay all but the first two captures."""
-    import pyarrow.parquet as pq
-
-    from mgtrace.recorder import capture
-    from mgtrace.schemas.reader import TraceReader
-
-    def refuse(*_: Any) -> None:
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    for refused in (True, False):
-        if refused:
-            monkeypatch.setattr(capture, "make_graph", refuse)
-        else:
-            monkeypatch.undo()
-        sess, acc = _postprocess_steps(tmp_path / f"t{refused}", steps=4)
-        ring = sess.ring
-        assert ring is not None and ring.captured == 4
-        assert sess.close()["complete"]
-        errors = TraceReader(tmp_path / f"t{refused}").manifest.errors
-        rows = pq.read_table(tmp_path / f"t{refused}" / "launches").to_pylist()
-        assert [r["num_accepted"] for r in rows] == acc * 4
-        if refused:
-            assert ring.graph_captures == 0
-            assert "operation not permitted" in ring.graph_error
-            assert errors["capture_graphs_off"]["count"] == 1
-        else:
-            assert ring.graph_captures == 3 and "capture_graphs_off" not in errors
-
-
-def _postprocess_steps(path: Any, steps: int) -> tuple[Any, list[int]]:
-    """A session that recorded ``steps`` V1 post-process launches of the same buffers."""
-    from mgtrace.recorder.hooks_common import _postprocess
-    from mgtrace.recorder.session import Session
-    from mgtrace.schemas.manifest import RunMetadata
-
-    ctx, acc = _post_ctx(8)
-    sess = Session(path, rank=0, kind="v1", run=RunMetadata())
-    for _ in range(steps):
-        sess.begin_step(None)
-        _postprocess(sess, (ctx, 8, acc, *_post_bufs(ctx)), {})
-    sess.end_step()
-    return sess, acc.cpu().tolist()
-
-
-def _post_ctx(n: int) -> tuple[Any, Any]:
-    dev = torch.device("cuda")
-
-    def buf(values: list[int]) -> Any:
-        cpu = torch.tensor(values, dtype=torch.int32)
-        return type("Buf", (), {"np": cpu.numpy(), "gpu": cpu.to(dev)})()
-
-    ctx = type("Ctx", (), {})()
-    ctx.is_initialized = True
-    ctx.mamba_state_idx_buf = buf(list(range(n)))
-    ctx.num_scheduled_tokens_buf = buf([4] * n)
-    ctx.num_computed_tokens_buf = buf(list(range(100, 100 + n)))
-    ctx.num_draft_tokens_buf = buf([3] * n)
-    acc = torch.arange(1, n + 1, dtype=torch.int32, device=dev) % 4 + 1
-    return ctx, acc
-
-
-def _post_bufs(ctx: Any) -> tuple[Any, ...]:
-    return (
-        ctx.mamba_state_idx_buf.gpu,
-        ctx.num_scheduled_tokens_buf.gpu,
-        ctx.num_computed_tokens_buf.gpu,
-        ctx.num_draft_tokens_buf.gpu,
-    )
 
 
 def test_the_ring_check_sees_a_slot_whose_host_copy_was_skipped(monkeypatch: Any) -> None:
@@ -334,7 +151,7 @@ def test_the_ring_check_sees_a_slot_whose_host_copy_was_skipped(monkeypatch: Any
     monkeypatch.setattr(
         capture, "consecutive_runs", lambda slots: [(a, b - 1) for a, b in real(slots) if b - a > 1]
     )
-    got, want, _ = _small_ring_round_trip()
+    got, want = _small_ring_round_trip()
     assert got != want
 
 
@@ -459,31 +276,3 @@ def test_a_rank_on_another_gpu_opens_no_context_on_gpu_0() -> None:
     on_gpu0, on_gpu1, on_gpu0_after_control = json.loads(proc.stdout.strip().splitlines()[-1])
     assert on_gpu1 and on_gpu0_after_control  # the controls
     assert not on_gpu0
-
-
-def test_a_replay_that_fails_is_captured_eagerly_instead() -> None:
-    """A graph that stops replaying loses no capture: that one and all later ones are eager,
-    and the ring says why."""
-    from mgtrace.recorder.capture import CaptureRing
-
-    class Broken:
-        def replay(self) -> None:
-            raise RuntimeError("graph launch failed")
-
-    dev = torch.device("cuda")
-    ring = CaptureRing(dev, slots=8, slot_elems=64)
-    src = torch.zeros(16, dtype=torch.int32, device=dev)
-    want = []
-    for step in range(5):
-        if step == 3:
-            ring._graphs[id(src)].graph = Broken()
-        src.fill_(step)
-        assert ring.grab([src], [16], {"step": step})
-        want.append([step] * 16)
-    torch.cuda.synchronize()
-    got: list[Any] = []
-    deadline = time.monotonic() + 30
-    while len(got) < 5 and time.monotonic() < deadline:
-        got += ring.reap()
-    assert [a[0][:16].tolist() for a, _ in got] == want
-    assert ring.graph_captures == 2 and "graph launch failed" in ring.graph_error

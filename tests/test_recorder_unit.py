@@ -1440,38 +1440,3 @@ def test_a_long_name_s_leftover_is_put_back_too(tmp_path: Path) -> None:
     clear_stale_siblings(out)
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
     assert hidden_sibling(tmp_path / "t", "new").name.startswith(".t.")
-
-
-def test_a_launch_graph_is_used_only_for_the_same_tensors_over_the_same_memory() -> None:
-    """A graph reads fixed addresses: the same objects are not enough once one of them was
-    given new memory or another length. Control: the untouched set matches."""
-    import torch
-
-    from mgtrace.recorder.capture_graphs import LaunchGraph
-
-    a, b = torch.arange(8, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
-    entry = LaunchGraph([a, b])
-    assert entry.same([a, b])  # the control
-    assert not entry.same([b, a])
-    assert not entry.same([a])
-    assert not entry.same([a, b.clone()])
-    b.set_(torch.zeros(4, dtype=torch.int32))  # same object, new memory
-    assert not entry.same([a, b])
-    entry = LaunchGraph([a, b])
-    a.resize_(6)  # same memory, another length
-    assert not entry.same([a, b])
-
-
-def test_only_whole_int32_vectors_that_fit_a_slot_get_a_graph() -> None:
-    import torch
-
-    from mgtrace.recorder.capture_graphs import graphable
-
-    cpu = torch.device("cpu")
-    v = torch.arange(8, dtype=torch.int32)
-    assert graphable([v, v], cpu, 16)  # the control
-    assert not graphable([v, v], cpu, 15)
-    assert not graphable([v.long()], cpu, 16)
-    assert not graphable([v.view(2, 4)], cpu, 16)
-    assert not graphable([v[:0]], cpu, 16)
-    assert not graphable([v], torch.device("meta"), 16)

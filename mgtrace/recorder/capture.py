@@ -25,14 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from mgtrace.recorder.capture_graphs import (
-    MAX_GRAPHS,
-    SEEN_BEFORE_GRAPH,
-    LaunchGraph,
-    graphable,
-    make_graph,
-)
-
 DEFAULT_SLOTS = 512  # two captures per step for the ~10 ms the recorder thread may wait for
 # the GIL on a busy engine (a sleep, then a switch interval)
 DEFAULT_SLOT_ELEMS = 1 << 13  # int32 elements: 4 slot-indexed vectors of 2048 requests
@@ -69,7 +61,6 @@ class CaptureRing:
         *,
         slots: int = DEFAULT_SLOTS,
         slot_elems: int = DEFAULT_SLOT_ELEMS,
-        graphs: bool = True,
     ) -> None:
         import torch
 
@@ -93,16 +84,6 @@ class CaptureRing:
             self._make_event = getattr(torch, "Event", None) or (lambda device: torch.cuda.Event())
             self.events = [self._make_event(device=device) for _ in range(slots)]
             self._copy_stream = torch.cuda.Stream(device=device)
-            # graph-issued captures (capture_graphs.py): the slot counter they advance
-            self._counter = torch.zeros(1, dtype=torch.int64, device=device)
-            self._device_index = self.staging.device.index
-        self._graphs_on = self.cuda and graphs
-        self._graphs: dict[int, LaunchGraph] = {}  # id of the first tensor -> its graph
-        self._graph_stream: int | None = None  # the stream graphs replay on
-        self._side_stream: Any = None  # where graphs are captured
-        self._device_next = 0  # the slot the device counter names after what was issued
-        self.graph_captures = 0
-        self.graph_error = ""  # why graphs were turned off, if they were
         self._views: dict[int, tuple[Any, np.ndarray]] = {}
         self._cuts: dict[int, tuple[Any, ...]] = {}  # id of the first tensor -> _cut_views
         self._slots: dict[tuple[int, int], Any] = {}  # staging views
@@ -128,12 +109,6 @@ class CaptureRing:
         if not self._free:
             return self._refuse("full")
         if self.staging is not None:
-            entry = self._graph_for(tensors) if self._graphs_on else None
-            if entry is not None:
-                try:
-                    return self._replay(entry, tag)
-                except Exception as exc:  # eager from now on, this capture included
-                    self._graphs_off(exc)
             # Whole tensors when they fit: slicing costs a torch call per vector, and the
             # assembler trims to the rows the launch read.
             whole = [t.shape[0] for t in tensors]
@@ -172,57 +147,6 @@ class CaptureRing:
             return True
         self._pending.append([i, tuple(lengths), tag, None])
         self.captured += 1
-        return True
-
-    def _graph_for(self, tensors: Sequence[Any]) -> LaunchGraph | None:
-        """The graph to issue this capture with, made when the same tensors come a second
-        time; None: issue it eagerly (new tensors, another stream, or no graph possible)."""
-        entry = self._graphs.get(id(tensors[0]))
-        if entry is None or not entry.same(tensors):
-            if len(self._graphs) >= MAX_GRAPHS:
-                self._graphs.clear()
-            self._graphs[id(tensors[0])] = LaunchGraph(tensors)
-            return None
-        stream = self._torch._C._cuda_getCurrentRawStream(self._device_index)
-        if entry.graph is not None:
-            return entry if stream == self._graph_stream else None
-        entry.seen += 1
-        if entry.seen < SEEN_BEFORE_GRAPH or self._graph_stream not in (None, stream):
-            return None
-        if not graphable(tensors, self.staging.device, self.slot_elems):
-            entry.seen = -(1 << 30)  # never: its captures stay eager
-            return None
-        try:
-            if self._side_stream is None:
-                self._side_stream = self._torch.cuda.Stream(device=self.staging.device)
-            make_graph(entry, self.staging, self._counter, self._side_stream)
-        except Exception as exc:  # the driver or torch said no: eager from now on
-            self._graphs_off(exc)
-            return None
-        self._graph_stream = stream
-        return entry
-
-    def _graphs_off(self, exc: Exception) -> None:
-        self._graphs_on = False
-        self._graphs.clear()
-        self.graph_error = f"{type(exc).__name__}: {exc}"
-
-    def _replay(self, entry: LaunchGraph, tag: Any) -> bool:
-        """Issue a capture as its graph's replay into the next slot, then the event."""
-        i = self._free.popleft()
-        try:
-            if self._device_next != i:  # an eager capture came between: set the counter
-                self._counter.fill_(i)
-            entry.graph.replay()
-            self._device_next = i + 1 if i + 1 < self.slots else 0
-            self.events[i].record()
-        except BaseException:
-            self._device_next = -1  # unknown: the next replay sets the counter first
-            self._free.appendleft(i)
-            raise
-        self._pending.append([i, entry.lengths, tag, None])
-        self.captured += 1
-        self.graph_captures += 1
         return True
 
     def _slot(self, i: int, total: int) -> Any:

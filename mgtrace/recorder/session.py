@@ -111,7 +111,6 @@ class Session:
         # steps with a capture that went out in a frame the sink refused, or found no ring
         # slot: dropped when their record comes up, never written without their launches
         self._doomed: set[int] = set()
-        self._graph_error_told = False
         self._packer = wire.Packer()  # recorder thread only
         self._closing = threading.Event()
         self._force = False  # set on close when the device never finished: stop waiting
@@ -175,40 +174,25 @@ class Session:
         ring = self.ring
         if ring is None:
             ring = self.ring = CaptureRing(
-                tensors[0].device,
-                slot_elems=slot_elems_for(self.max_num_seqs),
-                # V2 launches read a new idx_mapping tensor each step: no graph would be
-                # replayed twice, and tracking them costs the engine thread
-                graphs=self.kind == "v1",
+                tensors[0].device, slot_elems=slot_elems_for(self.max_num_seqs)
             )
         if not ring.grab(tensors, lengths, tag):
-            self._refused(ring, tag)
-        elif ring.graph_error and not self._graph_error_told:
-            self._graph_error_told = True
-            self.count_error(
-                "capture_graphs_off",
-                "launch inputs are captured with eager torch ops, which cost the engine "
-                f"thread more: no CUDA graph could be made ({ring.graph_error})",
-            )
-
-    def _refused(self, ring: CaptureRing, tag: dict[str, Any]) -> None:
-        """A capture the ring refused: its step is dropped, and why is counted."""
-        # a step without one of its launches would replay as if that launch never ran:
-        # the whole step is dropped and counted when its record comes up
-        self._doomed.add(tag["step"])
-        if tag.get("kernel") == BOUND_PTRS:
-            self.ptrs_grabbed.clear()  # captured once per context: capture them again
-        if ring.refusal == "full":
-            self.count_error(
-                "capture_ring_full",
-                "a launch found no free capture slot: its step is dropped",
-            )
-        else:
-            self.count_error(
-                "capture_too_large",
-                f"a launch's inputs ({ring.refusal}) do not fit a capture slot: its step "
-                "is dropped",
-            )
+            # a step without one of its launches would replay as if that launch never ran:
+            # the whole step is dropped and counted when its record comes up
+            self._doomed.add(tag["step"])
+            if tag.get("kernel") == BOUND_PTRS:
+                self.ptrs_grabbed.clear()  # captured once per context: capture them again
+            if ring.refusal == "full":
+                self.count_error(
+                    "capture_ring_full",
+                    "a launch found no free capture slot: its step is dropped",
+                )
+            else:
+                self.count_error(
+                    "capture_too_large",
+                    f"a launch's inputs ({ring.refusal}) do not fit a capture slot: its step "
+                    "is dropped",
+                )
 
     def hook_failed(self, name: str, exc: BaseException, *, drop_step: bool = False) -> None:
         """Count a hook's exception; log the first of each hook. Never raises.
