@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from results_io import command_line, emit
 
-from mgtrace.recorder import features, hooks_v1, outproc
+from mgtrace.recorder import features, hooks_v1, hooks_v2, outproc
 from mgtrace.recorder.patches import PatchSet
 from mgtrace.recorder.session import Session
 from mgtrace.schemas.manifest import RunMetadata
@@ -454,13 +454,13 @@ def json_log(fh: Any, runner: Any, so: Any, step: int) -> None:
 JSON_LOGGERS = {"json": json_log, "json_post_only": json_log_post_only}
 
 
-def _session(out: Path, assembler: str | None, sched: str) -> Session:
+def _session(out: Path, assembler: str | None, sched: str, kind: str = "v1") -> Session:
     """A recording session whose assembler process yields the CPU as ``sched`` says."""
     saved = os.environ.get(outproc.SCHED_ENV)
     os.environ[outproc.SCHED_ENV] = sched
     try:
         return Session(
-            out, rank=0, kind="v1", run=RunMetadata(), mamba_block_size=B, assembler=assembler
+            out, rank=0, kind=kind, run=RunMetadata(), mamba_block_size=B, assembler=assembler
         )
     finally:
         if saved is None:
@@ -489,8 +489,16 @@ def run(
     device_wait_s: float = 0.0,
     assembler: str | None = None,
     builder: str = "mamba2",
+    runner_kind: str = "v1",
 ) -> dict[str, float]:
-    runner, owners = build_runner(device, builder)
+    if runner_kind == "v2":
+        from standin_v2 import build_runner_v2, json_log_v2
+
+        runner, owners = build_runner_v2(device)
+        loggers = {"json": json_log_v2}
+    else:
+        runner, owners = build_runner(device, builder)
+        loggers = JSON_LOGGERS
     so = scheduler_output()
     out = torch.zeros((ROWS, 1 + K), dtype=torch.int64, device=device)
     patches = PatchSet()
@@ -498,15 +506,18 @@ def run(
     fh = None
     if mode in ("hooked", "hooked_idle"):
         sched = "idle" if mode == "hooked_idle" else "nice"
-        sess = _session(tmp / f"trace-{time.monotonic_ns()}", assembler, sched)
+        sess = _session(tmp / f"trace-{time.monotonic_ns()}", assembler, sched, runner_kind)
         t_start = time.perf_counter()
         # a one-off start-up (the assembler process imports numpy and pyarrow), not a
         # per-step cost: measured and reported apart
         ready = sess.wait_ready(60.0)
         startup_s = time.perf_counter() - t_start
         child_cpu0 = sess.sink.stats().get("cpu_s")
-        patches.install(hooks_v1.v1_patches(sess, owners, [0]))
-    log_step = JSON_LOGGERS.get(mode)
+        if runner_kind == "v2":
+            patches.install(hooks_v2.v2_patches(sess, owners, [0]))
+        else:
+            patches.install(hooks_v1.v1_patches(sess, owners, [0]))
+    log_step = loggers.get(mode)
     if log_step is not None:
         fh = open(tmp / f"log-{time.monotonic_ns()}.jsonl", "w")  # noqa: SIM115
     cls = type(runner)
@@ -586,8 +597,9 @@ def summarize(runs: dict[str, list[dict[str, float]]], wait_s: float, steps: int
     over_cpu = med("hooked", "cpu_us_per_step") - base_cpu
     json_wall = med("json", "wall_us_per_step") - base_wall
     json_cpu = med("json", "cpu_us_per_step") - base_cpu
-    narrow_wall = med("json_post_only", "wall_us_per_step") - base_wall
-    narrow_cpu = med("json_post_only", "cpu_us_per_step") - base_cpu
+    narrow = "json_post_only" in runs  # the V1 step's narrower logger only
+    narrow_wall = med("json_post_only", "wall_us_per_step") - base_wall if narrow else 0.0
+    narrow_cpu = med("json_post_only", "cpu_us_per_step") - base_cpu if narrow else 0.0
     ratio = over_wall / json_wall if json_wall > 0 else None
     return {
         "device_wait_us": wait_s * 1e6,
@@ -614,15 +626,17 @@ def summarize(runs: dict[str, list[dict[str, float]]], wait_s: float, steps: int
             "recorder_engine_thread_cpu": over_cpu,
             "json_logger_wall": json_wall,
             "json_logger_engine_thread_cpu": json_cpu,
-            "json_post_only_logger_wall": narrow_wall,
-            "json_post_only_logger_engine_thread_cpu": narrow_cpu,
+            "json_post_only_logger_wall": narrow_wall if narrow else None,
+            "json_post_only_logger_engine_thread_cpu": narrow_cpu if narrow else None,
         },
         "recorder_vs_json_wall": ratio,
         "recorder_vs_json_engine_thread_cpu": over_cpu / json_cpu if json_cpu > 0 else None,
         # against the narrower logger of earlier results (ten post-process fields a row)
-        "recorder_vs_json_post_only_wall": over_wall / narrow_wall if narrow_wall > 0 else None,
+        "recorder_vs_json_post_only_wall": (
+            over_wall / narrow_wall if narrow and narrow_wall > 0 else None
+        ),
         "recorder_vs_json_post_only_engine_thread_cpu": (
-            over_cpu / narrow_cpu if narrow_cpu > 0 else None
+            over_cpu / narrow_cpu if narrow and narrow_cpu > 0 else None
         ),
         "recorded_last_run": {
             k: runs["hooked"][-1][k]
@@ -680,6 +694,13 @@ def main() -> int:
         help="the split the stand-in step runs: Mamba2's builder or GDN's (its hook copies a mask)",
     )
     ap.add_argument(
+        "--runner",
+        choices=("v1", "v2"),
+        default="v1",
+        help="the stand-in step's runner: V1's (InputBatch rows) or V2's (request slots, "
+        "idx_mapping; benchmarks/standin_v2.py)",
+    )
+    ap.add_argument(
         "--compare-idle",
         action="store_true",
         help="also run the recorder with its assembler process under SCHED_IDLE",
@@ -690,7 +711,8 @@ def main() -> int:
     device = torch.device(a.device)
     scenarios = {"busy_host_loop": 0.0, "with_device_wait": a.device_wait_us / 1e6}
     report: dict[str, Any] = {
-        "benchmark": "recorder engine-thread overhead, 96-row V1 step, hooks + capture on",
+        "benchmark": f"recorder engine-thread overhead, 96-row {a.runner.upper()} step, "
+        "hooks + capture on",
         "command": command_line(),
         "machine": {
             "python": platform.python_version(),
@@ -705,6 +727,7 @@ def main() -> int:
         "repeats": a.repeats,
         "rows_per_step": ROWS,
         "builder": a.builder,
+        "runner": a.runner,
         "targets": {"recorder_us_per_step": 25.0, "recorder_vs_json": 0.1},
         "scenarios": {},
         "loadavg_start": list(os.getloadavg()),
@@ -719,13 +742,13 @@ def main() -> int:
                 "hooked",
                 *(["hooked_idle"] * a.compare_idle),
                 "json",
-                "json_post_only",
+                *(["json_post_only"] * (a.runner == "v1")),
             ]
             runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for _ in range(a.repeats):
                 for mode in runs:  # interleaved, so that machine noise hits every mode alike
                     runs[mode].append(
-                        run(mode, steps, device, Path(tmp), wait, a.assembler, a.builder)
+                        run(mode, steps, device, Path(tmp), wait, a.assembler, a.builder, a.runner)
                     )
             report["scenarios"][name] = summarize(runs, wait, steps)
     report["loadavg_end"] = list(os.getloadavg())
