@@ -8,7 +8,9 @@ without waiting for the device. Issued as:
 - ``graph``: one CUDA-graph replay that joins the vectors into a fixed row and copies that row
   into the slot a device-side counter names, then advances the counter; then the event.
 
-Also the pieces alone: the event, the replay, and reading the current stream's handle.
+Also the pieces alone: the event, the replay, and reading the current stream's handle; and
+V2's pre-copy capture, whose ``idx_mapping`` is int64: joined with the int32 vectors by a
+converting ``torch.cat``, or as its int32 words (a view, then a plain ``torch.cat``).
 Each is timed over many calls on the engine thread (wall and thread CPU time per call, median
 of rounds), with the device left to run behind. A check after the timing replays the graph
 over changing inputs and compares every slot with what it must hold, byte for byte.
@@ -112,6 +114,25 @@ def main() -> int:
         state["i"] = (i + 1) % SLOTS
         events[i].record()
 
+    # V2's pre-copy: an int64 idx_mapping among int32 slot vectors, joined converting, or
+    # its words joined as they are (an int32 view, twice as long)
+    idx = torch.arange(LENGTH, dtype=torch.int64, device=dev)
+    mixed = [idx, *parts[:3]]
+    mixed_views = [staging[i, : 4 * LENGTH] for i in range(SLOTS)]
+    word_views = [staging[i, : 5 * LENGTH] for i in range(SLOTS)]
+
+    def cat_converting() -> None:
+        i = state["i"]
+        state["i"] = (i + 1) % SLOTS
+        torch.cat(mixed, out=mixed_views[i])
+        events[i].record()
+
+    def cat_words() -> None:
+        i = state["i"]
+        state["i"] = (i + 1) % SLOTS
+        torch.cat([idx.view(torch.int32), *parts[:3]], out=word_views[i])
+        events[i].record()
+
     def stream_handle() -> None:
         torch._C._cuda_getCurrentRawStream(device_index)
 
@@ -121,6 +142,8 @@ def main() -> int:
         "graph_replay": replay_only,
         "event_record": event_only,
         "current_stream_handle": stream_handle,
+        "v2_cat_int64_converting_and_event": cat_converting,
+        "v2_cat_int64_as_words_and_event": cat_words,
     }
     for fn in kinds.values():  # warm every path
         _time(fn, 200)
