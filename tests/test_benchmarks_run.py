@@ -76,6 +76,25 @@ def _run_benchmark(tmp_path: Path, script: str, args: list[str], out: Path) -> N
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_the_v2_stand_in_step_is_recorded_whole(tmp_path: Path) -> None:
+    """``bench_recorder.py --runner v2`` times the V2 hooks on a step they record in full:
+    every step, its 96 batch rows, no hook error. Control: the V1 step's result says V1."""
+    out = tmp_path / "v2.json"
+    args = ["--device", "cpu", "--steps", "40", "--repeats", "1", "--runner", "v2"]
+    _run_benchmark(tmp_path, "bench_recorder.py", args, out)
+    result = json.loads(out.read_text())
+    assert result["runner"] == "v2" and "96-row V2 step" in result["benchmark"]
+    for scenario in result["scenarios"].values():
+        got = scenario["recorded_last_run"]
+        assert got["hook_errors"] == 0 and got["recorded_steps"] > 0
+        # the sink's row count: 96 batch rows a step
+        assert got["rows"] >= 96 * got["recorded_steps"]
+        assert "json_post_only" not in scenario["median_us_per_step"]
+    out = tmp_path / "v1.json"
+    _run_benchmark(tmp_path, "bench_recorder.py", args[:-2], out)
+    assert json.loads(out.read_text())["runner"] == "v1"
+
+
 def test_recorder_floor_times_the_same_hooks_in_both_configurations(tmp_path: Path) -> None:
     """``recorder_floor.py --per-hook`` times every hook body of both hook sets, under the
     names of the functions they wrap. Control: timing wrappers that never reach the
