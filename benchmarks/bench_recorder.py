@@ -22,8 +22,12 @@ thread's CPU time per step; for the recorder, apart, the CPU time of its thread 
 the engine process (it shares the engine's GIL) and of the assembler process (it does not),
 and any dropped step or capture. No duckdb import on this path.
 
+With ``--runner v2`` the step is a stand-in V2 step instead (``standin_v2.py``: request
+slots, a new ``idx_mapping`` each step, the V2 hooks), against a JSON logger of the V2
+recorder's fields; the narrower post-process logger is V1's only.
+
 Usage: python benchmarks/bench_recorder.py [--steps N] [--repeats R] [--pin-core C]
-       [--compare-idle] [--out FILE]
+       [--runner v1|v2] [--compare-idle] [--out FILE]
 """
 
 from __future__ import annotations
@@ -691,7 +695,8 @@ def main() -> int:
         "--builder",
         choices=("mamba2", "gdn"),
         default="mamba2",
-        help="the split the stand-in step runs: Mamba2's builder or GDN's (its hook copies a mask)",
+        help="the split the V1 stand-in step runs: Mamba2's builder or GDN's (its hook copies "
+        "a mask)",
     )
     ap.add_argument(
         "--runner",
