@@ -395,6 +395,23 @@ ALIGN_BUFFERS = (
 )
 
 
+def sched_fields(so: Any) -> dict[str, Any]:
+    """The scheduler output's per-request counts and lists, as the JSON loggers write them."""
+    cached = so.scheduled_cached_reqs
+    return {
+        "num_scheduled": so.num_scheduled_tokens,
+        "num_draft": {r: len(d) for r, d in so.scheduled_spec_decode_tokens.items()},
+        "total": so.total_num_scheduled_tokens,
+        "new": [[r.req_id, r.num_computed_tokens, r.block_ids] for r in so.scheduled_new_reqs],
+        "cached": cached.req_ids,
+        "resumed": sorted(cached.resumed_req_ids),
+        "new_block_ids": cached.new_block_ids,
+        "cached_computed": cached.num_computed_tokens,
+        "finished": sorted(so.finished_req_ids),
+        "preempted": sorted(so.preempted_req_ids),
+    }
+
+
 def json_log(fh: Any, runner: Any, so: Any, step: int) -> None:
     """A probe-style logger of the fields the recorder keeps, serialised synchronously
     every step: per row the batch order, computed and prompt counts, accepted counts, the
@@ -430,23 +447,10 @@ def json_log(fh: Any, runner: Any, so: Any, step: int) -> None:
             block_table=table[i][: widths[i]],
         )
         rows.append(row)
-    cached = so.scheduled_cached_reqs
-    sched = {
-        "num_scheduled": so.num_scheduled_tokens,
-        "num_draft": {r: len(d) for r, d in so.scheduled_spec_decode_tokens.items()},
-        "total": so.total_num_scheduled_tokens,
-        "new": [[r.req_id, r.num_computed_tokens, r.block_ids] for r in so.scheduled_new_reqs],
-        "cached": cached.req_ids,
-        "resumed": sorted(cached.resumed_req_ids),
-        "new_block_ids": cached.new_block_ids,
-        "cached_computed": cached.num_computed_tokens,
-        "finished": sorted(so.finished_req_ids),
-        "preempted": sorted(so.preempted_req_ids),
-    }
     record = {
         "step": step,
         "t": time.time(),
-        "sched": sched,
+        "sched": sched_fields(so),
         "moves": runner.moves,
         "reorder_threshold": runner.reorder_batch_threshold,
         "mamba_split": [runner.num_decodes, runner.builder.reorder_batch_threshold],

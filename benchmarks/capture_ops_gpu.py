@@ -26,6 +26,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from results_io import command_line, emit
@@ -94,15 +95,23 @@ def main() -> int:
     device_index = dev.index or torch.cuda.current_device()
     state = {"i": 0}
 
-    def cat() -> None:
+    def next_slot() -> int:
         i = state["i"]
         state["i"] = (i + 1) % SLOTS
-        torch.cat(parts, out=views[i])
-        events[i].record()
+        return i
+
+    def joining(vectors: Callable[[], list[torch.Tensor]], rows: list[torch.Tensor]) -> Any:
+        """One eager capture: ``vectors()`` joined into the next slot's row, then its event."""
+
+        def issue() -> None:
+            i = next_slot()
+            torch.cat(vectors(), out=rows[i])
+            events[i].record()
+
+        return issue
 
     def replay() -> None:
-        i = state["i"]
-        state["i"] = (i + 1) % SLOTS
+        i = next_slot()
         graph.replay()
         events[i].record()
 
@@ -110,28 +119,18 @@ def main() -> int:
         graph.replay()
 
     def event_only() -> None:
-        i = state["i"]
-        state["i"] = (i + 1) % SLOTS
-        events[i].record()
+        events[next_slot()].record()
 
     # V2's pre-copy: an int64 idx_mapping among int32 slot vectors, joined converting, or
     # its words joined as they are (an int32 view, twice as long)
     idx = torch.arange(LENGTH, dtype=torch.int64, device=dev)
     mixed = [idx, *parts[:3]]
-    mixed_views = [staging[i, : 4 * LENGTH] for i in range(SLOTS)]
-    word_views = [staging[i, : 5 * LENGTH] for i in range(SLOTS)]
-
-    def cat_converting() -> None:
-        i = state["i"]
-        state["i"] = (i + 1) % SLOTS
-        torch.cat(mixed, out=mixed_views[i])
-        events[i].record()
-
-    def cat_words() -> None:
-        i = state["i"]
-        state["i"] = (i + 1) % SLOTS
-        torch.cat([idx.view(torch.int32), *parts[:3]], out=word_views[i])
-        events[i].record()
+    cat = joining(lambda: parts, views)
+    cat_converting = joining(lambda: mixed, [staging[i, : 4 * LENGTH] for i in range(SLOTS)])
+    cat_words = joining(
+        lambda: [idx.view(torch.int32), *parts[:3]],
+        [staging[i, : 5 * LENGTH] for i in range(SLOTS)],
+    )
 
     def stream_handle() -> None:
         torch._C._cuda_getCurrentRawStream(device_index)

@@ -7,7 +7,8 @@ Per step, as vLLM 0.34's V2 runner: ``execute_model`` appends two requests' new 
 ``InputBatch`` in ``prepare_inputs`` (its ``idx_mapping`` a new device tensor, as
 ``async_tensor_h2d`` makes it), and runs ``MambaHybridModelState.preprocess_state``, whose
 pre-copy launch reads slot vectors through ``idx_mapping``; ``sample_tokens`` runs
-``postprocess_state`` and its ``run_fused_postprocess_align``. The builder split runs too.
+``postprocess_state`` and its ``run_fused_postprocess_align``. The builder split (the V1
+stand-in's builder) runs too.
 Each "kernel" is a small device op. ``PPHandler`` exists (the hooks need it) and is not
 called: one pipeline stage.
 """
@@ -21,7 +22,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_recorder import MAX_BLOCKS, MAX_REQS, ROWS, K
+from bench_recorder import MAX_BLOCKS, MAX_REQS, ROWS, Builder, K, sched_fields
+from bench_recorder import Ctx as V1Ctx
 
 from mgtrace.recorder import features
 
@@ -63,8 +65,9 @@ class BlockTables:
         return tuple(self.input_block_tables)
 
 
-class Ctx:
-    """The align context V2 binds to the per-slot source tables."""
+class Ctx(V1Ctx):
+    """The align context V2 binds to the per-slot source tables (the pre-copy launcher is
+    the V1 stand-in's: the same parameters)."""
 
     aligned_index_block_table_ptrs: Any = None
 
@@ -73,16 +76,6 @@ class Ctx:
         self.block_table_ptrs = torch.tensor(
             [tables.block_tables[0].gpu.data_ptr()], dtype=torch.int64, device=device
         )
-
-    def run_fused_precopy(
-        self,
-        num_reqs: int,
-        state_idx_gpu: Any,
-        src_col_gpu: Any,
-        token_bias_gpu: Any,
-        idx_mapping: Any,
-    ) -> None:
-        state_idx_gpu.add_(0)  # stands in for the kernel launch
 
     def run_fused_postprocess_align(
         self,
@@ -140,15 +133,6 @@ class PPHandler:
         pass
 
 
-class Builder:
-    reorder_batch_threshold = 1 + K
-
-    def _compute_common_metadata(
-        self, cm: Any, *, num_accepted_tokens: Any = None, num_decode_draft_tokens_cpu: Any = None
-    ) -> Any:
-        return SimpleNamespace(num_decodes=ROWS)
-
-
 def json_log_v2(fh: Any, runner: Any, so: Any, step: int) -> None:
     """A probe-style logger of the fields the V2 recorder keeps, serialised synchronously
     every step: per row the batch order, request slot, CPU counts, the block-table row, and
@@ -184,18 +168,8 @@ def json_log_v2(fh: Any, runner: Any, so: Any, step: int) -> None:
             block_table=source[slot, : widths[slot]].tolist(),
         )
         rows.append(row)
-    cached = so.scheduled_cached_reqs
-    sched = {
-        "num_scheduled": so.num_scheduled_tokens,
-        "num_draft": {r: len(d) for r, d in so.scheduled_spec_decode_tokens.items()},
-        "total": so.total_num_scheduled_tokens,
-        "cached": cached.req_ids,
-        "new_block_ids": cached.new_block_ids,
-        "cached_computed": cached.num_computed_tokens,
-        "finished": sorted(so.finished_req_ids),
-        "preempted": sorted(so.preempted_req_ids),
-    }
-    fh.write(json.dumps({"step": step, "t": time.time(), "sched": sched, "rows": rows}) + "\n")
+    record = {"step": step, "t": time.time(), "sched": sched_fields(so), "rows": rows}
+    fh.write(json.dumps(record) + "\n")
 
 
 def build_runner_v2(device: torch.device) -> tuple[Any, dict[features.Target, Any]]:
