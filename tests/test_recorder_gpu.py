@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -276,3 +277,39 @@ def test_a_rank_on_another_gpu_opens_no_context_on_gpu_0() -> None:
     on_gpu0, on_gpu1, on_gpu0_after_control = json.loads(proc.stdout.strip().splitlines()[-1])
     assert on_gpu1 and on_gpu0_after_control  # the controls
     assert not on_gpu0
+
+
+def test_an_int64_vector_is_captured_as_its_words_and_read_back_exact(monkeypatch: Any) -> None:
+    """V2's launches pass their int64 idx_mapping first: the ring joins its int32 words, so
+    no capture's ``torch.cat`` converts dtypes, and the reaped capture holds the values as
+    int32, exact. Control: a strided int64 vector cannot be viewed as words; it goes through
+    a converting cat (the probe sees int64 there) and is exact too."""
+    from mgtrace.recorder.capture import CaptureRing
+
+    dev = torch.device("cuda")
+    ring = CaptureRing(dev, slots=8, slot_elems=256)
+    joined: list[set[Any]] = []
+    real_cat = torch.cat
+
+    def probe(parts: Any, *, out: Any) -> Any:
+        joined.append({p.dtype for p in parts})
+        return real_cat(parts, out=out)
+
+    monkeypatch.setattr(torch, "cat", probe)
+    idx = torch.tensor([5, 3, 70000, 0], dtype=torch.int64, device=dev)
+    acc = torch.arange(16, dtype=torch.int32, device=dev)
+    strided = torch.arange(8, dtype=torch.int64, device=dev)[::2]
+    with Counter() as counter:
+        assert ring.grab((idx, acc), (4, 16), {"step": 0})
+        assert ring.grab((strided, acc), (4, 16), {"step": 1})
+    assert counter.count == 0
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    got: list[Any] = []
+    deadline = time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += ring.reap()
+    assert [a[0].tolist() for a, _ in got] == [[5, 3, 70000, 0], [0, 2, 4, 6]]
+    assert all(a[1].tolist() == list(range(16)) for a, _ in got)
+    assert all(a[0].dtype == np.int32 for a, _ in got)
+    assert joined == [{torch.int32}, {torch.int64, torch.int32}]

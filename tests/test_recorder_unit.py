@@ -1440,3 +1440,21 @@ def test_a_long_name_s_leftover_is_put_back_too(tmp_path: Path) -> None:
     clear_stale_siblings(out)
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
     assert hidden_sibling(tmp_path / "t", "new").name.startswith(".t.")
+
+
+def test_a_slot_holding_int64_words_is_read_back_as_int32_values() -> None:
+    """A vector the device path stored as its int64 words (a negated length) comes back as
+    int32 values, beside the int32 vectors around it. Control: a slot without one reads its
+    bytes as they are."""
+    from mgtrace.recorder.capture import _from_words
+
+    idx = np.array([5, 70000, 0], np.int64)
+    acc = np.array([1, 2], np.int32)
+    slot = np.zeros(16, np.int32)
+    slot[:2] = acc
+    slot[2:8] = idx.view(np.int32)
+    raw, lengths = _from_words(slot, (2, -3))
+    assert lengths == (2, 3)
+    assert np.frombuffer(raw, np.int32).tolist() == [1, 2, 5, 70000, 0]
+    raw, lengths = _from_words(slot, (2, 6))
+    assert lengths == (2, 6) and np.frombuffer(raw, np.int32).tolist() == slot[:8].tolist()

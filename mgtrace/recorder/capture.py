@@ -52,6 +52,20 @@ def consecutive_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _from_words(slot: np.ndarray, lengths: tuple[int, ...]) -> tuple[bytes, tuple[int, ...]]:
+    """A slot's bytes and lengths with every vector int32: those stored as int64 words (a
+    negated length) converted back (the values fit: they are request slots)."""
+    parts, start = [], 0
+    for n in lengths:
+        if n < 0:
+            parts.append(slot[start : start - 2 * n].view(np.int64).astype(np.int32))
+            start -= 2 * n
+        else:
+            parts.append(slot[start : start + n])
+            start += n
+    return b"".join([p.tobytes() for p in parts]), tuple(abs(n) for n in lengths)
+
+
 class CaptureRing:
     """A fixed number of capture slots; a capture with no free slot is dropped and counted."""
 
@@ -117,7 +131,13 @@ class CaptureRing:
                 parts = tensors
             else:
                 parts = [t[:n] for t, n in zip(tensors, lengths, strict=True)]
-            total = sum(lengths)
+            # V2's launches pass their int64 idx_mapping first: one comparison decides (an
+            # int64 vector elsewhere is converted by the cat, as right and only slower)
+            if parts[0].dtype == self._torch.int64:
+                parts, lengths = self._as_words(parts, lengths)
+                total = sum(2 * -n if n < 0 else n for n in lengths)
+            else:
+                total = sum(lengths)
             if total > self.slot_elems:
                 return self._refuse(f"{total} values, over the {self.slot_elems} of a slot")
             i = self._free.popleft()
@@ -148,6 +168,24 @@ class CaptureRing:
         self._pending.append([i, tuple(lengths), tag, None])
         self.captured += 1
         return True
+
+    def _as_words(
+        self, parts: Sequence[Any], lengths: Sequence[int]
+    ) -> tuple[list[Any], list[int]]:
+        """Contiguous int64 vectors (V2's ``idx_mapping``) as their int32 words, a free
+        view: a ``torch.cat`` that converts dtypes costs the engine thread about three
+        times one that does not (``benchmarks/capture_ops_gpu.py``). Such a vector's length
+        is given negated; the recorder thread converts its words back when it reaps."""
+        int64, int32 = self._torch.int64, self._torch.int32
+        out_parts, out_lengths = [], []
+        for t, n in zip(parts, lengths, strict=True):
+            if t.dtype == int64 and t.is_contiguous():
+                out_parts.append(t.view(int32))
+                out_lengths.append(-n)
+            else:
+                out_parts.append(t)
+                out_lengths.append(n)
+        return out_parts, out_lengths
 
     def _slot(self, i: int, total: int) -> Any:
         """The device staging view of slot ``i``'s first ``total`` elements, cached:
@@ -251,7 +289,10 @@ class CaptureRing:
                 break
             self._issued -= 1
             self._pending.popleft()
-            raw = host[i, : sum(lengths)].tobytes()
+            if min(lengths) < 0:
+                raw, lengths = _from_words(host[i], lengths)
+            else:
+                raw = host[i, : sum(lengths)].tobytes()
             self._free.append(i)
             out.append((raw, lengths, tag))
         return out
