@@ -533,12 +533,8 @@ class RankReplay:
         ``step``: no preemption, finish or resume of it in between."""
         if self.ownership.rows_of(uid) is None:
             return False
-        for s in range(since + 1, step + 1):
-            sched = self.trace.sched(s)
-            for u, kind in zip(sched["uid"], sched["kind"], strict=True):
-                if u == uid and kind != "cached":
-                    return False
-        return True
+        moved = self.trace.moved_uids
+        return not any(np.count_nonzero(moved(s) == uid) for s in range(since + 1, step + 1))
 
     def _check_precopy_columns(
         self, step: int, plan: RowPlan, launch: AlignLaunch, rows: np.ndarray, view: RowView

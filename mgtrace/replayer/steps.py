@@ -893,6 +893,11 @@ class RankTrace:
         lo, hi = self._sched.bounds(step)
         return self._sched_uid[lo:hi][self._sched_matters[lo:hi]]
 
+    def moved_uids(self, step: int) -> np.ndarray:
+        """uids of ``step``'s new, resumed, finished and preempted rows (all but cached)."""
+        lo, hi = self._sched.bounds(step)
+        return self._sched_uid[lo:hi][~self._sched_running[lo:hi]]
+
     def running(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """uids of the running requests scheduled in ``step``, and per request the column
         below which align mode has freed its state blocks: ``cdiv(processed, B) - 1``."""
