@@ -57,6 +57,8 @@ CASES = [
         ["--device", "cpu", "--rounds", "2", "--steps", "5"],
         "added_us_per_step",
     ),
+    # exits 1 unless its controls hold: sleep(0) gives the GIL away, pure Python keeps it
+    ("gil_release_probe.py", ["--calls", "50"], "per_op"),
     ("profile_replay.py", ["--steps", "60", "--top", "5"], None),
     ("profile_sim.py", ["--steps", "60", "--repeat", "1"], "median"),
 ]
@@ -102,11 +104,15 @@ def test_recorder_floor_times_the_same_hooks_in_both_configurations(tmp_path: Pa
     out = tmp_path / "floor.json"
     args = ["--device", "cpu", "--rounds", "2", "--steps", "5", "--per-hook"]
     _run_benchmark(tmp_path, "recorder_floor.py", args, out)
-    table = json.loads(out.read_text())["hook_body_us_per_step"]
-    floor, ours = table["floor"], table["mgtrace"]
+    result = json.loads(out.read_text())
+    table = result["hook_body_us_per_step"]
+    floor, ours, parked = table["floor"], table["mgtrace"], table["mgtrace_parked"]
     for name in ("run_fused_precopy (before)", "_update_states (after)", "build (after)"):
-        assert floor[name] > 0 and ours[name] > 0, name
+        assert floor[name] > 0 and ours[name] > 0 and parked[name] > 0, name
     assert floor["all hooks"] > 0 and ours["all hooks"] > 0
+    # the parked recorder thread left the queue to the blocks' ends: nothing was dropped
+    assert result["mgtrace_drops"] == 0 and result["mgtrace_hook_errors"] == 0
+    assert "mgtrace_parked" in result["added_us_per_step"]
 
 
 @pytest.mark.parametrize(
