@@ -10,7 +10,7 @@ import re
 import stat
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -312,6 +312,47 @@ def test_ring_slots_are_copied_in_runs_of_consecutive_slots() -> None:
     assert consecutive_runs([3]) == [(3, 4)] and consecutive_runs([]) == []
     # control: a gap is never bridged (that copy would carry a slot still being staged)
     assert consecutive_runs([1, 3]) == [(1, 2), (3, 4)]
+
+
+class _CountedEvent:
+    """A device event stand-in that says whether it completed and counts the asking."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.asked = done, 0
+
+    def query(self) -> bool:
+        self.asked += 1
+        return self.done
+
+
+def _issued_ring(copies: list[_CountedEvent]) -> CaptureRing:
+    """A device ring (without a device) whose slots 0.. have their host copies issued, slot
+    i under ``copies[i]``: what ``reap_raw`` takes from once the copies land."""
+    ring = object.__new__(CaptureRing)
+    ring.cuda = True
+    ring._host_np = np.arange(len(copies) * 4, dtype=np.int32).reshape(len(copies), 4)
+    ring._pending = deque([i, (4,), {"step": i}, copy] for i, copy in enumerate(copies))
+    ring._issued = len(copies)
+    ring._free = deque()
+    return ring
+
+
+def test_slots_issued_together_ask_their_copy_event_once() -> None:
+    """The slots whose host copies were issued together share one copy event: the reap asks
+    it once, however many slots it covers, and takes them all in order. Control: slots
+    issued apart are asked apart, and a copy not landed holds back its slot and those after
+    it."""
+    together = _CountedEvent(done=True)
+    ring = _issued_ring([together] * 5)
+    got = ring.reap_raw()
+    assert [tag["step"] for _, _, tag in got] == [0, 1, 2, 3, 4]
+    assert got[2][0] == np.arange(8, 12, dtype=np.int32).tobytes()
+    assert together.asked == 1 and list(ring._free) == [0, 1, 2, 3, 4]
+    first, second, late = _CountedEvent(True), _CountedEvent(True), _CountedEvent(False)
+    ring = _issued_ring([first, first, second, late, late])
+    assert [tag["step"] for _, _, tag in ring.reap_raw()] == [0, 1, 2]
+    assert (first.asked, second.asked, late.asked) == (1, 1, 1)
+    assert len(ring._pending) == 2 and ring._issued == 2
 
 
 def _buf(values: list[int]) -> Any:

@@ -283,9 +283,16 @@ class CaptureRing:
         self._issue_host_copies()
         out = []
         host = self._host_view()  # a view of host memory: nothing to wait for
+        # the slots of one issue share its copy event: asked once, not once per slot (each
+        # query is a call into the driver while the engine thread may want the GIL)
+        asked, landed = None, False
         while self._pending:
             i, lengths, tag, copied = self._pending[0]
-            if copied is None or not copied.query():
+            if copied is None:
+                break
+            if copied is not asked:
+                asked, landed = copied, copied.query()
+            if not landed:
                 break
             self._issued -= 1
             self._pending.popleft()
