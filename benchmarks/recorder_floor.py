@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import os
 import pickle
@@ -48,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -255,27 +256,44 @@ class HandOver:
 
 
 PARKED = threading.Event()  # set: the recorder thread leaves the ring and the queue alone
+_REAPING = threading.Lock()  # held while the recorder thread reaps: one reaper at a time
 
 
 def _discard(self: Session) -> bool:
     """The recorder thread's drain, reduced to freeing what the hooks queued."""
-    if PARKED.is_set():
-        return False
-    if self.ring is not None:
-        self.ring.reap_raw()
-    self._records.clear()
+    with _REAPING:
+        if PARKED.is_set():
+            return False
+        if self.ring is not None:
+            self.ring.reap_raw()
+        self._records.clear()
     return False
 
 
-def _discard_parked(sess: Session, device: torch.device) -> None:
-    """Between blocks, on the engine thread: free what the hooks queued while the recorder
-    thread was parked (every copy has landed: the block ended with a synchronisation)."""
+def _free_all(sess: Session, device: torch.device) -> None:
+    """On the engine thread, the recorder thread parked: free everything the hooks queued,
+    waiting for the device (every capture's host copy issued, landed and taken)."""
     if sess.ring is not None:
         for _ in range(3):  # issue the host copies, let them land, take them
-            sess.ring.reap_raw()
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            sess.ring.reap_raw()
     sess._records.clear()
+
+
+@contextlib.contextmanager
+def parked(sess: Session, device: torch.device) -> Iterator[None]:
+    """The recorder thread kept from the ring and the queue (set under the reaping lock, so
+    no reap of its is under way); the ring and queue are emptied on this thread before and
+    after, outside any timing."""
+    with _REAPING:
+        PARKED.set()
+    try:
+        _free_all(sess, device)
+        yield
+        _free_all(sess, device)
+    finally:
+        PARKED.clear()
 
 
 def per_hook_bodies(device: torch.device, rounds: int, steps: int) -> dict[str, dict[str, float]]:
@@ -347,22 +365,21 @@ def per_hook_bodies(device: torch.device, rounds: int, steps: int) -> dict[str, 
             for config, patch_list in hook_sets:
                 patches = PatchSet()
                 patches.install(patch_list)
-                if config == "mgtrace_parked":
-                    PARKED.set()
+                quiet = config == "mgtrace_parked"
                 try:
-                    for _ in range(steps):
-                        cls.execute_model(runner, so)
-                        cls.sample_tokens(runner, out)
+                    with parked(sess, device) if quiet else contextlib.nullcontext():
+                        for _ in range(steps):
+                            cls.execute_model(runner, so)
+                            cls.sample_tokens(runner, out)
                     if r == 0:  # a warm-up round, not counted
                         spent[config].clear()
                 finally:
                     patches.remove()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    _discard_parked(sess, device)
-                    PARKED.clear()
                 floor.records.clear()
+        drops = sess.status()["drops"]
         sess.close(10.0)
+    if drops:
+        raise SystemExit(f"recorder_floor: mgtrace dropped {drops} steps in the per-hook run")
     total = rounds * steps
     table = {}
     for config, counter in spent.items():
@@ -422,18 +439,11 @@ def main() -> int:
                 if configs[name]:
                     patches.install(configs[name])
                 mover = HandOver(floor) if name == "floor_handover" else None
-                if name == "mgtrace_parked":
-                    PARKED.set()
-
-                def clear() -> None:
-                    floor.records.clear()
-                    _discard_parked(sess, device)
-                    PARKED.clear()
-
+                quiet = name == "mgtrace_parked"
                 try:
-                    times[name].append(block(clear))
+                    with parked(sess, device) if quiet else contextlib.nullcontext():
+                        times[name].append(block(floor.records.clear))
                 finally:
-                    PARKED.clear()
                     if mover is not None:
                         mover.close()
                         handed += mover.bytes
@@ -475,6 +485,10 @@ def main() -> int:
         },
         args.out,
     )
+    if status["drops"]:
+        # a dropped step skips the hooks' work: the mgtrace rows would undercount
+        print(f"recorder_floor: mgtrace dropped {status['drops']} steps", file=sys.stderr)
+        return 1
     return 0
 
 
