@@ -283,8 +283,8 @@ class CaptureRing:
         self._issue_host_copies()
         out = []
         host = self._host_view()  # a view of host memory: nothing to wait for
-        # the slots of one issue share its copy event: asked once, not once per slot (each
-        # query is a call into the driver while the engine thread may want the GIL)
+        # the slots of one issue share its copy event: asked once, not once per slot (a
+        # call into the driver each, beside the engine thread's launches)
         asked, landed = None, False
         while self._pending:
             i, lengths, tag, copied = self._pending[0]
