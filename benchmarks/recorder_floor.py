@@ -1,7 +1,7 @@
 """The least the engine thread can pay to record a step, against what mgtrace's hooks pay.
 
 On the stand-in V1 step of ``bench_recorder.py`` (96 rows), in one process, blocks of steps
-rotate between four configurations:
+rotate between five configurations:
 
 - ``unhooked``: the step alone.
 - ``floor``: wrappers on the same functions mgtrace hooks that copy what a trace of the step
