@@ -7,9 +7,8 @@ threads both make such calls: the engine thread (a launch hook's ``torch.cat`` a
 record) and the recorder thread (event queries, device-to-host copies, pipe writes). Each op
 below runs ``--calls`` times in a row, alone and then beside a thread that spins in pure
 Python, and the wall time per call is reported for both (the median over five batches of
-the calls). A call that keeps the GIL
-costs about the same beside the spinner (the spinner only runs at forced switches); a call
-that releases it costs up to a switch interval more.
+the calls). A call that keeps the GIL costs about the same beside the spinner (the spinner
+only runs at forced switches); a call that releases it costs up to a switch interval more.
 
 Controls: ``time.sleep(0)`` releases the GIL and ``sum(range(8))`` does not; the probe is
 only read when the first shows the jump and the second does not.
