@@ -210,9 +210,10 @@ def test_host_captures_follow_the_values_and_the_tensors_they_are_given() -> Non
     """The ring caches numpy views per group of host tensors: a later capture of the same
     tensors copies their current values, one of other tensors (or other lengths) copies
     those, and a tensor of another dtype is stored as int32 like the device path stores
-    it. Control: a cache that returned the first views for any tensors would capture ``a``
-    again in place of ``c``; one that checked only the first tensor, ``b`` in place of
-    ``a``."""
+    it, also where only the first tensor is new (V2's ``idx_mapping``). Control: a cache
+    that returned the first views for any tensors would capture ``a`` again in place of
+    ``c``; one that checked only the first tensor, ``b`` in place of ``a``; one that kept
+    a new first tensor's int64 words, other numbers."""
     import torch
 
     ring = CaptureRing(torch.device("cpu"), slots=8, slot_elems=16)
@@ -226,6 +227,9 @@ def test_host_captures_follow_the_values_and_the_tensors_they_are_given() -> Non
     ring.grab((c, b), (2, 3), 3)
     ring.grab((c, a), (2, 3), 4)  # the same first tensor and lengths, another second
     ring.grab((torch.tensor([11, 12], dtype=torch.int64),), (2,), 5)
+    # V2's launches: a fresh int64 idx_mapping first each step, the same vectors after it
+    ring.grab((torch.tensor([13, 14], dtype=torch.int64), b), (2, 3), 6)
+    ring.grab((torch.tensor([15, 16], dtype=torch.int64), b), (2, 3), 7)
     got = [([x.tolist() for x in arrays], tag) for arrays, tag in ring.reap()]
     assert got == [
         ([[1, 2, 3], [4, 5]], 0),
@@ -234,6 +238,8 @@ def test_host_captures_follow_the_values_and_the_tensors_they_are_given() -> Non
         ([[7, 8], [4, 5, 6]], 3),
         ([[7, 8], [10, 2, 3]], 4),
         ([[11, 12]], 5),
+        ([[13, 14], [4, 5, 6]], 6),
+        ([[15, 16], [4, 5, 6]], 7),
     ]
 
 

@@ -29,6 +29,7 @@ DEFAULT_SLOTS = 512  # two captures per step for the ~10 ms the recorder thread 
 # the GIL on a busy engine (a sleep, then a switch interval)
 DEFAULT_SLOT_ELEMS = 1 << 13  # int32 elements: 4 slot-indexed vectors of 2048 requests
 MAX_VIEWS = 64
+_INT32 = np.dtype(np.int32)
 # The widest capture: V2 reads three vectors indexed by request slot beside one per row;
 # V1's fused post-process five vectors per row. Eight per request covers both.
 VECTORS_PER_REQUEST = 8
@@ -64,6 +65,39 @@ def _from_words(slot: np.ndarray, lengths: tuple[int, ...]) -> tuple[bytes, tupl
             parts.append(slot[start : start + n])
             start += n
     return b"".join([p.tobytes() for p in parts]), tuple(abs(n) for n in lengths)
+
+
+class _HostCut:
+    """Numpy views of a group of host tensors, cut to the lengths a capture copies; their
+    bytes as the device path stores them (int32)."""
+
+    __slots__ = ("_all", "head", "lengths", "tail", "tail_ids", "tensors", "total", "views")
+
+    def __init__(
+        self, tensors: Sequence[Any], views: list[np.ndarray], lengths: Sequence[int]
+    ) -> None:
+        self.tensors = tuple(tensors)  # held, so that their ids stay theirs
+        self.head = self.tensors[0]
+        self.tail_ids = tuple(map(id, self.tensors[1:]))
+        self.views = views if all(v.dtype == _INT32 for v in views) else None
+        self.tail = views[1:] if all(v.dtype == _INT32 for v in views[1:]) else None
+        self._all = views
+        self.lengths = tuple(lengths)
+        self.total = sum(self.lengths)
+
+    def bytes(self) -> bytes:
+        if self.views is not None:
+            return b"".join(map(np.ndarray.tobytes, self.views))
+        return b"".join([_int32_bytes(v) for v in self._all])
+
+    def tail_bytes(self) -> list[bytes]:
+        if self.tail is not None:
+            return list(map(np.ndarray.tobytes, self.tail))
+        return [_int32_bytes(v) for v in self._all[1:]]
+
+
+def _int32_bytes(v: np.ndarray) -> bytes:
+    return v.tobytes() if v.dtype == _INT32 else v.astype(np.int32).tobytes()
 
 
 class CaptureRing:
@@ -151,18 +185,25 @@ class CaptureRing:
             if len(self._landed) >= self.slots:
                 return self._refuse("full")
             # Host tensors: numpy views of them are free, and their bytes cost a fraction of
-            # a torch op, which matters on a busy engine thread.
-            hit = self._cuts.get(id(tensors[0]))
+            # a torch op, which matters on a busy engine thread. The views are cached per
+            # group, found by the last tensor: V2's launches pass a fresh ``idx_mapping``
+            # first every step and the same slot vectors after it, so a new first tensor
+            # costs one view, not the whole group's.
+            hit = self._cuts.get(id(tensors[-1]))
             # the cache holds the tensors: equal ids are the same tensors
-            if hit is None or hit[4] != lengths or hit[5] != tuple(map(id, tensors)):
+            if hit is None or hit.lengths != lengths or hit.tail_ids != tuple(map(id, tensors[1:])):
                 hit = self._cut_views(tensors, lengths)
-            if hit[3] > self.slot_elems:
-                return self._refuse(f"{hit[3]} values, over the {self.slot_elems} of a slot")
-            if hit[2]:
-                data = b"".join(map(np.ndarray.tobytes, hit[1]))
-            else:  # as the device path stores them
-                data = b"".join([v.astype(np.int32).tobytes() for v in hit[1]])
-            self._landed.append((data, hit[4], tag))
+            if hit.total > self.slot_elems:
+                return self._refuse(f"{hit.total} values, over the {self.slot_elems} of a slot")
+            views = hit.views
+            if tensors[0] is hit.head:
+                data = b"".join(map(np.ndarray.tobytes, views)) if views else hit.bytes()
+            else:  # a new first tensor: one view of it, the others' cached ones
+                first = tensors[0].numpy()[: lengths[0]]
+                if first.dtype != _INT32:
+                    first = first.astype(np.int32)  # as the device path stores them
+                data = b"".join([first.tobytes(), *hit.tail_bytes()])
+            self._landed.append((data, hit.lengths, tag))
             self.captured += 1
             return True
         self._pending.append([i, tuple(lengths), tag, None])
@@ -203,20 +244,17 @@ class CaptureRing:
             self._host_np = self.host.numpy()
         return self._host_np
 
-    def _cut_views(self, tensors: Sequence[Any], lengths: Sequence[int]) -> tuple[Any, ...]:
-        """Numpy views of host tensors cut to ``lengths``, cached by the first tensor (a
+    def _cut_views(self, tensors: Sequence[Any], lengths: Sequence[int]) -> _HostCut:
+        """Numpy views of host tensors cut to ``lengths``, cached by the last tensor (a
         launch passes the same buffers step after step, and one look-up costs less than a
-        view and a slice per tensor): (the tensors, the views, whether all are int32, their
-        total length, the lengths, the tensors' ids). The cache holds the tensors, so their
-        ids cannot be reused while cached; it is bounded for callers that pass fresh
-        tensors."""
+        view and a slice per tensor). The cache holds the tensors, so their ids cannot be
+        reused while cached; it is bounded for callers that pass fresh tensors."""
         if len(self._cuts) >= MAX_VIEWS:
             self._cuts.clear()
-        views = [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)]
-        int32 = all(v.dtype == np.int32 for v in views)
-        lengths = tuple(lengths)
-        entry = (tuple(tensors), views, int32, sum(lengths), lengths, tuple(map(id, tensors)))
-        self._cuts[id(tensors[0])] = entry
+        entry = _HostCut(
+            tensors, [self._view(t)[:n] for t, n in zip(tensors, lengths, strict=True)], lengths
+        )
+        self._cuts[id(tensors[-1])] = entry
         return entry
 
     def _view(self, t: Any) -> np.ndarray:
