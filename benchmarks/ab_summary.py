@@ -7,7 +7,8 @@ tree, their medians and the new tree's median over the base tree's.
 Measures read from each run's JSON: ``bench_replay.py``'s loop and end-to-end steps/s and
 load seconds of every repeat; ``bench_trace_load.py``'s load seconds and peak and kept
 resident memory of every load; ``bench_replay_jobs.py``'s wall seconds per job count;
-``bench_sim.py``'s steps/s of every repeat, with the trace and without; ``recorder_floor.py``'s
+``bench_sim.py``'s steps/s of every repeat, with the trace and without; ``bench_capture.py``'s
+µs per launch capture by method and per hook body; ``recorder_floor.py``'s
 µs a step each configuration adds and mgtrace's over the floor's; ``bench_recorder.py``'s
 engine-thread CPU and wall µs a step the recorder adds, its wall over the JSON logger's, and
 the 99th percentile and the longest of a recorded run's steps, per scenario.
@@ -51,6 +52,10 @@ def _measures(run: dict[str, Any]) -> dict[str, list[float]]:
     if "mgtrace_over_floor" in run:
         added = {f"{k}_added_us": [v] for k, v in run["added_us_per_step"].items()}
         return {**added, "mgtrace_over_floor": [run["mgtrace_over_floor"]]}
+    if "capture_us_per_launch" in run:
+        out = {f"capture_{k}_us": [v] for k, v in run["capture_us_per_launch"].items()}
+        out.update({f"hook {k}_us": [v] for k, v in run["hook_body_us_per_step"].items()})
+        return out
     if "scenarios" in run:
         out: dict[str, list[float]] = {}
         for name, sc in run["scenarios"].items():
@@ -64,7 +69,7 @@ def _measures(run: dict[str, Any]) -> dict[str, list[float]]:
         return out
     raise SystemExit(
         "not a result of bench_replay.py, bench_trace_load.py, bench_replay_jobs.py, "
-        "bench_sim.py, recorder_floor.py or bench_recorder.py"
+        "bench_sim.py, recorder_floor.py, bench_recorder.py or bench_capture.py"
     )
 
 

@@ -23,6 +23,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,21 +59,23 @@ def _median_us(fn: Any, calls: int, repeats: int = 5) -> float:
 
 
 def _ring_grab_us(
-    device: torch.device, tensors: list[Any], lengths: list[int], calls: int
+    device: torch.device, groups: Sequence[Sequence[Any]], lengths: Sequence[int], calls: int
 ) -> float:
-    """Median over runs of the engine thread's CPU time per ``CaptureRing.grab``; the reaping
-    (the recorder thread's work) happens between timed batches, outside the timing."""
+    """Median over runs of the engine thread's CPU time per ``CaptureRing.grab`` of the
+    tensor groups in turn; the reaping (the recorder thread's work) happens between timed
+    batches, outside the timing."""
     runs = []
+    lengths = tuple(lengths)
     for _ in range(5):
         ring = CaptureRing(device, slots=64)
         spent = done = 0
         while done < calls:
-            batch = min(48, calls - done)
+            batch = [groups[(done + j) % len(groups)] for j in range(min(48, calls - done))]
             t = time.thread_time_ns()
-            for _ in range(batch):
+            for tensors in batch:
                 ring.grab(tensors, lengths, None)
             spent += time.thread_time_ns() - t
-            done += batch
+            done += len(batch)
             while ring.pending:
                 if device.type == "cuda":
                     torch.cuda.synchronize()  # untimed: frees the slots for the next batch
@@ -83,12 +86,24 @@ def _ring_grab_us(
     return float(np.median(runs))
 
 
+def _v2_groups(device: torch.device, calls: int) -> list[tuple[Any, ...]]:
+    """V2's launch captures: each step's new int64 ``idx_mapping`` first, then the same
+    three slot-indexed int32 vectors."""
+    slots = [torch.full((LENGTH,), v, dtype=torch.int32, device=device) for v in (2, 7, 100)]
+    order = torch.arange(ROWS, dtype=torch.int64).flip(0)
+    return [(order.to(device, copy=True), *slots) for _ in range(min(calls, 1024))]
+
+
 def capture_methods(device: torch.device, calls: int) -> dict[str, float]:
     tensors = [torch.arange(LENGTH, dtype=torch.int32, device=device) + i for i in range(VECTORS)]
     lengths = [ROWS] * VECTORS
     out: dict[str, float] = {"nothing": _median_us(lambda: None, calls)}
 
-    out["ring_grab"] = _ring_grab_us(device, tensors, lengths, calls)
+    out["ring_grab"] = _ring_grab_us(device, [tensors], lengths, calls)
+    # V2: a new first tensor every capture, the same others
+    out["ring_grab_v2_new_idx_mapping"] = _ring_grab_us(
+        device, _v2_groups(device, calls), [ROWS, LENGTH, LENGTH, LENGTH], calls
+    )
     if device.type != "cuda":
         return out
 

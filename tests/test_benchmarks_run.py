@@ -251,6 +251,11 @@ def test_ab_of_a_command_on_two_trees(tmp_path: Path) -> None:
         ("bench_trace_load.py", ["--steps", "30", "--repeat", "1"], "kept_rss_mb"),
         ("recorder_floor.py", ["--rounds", "1", "--steps", "3"], "mgtrace_over_floor"),
         (
+            "bench_capture.py",
+            ["--device", "cpu", "--calls", "50", "--steps", "50"],
+            "capture_ring_grab_v2_new_idx_mapping_us",
+        ),
+        (
             "bench_recorder.py",
             ["--device", "cpu", "--steps", "20", "--repeats", "1"],
             "busy_host_loop_hooked_step_max_us",
