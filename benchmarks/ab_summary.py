@@ -55,6 +55,8 @@ def _measures(run: dict[str, Any]) -> dict[str, list[float]]:
     if "capture_us_per_launch" in run:
         out = {f"capture_{k}_us": [v] for k, v in run["capture_us_per_launch"].items()}
         out.update({f"hook {k}_us": [v] for k, v in run["hook_body_us_per_step"].items()})
+        v2 = run.get("v2_hook_body_us_per_step", {})
+        out.update({f"v2 hook {k}_us": [v] for k, v in v2.items()})
         return out
     if "scenarios" in run:
         out: dict[str, list[float]] = {}

@@ -2,15 +2,15 @@
 
 Part 1 times one launch capture (the align launch's int32 input vectors, copied so that
 the trace holds what the kernel read) by method, on the engine thread, against doing
-nothing: the capture ring as shipped, and the alternatives it was chosen over (the
-previous device-to-host copy on the engine thread, a ``clone`` per vector, one
-``_foreach_copy_``).
+nothing: the capture ring as shipped (also with V2's inputs, a new int64 ``idx_mapping``
+first each time), and the alternatives it was chosen over (the previous device-to-host
+copy on the engine thread, a ``clone`` per vector, one ``_foreach_copy_``).
 
-Part 2 runs ``bench_recorder``'s 96-row V1 stand-in step with the real hooks installed and
-times each hook's own body (the ``before``/``after`` functions, not the engine code they
-wrap), with the recorder thread forwarding nothing, so that only engine-thread work is
-counted (wall time: nothing else runs meanwhile). A timing wrapper adds about 0.1 µs to
-each body.
+Part 2 runs ``bench_recorder``'s 96-row V1 stand-in step, then the V2 one
+(``standin_v2.py``), with the real hooks installed and times each hook's own body (the
+``before``/``after`` functions, not the engine code they wrap), with the recorder thread
+forwarding nothing, so that only engine-thread work is counted (wall time: nothing else
+runs meanwhile). A timing wrapper adds about 0.1 µs to each body.
 
 Usage: python benchmarks/bench_capture.py [--device cpu|cuda] [--steps N] [--out FILE]
 """
@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_recorder as stand_in
 from results_io import command_line, emit
+from standin_v2 import build_runner_v2
 
-from mgtrace.recorder import hooks_common, hooks_v1
+from mgtrace.recorder import hooks_common, hooks_v1, hooks_v2
 from mgtrace.recorder.capture import CaptureRing
 from mgtrace.recorder.patches import PatchSet
 from mgtrace.recorder.session import Session
@@ -140,7 +141,9 @@ def capture_methods(device: torch.device, calls: int) -> dict[str, float]:
     return out
 
 
-def per_hook(device: torch.device, steps: int) -> dict[str, float]:
+def per_hook(device: torch.device, steps: int, runner_kind: str = "v1") -> dict[str, float]:
+    """Each hook body's µs a step on the V1 stand-in step, or on the V2 one
+    (``standin_v2.py``)."""
     spent: collections.Counter[str] = collections.Counter()
     clock = time.perf_counter_ns  # the thread CPU clock is a system call: it would dominate
 
@@ -170,11 +173,17 @@ def per_hook(device: torch.device, steps: int) -> dict[str, float]:
             required=required,
         )
 
-    runner, owners = stand_in.build_runner(device)
+    hooks = hooks_v2 if runner_kind == "v2" else hooks_v1
+    if runner_kind == "v2":
+        runner, owners = build_runner_v2(device)
+    else:
+        runner, owners = stand_in.build_runner(device)
     so = stand_in.scheduler_output()
     out = torch.zeros((ROWS, 1 + stand_in.K), dtype=torch.int64, device=device)
     with tempfile.TemporaryDirectory(prefix="mgtrace-bench-") as tmp:
-        sess = Session(Path(tmp) / "t", rank=0, kind="v1", run=RunMetadata(), assembler="thread")
+        sess = Session(
+            Path(tmp) / "t", rank=0, kind=runner_kind, run=RunMetadata(), assembler="thread"
+        )
 
         def forward_nothing() -> bool:  # engine-thread work only: records are discarded
             sess._records.clear()
@@ -184,17 +193,23 @@ def per_hook(device: torch.device, steps: int) -> dict[str, float]:
 
         sess._drain = forward_nothing  # type: ignore[method-assign]
         patches = PatchSet()
-        hooks_common.hook, hooks_v1.hook = timing_hook, timing_hook  # type: ignore[assignment]
+        hooks_common.hook, hooks.hook = timing_hook, timing_hook  # type: ignore[assignment]
         try:
-            patches.install(hooks_v1.v1_patches(sess, owners, [0]))
+            if runner_kind == "v2":
+                patches.install(hooks_v2.v2_patches(sess, owners, [0]))
+            else:
+                patches.install(hooks_v1.v1_patches(sess, owners, [0]))
         finally:
-            hooks_common.hook, hooks_v1.hook = real_hook, real_hook  # type: ignore[assignment]
+            hooks_common.hook, hooks.hook = real_hook, real_hook  # type: ignore[assignment]
         cls = type(runner)
         for i in range(steps + 200):
             if i == 200:
                 spent.clear()
             cls.execute_model(runner, so)
-            runner._update_states_after_model_execute(out, so)
+            if runner_kind == "v2":
+                cls.sample_tokens(runner, out)
+            else:
+                runner._update_states_after_model_execute(out, so)
         patches.remove()
         sess.close()
     table = {k: v / steps / 1e3 for k, v in spent.most_common()}
@@ -220,6 +235,7 @@ def main() -> int:
         },
         "capture_us_per_launch": capture_methods(device, a.calls),
         "hook_body_us_per_step": per_hook(device, a.steps),
+        "v2_hook_body_us_per_step": per_hook(device, a.steps, "v2"),
     }
     emit(report, a.out)
     return 0
