@@ -206,6 +206,36 @@ def test_a_raw_array_comes_back_with_its_values_shape_and_kind(array: np.ndarray
     assert back.dtype.kind == array.dtype.kind and back.dtype.isnative
 
 
+def test_raw_arrays_of_one_kind_in_either_byte_order_keep_their_own() -> None:
+    """``raw`` names each dtype once and keeps the name: arrays of one kind and size in
+    both byte orders, one after another, each read back as their own values. Control: a
+    name kept by kind and size (the dtype's ``char``) reads the second order's bytes as the
+    first's, and the numbers come back swapped."""
+    from mgtrace.recorder.wire import _array, raw
+
+    for order in ("<i8", ">i8", "<i8", ">i8"):
+        array = np.array([3, 2**40], dtype=order)
+        assert _array(raw(array)).tolist() == [3, 2**40], order
+
+
+def test_each_align_context_gets_its_own_binding_however_lookups_interleave() -> None:
+    """A V2 context with a table set of its own for the aligned indices binds the per-slot
+    source tables (rows are request slots); one without binds the gathered input tables
+    (rows are batch rows). The binding is looked up per launch and kept per context:
+    alternating lookups of two contexts, in either order, give each its own. Control: a
+    kept binding checked by kind alone gives the second context the first one's."""
+    from types import SimpleNamespace
+
+    from mgtrace.recorder.hooks_common import _binding_of
+
+    two = SimpleNamespace(aligned_index_block_table_ptrs=None)
+    one = SimpleNamespace()
+    got = [_binding_of(ctx, "v2") for ctx in (two, one, one, two, two, one)]
+    source, gathered = ("req_slot", "source"), ("batch_row", "input")
+    assert got == [source, gathered, gathered, source, source, gathered]
+    assert _binding_of(one, "v1") == ("req_slot", "v1")
+
+
 def test_host_captures_follow_the_values_and_the_tensors_they_are_given() -> None:
     """The ring caches numpy views per group of host tensors: a later capture of the same
     tensors copies their current values, one of other tensors (or other lengths) copies

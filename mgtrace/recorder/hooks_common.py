@@ -188,19 +188,26 @@ def binding(ctx: Any, kind: str) -> tuple[str, str]:
 
 
 _BINDINGS: dict[tuple[int, str], tuple[Any, tuple[str, str]]] = {}
+# the last context looked up, its kind and binding (held, like the cache's entries)
+_LAST_BINDING: list[tuple[Any, str, tuple[str, str]]] = [(None, "", _V1_BINDING)]
 
 
 def _binding_of(ctx: Any, kind: str) -> tuple[str, str]:
     """``binding`` once per (initialized) context object: it reads class annotations. The
     cache holds the context, so its id is not reused while cached."""
+    last = _LAST_BINDING[0]
+    if last[0] is ctx and last[1] == kind:  # one context serves every launch of a run
+        return last[2]
     key = (id(ctx), kind)
     hit = _BINDINGS.get(key)
     if hit is not None and hit[0] is ctx:
+        _LAST_BINDING[0] = (ctx, kind, hit[1])
         return hit[1]
     if len(_BINDINGS) >= 16:
         _BINDINGS.clear()
     found = binding(ctx, kind)
     _BINDINGS[key] = (ctx, found)
+    _LAST_BINDING[0] = (ctx, kind, found)
     return found
 
 

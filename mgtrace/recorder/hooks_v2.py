@@ -62,6 +62,11 @@ def _inputs_after(
     rec["prompt"] = raw(ib.prefill_len_np[:n])
 
 
+# the slot vectors ``preprocess_state`` reads, in capture order (tuples: no list per step)
+_PRE_NAMES = ("idx_mapping", "num_accepted", "state_idx")
+_PRE_NAMES_COMPUTED = (*_PRE_NAMES, "num_computed")
+
+
 def _pre_state(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Before ``preprocess_state``: the slot vectors its kernels read, stream-ordered. The
     computed counts among them are the device's (``req_states.num_computed_tokens``), the
@@ -73,15 +78,17 @@ def _pre_state(sess: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         return
     n = ib.num_reqs
     acc, sidx = state.num_accepted_tokens_gpu, state._mamba_state_idx_gpu
-    tensors = [ib.idx_mapping, acc, sidx]
-    names = ["idx_mapping", "num_accepted", "state_idx"]
+    tensors: tuple[Any, ...] = (ib.idx_mapping, acc, sidx)
+    lengths: tuple[int, ...] = (n, acc.shape[0], sidx.shape[0])
+    names = _PRE_NAMES
     computed = arg(args, kwargs, 4, "num_computed_tokens")
     if computed is not None:
-        tensors.append(computed)
-        names.append("num_computed")
+        tensors = (*tensors, computed)
+        lengths = (*lengths, computed.shape[0])
+        names = _PRE_NAMES_COMPUTED
     sess.grab(
-        tuple(tensors),
-        (n, *(t.shape[0] for t in tensors[1:])),
+        tensors,
+        lengths,
         {
             "step": sess.step,
             "kernel": "v2_pre",

@@ -25,6 +25,7 @@ import numpy as np
 HEADER = struct.Struct("<Q")  # frame length, then the pickle
 _INT32 = np.dtype(np.int32)
 _INT32_STR = _INT32.str
+_DTYPE_STRS: dict[np.dtype, str] = {}  # few: the dtypes of the arrays the hooks copy
 
 
 def _array_from(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -156,7 +157,12 @@ def raw(a: np.ndarray) -> Raw:
     if dtype is _INT32:  # native int32 (a byte-swapped one is not this)
         # a block table: the str made once (``dtype.str`` formats it anew, 0.5 µs)
         return a.tobytes() if a.ndim == 1 else (a.tobytes(), _INT32_STR, a.shape)
-    return a.tobytes(), dtype.str, a.shape  # the str keeps the byte order; char does not
+    # the str keeps the byte order (char does not); made once per dtype, as formatting it
+    # costs several times the copy
+    name = _DTYPE_STRS.get(dtype)
+    if name is None:
+        name = _DTYPE_STRS[dtype] = dtype.str
+    return a.tobytes(), name, a.shape
 
 
 def _array(a: np.ndarray | Raw) -> np.ndarray:
