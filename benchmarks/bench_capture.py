@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import platform
 import sys
 import tempfile
@@ -173,13 +174,18 @@ def per_hook(device: torch.device, steps: int, runner_kind: str = "v1") -> dict[
             required=required,
         )
 
-    hooks = hooks_v2 if runner_kind == "v2" else hooks_v1
-    if runner_kind == "v2":
-        runner, owners = build_runner_v2(device)
-    else:
-        runner, owners = stand_in.build_runner(device)
+    v2 = runner_kind == "v2"
+    hooks, make_patches = (hooks_v2, hooks_v2.v2_patches) if v2 else (hooks_v1, hooks_v1.v1_patches)
+    runner, owners = build_runner_v2(device) if v2 else stand_in.build_runner(device)
+    cls = type(runner)
     so = stand_in.scheduler_output()
     out = torch.zeros((ROWS, 1 + stand_in.K), dtype=torch.int64, device=device)
+    # what ends a step: V2's sample_tokens; the V1 stand-in's post-step update
+    end_step = (
+        functools.partial(cls.sample_tokens, runner, out)
+        if v2
+        else functools.partial(runner._update_states_after_model_execute, out, so)
+    )
     with tempfile.TemporaryDirectory(prefix="mgtrace-bench-") as tmp:
         sess = Session(
             Path(tmp) / "t", rank=0, kind=runner_kind, run=RunMetadata(), assembler="thread"
@@ -195,21 +201,14 @@ def per_hook(device: torch.device, steps: int, runner_kind: str = "v1") -> dict[
         patches = PatchSet()
         hooks_common.hook, hooks.hook = timing_hook, timing_hook  # type: ignore[assignment]
         try:
-            if runner_kind == "v2":
-                patches.install(hooks_v2.v2_patches(sess, owners, [0]))
-            else:
-                patches.install(hooks_v1.v1_patches(sess, owners, [0]))
+            patches.install(make_patches(sess, owners, [0]))
         finally:
             hooks_common.hook, hooks.hook = real_hook, real_hook  # type: ignore[assignment]
-        cls = type(runner)
         for i in range(steps + 200):
             if i == 200:
                 spent.clear()
             cls.execute_model(runner, so)
-            if runner_kind == "v2":
-                cls.sample_tokens(runner, out)
-            else:
-                runner._update_states_after_model_execute(out, so)
+            end_step()
         patches.remove()
         sess.close()
     table = {k: v / steps / 1e3 for k, v in spent.most_common()}

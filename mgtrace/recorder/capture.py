@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,36 +68,39 @@ def _from_words(slot: np.ndarray, lengths: tuple[int, ...]) -> tuple[bytes, tupl
 
 
 class _HostCut:
-    """Numpy views of a group of host tensors, cut to the lengths a capture copies; their
-    bytes as the device path stores them (int32)."""
+    """Numpy views of a group of host tensors, cut to the lengths a capture copies, and how
+    each view becomes bytes as the device path stores them (int32)."""
 
-    __slots__ = ("_all", "head", "lengths", "tail", "tail_ids", "tensors", "total", "views")
+    __slots__ = (
+        "lengths",
+        "tail",
+        "tail_ids",
+        "tail_to_bytes",
+        "tensors",
+        "to_bytes",
+        "total",
+        "views",
+    )
 
     def __init__(
         self, tensors: Sequence[Any], views: list[np.ndarray], lengths: Sequence[int]
     ) -> None:
         self.tensors = tuple(tensors)  # held, so that their ids stay theirs
-        self.head = self.tensors[0]
         self.tail_ids = tuple(map(id, self.tensors[1:]))
-        self.views = views if all(v.dtype == _INT32 for v in views) else None
-        self.tail = views[1:] if all(v.dtype == _INT32 for v in views[1:]) else None
-        self._all = views
+        self.views, self.tail = views, views[1:]
+        self.to_bytes = _bytes_of(views)
+        self.tail_to_bytes = _bytes_of(self.tail)
         self.lengths = tuple(lengths)
         self.total = sum(self.lengths)
-
-    def bytes(self) -> bytes:
-        if self.views is not None:
-            return b"".join(map(np.ndarray.tobytes, self.views))
-        return b"".join([_int32_bytes(v) for v in self._all])
-
-    def tail_bytes(self) -> list[bytes]:
-        if self.tail is not None:
-            return list(map(np.ndarray.tobytes, self.tail))
-        return [_int32_bytes(v) for v in self._all[1:]]
 
 
 def _int32_bytes(v: np.ndarray) -> bytes:
     return v.tobytes() if v.dtype == _INT32 else v.astype(np.int32).tobytes()
+
+
+def _bytes_of(views: list[np.ndarray]) -> Callable[[np.ndarray], bytes]:
+    """The plain copy where every view is int32 already, else one that converts."""
+    return np.ndarray.tobytes if all(v.dtype == _INT32 for v in views) else _int32_bytes
 
 
 class CaptureRing:
@@ -195,14 +198,11 @@ class CaptureRing:
                 hit = self._cut_views(tensors, lengths)
             if hit.total > self.slot_elems:
                 return self._refuse(f"{hit.total} values, over the {self.slot_elems} of a slot")
-            views = hit.views
-            if tensors[0] is hit.head:
-                data = b"".join(map(np.ndarray.tobytes, views)) if views else hit.bytes()
+            if tensors[0] is hit.tensors[0]:
+                data = b"".join(map(hit.to_bytes, hit.views))
             else:  # a new first tensor: one view of it, the others' cached ones
-                first = tensors[0].numpy()[: lengths[0]]
-                if first.dtype != _INT32:
-                    first = first.astype(np.int32)  # as the device path stores them
-                data = b"".join([first.tobytes(), *hit.tail_bytes()])
+                first = _int32_bytes(tensors[0].numpy()[: lengths[0]])
+                data = b"".join([first, *map(hit.tail_to_bytes, hit.tail)])
             self._landed.append((data, hit.lengths, tag))
             self.captured += 1
             return True
